@@ -1,0 +1,1 @@
+"""Thin FastAPI routers and dependencies of the bnrecal HTTP API."""

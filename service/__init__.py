@@ -1,0 +1,1 @@
+"""The bnrecal service: recalibration runs, export, jobs, blobs, settings, CLI."""

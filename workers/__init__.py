@@ -1,0 +1,1 @@
+"""Pure torch + Ray workers: BN discovery, calibration math, sharding, data, actors."""

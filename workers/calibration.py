@@ -1,0 +1,99 @@
+"""One rank's calibration pass: the loop over its shard, pure torch, no Ray.
+
+The actor runs this with a ``RayCollective``; tests and references run it with a
+``SingleProcessCollective``. Progress goes out through a callback after each step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .batchnorm import BatchNormCalibrator, BatchNormLayer
+from .collectives import Collective
+from .moments import MomentStats
+
+StepCallback = Callable[[int, int], None]
+"""Called after each step with (step index, samples this rank processed in it)."""
+
+
+@dataclass
+class PassResult:
+    """What one rank's pass produced: every layer's combined statistics and counters."""
+
+    stats: list[MomentStats]
+    calls: list[int]
+    steps: int
+    samples: int
+    collectives: int
+    seconds: float
+
+
+def calibration_pass(
+    model: nn.Module,
+    layers: Sequence[BatchNormLayer],
+    batches: Iterable[torch.Tensor],
+    *,
+    mode: str,
+    collective: Collective,
+    call_order: Sequence[int] = (),
+    device: torch.device | str = "cpu",
+    on_step: StepCallback | None = None,
+) -> PassResult:
+    """Run ``model`` over this rank's batches with its BN layers calibrating.
+
+    ``batches`` yields one tensor per global step (empty where this rank's slice is
+    empty). Every module other than BN runs in eval mode. Returns the statistics of
+    every layer over everything every rank saw; in ``local`` mode that includes the
+    job's single allreduce.
+    """
+    model.eval()
+    started = time.perf_counter()
+    steps = samples = 0
+    with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
+        for batch in batches:
+            if batch.shape[0] == 0:
+                calibrator.replay_empty_step()
+            else:
+                model(batch.to(device, dtype=torch.float32, non_blocking=True))
+            steps += 1
+            samples += int(batch.shape[0])
+            if on_step is not None:
+                on_step(steps - 1, int(batch.shape[0]))
+        stats = calibrator.moments()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return PassResult(
+        stats=stats,
+        calls=list(calibrator.calls),
+        steps=steps,
+        samples=samples,
+        collectives=collective.calls,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def apply_statistics(layers: Sequence[BatchNormLayer], stats: Sequence[MomentStats], steps: int) -> list[str]:
+    """Write the recalibrated statistics into the layers' own buffers.
+
+    ``running_mean`` becomes the mean and ``running_var`` the unbiased variance of
+    every value seen, cast to each buffer's dtype; ``num_batches_tracked`` grows by
+    ``steps``. Layers the pass never reached keep their statistics; their names are
+    returned.
+    """
+    unreached: list[str] = []
+    for layer, stat in zip(layers, stats):
+        module = layer.module
+        if stat.count <= 0:
+            unreached.append(layer.name)
+            continue
+        with torch.no_grad():
+            module.running_mean.copy_(stat.mean.to(module.running_mean.dtype))
+            module.running_var.copy_(stat.unbiased_var.to(module.running_var.dtype))
+            if module.num_batches_tracked is not None:
+                module.num_batches_tracked.add_(steps)
+    return unreached

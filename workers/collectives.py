@@ -1,0 +1,66 @@
+"""The allreduce ranks use to combine moments, behind one small interface.
+
+``RayCollective`` is the real one: a ``ray.util.collective`` group per job, GLOO for
+CPU actors and NCCL for CUDA actors. ``SingleProcessCollective`` is the world of one,
+for running the calibration math in a plain process (tests, references).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Collective(Protocol):
+    """A SUM allreduce over the job's ranks, counting its calls."""
+
+    calls: int
+    world_size: int
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across every rank."""
+        ...
+
+
+class SingleProcessCollective:
+    """The world of one rank: every allreduce is the identity, still counted."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum across a world of one: nothing to combine."""
+        self.calls += 1
+
+
+def backend_for_device(device: str) -> str:
+    """NCCL where actors compute on CUDA, GLOO on CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class RayCollective:
+    """A ``ray.util.collective`` group joined from inside an actor."""
+
+    def __init__(self, world_size: int, rank: int, backend: str, group_name: str) -> None:
+        from ray.util import collective
+
+        self._collective = collective
+        self.world_size = world_size
+        self.rank = rank
+        self.backend = backend
+        self.group_name = group_name
+        self.calls = 0
+        collective.init_collective_group(world_size, rank, backend=backend.upper(), group_name=group_name)
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across the group."""
+        self._collective.allreduce(tensor, group_name=self.group_name)
+        self.calls += 1
+
+    def close(self) -> None:
+        """Leave the group and release its communicator."""
+        if self._collective.is_group_initialized(self.group_name):
+            self._collective.destroy_collective_group(self.group_name)

@@ -1,0 +1,149 @@
+"""The one error hierarchy of bnrecal.
+
+Every error a user can cause or see derives from :class:`BnrecalError`. Each class
+carries the HTTP status and problem ``title`` it maps to, so the CLI (exit code 2 for
+:class:`InputError`, 1 otherwise) and the HTTP API (problem+json) render them the same
+way. Messages are one line and name the thing to fix (a key, a field, a setting).
+
+    BnrecalError
+    ├── InputError                 bad input from the user: CLI exit 2, HTTP 4xx
+    │   ├── ArchitectureError      unknown or disallowed ``arch``
+    │   ├── CheckpointError        unreadable, unsafe or mismatching checkpoint
+    │   ├── DatasetError           unreadable, empty or unsafe calibration data
+    │   ├── ModelInputError        the model rejects the data (shape, dtype)
+    │   ├── NoBatchNormError       nothing to recalibrate
+    │   ├── SpecError              an invalid option or job field
+    │   ├── NotFoundError          unknown blob, job or artifact (HTTP 404)
+    │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
+    │   └── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
+    ├── RunError                   the run itself failed: a rank died, a collective
+    │   │                          timed out, the cluster is unreachable
+    │   └── CancelledError         the run was cancelled
+    └── ExportError                the ONNX export could not be made or verified
+"""
+
+from __future__ import annotations
+
+
+class BnrecalError(Exception):
+    """Base of every error bnrecal raises on purpose."""
+
+    status: int = 500
+    title: str = "Internal error"
+    exit_code: int = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def type(self) -> str:
+        """A stable identifier for the problem type (used as problem+json ``type``)."""
+        name = type(self).__name__.removesuffix("Error") or "Bnrecal"
+        return "https://bnrecal.dev/problems/" + "".join(
+            "-" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name)
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InputError(BnrecalError):
+    """The user's input is wrong; fixing the input fixes the problem."""
+
+    status = 400
+    title = "Bad input"
+    exit_code = 2
+
+
+class ArchitectureError(InputError):
+    """The ``arch`` reference is unknown, unavailable or not allowed."""
+
+    status = 422
+    title = "Unknown or disallowed architecture"
+
+
+class CheckpointError(InputError):
+    """The checkpoint cannot be read safely or does not match the architecture."""
+
+    status = 422
+    title = "Invalid checkpoint"
+
+
+class DatasetError(InputError):
+    """The calibration data cannot be read, is empty, or is unsafe to unpack."""
+
+    status = 422
+    title = "Invalid calibration data"
+
+
+class ModelInputError(InputError):
+    """The model rejects the calibration samples (wrong shape or type)."""
+
+    status = 422
+    title = "Data does not fit the model"
+
+
+class NoBatchNormError(InputError):
+    """The model has no BatchNorm layer whose statistics could be recalibrated."""
+
+    status = 422
+    title = "No BatchNorm layer to recalibrate"
+
+
+class SpecError(InputError):
+    """An option or job field has an invalid value."""
+
+    status = 422
+    title = "Invalid job specification"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NotFoundError(InputError):
+    """The blob, job or artifact does not exist (or belongs to another tenant)."""
+
+    status = 404
+    title = "Not found"
+
+
+class AuthenticationError(InputError):
+    """The request carries no valid API key."""
+
+    status = 401
+    title = "Unauthorized"
+
+
+class PayloadTooLargeError(InputError):
+    """An upload is larger than the operator allows."""
+
+    status = 413
+    title = "Payload too large"
+
+
+class RunError(BnrecalError):
+    """The calibration run failed for a reason other than its input."""
+
+    status = 500
+    title = "Calibration run failed"
+
+    def __init__(self, message: str, rank: int | None = None, node: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.node = node
+
+
+class CancelledError(RunError):
+    """The run was cancelled before it finished."""
+
+    status = 409
+    title = "Cancelled"
+
+
+class ExportError(BnrecalError):
+    """The ONNX export could not be produced or failed its verification."""
+
+    status = 500
+    title = "ONNX export failed"
