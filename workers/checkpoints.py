@@ -1,0 +1,363 @@
+"""Read, load and write checkpoints without ever running code from them (contract section 2).
+
+A checkpoint is either a safetensors file or a torch file read with
+``torch.load(weights_only=True)``. The state dict may be the whole file or sit one level
+down under ``state_dict``, ``model``, ``model_state_dict`` or ``module``, and may carry a
+DDP ``module.`` prefix. :func:`save_checkpoint` writes the recalibrated values back in
+exactly the uploaded format and layout, leaving every other byte of content alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import re
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.errors import CheckpointError
+
+STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
+DDP_PREFIX = "module."
+_LISTED = 5  # how many keys of each kind an error message names
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the container as read, and where its state dict sits in it."""
+
+    format: Literal["safetensors", "torch"]
+    container: Any
+    location: tuple[str, ...]
+    prefix: str
+    metadata: dict[str, str] | None
+
+    @property
+    def stored_state_dict(self) -> Mapping[str, torch.Tensor]:
+        """The state dict exactly as stored (keys still carrying the prefix)."""
+        found: Any = self.container
+        for key in self.location:
+            found = found[key]
+        return found
+
+    @property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict with model keys (the DDP prefix stripped)."""
+        cut = len(self.prefix)
+        return {key[cut:]: value for key, value in self.stored_state_dict.items()}
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint file safely and find its state dict.
+
+    The format is decided by the content, not the file name. Torch files are read with
+    the weights-only unpickler, so a file that would need arbitrary code to load is
+    refused instead of run.
+    """
+    file = Path(path)
+    name = file.name
+    if file.is_dir():
+        raise CheckpointError(f"checkpoint {name} is a directory, not a file")
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            head = handle.read(9)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc.strerror or exc}") from exc
+    if size == 0:
+        raise CheckpointError(f"checkpoint {name} is empty")
+    if _looks_like_safetensors(head, size):
+        tensors, metadata = _read_safetensors(file)
+        checkpoint_format: Literal["safetensors", "torch"] = "safetensors"
+        container: Any = tensors
+    else:
+        container = _read_torch(file)
+        checkpoint_format, metadata = "torch", None
+    location = _find_state_dict(container, name)
+    found: Any = container
+    for key in location:
+        found = found[key]
+    keys = list(found)
+    prefix = DDP_PREFIX if all(key.startswith(DDP_PREFIX) for key in keys) else ""
+    return Checkpoint(checkpoint_format, container, location, prefix, metadata)
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether the first bytes are a safetensors header: u64 LE length, then a JSON object."""
+    if len(head) < 9:
+        return False
+    header_length = int.from_bytes(head[:8], "little")
+    return 2 <= header_length <= size - 8 and head[8:9] == b"{"
+
+
+def _read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """All tensors of a safetensors file, and its header metadata."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata()
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as exc:  # safetensors raises its own SafetensorError and OSError
+        raise CheckpointError(
+            f"checkpoint {file.name} is a corrupt safetensors file: {_one_line(exc)}"
+        ) from exc
+    return tensors, (dict(metadata) if metadata is not None else None)
+
+
+def _read_torch(file: Path) -> Any:
+    """The object in a torch file, read with the weights-only unpickler and nothing else."""
+    name = file.name
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = str(exc.__context__ or exc.__cause__ or exc)
+        if "Weights only load failed" not in str(exc):
+            raise CheckpointError(
+                f"checkpoint {name} is corrupt or not a checkpoint: {_one_line(exc)}"
+            ) from exc
+        match = re.search(r"GLOBAL ([\w.]+)", detail)
+        if match:
+            raise CheckpointError(
+                f"checkpoint {name} needs a full unpickle (it references {match.group(1)}); "
+                "bnrecal only loads weights: save a state_dict with torch.save or use safetensors"
+            ) from None
+        reason = _one_line(exc.__context__ or exc)
+        raise CheckpointError(
+            f"checkpoint {name} cannot be read as weights only ({reason}); "
+            "it is corrupt or needs a full unpickle, which bnrecal never does"
+        ) from None
+    except Exception as exc:  # zip errors, EOF, bad magic number, truncated storages
+        raise CheckpointError(
+            f"checkpoint {name} is corrupt, truncated or not a checkpoint: {_one_line(exc)}"
+        ) from exc
+
+
+def _is_tensor_dict(value: Any) -> bool:
+    """Whether ``value`` is a non-empty dict mapping string keys to tensors."""
+    return (
+        isinstance(value, Mapping)
+        and len(value) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    )
+
+
+def _find_state_dict(container: Any, name: str) -> tuple[str, ...]:
+    """Keys leading from the container to its state dict, () when it is one."""
+    if _is_tensor_dict(container):
+        return ()
+    if isinstance(container, Mapping):
+        for key in STATE_DICT_KEYS:
+            if key in container and _is_tensor_dict(container[key]):
+                return (key,)
+        found = ", ".join(repr(k) for k in list(container)[:8]) or "nothing"
+        raise CheckpointError(
+            f"checkpoint {name} holds no state dict: expected a dict of tensors, or one under "
+            f"{', '.join(STATE_DICT_KEYS)}; found keys {found}"
+        )
+    raise CheckpointError(
+        f"checkpoint {name} holds a {type(container).__name__}, not a state dict"
+    )
+
+
+def _strip_metadata(stored: Any, prefix: str) -> dict[str, Any] | None:
+    """The torch ``_metadata`` (module versions) of a state dict, with the prefix removed."""
+    metadata = getattr(stored, "_metadata", None)
+    if not isinstance(metadata, Mapping):
+        return None
+    if not prefix:
+        return dict(metadata)
+    stripped: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if key == prefix.rstrip("."):
+            stripped[""] = value
+        elif key.startswith(prefix):
+            stripped[key[len(prefix):]] = value
+    return stripped
+
+
+def _batchnorm_counter_keys(model: torch.nn.Module) -> set[str]:
+    """State dict keys of BN ``num_batches_tracked`` buffers (absent in legacy checkpoints)."""
+    keys = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            keys.add(f"{module_name}.num_batches_tracked" if module_name else "num_batches_tracked")
+    return keys
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each state dict key, the other keys naming the very same tensor (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(value), []).append(key)
+    return {key: [k for k in group if k != key] for group in groups.values() for key in group}
+
+
+def _name_keys(kind: str, keys: list[str]) -> str:
+    """'2 missing: a, b' with at most a few names listed."""
+    shown = ", ".join(keys[:_LISTED]) + (", ..." if len(keys) > _LISTED else "")
+    return f"{len(keys)} {kind}: {shown}"
+
+
+def load_into_model(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
+    """Copy the checkpoint's weights into ``model``, strictly.
+
+    Missing keys, unexpected keys and shape mismatches together make one error that
+    names them. Legacy BN checkpoints without ``num_batches_tracked`` and checkpoints
+    that store a tied tensor once are accepted. Values are converted to the model's
+    dtype (fp16/bf16 checkpoints load into a float32 model).
+    """
+    loaded = checkpoint.state_dict
+    expected = model.state_dict()
+    counters = _batchnorm_counter_keys(model)
+    aliases = _tied_aliases(model)
+    to_load: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for key, target in expected.items():
+        if key in loaded:
+            to_load[key] = loaded[key]
+            continue
+        present = [alias for alias in aliases.get(key, []) if alias in loaded]
+        if present:
+            to_load[key] = loaded[present[0]]
+        elif key in counters:
+            to_load[key] = target.clone()  # legacy checkpoint: keep the model's counter
+        else:
+            missing.append(key)
+    unexpected = [key for key in loaded if key not in expected]
+    mismatched = [
+        f"{key} {tuple(value.shape)} vs model {tuple(expected[key].shape)}"
+        for key, value in to_load.items()
+        if value.shape != expected[key].shape
+    ]
+    if missing or unexpected or mismatched:
+        parts = [
+            _name_keys(kind, keys)
+            for kind, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape mismatches", mismatched),
+            )
+            if keys
+        ]
+        raise CheckpointError(
+            f"checkpoint does not match the architecture: {'; '.join(parts)}"
+        )
+    ordered: Any = dict(to_load)
+    metadata = _strip_metadata(checkpoint.stored_state_dict, checkpoint.prefix)
+    if metadata is not None:
+        ordered = _with_metadata(to_load, metadata)
+    try:
+        model.load_state_dict(ordered, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"checkpoint does not load into the architecture: {_one_line(exc)}"
+        ) from exc
+
+
+def _with_metadata(values: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Any:
+    """An OrderedDict of ``values`` carrying torch's ``_metadata`` attribute."""
+    from collections import OrderedDict
+
+    result: Any = OrderedDict(values)
+    result._metadata = OrderedDict(metadata)
+    return result
+
+
+def save_checkpoint(
+    checkpoint: Checkpoint, updates: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
+) -> None:
+    """Write ``checkpoint`` to ``path`` with the tensors named in ``updates`` replaced.
+
+    Keys in ``updates`` are model keys; each value is cast to the stored tensor's dtype
+    and must have its shape. Keys the checkpoint does not hold are skipped, never added.
+    Everything else (other tensors, nested entries, prefix, safetensors metadata) is
+    written back unchanged. The file appears atomically.
+    """
+    stored = checkpoint.stored_state_dict
+    new_state = copy.copy(stored)  # same type, key order and torch _metadata
+    for model_key, value in updates.items():
+        key = checkpoint.prefix + model_key
+        if key not in stored:
+            continue
+        old = stored[key]
+        if tuple(value.shape) != tuple(old.shape):
+            raise CheckpointError(
+                f"update for {model_key} has shape {tuple(value.shape)}, "
+                f"the checkpoint stores {tuple(old.shape)}"
+            )
+        new_state[key] = value.detach().to(device="cpu", dtype=old.dtype).contiguous().clone()
+    container = _replace_at(checkpoint.container, checkpoint.location, new_state)
+    target = Path(path)
+    if checkpoint.format == "safetensors":
+        _atomic_write(target, lambda tmp: _save_safetensors(container, checkpoint.metadata, tmp))
+    else:
+        _atomic_write(target, lambda tmp: torch.save(container, tmp))
+
+
+def _replace_at(container: Any, location: tuple[str, ...], value: Any) -> Any:
+    """A shallow copy of ``container`` with the entry at ``location`` set to ``value``."""
+    if not location:
+        return value
+    outer = copy.copy(container)
+    outer[location[0]] = _replace_at(container[location[0]], location[1:], value)
+    return outer
+
+
+def _save_safetensors(
+    tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None, tmp: Path
+) -> None:
+    """Save tensors to safetensors, unsharing any that share memory (the format forbids it)."""
+    seen_storages: set[int] = set()
+    unshared: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and (storage in seen_storages or not tensor.is_contiguous()):
+            tensor = tensor.contiguous().clone()
+            storage = tensor.untyped_storage().data_ptr()
+        seen_storages.add(storage)
+        unshared[key] = tensor
+    save_file(unshared, str(tmp), metadata=metadata)
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    """Write through a temporary file in the target's directory, fsync it, then rename."""
+    directory = target.parent if str(target.parent) else Path(".")
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with tmp.open("rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception on one line, whitespace collapsed, kept short."""
+    text = " ".join(str(exc).split())
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

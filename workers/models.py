@@ -1,0 +1,279 @@
+"""Build untrained models from an architecture reference (contract section 2).
+
+Three forms are accepted:
+
+- ``torchvision:<name>`` -> ``torchvision.models.get_model(name, weights=None, **kwargs)``
+- ``timm:<name>`` -> ``timm.create_model(name, pretrained=False, **kwargs)`` (optional extra)
+- ``<module.path>:<callable>`` -> a factory in a module the operator allowed through the
+  setting ``BNRECAL_MODEL_MODULES``.
+
+Weights never come from here: every download switch is forced off, and the weights are
+loaded afterwards from the user's checkpoint. Nothing is ever ``exec``'d or ``eval``'d.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from workers.errors import ArchitectureError, SpecError
+
+ALLOWED_MODULES_SETTING = "BNRECAL_MODEL_MODULES"
+
+ACCEPTED_FORMS = "'torchvision:<name>', 'timm:<name>' or '<module.path>:<callable>'"
+
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED_NAME = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*")
+
+# kwargs that would download or read weights from somewhere other than the checkpoint.
+_TORCHVISION_WEIGHT_KWARGS = ("weights", "weights_backbone", "pretrained", "pretrained_backbone")
+_TIMM_WEIGHT_KWARGS = (
+    "pretrained",
+    "pretrained_cfg",
+    "pretrained_cfg_overlay",
+    "checkpoint_path",
+    "weights",
+)
+
+
+def parse_allowed_modules(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Split the operator setting BNRECAL_MODEL_MODULES (comma-separated) into clean prefixes.
+
+    Blank entries are dropped, surrounding whitespace and trailing dots removed, and
+    duplicates collapsed, so ``" pkg., other ,,pkg"`` means ``("pkg", "other")``. An entry
+    that is not a dotted module name (a glob, a path) is refused rather than guessed at.
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else [
+        part for item in value for part in str(item).split(",")
+    ]
+    prefixes: list[str] = []
+    for item in items:
+        prefix = item.strip().rstrip(".")
+        if not prefix:
+            continue
+        if not _DOTTED_NAME.fullmatch(prefix):
+            raise SpecError(
+                f"{ALLOWED_MODULES_SETTING} entry {item.strip()!r} is not a dotted module name "
+                "(e.g. 'mypkg' or 'mypkg.models')",
+                field=ALLOWED_MODULES_SETTING,
+            )
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+    return tuple(prefixes)
+
+
+def build_model(
+    arch: str,
+    model_kwargs: Mapping[str, Any] | None = None,
+    *,
+    allowed_modules: Sequence[str] = (),
+) -> torch.nn.Module:
+    """Build an untrained model from an architecture reference (contract section 2).
+
+    The model comes back in float32 on the CPU, with random weights: the checkpoint is
+    loaded into it afterwards. Errors name the reference, the setting or the field to fix.
+    """
+    if not isinstance(arch, str):
+        raise ArchitectureError(f"arch must be a string of the form {ACCEPTED_FORMS}")
+    kwargs = _clean_kwargs(model_kwargs)
+    source, sep, name = arch.strip().partition(":")
+    if not sep or not source or not name:
+        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
+    if source == "torchvision":
+        model = _build_torchvision(name, kwargs)
+    elif source == "timm":
+        model = _build_timm(name, kwargs)
+    else:
+        model = _build_from_module(arch, source, name, kwargs, allowed_modules)
+    return model.to(device="cpu", dtype=torch.float32)
+
+
+def _clean_kwargs(model_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate ``model_kwargs`` as a JSON-like object with string keys and copy it."""
+    if model_kwargs is None:
+        return {}
+    if not isinstance(model_kwargs, Mapping):
+        raise SpecError(
+            f"model_kwargs must be a JSON object, got {type(model_kwargs).__name__}",
+            field="model_kwargs",
+        )
+    for key in model_kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise SpecError(
+                f"model_kwargs key {key!r} is not a valid argument name", field="model_kwargs"
+            )
+    return dict(model_kwargs)
+
+
+def _refuse_weight_kwargs(arch: str, kwargs: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Refuse kwargs that would fetch pretrained weights instead of using the checkpoint."""
+    for key in names:
+        if key in kwargs and kwargs[key] not in (None, False):
+            raise SpecError(
+                f"model_kwargs.{key} is not allowed for {arch}: weights come from the "
+                "uploaded checkpoint, never from a download",
+                field="model_kwargs",
+            )
+
+
+def _suggestion(name: str, candidates: Sequence[str]) -> str:
+    """A ' (did you mean ...?)' hint listing close matches of ``name``, or ''."""
+    matches = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    if not matches:
+        lowered = {c.lower(): c for c in candidates}
+        matches = [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=3)]
+    return f" (did you mean {', '.join(matches)}?)" if matches else ""
+
+
+def _build_torchvision(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """Build ``torchvision:<name>`` with every weight download switched off."""
+    import torchvision
+
+    arch = f"torchvision:{name}"
+    available = torchvision.models.list_models()
+    if name not in available:
+        raise ArchitectureError(
+            f"unknown torchvision model {name!r}{_suggestion(name, available)}"
+        )
+    _refuse_weight_kwargs(arch, kwargs, _TORCHVISION_WEIGHT_KWARGS)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _TORCHVISION_WEIGHT_KWARGS}
+    builder = torchvision.models.get_model_builder(name)
+    parameters = _signature_parameters(builder)
+    if parameters is not None and "weights_backbone" in parameters:
+        # Detection/segmentation builders default to downloading a pretrained backbone.
+        kwargs["weights_backbone"] = None
+    return _call_factory(arch, lambda **kw: builder(weights=None, **kw), kwargs, builder)
+
+
+def _build_timm(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """Build ``timm:<name>`` without pretrained weights; needs the ``bnrecal[timm]`` extra."""
+    arch = f"timm:{name}"
+    try:
+        import timm
+    except ImportError as exc:
+        raise ArchitectureError(
+            f"{arch} needs timm, which is not installed: install the optional extra "
+            "with pip install 'bnrecal[timm]'"
+        ) from exc
+    if not _DOTTED_NAME.fullmatch(name.replace("-", "_")):
+        raise ArchitectureError(
+            f"timm model name {name!r} is not a plain model name (hub references are not allowed)"
+        )
+    if not timm.is_model(name):
+        raise ArchitectureError(
+            f"unknown timm model {name!r}{_suggestion(name, timm.list_models())}"
+        )
+    _refuse_weight_kwargs(arch, kwargs, _TIMM_WEIGHT_KWARGS)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _TIMM_WEIGHT_KWARGS}
+    return _call_factory(
+        arch, lambda **kw: timm.create_model(name, pretrained=False, **kw), kwargs, None
+    )
+
+
+def _is_allowed(module_path: str, allowed_modules: Sequence[str]) -> bool:
+    """Whether ``module_path`` is one of the prefixes or below one, on dotted boundaries."""
+    for prefix in parse_allowed_modules(allowed_modules):
+        if module_path == prefix or module_path.startswith(prefix + "."):
+            return True
+    return False
+
+
+def _build_from_module(
+    arch: str,
+    module_path: str,
+    attribute_path: str,
+    kwargs: dict[str, Any],
+    allowed_modules: Sequence[str],
+) -> torch.nn.Module:
+    """Build ``<module.path>:<callable>`` from a module the operator allowed."""
+    if not _DOTTED_NAME.fullmatch(module_path) or not _DOTTED_NAME.fullmatch(attribute_path):
+        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
+    if not _is_allowed(module_path, allowed_modules):
+        allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
+        raise ArchitectureError(
+            f"module {module_path!r} is not allowed (allowed prefixes: {allowed}); the operator "
+            f"must list it in the setting {ALLOWED_MODULES_SETTING}"
+        )
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise ArchitectureError(
+            f"cannot import module {module_path!r} for {arch}: {_one_line(exc)}"
+        ) from exc
+    except Exception as exc:  # the module's own code failed while importing
+        raise ArchitectureError(
+            f"importing module {module_path!r} for {arch} failed: {_one_line(exc)}"
+        ) from exc
+    factory: Any = module
+    for part in attribute_path.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError as exc:
+            raise ArchitectureError(
+                f"module {module_path!r} has no attribute {attribute_path!r} (arch {arch})"
+            ) from exc
+    if not callable(factory):
+        raise ArchitectureError(
+            f"{arch} is not callable (it is a {type(factory).__name__}); "
+            "it must name a function or class that returns a torch.nn.Module"
+        )
+    return _call_factory(arch, factory, kwargs, factory)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception on one line, whitespace collapsed."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _signature_parameters(func: Callable[..., Any]) -> Mapping[str, inspect.Parameter] | None:
+    """The parameters of ``func``, or None when Python cannot tell (builtins, C types)."""
+    try:
+        return inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _call_factory(
+    arch: str,
+    call: Callable[..., Any],
+    kwargs: dict[str, Any],
+    signature_of: Callable[..., Any] | None,
+) -> torch.nn.Module:
+    """Call a model factory, turning rejected kwargs and wrong return types into our errors."""
+    if signature_of is not None:
+        try:
+            inspect.signature(signature_of).bind(**kwargs)
+        except TypeError as exc:
+            raise SpecError(
+                f"model_kwargs do not fit {arch}: {_one_line(exc)}", field="model_kwargs"
+            ) from exc
+        except ValueError:
+            pass  # no signature available: let the call decide
+    try:
+        model = call(**kwargs)
+    except TypeError as exc:
+        raise SpecError(
+            f"model_kwargs do not fit {arch}: {_one_line(exc)}", field="model_kwargs"
+        ) from exc
+    except (ValueError, AssertionError) as exc:
+        if kwargs:
+            raise SpecError(
+                f"{arch} rejected model_kwargs {kwargs!r}: {_one_line(exc)}", field="model_kwargs"
+            ) from exc
+        raise ArchitectureError(f"building {arch} failed: {_one_line(exc)}") from exc
+    except Exception as exc:
+        raise ArchitectureError(f"building {arch} failed: {_one_line(exc)}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ArchitectureError(
+            f"{arch} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
