@@ -105,3 +105,34 @@ def perturbed(model: nn.Module, seed: int = 0) -> nn.Module:
             else:
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.05)
     return model
+
+
+MARKER = 4242.0
+"""A sample whose first value is MARKER makes ``marker_net`` misbehave on that rank."""
+
+
+class MarkerNet(nn.Module):
+    """BN1d on (N, 4) that dies (``exit``) or hangs (``hang``) on a marked sample: a rank
+    failing mid-job, on purpose."""
+
+    def __init__(self, action: str = "exit") -> None:
+        super().__init__()
+        self.action = action
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() and bool((x[:, 0] == MARKER).any()):
+            if self.action == "exit":
+                import os
+
+                os._exit(3)
+            import time
+
+            time.sleep(3600)
+        return self.fc(self.bn(x))
+
+
+def marker_net(action: str = "exit") -> nn.Module:
+    """Factory for ``tests.nets:marker_net``."""
+    return MarkerNet(action)

@@ -56,9 +56,13 @@ class RayCollective:
         collective.init_collective_group(world_size, rank, backend=backend.upper(), group_name=group_name)
 
     def allreduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place across the group."""
-        self._collective.allreduce(tensor, group_name=self.group_name)
+        """Sum ``tensor`` in place across the group.
+
+        The call is counted on entry, so while ranks wait on each other the one that
+        has entered fewer collectives is the one holding the others up.
+        """
         self.calls += 1
+        self._collective.allreduce(tensor, group_name=self.group_name)
 
     def close(self) -> None:
         """Leave the group and release its communicator."""

@@ -1,0 +1,58 @@
+"""The run report (contract section 5): what was done, where, how fast, and per layer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.batchnorm import BatchNormLayer, SkippedLayer
+
+
+def layer_entry(
+    layer: BatchNormLayer, old_mean: torch.Tensor, old_var: torch.Tensor, calls: int
+) -> dict[str, Any]:
+    """How far one layer's statistics moved: the report's per-layer entry.
+
+    ``mean_shift`` is the largest channel's mean change in units of its old standard
+    deviation; ``var_ratio_max`` the largest new/old variance ratio (null where an
+    old variance was zero).
+    """
+    module = layer.module
+    new_mean = module.running_mean.detach().double().cpu()
+    new_var = module.running_var.detach().double().cpu()
+    old_mean, old_var = old_mean.double().cpu(), old_var.double().cpu()
+    shift = ((new_mean - old_mean).abs() / torch.sqrt(old_var + module.eps)).max().item()
+    ratio = None
+    if bool((old_var > 0).all()):
+        ratio = (new_var / old_var).max().item()
+    return {
+        "name": layer.name,
+        "channels": layer.channels,
+        "calls": calls,
+        "mean_shift": _finite(shift),
+        "var_ratio_max": _finite(ratio),
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def skipped_entries(skipped: Sequence[SkippedLayer]) -> list[dict[str, str]]:
+    """The layers left alone, each with its reason."""
+    return [{"name": s.name, "reason": s.reason} for s in skipped]
+
+
+def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the report as indented JSON, atomically."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(f".{target.name}.tmp")
+    temp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    os.replace(temp, target)

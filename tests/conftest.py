@@ -1,0 +1,42 @@
+"""Shared fixtures: one real local Ray instance per test session, and small artifacts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.settings import Settings
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A real local Ray instance (8 logical CPUs on any machine), started once."""
+    import ray
+
+    from service.cluster import ensure_ray
+
+    ensure_ray(None, min_cpus=8)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Settings that allow the test models (``tests.*``) and keep files under tmp_path."""
+    return Settings(data_dir=tmp_path / "data", model_modules=["tests"], collective_timeout_s=60)
+
+
+def save_array(path: Path, array: np.ndarray | torch.Tensor) -> Path:
+    """Write calibration samples as .npy."""
+    np.save(path, np.asarray(array))
+    return path
+
+
+def save_state(path: Path, model: torch.nn.Module) -> Path:
+    """Write a plain state_dict checkpoint."""
+    torch.save(model.state_dict(), path)
+    return path

@@ -1,0 +1,119 @@
+"""Recalibration on a real local Ray cluster, against the float64 reference."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.recalibrate import RecalibrationRequest, recalibrate
+from tests.conftest import save_array, save_state
+from tests.nets import MARKER, marker_net, mixed_net, perturbed
+from tests.reference import assert_matches_reference, reference_statistics
+from workers.checkpoints import load_checkpoint
+from workers.errors import CancelledError, RunError
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, torch.Tensor, Path, Path]:
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("mixed")
+    model = perturbed(mixed_net())
+    samples = torch.randn(23, 3, 6, 5) * 1.5 + 0.3
+    return model, samples, save_state(folder / "model.pt", model), save_array(folder / "x.npy", samples)
+
+
+def run(settings, checkpoint, data, **options):
+    request = RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, **options)
+    return recalibrate(request, settings)
+
+
+def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings):
+    model, samples, checkpoint, data = mixed
+    expected = reference_statistics(model, samples, batch_size=6)
+    results = {k: run(settings, checkpoint, data, workers=k, batch_size=6) for k in (1, 2, 3)}
+    for k, result in results.items():
+        assert_matches_reference(result.model, expected)
+        report = result.report
+        assert report["world_size"] == k and report["backend"] == "gloo" and report["steps"] == 4
+        assert report["collectives"] == 5 * 4  # one allreduce per BN layer per step
+        assert report["samples"] == 23 and len(report["nodes"]) == k
+    base = results[1].updates
+    for k in (2, 3):
+        for key, value in results[k].updates.items():
+            torch.testing.assert_close(value.double(), base[key].double(), rtol=1e-5, atol=1e-7)
+
+
+def test_local_mode_matches_per_rank_reference(mixed, settings):
+    model, samples, checkpoint, data = mixed
+    expected = reference_statistics(model, samples, batch_size=12, world_size=2, mode="local")
+    result = run(settings, checkpoint, data, workers=2, batch_size=12, mode="local")
+    assert_matches_reference(result.model, expected)
+    assert result.report["collectives"] == 1  # one allreduce per job
+
+
+def test_empty_slices_take_part_in_every_collective(mixed, settings):
+    model, samples, checkpoint, data = mixed
+    # 10 samples, batch 4, 3 ranks: the last step has 2 samples, so rank 2's slice is empty.
+    expected = reference_statistics(model, samples[:10], batch_size=4)
+    result = run(settings, checkpoint, data, workers=3, batch_size=4, max_samples=10)
+    assert_matches_reference(result.model, expected)
+    assert result.report["collectives"] == 5 * 3
+
+
+def test_checkpoint_keeps_everything_but_bn_statistics(mixed, settings, tmp_path):
+    model, _, checkpoint, data = mixed
+    result = run(settings, checkpoint, data, workers=2, batch_size=8)
+    out = tmp_path / "out.pt"
+    result.save_checkpoint(out)
+    before, after = torch.load(checkpoint, weights_only=True), torch.load(out, weights_only=True)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype and before[key].shape == after[key].shape
+        if key.endswith(("running_mean", "running_var")):
+            assert not torch.equal(before[key], after[key])
+        elif key.endswith("num_batches_tracked"):
+            assert after[key].item() == before[key].item() + 3
+        else:
+            assert torch.equal(before[key], after[key]), key
+    assert load_checkpoint(out).format == "torch"
+
+
+def marked_data(tmp_path: Path) -> tuple[Path, Path]:
+    model = marker_net()
+    samples = torch.randn(40, 4)
+    samples[4 * 3 + 3, 0] = MARKER  # step 3 of batch 4 with 2 ranks: rank 1's second sample
+    return save_state(tmp_path / "m.pt", model), save_array(tmp_path / "m.npy", samples)
+
+
+def test_a_rank_that_dies_fails_the_job_naming_it(settings, tmp_path):
+    checkpoint, data = marked_data(tmp_path)
+    request = RecalibrationRequest(arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4)
+    with pytest.raises(RunError, match=r"rank 1 .*died") as info:
+        recalibrate(request, settings)
+    assert info.value.rank == 1
+
+
+def test_a_stuck_rank_times_out_naming_it(settings, tmp_path):
+    checkpoint, data = marked_data(tmp_path)
+    request = RecalibrationRequest(
+        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4,
+        model_kwargs={"action": "hang"},
+    )
+    quick = settings.model_copy(update={"collective_timeout_s": 4.0})
+    with pytest.raises(RunError, match=r"rank 1 .*no progress for 4 s") as info:
+        recalibrate(request, quick)
+    assert info.value.rank == 1
+
+
+def test_cancel_stops_the_job(mixed, settings):
+    _, _, checkpoint, data = mixed
+    cancel = threading.Event()
+    request = RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, workers=2, batch_size=1)
+    cancel.set()
+    with pytest.raises(CancelledError):
+        recalibrate(request, settings, cancel=cancel)

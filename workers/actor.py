@@ -1,0 +1,141 @@
+"""The Ray actor that runs one rank of a calibration job."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+import torch
+
+from .batchnorm import BatchNormLayer
+from .calibration import PassResult, calibration_pass
+from .collectives import RayCollective
+from .data import iter_batches
+from .errors import BnrecalError, RunError
+from .models import build_model
+from .plan import RankPlan
+from .sharding import rank_ranges
+
+
+HEARTBEAT_S = 1.0
+"""How often a rank reports while a step is in flight, so the driver can tell a rank
+stuck in its own work (fewer collectives entered) from one waiting for its peers."""
+
+
+class CalibrationRank:
+    """One rank: builds the model from the shared weights, reads its own shard, and
+    streams progress events, then its result, back to the driver.
+
+    Events are dicts: ``{"kind": "started", "rank", "node_id"}`` once the rank has
+    joined the collective group, ``{"kind": "progress", "rank", "step", "samples", "calls"}`` after
+    each step, ``{"kind": "heartbeat", "rank", "calls"}`` while a step is in flight, then
+    ``{"kind": "result", ...}`` once. Errors become ``RunError`` naming the
+    rank and its node.
+    """
+
+    def __init__(self, rank: int, num_threads: int) -> None:
+        self.rank = rank
+        torch.set_num_threads(max(1, num_threads))
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._collective: RayCollective | None = None
+
+    def node(self) -> dict[str, Any]:
+        """Where this rank runs: Ray node id, host and process id."""
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "host": os.uname().nodename}
+
+    def run(self, plan: RankPlan, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+        """Calibrate this rank's shard; yields progress events and finally the result."""
+        try:
+            yield from self._run(plan, state_dict)
+        except BnrecalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
+            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RunError(
+                f"rank {self.rank} on node {self.node_id[:12]} failed: {type(exc).__name__}: {detail}",
+                rank=self.rank,
+                node=self.node_id,
+            ) from exc
+        finally:
+            self._leave_group()
+
+    def _run(self, plan: RankPlan, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+        device = torch.device(plan.device)
+        model = build_model(plan.arch, plan.model_kwargs, allowed_modules=plan.allowed_modules)
+        model.load_state_dict(state_dict)
+        model.to(device).eval()
+        modules = dict(model.named_modules())
+        layers = [BatchNormLayer(name, modules[name]) for name in plan.layer_names]
+        data = plan.dataset.open()
+        ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
+        self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
+        collective = self._collective
+        yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+        events: queue.SimpleQueue[dict[str, Any] | PassResult | BaseException] = queue.SimpleQueue()
+
+        def on_step(step: int, samples: int) -> None:
+            events.put(
+                {"kind": "progress", "rank": self.rank, "step": step, "samples": samples, "calls": collective.calls}
+            )
+
+        def work() -> None:
+            try:
+                events.put(
+                    calibration_pass(
+                        model,
+                        layers,
+                        iter_batches(data, ranges, num_workers=plan.loader_workers),
+                        mode=plan.mode,
+                        collective=collective,
+                        call_order=plan.call_order,
+                        device=device,
+                        on_step=on_step,
+                    )
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
+                events.put(exc)
+
+        # The pass runs on a thread so this generator can stream its progress as it goes.
+        worker = threading.Thread(target=work, name=f"calibration-rank-{self.rank}", daemon=True)
+        worker.start()
+        while True:
+            try:
+                event = events.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, PassResult):
+                break
+            yield event
+        worker.join()
+        yield {
+            "kind": "result",
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "steps": event.steps,
+            "samples": event.samples,
+            "collectives": event.collectives,
+            "calls": event.calls,
+            "seconds": event.seconds,
+            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in event.stats]
+            if self.rank == 0
+            else None,
+        }
+
+    def _leave_group(self) -> None:
+        if self._collective is not None:
+            try:
+                self._collective.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                traceback.print_exc()
+            self._collective = None
+
+
+CalibrationActor = ray.remote(CalibrationRank)

@@ -1,0 +1,233 @@
+"""The driver's side of a job: K rank actors, their placement, progress and faults.
+
+``run_rank_group`` places K actors with a placement group, hands each the plan and the
+weights (put in the object store once), follows the progress they stream, and returns
+rank 0's statistics. Any failure, a rank that dies, a rank that raises, or a job that
+makes no progress within the collective timeout, fails the job with an error naming
+the rank and its node; actors and the placement group are always released.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .actor import CalibrationActor
+from .errors import BnrecalError, CancelledError, RunError
+from .plan import RankPlan
+
+ProgressCallback = Callable[[int], None]
+"""Called with the number of samples all ranks have processed so far."""
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """How to place and supervise the ranks of one job."""
+
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    placement_strategy: str = "SPREAD"
+    collective_timeout_s: float = 300.0
+    placement_timeout_s: float = 120.0
+
+
+@dataclass
+class GroupResult:
+    """What the ranks of a job produced together."""
+
+    stats: list[dict[str, Any]]
+    steps: int
+    samples: int
+    collectives: list[int]
+    seconds: float
+    nodes: list[str]
+    calls: list[int] = field(default_factory=list)
+
+
+def run_rank_group(
+    plan: RankPlan,
+    state_dict: dict[str, torch.Tensor],
+    options: GroupOptions,
+    *,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> GroupResult:
+    """Run a job on ``plan.world_size`` rank actors and return their combined result."""
+    world_size = plan.world_size
+    plan = replace(plan, group_name=plan.group_name or f"bnrecal-{uuid.uuid4().hex[:12]}")
+    bundle = {"CPU": options.cpus_per_worker}
+    if options.gpus_per_worker:
+        bundle["GPU"] = options.gpus_per_worker
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy=options.placement_strategy)
+    actors: list[Any] = []
+    try:
+        _wait_for_placement(group, world_size, bundle, options)
+        state_ref = ray.put(state_dict)
+        threads = max(1, int(options.cpus_per_worker))
+        for rank in range(world_size):
+            actors.append(
+                CalibrationActor.options(
+                    num_cpus=options.cpus_per_worker,
+                    num_gpus=options.gpus_per_worker,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=rank
+                    ),
+                ).remote(rank, threads)
+            )
+        streams = [actor.run.remote(plan, state_ref) for actor in actors]
+        return _follow(streams, group, plan, options, on_progress, cancel)
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(group)
+
+
+def _wait_for_placement(group: Any, world_size: int, bundle: dict[str, float], options: GroupOptions) -> None:
+    try:
+        ray.get(group.ready(), timeout=options.placement_timeout_s)
+    except GetTimeoutError:
+        available = ray.available_resources()
+        raise RunError(
+            f"could not place {world_size} workers of {bundle} within {options.placement_timeout_s:.0f} s "
+            f"(cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g} free): "
+            "use fewer workers, lower BNRECAL_CPUS_PER_WORKER, or raise BNRECAL_PLACEMENT_TIMEOUT_S"
+        ) from None
+
+
+def _bundle_nodes(group: Any) -> dict[int, str]:
+    try:
+        return {int(k): v for k, v in placement_group_table(group).get("bundles_to_node_id", {}).items()}
+    except Exception:  # noqa: BLE001 - node names are for messages only
+        return {}
+
+
+def _follow(
+    streams: list[Any],
+    group: Any,
+    plan: RankPlan,
+    options: GroupOptions,
+    on_progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+) -> GroupResult:
+    """Consume every rank's event stream until all have sent their result."""
+    rank_of = {id(stream): rank for rank, stream in enumerate(streams)}
+    pending = list(streams)
+    results: dict[int, dict[str, Any]] = {}
+    steps_done = [0] * len(streams)
+    calls_entered = [0] * len(streams)
+    started: set[int] = set()
+    samples_done = 0
+    startup_deadline = time.monotonic() + options.placement_timeout_s
+    last_progress = time.monotonic()
+    while pending:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("the job was cancelled")
+        ready, _ = ray.wait(pending, num_returns=1, timeout=0.2)
+        for stream in ready:
+            rank = rank_of[id(stream)]
+            try:
+                event = ray.get(next(stream))
+            except StopIteration:
+                pending.remove(stream)
+                continue
+            except (RayTaskError, RayActorError) as exc:
+                raise _root_cause(rank, exc, streams, group) from None
+            if event["kind"] == "started":
+                started.add(rank)
+                last_progress = time.monotonic()
+            elif event["kind"] == "heartbeat":
+                if event["calls"] != calls_entered[rank]:
+                    calls_entered[rank] = event["calls"]
+                    last_progress = time.monotonic()
+            elif event["kind"] == "progress":
+                steps_done[rank] = event["step"] + 1
+                calls_entered[rank] = event["calls"]
+                samples_done += event["samples"]
+                last_progress = time.monotonic()
+                if on_progress is not None:
+                    on_progress(samples_done)
+            elif event["kind"] == "result":
+                results[rank] = event
+                last_progress = time.monotonic()
+        if len(started) < len(streams):
+            if time.monotonic() > startup_deadline:
+                late = sorted(set(range(len(streams))) - started)
+                raise RunError(
+                    f"ranks {late} did not start within {options.placement_timeout_s:g} s (building the model, "
+                    "opening the data, joining the collective group); raise BNRECAL_PLACEMENT_TIMEOUT_S",
+                    rank=late[0],
+                )
+        elif time.monotonic() - last_progress > options.collective_timeout_s:
+            behind = min(range(len(streams)), key=lambda r: (r in results, calls_entered[r], steps_done[r]))
+            node = _bundle_nodes(group).get(behind, "unknown")
+            raise RunError(
+                f"rank {behind} on node {node[:12]} made no progress for {options.collective_timeout_s:g} s "
+                f"(at step {steps_done[behind]}, {calls_entered[behind]} collectives entered): "
+                "the job's collectives timed out waiting for it; raise BNRECAL_COLLECTIVE_TIMEOUT_S "
+                "if steps are legitimately this slow",
+                rank=behind,
+                node=node,
+            )
+    first = results[0]
+    return GroupResult(
+        stats=first["stats"],
+        steps=first["steps"],
+        samples=sum(r["samples"] for r in results.values()),
+        collectives=[results[r]["collectives"] for r in sorted(results)],
+        seconds=max(r["seconds"] for r in results.values()),
+        nodes=[results[r]["node_id"] for r in sorted(results)],
+        calls=first["calls"],
+    )
+
+
+def _root_cause(rank: int, exc: BaseException, streams: list[Any], group: Any) -> BnrecalError:
+    """The most telling error among the ranks: a dead rank beats its peers' broken links."""
+    deadline = time.monotonic() + 3.0
+    errors: dict[int, BaseException] = {rank: exc}
+    for other, stream in enumerate(streams):
+        if other == rank:
+            continue
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            ready, _ = ray.wait([stream], timeout=remaining)
+            if ready:
+                ray.get(next(stream))
+        except (RayTaskError, RayActorError) as other_exc:
+            errors[other] = other_exc
+        except StopIteration:
+            pass
+    nodes = _bundle_nodes(group)
+    died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
+    culprit = died[0] if died else rank
+    return _describe(culprit, errors[culprit], nodes.get(culprit, "unknown"))
+
+
+def _describe(rank: int, exc: BaseException, node: str) -> BnrecalError:
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, BnrecalError):
+            return cause
+        detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        return RunError(f"rank {rank} on node {node[:12]} failed: {detail}", rank=rank, node=node)
+    reason = _first_line(str(exc))
+    return RunError(f"rank {rank} on node {node[:12]} died: {reason}", rank=rank, node=node)
+
+
+def _first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        line = line.strip()
+        if line:
+            return line[:300]
+    return "no reason given"

@@ -1,0 +1,28 @@
+"""What every rank of a job needs to know, in one small picklable object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .data import DatasetSpec
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The job as one rank sees it (identical for every rank but ``rank``-specific fields)."""
+
+    arch: str
+    model_kwargs: dict[str, Any]
+    allowed_modules: tuple[str, ...]
+    dataset: DatasetSpec
+    batch_size: int
+    mode: str
+    world_size: int
+    device: str
+    backend: str
+    group_name: str
+    layer_names: tuple[str, ...]
+    call_order: tuple[int, ...]
+    loader_workers: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
