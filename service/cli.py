@@ -1,0 +1,180 @@
+"""The ``bnrecal`` command line (contract section 4).
+
+Every failure ends in one line on stderr and an exit code: 2 for bad input (flags,
+files, architecture, data), 1 for a run that failed. Tracebacks only with
+``BNRECAL_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from workers.errors import BnrecalError, SpecError
+
+app = typer.Typer(
+    name="bnrecal",
+    help="Recalibrate the BatchNorm statistics of trained PyTorch models on Ray, and export them folded to ONNX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+stderr = Console(stderr=True)
+
+
+class Mode(str, Enum):
+    sync = "sync"
+    local = "local"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class OnnxDtype(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+
+
+def parse_json_object(value: str | None, option: str) -> dict[str, Any] | None:
+    """Parse a JSON object given on the command line, naming the option when it is not one."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{option} is not valid JSON: {exc.msg} at position {exc.pos}", field=option) from None
+    if not isinstance(parsed, dict):
+        raise SpecError(f"{option} must be a JSON object, got {type(parsed).__name__}", field=option)
+    return parsed
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[Any]:
+    """A progress bar on a terminal; a silent callback elsewhere (pipes, CI logs)."""
+    if not stderr.is_terminal:
+        yield lambda done, total: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr, transient=False) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="Global batch size B.")]
+
+
+@app.command()
+def calibrate(
+    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
+    checkpoint: Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")],
+    data: Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")],
+    out: Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")],
+    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
+    workers: WorkersOpt = 1,
+    batch_size: BatchOpt = 32,
+    mode: Annotated[Mode, typer.Option(help="sync: SyncBN statistics; local: per-rank statistics.")] = Mode.sync,
+    max_samples: Annotated[int | None, typer.Option(help="Use only the first M samples.")] = None,
+    device: Annotated[Device, typer.Option(help="Where the ranks compute.")] = Device.cpu,
+    transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+    onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
+    onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
+    onnx_dtype: Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")] = OnnxDtype.float32,
+    report: Annotated[Path | None, typer.Option(help="Where to write report.json.")] = None,
+) -> None:
+    """Recalibrate a checkpoint's BatchNorm statistics on calibration data."""
+    from .recalibrate import RecalibrationRequest, recalibrate
+    from .settings import Settings
+
+    settings = Settings()
+    if ray_address:
+        settings = settings.model_copy(update={"ray_address": ray_address})
+    request = RecalibrationRequest(
+        arch=arch,
+        checkpoint=checkpoint,
+        data=data,
+        model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
+        workers=workers,
+        batch_size=batch_size,
+        mode=mode.value,
+        max_samples=max_samples,
+        device=device.value,
+        transform=parse_json_object(transform, "--transform"),
+    )
+    cancel = threading.Event()
+    with progress_bar("calibrating") as update:
+        try:
+            result = recalibrate(request, settings, on_progress=update, cancel=cancel)
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
+    if onnx is not None:
+        from .exporting import export_recalibrated
+
+        result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+    result.save_checkpoint(out)
+    if report is not None:
+        result.save_report(report)
+    summary = result.report
+    stderr.print(
+        f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
+        f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
+        f"in {summary['seconds']:.2f} s -> {out}",
+        highlight=False,
+    )
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print one error line and exit."""
+    stderr.print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``bnrecal`` script: runs the app, turning every error into one line."""
+    debug = os.environ.get("BNRECAL_DEBUG") == "1"
+    try:
+        app(args=argv, standalone_mode=False, prog_name="bnrecal")
+    except BnrecalError as exc:
+        if debug:
+            raise
+        fail(exc.message, exc.exit_code)
+    except click.exceptions.NoArgsIsHelpError:
+        raise SystemExit(0) from None
+    except click.UsageError as exc:
+        fail(exc.format_message().replace("\n", " "), 2)
+    except click.exceptions.Abort:
+        fail("interrupted", 130)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback for users
+        if debug:
+            raise
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        fail(f"internal error: {type(exc).__name__}: {detail} (set BNRECAL_DEBUG=1 for the traceback)", 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
