@@ -1,0 +1,203 @@
+"""Calibration data from arrays: npy/npz reading, memory maps, streaming, options and errors."""
+
+from __future__ import annotations
+
+import pickle
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from workers.data import DatasetOptionError, describe_dataset, iter_batches
+from workers.errors import DatasetError, SpecError
+
+
+def test_npy_float32_is_memory_mapped_and_read_by_rows(tmp_path: Path) -> None:
+    values = np.random.default_rng(0).standard_normal((50, 3, 4, 4)).astype(np.float32)
+    np.save(tmp_path / "x.npy", values)
+    spec = describe_dataset(tmp_path / "x.npy")
+    assert (spec.kind, spec.num_samples, spec.sample_shape) == ("array", 50, (3, 4, 4))
+    data = spec.open()
+    batch = data.load(7, 19)
+    assert batch.dtype == torch.float32 and batch.shape == (12, 3, 4, 4)
+    np.testing.assert_array_equal(batch.numpy(), values[7:19])
+    assert isinstance(data.memory_map, np.memmap)
+    assert Path(data.memory_map.filename) == (tmp_path / "x.npy").resolve()
+
+
+def test_npy_uint8_is_fed_as_float_without_scaling(tmp_path: Path) -> None:
+    values = np.arange(4 * 6, dtype=np.uint8).reshape(4, 6) * 10
+    np.save(tmp_path / "u.npy", values)
+    batch = describe_dataset(tmp_path / "u.npy").open().load(0, 4)
+    assert batch.dtype == torch.float32
+    assert batch.max().item() == 230.0
+    np.testing.assert_array_equal(batch.numpy(), values.astype(np.float32))
+
+
+def test_npy_reading_rows_does_not_load_the_whole_array(tmp_path: Path) -> None:
+    values = np.ones((2000, 1000), dtype=np.float32)  # 8 MB
+    np.save(tmp_path / "big.npy", values)
+    data = describe_dataset(tmp_path / "big.npy").open()
+    tracemalloc.start()
+    data.load(1990, 2000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("arrays", "chosen"),
+    [({"data": 1, "x": 2, "z": 3}, "x"), ({"data": 1, "z": 3}, "data"), ({"images": 4}, "images")],
+)
+def test_npz_array_choice(tmp_path: Path, arrays: dict[str, int], chosen: str) -> None:
+    stored = {name: np.full((3, 2), fill, np.float32) for name, fill in arrays.items()}
+    np.savez(tmp_path / "a.npz", **stored)
+    spec = describe_dataset(tmp_path / "a.npz")
+    assert spec.layout is not None and spec.layout.array_name == chosen
+    np.testing.assert_array_equal(spec.open().load(0, 3).numpy(), stored[chosen])
+
+
+def test_npz_with_several_unnamed_arrays_names_them(tmp_path: Path) -> None:
+    np.savez(tmp_path / "a.npz", inputs=np.zeros((3, 2)), targets=np.zeros((3, 2)))
+    with pytest.raises(DatasetError, match="inputs, targets"):
+        describe_dataset(tmp_path / "a.npz")
+
+
+def test_npz_stored_member_is_memory_mapped_at_its_offset(tmp_path: Path) -> None:
+    values = np.random.default_rng(1).standard_normal((40, 5)).astype(np.float32)
+    np.savez(tmp_path / "s.npz", labels=np.arange(40), x=values)
+    spec = describe_dataset(tmp_path / "s.npz")
+    assert spec.layout is not None and spec.layout.storage == "npz-stored"
+    data = spec.open()
+    assert isinstance(data.memory_map, np.memmap)
+    raw = (tmp_path / "s.npz").read_bytes()
+    offset = spec.layout.data_offset
+    assert raw[offset : offset + values.nbytes] == values.tobytes()  # the offset is the array's bytes
+    np.testing.assert_array_equal(data.load(11, 33).numpy(), values[11:33])
+
+
+def test_npz_compressed_member_is_streamed_by_rows(tmp_path: Path) -> None:
+    values = np.random.default_rng(2).standard_normal((2000, 1000)).astype(np.float32)  # 8 MB
+    np.savez_compressed(tmp_path / "c.npz", x=values)
+    spec = describe_dataset(tmp_path / "c.npz")
+    assert spec.layout is not None and spec.layout.storage == "npz-compressed"
+    data = spec.open()
+    assert data.memory_map is None
+    tracemalloc.start()
+    last = data.load(1990, 2000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2_000_000
+    np.testing.assert_array_equal(last.numpy(), values[1990:2000])
+    np.testing.assert_array_equal(data.load(3, 9).numpy(), values[3:9])  # backwards: rewinds
+    np.testing.assert_array_equal(data.load(9, 10).numpy(), values[9:10])
+
+
+def test_opened_arrays_survive_pickling(tmp_path: Path) -> None:
+    values = np.arange(30, dtype=np.float64).reshape(10, 3)
+    np.savez_compressed(tmp_path / "c.npz", x=values)
+    spec = pickle.loads(pickle.dumps(describe_dataset(tmp_path / "c.npz")))
+    data = spec.open()
+    data.load(0, 2)
+    copy = pickle.loads(pickle.dumps(data))
+    np.testing.assert_array_equal(copy.load(4, 6).numpy(), values[4:6].astype(np.float32))
+
+
+def test_max_samples_keeps_the_first_samples(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.arange(20, dtype=np.float32).reshape(10, 2))
+    spec = describe_dataset(tmp_path / "x.npy", max_samples=4)
+    assert (spec.num_samples, spec.total_samples) == (4, 10)
+    data = spec.open()
+    assert len(data) == 4
+    np.testing.assert_array_equal(data.load(0, 4).numpy().ravel(), np.arange(8, dtype=np.float32))
+    with pytest.raises(IndexError):
+        data.load(3, 5)
+    assert describe_dataset(tmp_path / "x.npy", max_samples=99).num_samples == 10
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4"])
+def test_invalid_max_samples_is_refused(tmp_path: Path, bad: object) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
+    with pytest.raises(DatasetOptionError, match="max_samples") as caught:
+        describe_dataset(tmp_path / "x.npy", max_samples=bad)  # type: ignore[arg-type]
+    assert isinstance(caught.value, DatasetError) and isinstance(caught.value, SpecError)
+    assert caught.value.field == "max_samples"
+
+
+def test_empty_range_gives_an_empty_batch(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((5, 3, 2), np.uint8))
+    empty = describe_dataset(tmp_path / "x.npy").open().load(5, 5)
+    assert empty.shape == (0, 3, 2) and empty.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("array", "match"),
+    [
+        (np.array([1 + 2j, 3j]).reshape(2, 1), "complex"),
+        (np.array([["a"], ["b"]]), "<U1"),
+        (np.arange(5, dtype=np.float32), "shape"),
+        (np.float32(3.0), "shape"),
+        (np.zeros((0, 4), np.float32), "no samples"),
+        (np.zeros((4, 0), np.float32), "no values"),
+    ],
+)
+def test_unusable_arrays_are_refused(tmp_path: Path, array: np.ndarray, match: str) -> None:
+    np.save(tmp_path / "a.npy", array)
+    with pytest.raises(DatasetError, match=match):
+        describe_dataset(tmp_path / "a.npy")
+
+
+def test_object_array_is_refused_without_unpickling(tmp_path: Path) -> None:
+    np.save(tmp_path / "o.npy", np.array([[{"a": 1}], [None]], dtype=object), allow_pickle=True)
+    with pytest.raises(DatasetError, match="object"):
+        describe_dataset(tmp_path / "o.npy")
+
+
+def test_corrupt_and_missing_files_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "garbage.npy").write_bytes(b"not an array at all" * 10)
+    with pytest.raises(DatasetError, match="garbage.npy"):
+        describe_dataset(tmp_path / "garbage.npy")
+    np.save(tmp_path / "cut.npy", np.zeros((100, 10), np.float32))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:1000])
+    with pytest.raises(DatasetError, match="truncated"):
+        describe_dataset(tmp_path / "cut.npy")
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 broken")
+    with pytest.raises(DatasetError, match="bad.npz"):
+        describe_dataset(tmp_path / "bad.npz")
+    with pytest.raises(DatasetError, match="not found"):
+        describe_dataset(tmp_path / "absent.npy")
+    (tmp_path / "table.csv").write_text("1,2\n3,4\n")
+    with pytest.raises(DatasetError, match=r"unknown calibration data format table\.csv"):
+        describe_dataset(tmp_path / "table.csv")
+
+
+def test_a_file_without_extension_is_recognised_by_content(tmp_path: Path) -> None:
+    values = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.save(tmp_path / "x.npy", values)
+    (tmp_path / "x.npy").rename(tmp_path / "blob")
+    np.testing.assert_array_equal(describe_dataset(tmp_path / "blob").open().load(0, 4).numpy(), values)
+    with zipfile.ZipFile(tmp_path / "npzblob", "w") as archive:
+        with archive.open("data.npy", "w") as member:
+            np.lib.format.write_array(member, values)
+    assert describe_dataset(tmp_path / "npzblob").layout.array_name == "data"  # type: ignore[union-attr]
+
+
+def test_transform_is_refused_for_arrays(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
+    with pytest.raises(DatasetOptionError, match="image data only"):
+        describe_dataset(tmp_path / "x.npy", transform={"crop": 32})
+
+
+def test_iter_batches_reads_arrays_in_order(tmp_path: Path) -> None:
+    values = np.random.default_rng(9).standard_normal((17, 4)).astype(np.float32)
+    np.save(tmp_path / "x.npy", values)
+    data = describe_dataset(tmp_path / "x.npy").open()
+    ranges = [(0, 5), (5, 5), (12, 17)]
+    batches = list(iter_batches(data, ranges, num_workers=2))
+    for (start, stop), batch in zip(ranges, batches, strict=True):
+        np.testing.assert_array_equal(batch.numpy(), values[start:stop])
+    with pytest.raises(IndexError):
+        list(iter_batches(data, [(10, 18)]))

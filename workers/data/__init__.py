@@ -1,0 +1,36 @@
+"""Calibration data: describe a dataset once on the driver, read row ranges in each actor.
+
+Arrays (``.npy``/``.npz``) are memory-mapped or streamed, never loaded whole; image
+folders and archives of images are decoded and transformed batch by batch. See
+:mod:`workers.data.images` for the folder layout rules and :mod:`workers.data.archive`
+for the unpacking safety rules.
+"""
+
+from __future__ import annotations
+
+from workers.data.archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES, default_unpack_root
+from workers.data.arrays import ArrayData, ArrayLayout
+from workers.data.base import CalibrationData, DatasetOptionError
+from workers.data.batches import iter_batches
+from workers.data.images import IMAGE_EXTENSIONS, ImageData
+from workers.data.spec import DatasetSpec, describe_dataset, detect_format
+from workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
+
+__all__ = [
+    "DEFAULT_MAX_MEMBERS",
+    "DEFAULT_MAX_UNPACKED_BYTES",
+    "DEFAULT_TRANSFORM",
+    "IMAGE_EXTENSIONS",
+    "ArrayData",
+    "ArrayLayout",
+    "CalibrationData",
+    "DatasetOptionError",
+    "DatasetSpec",
+    "ImageData",
+    "ImageTransform",
+    "default_unpack_root",
+    "describe_dataset",
+    "detect_format",
+    "iter_batches",
+    "resolve_transform",
+]

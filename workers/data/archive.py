@@ -1,0 +1,248 @@
+"""Safe, once-only unpacking of image archives (``.tar``, ``.tar.gz``/``.tgz``, ``.zip``, ...).
+
+Every member is checked before anything of it is written: no absolute path, no ``..``
+component, no link or device (only regular files and folders), at most ``max_members``
+members and ``max_unpacked_bytes`` bytes in all (declared sizes are checked up front and
+the bytes actually written are counted too). Only image files are written. The archive
+unpacks into a fresh temporary folder beside the target, which is renamed into place
+when complete, so no process ever sees half an unpack and a second call reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from workers.data.base import DatasetOptionError
+from workers.data.images import is_ignored_part, is_image_name
+from workers.errors import DatasetError
+
+DEFAULT_MAX_MEMBERS = 1_000_000
+DEFAULT_MAX_UNPACKED_BYTES = 64 * 2**30
+_MARKER = ".bnrecal-unpacked.json"  # hidden, so never listed as data
+_COPY_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One archive entry, reduced to what the safety checks need."""
+
+    name: str
+    kind: str  # "file", "dir", or what it is instead ("symbolic link", ...)
+    size: int  # declared uncompressed size
+    open_data: Callable[[], IO[bytes]]
+
+
+def default_unpack_root() -> Path:
+    """Cache folder for unpacked archives: ``$XDG_CACHE_HOME/bnrecal/unpacked`` or ``~/.cache/...``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "bnrecal" / "unpacked"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks (the cache key of its unpack)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(_COPY_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def unpack_archive(
+    archive: Path,
+    kind: str,
+    unpack_dir: Path | None = None,
+    *,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+) -> Path:
+    """Unpack the images of ``archive`` (``kind`` ``"tar"`` or ``"zip"``) and return the folder.
+
+    ``unpack_dir`` defaults to ``<cache>/<sha256 of archive>``. A folder already holding a
+    complete unpack of the same archive is reused; one holding anything else is refused.
+    Any unsafe member refuses the whole archive with a :class:`DatasetError` and leaves
+    nothing behind.
+    """
+    _check_bound(max_members, "max_members")
+    _check_bound(max_unpacked_bytes, "max_unpacked_bytes")
+    digest = file_sha256(archive)
+    target = Path(unpack_dir) if unpack_dir is not None else default_unpack_root() / digest
+    target = target.expanduser().absolute()
+    if _is_unpack_of(target, digest):
+        return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise DatasetError(f"unpack folder {target} already holds other files; choose an empty or new one")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
+    try:
+        if kind == "tar":
+            members = _tar_members(archive)
+        else:
+            members = _zip_members(archive, max_members, max_unpacked_bytes)
+        try:
+            _extract(members, staging, archive.name, max_members, max_unpacked_bytes)
+        finally:
+            members.close()
+        (staging / _MARKER).write_text(json.dumps({"archive_sha256": digest, "source": archive.name}))
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not _is_unpack_of(target, digest):  # else another process finished the same unpack first
+                raise
+    except OSError as exc:
+        raise DatasetError(f"cannot unpack {archive.name}: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _check_bound(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DatasetOptionError(f"{name} must be a positive integer, got {value!r}", field=name)
+
+
+def _is_unpack_of(folder: Path, digest: str) -> bool:
+    try:
+        return json.loads((folder / _MARKER).read_text()).get("archive_sha256") == digest
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _safe_parts(name: str, archive_name: str) -> list[str]:
+    """Split a member name into path components, refusing absolute paths and ``..``."""
+    drive = len(name) > 2 and name[0].isalpha() and name[1] == ":" and name[2] in "/\\"
+    if name.startswith(("/", "\\")) or drive:
+        raise DatasetError(f"{archive_name}: member {name!r} has an absolute path; refusing the archive")
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise DatasetError(f"{archive_name}: member {name!r} has a '..' component; refusing the archive")
+    if "\0" in name:
+        raise DatasetError(f"{archive_name}: member {name!r} has a NUL byte in its name; refusing the archive")
+    return parts
+
+
+def _extract(
+    members: Iterator[_Member], staging: Path, archive_name: str, max_members: int, max_bytes: int
+) -> None:
+    count = 0
+    total = 0
+    for member in members:
+        count += 1
+        if count > max_members:
+            raise DatasetError(
+                f"{archive_name} has more than {max_members} members; refusing the archive (max_members)"
+            )
+        parts = _safe_parts(member.name, archive_name)
+        if member.kind not in ("file", "dir"):
+            raise DatasetError(
+                f"{archive_name}: member {member.name!r} is a {member.kind}; only files and folders are allowed"
+            )
+        total += member.size
+        if total > max_bytes:
+            raise DatasetError(
+                f"{archive_name} unpacks to more than {max_bytes} bytes; refusing the archive (max_unpacked_bytes)"
+            )
+        if member.kind == "dir" or not parts or not is_image_name(parts[-1]):
+            continue
+        if any(is_ignored_part(p) for p in parts):
+            continue
+        destination = staging.joinpath(*parts)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        _copy_member(member, destination, member.size, archive_name)
+
+
+def _copy_member(member: _Member, destination: Path, budget: int, archive_name: str) -> None:
+    """Write one member, never more than its declared size, never through an existing entry."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(destination, flags, 0o644)
+    except FileExistsError as exc:
+        raise DatasetError(f"{archive_name}: member {member.name!r} appears twice; refusing the archive") from exc
+    written = 0
+    try:
+        with os.fdopen(fd, "wb") as out, member.open_data() as source:
+            while chunk := source.read(_COPY_CHUNK):
+                written += len(chunk)
+                if written > budget:
+                    raise DatasetError(
+                        f"{archive_name}: member {member.name!r} holds more data than it declares; refusing the archive"
+                    )
+                out.write(chunk)
+    except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise DatasetError(f"{archive_name} is corrupt at member {member.name!r}: {exc}") from exc
+
+
+def _tar_members(archive: Path) -> Generator[_Member, None, None]:
+    """Stream the members of a tar (any compression tarfile knows) without listing it first."""
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for info in tar:
+                if info.isfile():
+                    kind = "file"
+                elif info.isdir():
+                    kind = "dir"
+                elif info.issym():
+                    kind = "symbolic link"
+                elif info.islnk():
+                    kind = "hard link"
+                else:
+                    kind = "device or special file"
+                yield _Member(info.name, kind, info.size if kind == "file" else 0, _tar_opener(tar, info))
+                tar.members.clear()  # keep memory flat on huge archives
+    except (tarfile.TarError, zlib.error, EOFError) as exc:
+        raise DatasetError(f"{archive.name} is not a valid tar archive: {exc}") from exc
+
+
+def _tar_opener(tar: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[], IO[bytes]]:
+    def open_data() -> IO[bytes]:
+        data = tar.extractfile(info)
+        if data is None:
+            raise DatasetError(f"{tar.name}: member {info.name!r} has no data")
+        return data
+
+    return open_data
+
+
+def _zip_members(archive: Path, max_members: int, max_bytes: int) -> Generator[_Member, None, None]:
+    """The members of a zip, from its central directory; count and declared size are checked first."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            infos = zf.infolist()
+            if len(infos) > max_members:
+                raise DatasetError(
+                    f"{archive.name} has more than {max_members} members; refusing the archive (max_members)"
+                )
+            if sum(info.file_size for info in infos) > max_bytes:
+                raise DatasetError(
+                    f"{archive.name} unpacks to more than {max_bytes} bytes; refusing the archive (max_unpacked_bytes)"
+                )
+            for info in infos:
+                file_type = stat.S_IFMT(info.external_attr >> 16)  # 0 when the archiver recorded none
+                if info.is_dir() or file_type == stat.S_IFDIR:
+                    kind = "dir"
+                elif file_type == stat.S_IFLNK:
+                    kind = "symbolic link"
+                elif file_type not in (0, stat.S_IFREG):
+                    kind = "device or special file"
+                else:
+                    kind = "file"
+                if kind == "file" and info.flag_bits & 0x1:
+                    raise DatasetError(f"{archive.name}: member {info.filename!r} is encrypted")
+                yield _Member(info.filename, kind, info.file_size if kind == "file" else 0, _zip_opener(zf, info))
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise DatasetError(f"{archive.name} is not a valid zip archive: {exc}") from exc
+
+
+def _zip_opener(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Callable[[], IO[bytes]]:
+    return lambda: zf.open(info)

@@ -1,0 +1,280 @@
+"""Array calibration data: ``.npy`` and ``.npz`` files, read row range by row range.
+
+A ``.npy`` file and an uncompressed ``.npz`` member (``np.savez``) are memory-mapped, the
+latter at its byte offset inside the zip. A compressed member (``np.savez_compressed``)
+cannot be mapped; it is streamed: the member is decompressed forward to the first
+requested row and only the requested rows are kept. Nothing is ever loaded whole.
+"""
+
+from __future__ import annotations
+
+import ast
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import numpy as np
+import torch
+
+from workers.data.base import CalibrationData
+from workers.errors import DatasetError
+
+ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
+
+_NPY_MAGIC = b"\x93NUMPY"
+_MAX_HEADER_BYTES = 10_000  # numpy's own safety bound on the header dictionary
+_ACCEPTED_KINDS = {"f": "float", "u": "unsigned integer", "i": "integer"}
+_ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes, APPNOTE 4.3.7
+_PREFERRED_ARRAYS = ("x", "data")
+_SKIP_CHUNK = 1 << 18  # bytes decompressed and dropped per read when skipping to a row
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Where the samples lie: storage kind, npz member, dtype, shape and data offset.
+
+    ``data_offset`` is a file offset for ``npy`` and ``npz-stored``, and an offset inside
+    the decompressed member for ``npz-compressed``.
+    """
+
+    storage: ArrayStorage
+    dtype: str
+    shape: tuple[int, ...]
+    fortran_order: bool
+    data_offset: int
+    member: str | None = None
+
+    @property
+    def array_name(self) -> str | None:
+        """The npz array name (the member name without ``.npy``), or None for a ``.npy`` file."""
+        return None if self.member is None else self.member.removesuffix(".npy")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the array data in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def read_npy_header(stream: IO[bytes], name: str) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+    """Parse an npy header at the stream's position: (dtype, shape, fortran_order, header length).
+
+    Validates without loading data and without unpickling: the array must be float or
+    integer, at least 2-D (samples first) and have samples of at least one value.
+    """
+    magic = stream.read(8)
+    if len(magic) < 8 or magic[:6] != _NPY_MAGIC:
+        raise DatasetError(f"{name} is not a valid .npy array (bad magic bytes)")
+    major = magic[6]
+    if major == 1:
+        (length,) = struct.unpack("<H", _read_exact(stream, 2, name))
+        prefix, encoding = 10, "latin1"
+    elif major in (2, 3):
+        (length,) = struct.unpack("<I", _read_exact(stream, 4, name))
+        prefix, encoding = 12, "utf8" if major == 3 else "latin1"
+    else:
+        raise DatasetError(f"{name} has an unsupported .npy format version {major}")
+    if length > _MAX_HEADER_BYTES:
+        raise DatasetError(f"{name} has an oversized .npy header ({length} bytes)")
+    try:
+        header = ast.literal_eval(_read_exact(stream, length, name).decode(encoding))
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+        shape = tuple(header["shape"])
+        fortran_order = bool(header["fortran_order"])
+    except (SyntaxError, ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{name} has a corrupt .npy header") from exc
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise DatasetError(f"{name} has a corrupt .npy header (shape {shape!r})")
+    if dtype.kind not in _ACCEPTED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise DatasetError(f"{name} has dtype {dtype} (expected a float, uint8 or other integer array)")
+    if len(shape) < 2:
+        raise DatasetError(f"{name} has shape {shape} (expected (N, ...) with at least 2 dimensions)")
+    if int(np.prod(shape[1:], dtype=np.int64)) == 0:
+        raise DatasetError(f"{name} has shape {shape}: each sample holds no values")
+    return dtype, shape, fortran_order, prefix + length
+
+
+def describe_npy(path: Path) -> ArrayLayout:
+    """The layout of a ``.npy`` file, checked against the file size (truncation is corruption)."""
+    with open(path, "rb") as stream:
+        dtype, shape, fortran, header_len = read_npy_header(stream, path.name)
+    layout = ArrayLayout("npy", dtype.str, shape, fortran, header_len)
+    if header_len + layout.nbytes > path.stat().st_size:
+        raise DatasetError(f"{path.name} is truncated: shape {shape} needs {layout.nbytes} data bytes")
+    return layout
+
+
+def describe_npz(path: Path) -> ArrayLayout:
+    """The layout of the chosen array of an ``.npz``: ``x``, else ``data``, else the only array."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {info.filename: info for info in archive.infolist() if info.filename.endswith(".npy")}
+            info = members[_choose_member(path, sorted(members))]
+            if info.flag_bits & 0x1:
+                raise DatasetError(f"{path.name}: array {info.filename} is encrypted")
+            if info.compress_type == zipfile.ZIP_STORED:
+                return _describe_stored_member(path, info)
+            with archive.open(info) as stream:
+                dtype, shape, fortran, header_len = read_npy_header(stream, f"{path.name}:{info.filename}")
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+        raise DatasetError(f"{path.name} is not a valid .npz file: {exc}") from exc
+    layout = ArrayLayout("npz-compressed", dtype.str, shape, fortran, header_len, info.filename)
+    if fortran:
+        raise DatasetError(
+            f"{path.name}: compressed array {layout.array_name} is Fortran-ordered and cannot be read by rows; "
+            "save it with np.ascontiguousarray or np.savez (uncompressed)"
+        )
+    if header_len + layout.nbytes != info.file_size:
+        raise DatasetError(f"{path.name}: array {layout.array_name} is corrupt (size does not match its shape)")
+    return layout
+
+
+def _choose_member(path: Path, members: list[str]) -> str:
+    names = [m.removesuffix(".npy") for m in members]
+    for preferred in _PREFERRED_ARRAYS:
+        if preferred in names:
+            return preferred + ".npy"
+    if len(names) == 1:
+        return members[0]
+    if not names:
+        raise DatasetError(f"{path.name} holds no arrays")
+    raise DatasetError(
+        f"{path.name} holds several arrays ({', '.join(names)}) and none is named 'x' or 'data'; "
+        "rename the calibration array to 'x'"
+    )
+
+
+def _describe_stored_member(path: Path, info: zipfile.ZipInfo) -> ArrayLayout:
+    """Find the absolute file offset of an uncompressed member's array data, for a memory map."""
+    name = f"{path.name}:{info.filename}"
+    with open(path, "rb") as stream:
+        stream.seek(info.header_offset)
+        raw = stream.read(_ZIP_LOCAL_HEADER.size)
+        if len(raw) < _ZIP_LOCAL_HEADER.size:
+            raise DatasetError(f"{name}: truncated zip entry")
+        fields = _ZIP_LOCAL_HEADER.unpack(raw)
+        if fields[0] != b"PK\x03\x04":
+            raise DatasetError(f"{name}: corrupt zip entry (bad local header)")
+        data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + fields[9] + fields[10]
+        stream.seek(data_start)
+        dtype, shape, fortran, header_len = read_npy_header(stream, name)
+    layout = ArrayLayout("npz-stored", dtype.str, shape, fortran, data_start + header_len, info.filename)
+    if header_len + layout.nbytes != info.file_size or layout.data_offset + layout.nbytes > path.stat().st_size:
+        raise DatasetError(f"{path.name}: array {layout.array_name} is corrupt (size does not match its shape)")
+    return layout
+
+
+def _read_exact(stream: IO[bytes], size: int, name: str) -> bytes:
+    chunks: list[bytes] = []
+    left = size
+    while left > 0:
+        chunk = stream.read(left)
+        if not chunk:
+            raise DatasetError(f"{name} is truncated")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _skip_to(stream: IO[bytes], position: int, name: str) -> None:
+    """Move a decompressing stream to ``position`` by reading forward in small chunks.
+
+    (ZipExtFile.seek would do the same with 16 MiB chunks; rewinding restarts the member.)
+    """
+    if position < stream.tell():
+        stream.seek(0)
+    left = position - stream.tell()
+    while left > 0:
+        skipped = len(stream.read(min(left, _SKIP_CHUNK)))
+        if not skipped:
+            raise DatasetError(f"{name} is truncated")
+        left -= skipped
+
+
+class ArrayData(CalibrationData):
+    """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
+
+    Files open lazily on the first ``load``; pickling drops them, so the object can cross
+    process boundaries and reopen on the other side.
+    """
+
+    def __init__(self, path: str, layout: ArrayLayout, num_samples: int) -> None:
+        self.path = path
+        self.layout = layout
+        self.num_samples = num_samples
+        self.sample_shape = tuple(layout.shape[1:])
+        self._rows: np.ndarray | None = None  # memory map, for npy and npz-stored
+        self._zip: zipfile.ZipFile | None = None  # open archive, for npz-compressed
+        self._stream: IO[bytes] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def memory_map(self) -> np.memmap | None:
+        """The memory map the rows are read from (None for a compressed npz member)."""
+        self._open()
+        return self._rows if isinstance(self._rows, np.memmap) else None
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Copy rows ``[start, stop)`` (only those) to a float32 tensor."""
+        self._check_range(start, stop)
+        if start == stop:
+            return self._empty()
+        self._open()
+        if self._rows is not None:
+            rows = np.array(self._rows[start:stop], dtype=np.float32, order="C")
+        else:
+            rows = self._read_compressed(start, stop)
+        return torch.from_numpy(rows)
+
+    def _open(self) -> None:
+        if self._rows is not None or self._stream is not None:
+            return
+        layout, name = self.layout, Path(self.path).name
+        try:
+            if layout.storage == "npy":
+                rows = np.load(self.path, mmap_mode="r", allow_pickle=False)
+                if rows.shape != layout.shape or rows.dtype.str != layout.dtype:
+                    raise DatasetError(f"{name} changed since it was described (shape {rows.shape})")
+                self._rows = rows
+            elif layout.storage == "npz-stored":
+                order = "F" if layout.fortran_order else "C"
+                self._rows = np.memmap(
+                    self.path, dtype=np.dtype(layout.dtype), mode="r",
+                    offset=layout.data_offset, shape=layout.shape, order=order,
+                )
+            else:
+                self._zip = zipfile.ZipFile(self.path)
+                self._stream = self._zip.open(layout.member or "")
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            self.close()
+            raise DatasetError(f"cannot open {name}: {exc}") from exc
+
+    def _read_compressed(self, start: int, stop: int) -> np.ndarray:
+        assert self._stream is not None
+        dtype = np.dtype(self.layout.dtype)
+        row_bytes = int(np.prod(self.sample_shape, dtype=np.int64)) * dtype.itemsize
+        name = f"{Path(self.path).name}:{self.layout.member}"
+        try:
+            _skip_to(self._stream, self.layout.data_offset + start * row_bytes, name)
+            raw = _read_exact(self._stream, (stop - start) * row_bytes, name)
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+            raise DatasetError(f"{name} is corrupt: {exc}") from exc
+        flat = np.frombuffer(raw, dtype=dtype)
+        return flat.astype(np.float32).reshape(stop - start, *self.sample_shape)
+
+    def close(self) -> None:
+        """Drop the memory map and close the archive."""
+        if self._stream is not None:
+            self._stream.close()
+        if self._zip is not None:
+            self._zip.close()
+        self._rows = self._zip = self._stream = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_rows=None, _zip=None, _stream=None)
+        return state

@@ -1,0 +1,68 @@
+"""What every opened calibration dataset offers, and the error raised for bad data options."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import TracebackType
+
+import torch
+
+from workers.errors import DatasetError, SpecError
+
+
+class DatasetOptionError(DatasetError, SpecError):
+    """A data option (``transform``, ``max_samples``, an unpack bound) has an invalid value.
+
+    It is both a :class:`DatasetError` (the data cannot be prepared as asked) and a
+    :class:`SpecError` (``field`` names the option), so callers catching either see it.
+    """
+
+
+class CalibrationData(ABC):
+    """An opened calibration dataset: a fixed-order sequence of float32 samples.
+
+    Opened inside the actor from a :class:`~workers.data.DatasetSpec`; ``load`` reads and
+    converts only the requested samples.
+    """
+
+    sample_shape: tuple[int, ...]
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of samples (after ``max_samples``)."""
+
+    @abstractmethod
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Samples ``[start, stop)`` as a float32 tensor ``(stop - start, *sample_shape)``.
+
+        ``start == stop`` gives an empty ``(0, *sample_shape)`` tensor, so a rank with an
+        empty slice still has a batch to run its collectives with.
+        """
+
+    @property
+    def decodes(self) -> bool:
+        """Whether ``load`` does CPU-heavy decoding worth moving to DataLoader workers."""
+        return False
+
+    def close(self) -> None:
+        """Release open files and memory maps; ``load`` reopens them if called again."""
+
+    def __enter__(self) -> CalibrationData:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_range(self, start: int, stop: int) -> None:
+        """Refuse a range outside ``[0, len(self)]`` or with ``start > stop`` (a caller bug)."""
+        if not (0 <= start <= stop <= len(self)):
+            raise IndexError(f"sample range [{start}, {stop}) is outside [0, {len(self)})")
+
+    def _empty(self) -> torch.Tensor:
+        """The empty batch ``(0, *sample_shape)``."""
+        return torch.empty((0, *self.sample_shape), dtype=torch.float32)

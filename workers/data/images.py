@@ -1,0 +1,146 @@
+"""Image-folder calibration data: which files count, in which order, with which labels.
+
+Layout rules (documented for users):
+
+- Image files are ``.jpg``, ``.jpeg``, ``.png``, ``.webp`` and ``.bmp`` (any case); other
+  files are ignored, and so are hidden entries (name starting with ``.``) and
+  ``__MACOSX`` folders, which archivers add as junk.
+- Samples are taken in sorted order of their relative POSIX path (plain string order).
+- Either every image lies at the top level (no labels), or every image lies in a class
+  folder: the top-level folders are the classes, in sorted order. Images nested deeper
+  inside a class folder belong to that class (flattened, as torchvision's ImageFolder
+  does). Images both at the top level and in folders are refused as ambiguous.
+- A top level holding no image and a single folder is a wrapper (``calib/...`` in an
+  archive) and is descended into; a lone class folder is therefore not a class.
+- Symbolic links to files are read; symbolic links to folders are not followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.data.base import CalibrationData
+from workers.data.transform import ImageTransform, load_image
+from workers.errors import DatasetError
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
+
+
+@dataclass(frozen=True)
+class ImageListing:
+    """The images of a folder: effective root, sorted relative paths, classes and labels."""
+
+    root: Path
+    files: tuple[str, ...]
+    classes: tuple[str, ...]
+    labels: tuple[int, ...]  # class index per file; -1 everywhere when there are no classes
+
+
+def is_image_name(name: str) -> bool:
+    """Whether a file name has an image extension (case-insensitive)."""
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def is_ignored_part(part: str) -> bool:
+    """Whether a path component marks a hidden or archiver-junk entry that is never read."""
+    return part.startswith(".") or part == "__MACOSX"
+
+
+def list_images(directory: Path, *, strip_wrappers: bool = True) -> ImageListing:
+    """List the images of ``directory`` by the layout rules of this module.
+
+    Raises :class:`DatasetError` when no image is found or when the layout is ambiguous.
+    """
+    root = _strip_wrappers(directory) if strip_wrappers else directory
+    files: list[str] = []
+    for current, dirnames, filenames in os.walk(root, onerror=_raise_walk_error):
+        dirnames[:] = [d for d in dirnames if not is_ignored_part(d)]
+        relative = Path(current).relative_to(root).as_posix()
+        prefix = "" if relative == "." else relative + "/"
+        files.extend(prefix + f for f in filenames if is_image_name(f) and not is_ignored_part(f))
+    if not files:
+        raise DatasetError(
+            f"no images found in {directory.name or directory} (looked for {', '.join(IMAGE_EXTENSIONS)})"
+        )
+    files.sort()
+    top_level = [f for f in files if "/" not in f]
+    nested = [f for f in files if "/" in f]
+    if top_level and nested:
+        raise DatasetError(
+            f"image {top_level[0]} lies beside class folder {nested[0].split('/')[0]}/; "
+            "put every image in a class folder, or none"
+        )
+    if top_level:
+        return ImageListing(root, tuple(files), (), (-1,) * len(files))
+    classes = tuple(sorted({f.split("/", 1)[0] for f in files}))
+    index = {name: i for i, name in enumerate(classes)}
+    labels = tuple(index[f.split("/", 1)[0]] for f in files)
+    return ImageListing(root, tuple(files), classes, labels)
+
+
+def files_digest(files: Sequence[str]) -> str:
+    """A digest of the sample file list, so an actor can tell that the folder changed."""
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def _strip_wrappers(directory: Path) -> Path:
+    root = directory
+    while True:
+        try:
+            entries = [e for e in os.scandir(root) if not is_ignored_part(e.name)]
+        except OSError as exc:
+            raise DatasetError(f"cannot list {root.name or root}: {exc.strerror}") from exc
+        folders = [e for e in entries if e.is_dir(follow_symlinks=False)]
+        has_images = any(is_image_name(e.name) and not e.is_dir() for e in entries)
+        if has_images or len(folders) != 1:
+            return root
+        root = Path(folders[0].path)
+
+
+def _raise_walk_error(exc: OSError) -> None:
+    raise DatasetError(f"cannot list {Path(exc.filename or '').name}: {exc.strerror}") from exc
+
+
+class ImageData(CalibrationData):
+    """Images decoded and transformed on each ``load`` (so DataLoader workers can do it ahead)."""
+
+    def __init__(
+        self,
+        root: str,
+        files: Sequence[str],
+        transform: ImageTransform,
+        *,
+        classes: Sequence[str] = (),
+        labels: Sequence[int] = (),
+    ) -> None:
+        self.root = root
+        self.files = tuple(files)
+        self.transform = transform
+        self.classes = tuple(classes)
+        self.labels = tuple(labels) if labels else (-1,) * len(self.files)
+        self.sample_shape = transform.sample_shape
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def decodes(self) -> bool:
+        """Image decoding is CPU-heavy: worth DataLoader workers."""
+        return True
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Decode and transform images ``[start, stop)``; a broken file raises a DatasetError naming it."""
+        self._check_range(start, stop)
+        if start == stop:
+            return self._empty()
+        root = Path(self.root)
+        return torch.stack([load_image(root / name, name, self.transform) for name in self.files[start:stop]])

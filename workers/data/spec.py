@@ -1,0 +1,180 @@
+"""Describe a calibration dataset once on the driver; open it in every actor from the description."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from workers.data.archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES, unpack_archive
+from workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
+from workers.data.base import CalibrationData, DatasetOptionError
+from workers.data.images import ImageData, files_digest, list_images
+from workers.data.transform import ImageTransform, check_image_header, resolve_transform
+from workers.errors import DatasetError
+
+_SUFFIX_FORMATS = (
+    (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),
+    (".tar", "tar"), (".tar.gz", "tar"), (".tgz", "tar"),
+    (".tar.bz2", "tar"), (".tbz2", "tar"), (".tar.xz", "tar"), (".txz", "tar"),
+)
+_EXPECTED = "a .npy or .npz file, an image folder, or a .tar, .tar.gz/.tgz or .zip archive of images"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What the driver learned about a dataset: small and picklable, sent to every actor.
+
+    ``path`` is the ``.npy``/``.npz`` file or the image folder (after unpacking an
+    archive); ``source`` is the path the user gave. ``num_samples`` counts after
+    ``max_samples``, ``total_samples`` before. ``sample_shape`` is one sample as fed
+    to the model (float32).
+    """
+
+    kind: Literal["array", "images"]
+    path: str
+    num_samples: int
+    sample_shape: tuple[int, ...]
+    total_samples: int
+    source: str
+    layout: ArrayLayout | None = None  # arrays: storage, npz member, dtype, offsets
+    transform: ImageTransform | None = None  # images: the resolved transform
+    classes: tuple[str, ...] = ()  # images in class folders: class names, label = index
+    files_digest: str | None = None  # images: digest of the sample file list
+
+    def open(self) -> CalibrationData:
+        """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
+        if self.kind == "array":
+            assert self.layout is not None
+            return ArrayData(self.path, self.layout, self.num_samples)
+        assert self.transform is not None
+        listing = list_images(Path(self.path), strip_wrappers=False)
+        files = listing.files[: self.num_samples]
+        if len(files) != self.num_samples or files_digest(files) != self.files_digest:
+            raise DatasetError(f"image folder {Path(self.source).name} changed since it was described")
+        return ImageData(
+            self.path, files, self.transform,
+            classes=listing.classes, labels=listing.labels[: self.num_samples],
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready description for reports and logs."""
+        info: dict[str, Any] = {
+            "kind": self.kind,
+            "source": Path(self.source).name,
+            "samples": self.num_samples,
+            "total_samples": self.total_samples,
+            "sample_shape": list(self.sample_shape),
+        }
+        if self.layout is not None:
+            info.update(storage=self.layout.storage, dtype=str(self.layout.dtype), array=self.layout.array_name)
+        if self.transform is not None:
+            info.update(transform=self.transform.to_dict(), classes=len(self.classes))
+        return info
+
+
+def describe_dataset(
+    path: str | os.PathLike[str],
+    *,
+    transform: Mapping[str, Any] | None = None,
+    max_samples: int | None = None,
+    unpack_dir: str | os.PathLike[str] | None = None,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    check_images: bool = True,
+) -> DatasetSpec:
+    """Validate and count a calibration dataset on the driver, unpacking an archive safely.
+
+    The format comes from the extension, or from the leading bytes for a file without a
+    known one (an uploaded blob). ``max_samples`` keeps the first samples;
+    ``check_images`` reads the header of each kept image so a broken file fails here
+    rather than in an actor. Raises :class:`DatasetError` on any problem (bad options
+    raise :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
+    """
+    if max_samples is not None and (
+        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
+    ):
+        raise DatasetOptionError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise DatasetError(f"calibration data not found: {path}")
+    source = source.absolute()
+    try:
+        if source.is_dir():
+            return _describe_images(source, source, transform, max_samples, check_images)
+        data_format = detect_format(source)
+        if data_format in ("npy", "npz"):
+            if transform:
+                raise DatasetOptionError(
+                    f"transform applies to image data only; {source.name} is an array file", field="transform"
+                )
+            layout = describe_npy(source) if data_format == "npy" else describe_npz(source)
+            total = layout.shape[0]
+            if total == 0:
+                raise DatasetError(f"{source.name} holds no samples (shape {layout.shape})")
+            return DatasetSpec(
+                kind="array", path=str(source), num_samples=min(total, max_samples or total),
+                sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source), layout=layout,
+            )
+        resolve_transform(transform)  # bad options fail before a long unpack
+        folder = unpack_archive(
+            source, data_format, Path(unpack_dir) if unpack_dir is not None else None,
+            max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
+        )
+        return _describe_images(folder, source, transform, max_samples, check_images)
+    except OSError as exc:
+        raise DatasetError(f"cannot read {source.name}: {exc.strerror or exc}") from exc
+
+
+def detect_format(path: Path) -> str:
+    """``npy``, ``npz``, ``tar`` or ``zip``: by extension, else by the file's leading bytes."""
+    lower = path.name.lower()
+    for suffix, data_format in _SUFFIX_FORMATS:
+        if lower.endswith(suffix):
+            return data_format
+    sniffed = _sniff_format(path)
+    if sniffed is None:
+        suffix = "".join(path.suffixes) or "(none)"
+        raise DatasetError(f"unknown calibration data format {path.name} (extension {suffix}); expected {_EXPECTED}")
+    return sniffed
+
+
+def _sniff_format(path: Path) -> str | None:
+    with open(path, "rb") as stream:
+        head = stream.read(512)
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile:
+            return None
+        return "npz" if names and all(n.endswith(".npy") for n in names) else "zip"
+    if head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")) or head[257:262] == b"ustar":
+        return "tar"
+    return None
+
+
+def _describe_images(
+    folder: Path,
+    source: Path,
+    transform: Mapping[str, Any] | None,
+    max_samples: int | None,
+    check_images: bool,
+) -> DatasetSpec:
+    resolved = resolve_transform(transform)
+    listing = list_images(folder)
+    total = len(listing.files)
+    files = listing.files[: min(total, max_samples or total)]
+    if check_images:
+        for name in files:
+            check_image_header(listing.root / name, name)
+    return DatasetSpec(
+        kind="images", path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape,
+        total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
+        files_digest=files_digest(files),
+    )
