@@ -17,7 +17,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -77,6 +76,11 @@ def progress_bar(description: str) -> Iterator[Any]:
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+@app.callback()
+def _commands() -> None:
+    """Recalibrate BatchNorm statistics on Ray; serve and submit jobs over HTTP."""
 
 
 WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")]
@@ -159,12 +163,18 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         fail(exc.message, exc.exit_code)
-    except click.exceptions.NoArgsIsHelpError:
-        raise SystemExit(0) from None
-    except click.UsageError as exc:
-        fail(exc.format_message().replace("\n", " "), 2)
-    except click.exceptions.Abort:
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
         fail("interrupted", 130)
+    except typer.TyperException as exc:  # usage errors: unknown flag, bad value, missing option
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            context = getattr(exc, "ctx", None)
+            if context is not None:
+                print(context.get_help())
+            raise SystemExit(0) from None
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        fail(" ".join(message.split()), getattr(exc, "exit_code", 2) or 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except SystemExit:
