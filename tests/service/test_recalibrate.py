@@ -117,3 +117,38 @@ def test_cancel_stops_the_job(mixed, settings):
     cancel.set()
     with pytest.raises(CancelledError):
         recalibrate(request, settings, cancel=cancel)
+
+
+@pytest.mark.parametrize("layout", ["nested-ddp", "safetensors"])
+def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout):
+    from safetensors.torch import load_file, save_file
+
+    model, _, _, data = mixed
+    state = model.state_dict()
+    if layout == "nested-ddp":
+        source = tmp_path / "in.pt"
+        torch.save({"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 7, "note": "swa"}, source)
+    else:
+        source = tmp_path / "in.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, source, metadata={"origin": "test"})
+    result = run(settings, source, data, workers=2, batch_size=8)
+    out = tmp_path / ("out.pt" if layout == "nested-ddp" else "out.safetensors")
+    result.save_checkpoint(out)
+    if layout == "nested-ddp":
+        saved = torch.load(out, weights_only=True)
+        assert saved["epoch"] == 7 and saved["note"] == "swa"
+        before, after = {k[7:]: v for k, v in torch.load(source, weights_only=True)["model"].items()}, {
+            k[7:]: v for k, v in saved["model"].items()
+        }
+        assert all(k.startswith("module.") for k in saved["model"])
+    else:
+        from safetensors import safe_open
+
+        before, after = load_file(source), load_file(out)
+        with safe_open(out, "pt") as handle:
+            assert handle.metadata() == {"origin": "test"}
+    assert before.keys() == after.keys()
+    for key in before:
+        changed = key.endswith(("running_mean", "running_var", "num_batches_tracked"))
+        assert torch.equal(before[key], after[key]) != changed, key
+        assert before[key].dtype == after[key].dtype

@@ -1,0 +1,33 @@
+# The two quick-start commands live here so that a fresh clone needs nothing else.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: this build lies on the machine's disk (no multi-GB download).
+	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m service.demo demo
+	$(BIN)/bnrecal calibrate --arch torchvision:resnet18 --model-kwargs '{"num_classes": 10}' \
+		--checkpoint demo/resnet18-stale.pt --data demo/digits.npy --workers 2 --batch-size 32 \
+		--out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx --report demo/report.json
+	@echo "wrote demo/resnet18-recalibrated.pt, demo/resnet18.onnx and demo/report.json"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) demo .bnrecal
