@@ -146,14 +146,15 @@ def test_image_folder_with_default_transform(tmp_path, capsys):
     out = tmp_path / "out.pt"
     code, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "model.pt"),
-        "--data", str(tmp_path / "digits"), "--batch-size", "5", "--out", str(out), "--transform", '{"resize": 24, "crop": 16}',
+        "--data", str(tmp_path / "digits"), "--batch-size", "5", "--out", str(out),
     )
     assert code == 0, err
     from workers.data import describe_dataset
 
-    spec = describe_dataset(tmp_path / "digits", transform={"resize": 24, "crop": 16})
+    spec = describe_dataset(tmp_path / "digits")  # the default: ImageNet evaluation preset
     samples = spec.open().load(0, spec.num_samples)
-    assert samples.shape == (12, 3, 16, 16)
+    assert samples.shape == (12, 3, 224, 224)
+    assert spec.classes == tuple(sorted({f"class_{int(t)}" for t in digits.target[:12]}))
     recalibrated = mixed_net()
     recalibrated.load_state_dict(torch.load(out, weights_only=True))
     assert_matches_reference(recalibrated, reference_statistics(model, samples, 5))
