@@ -44,6 +44,13 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Placement(str, Enum):
+    spread = "spread"
+    pack = "pack"
+    strict_spread = "strict_spread"
+    strict_pack = "strict_pack"
+
+
 class OnnxDtype(str, Enum):
     float32 = "float32"
     float16 = "float16"
@@ -101,6 +108,8 @@ def calibrate(
     device: Annotated[Device, typer.Option(help="Where the ranks compute.")] = Device.cpu,
     transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+    placement: Annotated[Placement | None, typer.Option(help="Spread ranks across nodes, or pack them.")] = None,
+    max_retries: Annotated[int | None, typer.Option(help="Re-run a failed pass from scratch this many times.")] = None,
     onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
     onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
     onnx_dtype: Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")] = OnnxDtype.float32,
@@ -124,6 +133,8 @@ def calibrate(
         max_samples=max_samples,
         device=device.value,
         transform=parse_json_object(transform, "--transform"),
+        placement=placement.value if placement is not None else None,
+        max_retries=max_retries,
     )
     cancel = threading.Event()
     with progress_bar("calibrating") as update:
@@ -185,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         detail = (str(exc).strip().splitlines() or [""])[0]
         fail(f"internal error: {type(exc).__name__}: {detail} (set BNRECAL_DEBUG=1 for the traceback)", 1)
 
+
+from .cli_http import register_http_commands; register_http_commands(app)  # noqa: E402, E702 - serve, submit
 
 if __name__ == "__main__":
     main(sys.argv[1:])

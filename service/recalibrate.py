@@ -24,15 +24,19 @@ from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from workers.collectives import backend_for_device
 from workers.data import DatasetSpec, describe_dataset
-from workers.errors import NoBatchNormError, SpecError
+from workers.data import ship_dataset
+from workers.errors import CancelledError, NoBatchNormError, RunError, SpecError
 from workers.group import GroupOptions, run_rank_group
 from workers.models import build_model
 from workers.moments import MomentStats
 from workers.plan import RankPlan
+from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
 from .report import layer_entry, skipped_entries, write_report
 from .settings import Settings
+
+PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 
 ProgressCallback = Callable[[int, int], None]
 """Called with (samples done, samples total) as the ranks report progress."""
@@ -52,6 +56,8 @@ class RecalibrationRequest:
     max_samples: int | None = None
     device: str = "cpu"
     transform: dict[str, Any] | None = None
+    placement: str | None = None
+    max_retries: int | None = None
 
     def validate(self) -> None:
         """Refuse impossible options before any work starts, naming the option."""
@@ -65,6 +71,10 @@ class RecalibrationRequest:
             raise SpecError(f"device must be cpu or cuda, got {self.device!r}", field="device")
         if self.max_samples is not None and self.max_samples < 1:
             raise SpecError(f"max_samples must be >= 1, got {self.max_samples}", field="max_samples")
+        if self.placement is not None and self.placement.upper() not in PLACEMENTS:
+            raise SpecError(f"placement must be one of {', '.join(p.lower() for p in PLACEMENTS)}", field="placement")
+        if self.max_retries is not None and self.max_retries < 0:
+            raise SpecError(f"max_retries must be >= 0, got {self.max_retries}", field="max_retries")
         if not isinstance(self.model_kwargs, dict):
             raise SpecError("model_kwargs must be a JSON object", field="model_kwargs")
 
@@ -140,7 +150,7 @@ def recalibrate(
     options = GroupOptions(
         cpus_per_worker=cpus,
         gpus_per_worker=settings.gpus_per_worker if request.device == "cuda" else 0.0,
-        placement_strategy=settings.placement_strategy,
+        placement_strategy=(request.placement or settings.placement_strategy).upper(),
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
     )
@@ -150,7 +160,28 @@ def recalibrate(
         if on_progress is not None:
             on_progress(done, total)
 
-    result = run_rank_group(plan, model.state_dict(), options, on_progress=progress, cancel=cancel)
+    transport = _data_transport(settings.data_transport)
+    shards = None
+    if transport == "object_store":
+        ranges = [rank_ranges(total, request.batch_size, request.workers, r) for r in range(request.workers)]
+        shards = ship_dataset(dataset, ranges)
+    retries = settings.max_retries if request.max_retries is None else request.max_retries
+    failures: list[str] = []
+    while True:
+        try:
+            result = run_rank_group(
+                plan, model.state_dict(), options, on_progress=progress, cancel=cancel, shards=shards
+            )
+            break
+        except CancelledError:
+            raise
+        except RunError as exc:
+            if len(failures) >= retries:
+                if failures:
+                    exc.message = f"{exc.message} (after {len(failures)} retries)"
+                    exc.args = (exc.message,)
+                raise
+            failures.append(exc.message)
     stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
@@ -169,6 +200,10 @@ def recalibrate(
         "seconds": round(result.seconds, 6),
         "samples_per_second": round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
         "nodes": result.nodes,
+        "placement": options.placement_strategy,
+        "data_transport": transport,
+        "attempts": len(failures) + 1,
+        "retried_failures": failures,
         "cpus_per_worker": cpus,
         "dataset": {"kind": dataset.kind, "samples": dataset.num_samples, "sample_shape": list(dataset.sample_shape)},
         "layers": [
@@ -190,6 +225,15 @@ def _updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
         if module.num_batches_tracked is not None:
             updates[f"{layer.name}.num_batches_tracked"] = module.num_batches_tracked.detach().cpu()
     return updates
+
+
+def _data_transport(setting: str) -> str:
+    """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
+    if setting != "auto":
+        return setting
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    here = ray.get_runtime_context().get_node_id()
+    return "shared" if alive == [here] else "object_store"
 
 
 def _default_cpus_per_worker(workers: int) -> float:

@@ -35,11 +35,31 @@ class Settings(BaseSettings):
     )
     gpus_per_worker: float = Field(default=1.0, gt=0, description="GPUs per rank when the device is CUDA.")
     placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+    data_transport: Literal["auto", "object_store", "shared"] = Field(
+        default="auto",
+        description="How data reaches the ranks: the object store, or a path every node sees (shared); "
+        "auto shares only on a single-node cluster that includes this process.",
+    )
+    max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
-    max_upload_bytes: int = Field(default=8 * 1024**3, gt=0)
-    data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    max_upload_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest accepted upload, in bytes.")
+    data_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="Server folders a job may read `data: {path}` from; empty: none."
+    )
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL of the job ledger; default: SQLite `ledger.db` in data_dir."
+    )
+    max_concurrent_jobs: int | None = Field(
+        default=None, ge=1, description="Jobs run at once; default: as many as the cluster's CPUs hold."
+    )
+    rerun_interrupted: bool = Field(
+        default=True, description="Run a job a crash left `running` again (once); false: fail it."
+    )
+    embedded_cpus: int | None = Field(
+        default=None, ge=1, description="Logical CPUs of the embedded Ray instance of `serve`; default: the machine's."
+    )
 
     @field_validator("model_modules", "api_keys", "data_roots", mode="before")
     @classmethod

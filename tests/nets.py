@@ -115,9 +115,10 @@ class MarkerNet(nn.Module):
     """BN1d on (N, 4) that dies (``exit``) or hangs (``hang``) on a marked sample: a rank
     failing mid-job, on purpose."""
 
-    def __init__(self, action: str = "exit") -> None:
+    def __init__(self, action: str = "exit", signal_dir: str | None = None) -> None:
         super().__init__()
         self.action = action
+        self.signal_dir = signal_dir
         self.bn = nn.BatchNorm1d(4)
         self.fc = nn.Linear(4, 2)
 
@@ -127,12 +128,16 @@ class MarkerNet(nn.Module):
                 import os
 
                 os._exit(3)
+            import os
             import time
+            from pathlib import Path
 
+            if self.signal_dir:
+                Path(self.signal_dir, f"hanging-{os.getpid()}").touch()
             time.sleep(3600)
         return self.fc(self.bn(x))
 
 
-def marker_net(action: str = "exit") -> nn.Module:
-    """Factory for ``tests.nets:marker_net``."""
-    return MarkerNet(action)
+def marker_net(action: str = "exit", signal_dir: str | None = None) -> nn.Module:
+    """Factory for ``tests.nets:marker_net``; with ``signal_dir``, a hanging rank leaves a file there."""
+    return MarkerNet(action, signal_dir)

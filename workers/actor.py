@@ -15,7 +15,7 @@ import torch
 from .batchnorm import BatchNormLayer
 from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
-from .data import iter_batches
+from .data import CalibrationData, iter_batches
 from .errors import BnrecalError, RunError
 from .models import build_model
 from .plan import RankPlan
@@ -48,10 +48,16 @@ class CalibrationRank:
         """Where this rank runs: Ray node id, host and process id."""
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "host": os.uname().nodename}
 
-    def run(self, plan: RankPlan, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
-        """Calibrate this rank's shard; yields progress events and finally the result."""
+    def run(
+        self, plan: RankPlan, state_dict: dict[str, torch.Tensor], shard: CalibrationData | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Calibrate this rank's shard; yields progress events and finally the result.
+
+        ``shard`` is this rank's data when it travels through the object store; without
+        it the rank opens the dataset's path itself (a shared filesystem).
+        """
         try:
-            yield from self._run(plan, state_dict)
+            yield from self._run(plan, state_dict, shard)
         except BnrecalError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
@@ -64,14 +70,17 @@ class CalibrationRank:
         finally:
             self._leave_group()
 
-    def _run(self, plan: RankPlan, state_dict: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+    def _run(
+        self, plan: RankPlan, state_dict: dict[str, torch.Tensor], shard: CalibrationData | None
+    ) -> Iterator[dict[str, Any]]:
         device = torch.device(plan.device)
         model = build_model(plan.arch, plan.model_kwargs, allowed_modules=plan.allowed_modules)
         model.load_state_dict(state_dict)
         model.to(device).eval()
         modules = dict(model.named_modules())
         layers = [BatchNormLayer(name, modules[name]) for name in plan.layer_names]
-        data = plan.dataset.open()
+        data = shard if shard is not None else plan.dataset.open()
+        loader_workers = plan.loader_workers if shard is None else 0
         ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
@@ -89,7 +98,7 @@ class CalibrationRank:
                     calibration_pass(
                         model,
                         layers,
-                        iter_batches(data, ranges, num_workers=plan.loader_workers),
+                        iter_batches(data, ranges, num_workers=loader_workers),
                         mode=plan.mode,
                         collective=collective,
                         call_order=plan.call_order,

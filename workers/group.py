@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,8 +61,13 @@ def run_rank_group(
     *,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    shards: Sequence[Any] | None = None,
 ) -> GroupResult:
-    """Run a job on ``plan.world_size`` rank actors and return their combined result."""
+    """Run a job on ``plan.world_size`` rank actors and return their combined result.
+
+    ``shards`` (one per rank) carry the data through the object store; without them
+    every rank opens ``plan.dataset`` from its path.
+    """
     world_size = plan.world_size
     plan = replace(plan, group_name=plan.group_name or f"bnrecal-{uuid.uuid4().hex[:12]}")
     bundle = {"CPU": options.cpus_per_worker}
@@ -86,7 +91,10 @@ def run_rank_group(
                     ),
                 ).remote(rank, threads)
             )
-        streams = [actor.run.remote(plan, state_ref) for actor in actors]
+        streams = [
+            actor.run.remote(plan, state_ref, shards[rank] if shards is not None else None)
+            for rank, actor in enumerate(actors)
+        ]
         return _follow(streams, group, plan, options, on_progress, cancel)
     finally:
         for actor in actors:
@@ -107,6 +115,7 @@ def _wait_for_placement(group: Any, world_size: int, bundle: dict[str, float], o
 
 
 def _bundle_nodes(group: Any) -> dict[int, str]:
+    """Node of each bundle, until the ranks report their own."""
     try:
         return {int(k): v for k, v in placement_group_table(group).get("bundles_to_node_id", {}).items()}
     except Exception:  # noqa: BLE001 - node names are for messages only
@@ -128,6 +137,7 @@ def _follow(
     steps_done = [0] * len(streams)
     calls_entered = [0] * len(streams)
     started: set[int] = set()
+    nodes = _bundle_nodes(group)
     samples_done = 0
     startup_deadline = time.monotonic() + options.placement_timeout_s
     last_progress = time.monotonic()
@@ -143,9 +153,10 @@ def _follow(
                 pending.remove(stream)
                 continue
             except (RayTaskError, RayActorError) as exc:
-                raise _root_cause(rank, exc, streams, group) from None
+                raise _root_cause(rank, exc, streams, nodes) from None
             if event["kind"] == "started":
                 started.add(rank)
+                nodes[rank] = event["node_id"]
                 last_progress = time.monotonic()
             elif event["kind"] == "heartbeat":
                 if event["calls"] != calls_entered[rank]:
@@ -171,7 +182,7 @@ def _follow(
                 )
         elif time.monotonic() - last_progress > options.collective_timeout_s:
             behind = min(range(len(streams)), key=lambda r: (r in results, calls_entered[r], steps_done[r]))
-            node = _bundle_nodes(group).get(behind, "unknown")
+            node = nodes.get(behind, "unknown")
             raise RunError(
                 f"rank {behind} on node {node[:12]} made no progress for {options.collective_timeout_s:g} s "
                 f"(at step {steps_done[behind]}, {calls_entered[behind]} collectives entered): "
@@ -192,7 +203,7 @@ def _follow(
     )
 
 
-def _root_cause(rank: int, exc: BaseException, streams: list[Any], group: Any) -> BnrecalError:
+def _root_cause(rank: int, exc: BaseException, streams: list[Any], nodes: dict[int, str]) -> BnrecalError:
     """The most telling error among the ranks: a dead rank beats its peers' broken links."""
     deadline = time.monotonic() + 3.0
     errors: dict[int, BaseException] = {rank: exc}
@@ -208,7 +219,6 @@ def _root_cause(rank: int, exc: BaseException, streams: list[Any], group: Any) -
             errors[other] = other_exc
         except StopIteration:
             pass
-    nodes = _bundle_nodes(group)
     died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
     culprit = died[0] if died else rank
     return _describe(culprit, errors[culprit], nodes.get(culprit, "unknown"))
@@ -222,7 +232,15 @@ def _describe(rank: int, exc: BaseException, node: str) -> BnrecalError:
         detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         return RunError(f"rank {rank} on node {node[:12]} failed: {detail}", rank=rank, node=node)
     reason = _first_line(str(exc))
-    return RunError(f"rank {rank} on node {node[:12]} died: {reason}", rank=rank, node=node)
+    lost = " (the node left the cluster)" if node not in _alive_nodes() else ""
+    return RunError(f"rank {rank} on node {node[:12]}{lost} died: {reason}", rank=rank, node=node)
+
+
+def _alive_nodes() -> set[str]:
+    try:
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - for the message only
+        return set()
 
 
 def _first_line(text: str) -> str:

@@ -13,6 +13,7 @@ from workers.data.arrays import ArrayData, ArrayLayout
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.batches import iter_batches
 from workers.data.images import IMAGE_EXTENSIONS, ImageData
+from workers.data.shipping import ShippedData, ship_dataset
 from workers.data.spec import DatasetSpec, describe_dataset, detect_format
 from workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 
@@ -28,9 +29,11 @@ __all__ = [
     "DatasetSpec",
     "ImageData",
     "ImageTransform",
+    "ShippedData",
     "default_unpack_root",
     "describe_dataset",
     "detect_format",
     "iter_batches",
     "resolve_transform",
+    "ship_dataset",
 ]

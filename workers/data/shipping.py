@@ -1,0 +1,143 @@
+"""Calibration data that reaches the actors through the Ray object store.
+
+On a cluster whose nodes do not share the driver's filesystem, the driver reads the
+data once and puts each rank's own samples in the object store, in blocks of about
+``block_bytes``; an actor fetches only its own blocks, one at a time, as its steps
+reach them. Arrays travel as the float32 rows the model is fed; images travel as
+their encoded file bytes and are decoded in the actor.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from workers.data.base import CalibrationData
+from workers.data.images import ImageData
+from workers.data.spec import DatasetSpec
+from workers.data.transform import ImageTransform, load_image
+
+DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ShippedBlock:
+    """One object-store block: the sample ranges it holds, in order, and its reference."""
+
+    ranges: tuple[tuple[int, int], ...]
+    ref: Any  # ray.ObjectRef: float32 tensor (arrays) or list of (name, bytes) (images)
+
+
+class ShippedData(CalibrationData):
+    """One rank's samples, read from its object-store blocks instead of a path."""
+
+    def __init__(
+        self,
+        blocks: Sequence[ShippedBlock],
+        num_samples: int,
+        sample_shape: tuple[int, ...],
+        transform: ImageTransform | None,
+    ) -> None:
+        self.blocks = tuple(blocks)
+        self.num_samples = num_samples
+        self.sample_shape = tuple(sample_shape)
+        self.transform = transform
+        self._where = {r: (i, offset) for i, b in enumerate(self.blocks) for r, offset in _offsets(b.ranges)}
+        self._cached: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """The samples of one of this rank's ranges (an empty range gives an empty batch)."""
+        self._check_range(start, stop)
+        if start == stop:
+            return self._empty()
+        if (start, stop) not in self._where:
+            raise IndexError(f"range [{start}, {stop}) was not shipped to this rank")
+        index, offset = self._where[(start, stop)]
+        block = self._block(index)
+        rows = block[offset : offset + stop - start]
+        if self.transform is None:
+            return rows
+        return torch.stack([load_image(io.BytesIO(data), name, self.transform) for name, data in rows])
+
+    def _block(self, index: int) -> Any:
+        if self._cached is None or self._cached[0] != index:
+            self._cached = None  # drop the previous block before fetching the next
+            self._cached = (index, ray.get(self.blocks[index].ref))
+        return self._cached[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cached": None}
+
+
+def _offsets(ranges: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    offsets, position = [], 0
+    for start, stop in ranges:
+        offsets.append(((start, stop), position))
+        position += stop - start
+    return offsets
+
+
+def ship_dataset(
+    spec: DatasetSpec,
+    rank_ranges: Sequence[Sequence[tuple[int, int]]],
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> list[ShippedData]:
+    """Put every rank's samples in the object store; return one ``ShippedData`` per rank.
+
+    Reads the dataset once, in order of each rank's ranges, holding one block in memory
+    at a time.
+    """
+    data = spec.open()
+    shipped = []
+    for ranges in rank_ranges:
+        blocks: list[ShippedBlock] = []
+        pending: list[tuple[int, int]] = []
+        parts: list[Any] = []
+        size = 0
+        for start, stop in ranges:
+            if start == stop:
+                continue
+            part = _read(data, start, stop)
+            pending.append((start, stop))
+            parts.append(part)
+            size += _nbytes(part)
+            if size >= block_bytes:
+                blocks.append(_put(pending, parts))
+                pending, parts, size = [], [], 0
+        if pending:
+            blocks.append(_put(pending, parts))
+        transform = spec.transform if spec.kind == "images" else None
+        shipped.append(ShippedData(blocks, spec.num_samples, spec.sample_shape, transform))
+    data.close()
+    return shipped
+
+
+def _read(data: CalibrationData, start: int, stop: int) -> Any:
+    if isinstance(data, ImageData):
+        root = Path(data.root)
+        return [(name, (root / name).read_bytes()) for name in data.files[start:stop]]
+    return data.load(start, stop)
+
+
+def _nbytes(part: Any) -> int:
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return sum(len(data) for _, data in part)
+
+
+def _put(ranges: list[tuple[int, int]], parts: list[Any]) -> ShippedBlock:
+    if isinstance(parts[0], torch.Tensor):
+        payload: Any = torch.cat(parts)
+    else:
+        payload = [item for part in parts for item in part]
+    return ShippedBlock(tuple(ranges), ray.put(payload))
