@@ -40,3 +40,13 @@ def save_state(path: Path, model: torch.nn.Module) -> Path:
     """Write a plain state_dict checkpoint."""
     torch.save(model.state_dict(), path)
     return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests where no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -112,8 +112,8 @@ MARKER = 4242.0
 
 
 class MarkerNet(nn.Module):
-    """BN1d on (N, 4) that dies (``exit``) or hangs (``hang``) on a marked sample: a rank
-    failing mid-job, on purpose."""
+    """BN1d on (N, 4) that dies (``exit``), dies the first time only (``exit_once``, which
+    needs ``signal_dir``) or hangs (``hang``) on a marked sample: a rank failing mid-job."""
 
     def __init__(self, action: str = "exit", signal_dir: str | None = None) -> None:
         super().__init__()
@@ -124,7 +124,14 @@ class MarkerNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() and bool((x[:, 0] == MARKER).any()):
-            if self.action == "exit":
+            if self.action == "exit_once" and self.signal_dir:
+                from pathlib import Path
+
+                first = Path(self.signal_dir, "failed-once")
+                if first.exists():
+                    return self.fc(self.bn(x))
+                first.touch()
+            if self.action in ("exit", "exit_once"):
                 import os
 
                 os._exit(3)

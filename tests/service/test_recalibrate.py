@@ -152,3 +152,28 @@ def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout):
         changed = key.endswith(("running_mean", "running_var", "num_batches_tracked"))
         assert torch.equal(before[key], after[key]) != changed, key
         assert before[key].dtype == after[key].dtype
+
+
+def test_retry_policy_reruns_a_failed_pass_from_scratch(settings, tmp_path):
+    checkpoint, data = marked_data(tmp_path)
+    kwargs = {"action": "exit_once", "signal_dir": str(tmp_path)}
+    request = RecalibrationRequest(
+        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4,
+        model_kwargs=kwargs, max_retries=1,
+    )
+    result = recalibrate(request, settings)
+    assert result.report["attempts"] == 2
+    assert "rank 1" in result.report["retried_failures"][0]
+    assert result.report["samples"] == 40  # the whole pass again, not a resumed one
+    (tmp_path / "failed-once").unlink()
+    request.max_retries = None  # the setting's default: off
+    with pytest.raises(RunError, match="rank 1"):
+        recalibrate(request, settings)
+
+
+def test_object_store_transport_matches_shared_paths(mixed, settings):
+    model, samples, checkpoint, data = mixed
+    shipped = settings.model_copy(update={"data_transport": "object_store"})
+    result = run(shipped, checkpoint, data, workers=2, batch_size=6)
+    assert result.report["data_transport"] == "object_store"
+    assert_matches_reference(result.model, reference_statistics(model, samples, 6))
