@@ -4,31 +4,39 @@ The math (``BatchNormCalibrator``, ``calibration_pass``) runs in any process; th
 side (``run_rank_group``) places one ``CalibrationRank`` actor per rank.
 """
 
-from .batchnorm import BatchNormCalibrator, BatchNormLayer, SkippedLayer, find_batchnorm_layers, record_call_order
-from .calibration import PassResult, apply_statistics, calibration_pass
-from .checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
-from .collectives import Collective, RayCollective, SingleProcessCollective, backend_for_device
-from .errors import (
-    ArchitectureError,
-    AuthenticationError,
-    BnrecalError,
-    CancelledError,
-    CheckpointError,
-    DatasetError,
-    ExportError,
-    InputError,
-    ModelInputError,
-    NoBatchNormError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RunError,
-    SpecError,
-)
-from .group import GroupOptions, GroupResult, run_rank_group
-from .models import build_model, parse_allowed_modules
-from .moments import MomentStats
-from .plan import RankPlan
-from .sharding import num_steps, rank_ranges
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "batchnorm": ("BatchNormCalibrator", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "record_call_order"),
+    "calibration": ("PassResult", "apply_statistics", "calibration_pass"),
+    "checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
+    "collectives": ("Collective", "RayCollective", "SingleProcessCollective", "backend_for_device"),
+    "errors": (
+        "ArchitectureError", "AuthenticationError", "BnrecalError", "CancelledError", "CheckpointError",
+        "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError", "NotFoundError",
+        "PayloadTooLargeError", "RunError", "SpecError",
+    ),
+    "group": ("GroupOptions", "GroupResult", "run_rank_group"),
+    "models": ("build_model", "parse_allowed_modules"),
+    "moments": ("MomentStats",),
+    "plan": ("RankPlan",),
+    "sharding": ("num_steps", "rank_ranges"),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use, so ``workers.errors`` users do not pay for torch and Ray."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ArchitectureError",
