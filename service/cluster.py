@@ -29,6 +29,7 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
         ray.init(
             num_cpus=int(num_cpus + 0.999),
             include_dashboard=False,
+            _node_ip_address="127.0.0.1",  # an embedded single-node instance listens on loopback only
             logging_level=logging.ERROR,
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},

@@ -24,19 +24,28 @@ from tests.reference import assert_matches_reference, reference_statistics
 pytestmark = pytest.mark.slow
 
 
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's switch that makes every process (raylets, driver) take 127.0.0.1 as its node
+address: the test cluster's traffic stays on loopback."""
+
+
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[tuple[object, object]]:
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
-    worker = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in LOOPBACK_ONLY.items():
+            patch.setenv(name, value)  # for the raylets' own worker processes
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=node)
+        worker = cluster.add_node(**node)
+        cluster.wait_for_nodes()
     yield cluster, worker
     cluster.shutdown()
 
 
 def cli(address: str, *args: str, **popen: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "BNRECAL_MODEL_MODULES": "tests", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, **LOOPBACK_ONLY, "BNRECAL_MODEL_MODULES": "tests", "PYTHONPATH": str(Path(__file__).parents[2])}
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(
         [str(Path(sys.executable).parent / "bnrecal"), "calibrate", "--ray-address", address, *args],
@@ -57,6 +66,7 @@ def test_one_rank_per_node_matches_the_reference(two_nodes, tmp_path):
     )
     _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
+    assert cluster.address.startswith("127.0.0.1:")
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(set(report["nodes"])) == 2
     assert report["data_transport"] == "object_store" and report["placement"] == "STRICT_SPREAD"
