@@ -1,0 +1,118 @@
+"""Run one of torch's ONNX exporters without letting it fold or split anything.
+
+Both exporters in torch 2.14 fold the plain Conv -> BN case themselves, in float32 and
+without the legality checks of contract section 6, so neither is allowed to: the
+``torch.export`` (dynamo) exporter runs with ``optimize=False`` (its optimizer applies
+onnxscript's BatchNorm fusion rules), the TorchScript exporter with
+``training=TrainingMode.PRESERVE`` on an eval model (which skips its eval-mode peephole
+fusion but keeps constant folding). The result is an ``onnx_ir`` model in memory; saving
+it (one file, no ``.onnx.data`` sidecar) is the caller's business.
+
+The dynamo exporter is tried first (opset 18 and above); the TorchScript exporter is the
+fallback where that fails, and the only path for opsets below 18.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+logger = logging.getLogger(__name__)
+
+INPUT_NAME = "input"
+BATCH_AXIS = "batch"
+DYNAMO_MIN_OPSET = 18
+DYNAMO_MAX_OPSET = 23
+TORCHSCRIPT_MIN_OPSET = 13
+TORCHSCRIPT_MAX_OPSET = 20
+SUPPORTED_OPSETS = range(TORCHSCRIPT_MIN_OPSET, DYNAMO_MAX_OPSET + 1)
+
+
+@dataclass
+class RawExport:
+    """An exported, not yet folded graph and the exporter that made it."""
+
+    model: ir.Model
+    exporter: str
+
+
+def output_names(count: int) -> list[str]:
+    """Graph output names: ``output`` for one output, ``output_0..`` for several."""
+    return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
+
+
+def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, opset: int, dynamic_batch: bool,
+                   n_outputs: int) -> ir.Model:
+    dynamic_shapes = ({0: torch.export.Dim(BATCH_AXIS)},) if dynamic_batch else None
+    program = torch.onnx.export(
+        model,
+        (example,),
+        dynamo=True,
+        optimize=False,
+        external_data=False,
+        opset_version=opset,
+        dynamic_shapes=dynamic_shapes,
+        input_names=[INPUT_NAME],
+        output_names=output_names(n_outputs),
+        verbose=False,
+    )
+    return program.model
+
+
+def _export_torchscript(model: torch.nn.Module, example: torch.Tensor, opset: int, dynamic_batch: bool,
+                        n_outputs: int) -> ir.Model:
+    names = output_names(n_outputs)
+    dynamic_axes = {name: {0: BATCH_AXIS} for name in (INPUT_NAME, *names)} if dynamic_batch else None
+    with tempfile.TemporaryDirectory(prefix="bnrecal-export-") as tmp:
+        path = Path(tmp) / "torchscript.onnx"
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            opset_version=opset,
+            input_names=[INPUT_NAME],
+            output_names=names,
+            dynamic_axes=dynamic_axes,
+        )
+        return ir.load(path)
+
+
+def export_unfolded(
+    model: torch.nn.Module,
+    example: torch.Tensor,
+    *,
+    opset: int,
+    dynamic_batch: bool,
+    n_outputs: int,
+    exporter: str = "auto",
+) -> RawExport:
+    """Export ``model`` (eval mode) at ``opset`` with one input batch ``example``.
+
+    ``exporter`` is ``auto`` (dynamo, then TorchScript), ``dynamo`` or ``torchscript``.
+    Raises the exporter's exception when no exporter succeeds.
+    """
+    candidates = []
+    if exporter in ("auto", "dynamo") and DYNAMO_MIN_OPSET <= opset <= DYNAMO_MAX_OPSET:
+        candidates.append(("dynamo", _export_dynamo))
+    if exporter in ("auto", "torchscript") and TORCHSCRIPT_MIN_OPSET <= opset <= TORCHSCRIPT_MAX_OPSET:
+        candidates.append(("torchscript", _export_torchscript))
+    if not candidates:
+        raise ValueError(f"no {exporter} exporter supports opset {opset}")
+    errors: list[BaseException] = []
+    for name, run in candidates:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecation notices of the TorchScript path, tracer hints
+                return RawExport(run(model, example, opset, dynamic_batch, n_outputs), name)
+        except Exception as exc:  # noqa: BLE001 - try the next exporter, report the first failure
+            logger.info("%s exporter failed: %s", name, exc)
+            errors.append(exc)
+    raise errors[0]

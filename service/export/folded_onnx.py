@@ -1,0 +1,188 @@
+"""``export_folded_onnx``: the recalibrated model as one verified, BN-folded ONNX file."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+
+from service.export.exporters import SUPPORTED_OPSETS, export_unfolded
+from service.export.float16 import convert_to_float16
+from service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
+from service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
+from service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
+from service.export.verification import flatten_outputs, reference_outputs, verify_onnx
+from workers.errors import BnrecalError, ExportError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 18
+LARGE_VERIFY_BATCH = 8
+
+
+def _validate(samples: torch.Tensor, opset: int, dtype: str, input_shape: Sequence[int] | None) -> None:
+    if not isinstance(samples, torch.Tensor) or samples.is_complex() or samples.dtype == torch.bool:
+        raise ExportError("ONNX export needs calibration samples as a real-valued tensor")
+    if samples.dim() < 2 or samples.shape[0] < 2:
+        raise ExportError(f"ONNX export needs at least 2 calibration samples, got shape {list(samples.shape)}")
+    if opset not in SUPPORTED_OPSETS:
+        raise ExportError(
+            f"ONNX opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}"
+        )
+    if dtype not in ("float32", "float16"):
+        raise ExportError(f"ONNX dtype '{dtype}' is not supported; choose float32 or float16")
+    if input_shape is not None:
+        shape = list(input_shape)
+        if len(shape) != samples.dim() - 1 or any(not isinstance(d, int) or d < 1 for d in shape):
+            raise ExportError(
+                f"ONNX input_shape {shape} does not fit samples of per-sample shape {list(samples.shape[1:])}"
+            )
+        if shape[0] != samples.shape[1]:
+            raise ExportError(f"ONNX input_shape {shape} has {shape[0]} channels, the samples {samples.shape[1]}")
+
+
+def _shaped_samples(samples: torch.Tensor, input_shape: Sequence[int] | None) -> torch.Tensor:
+    """The samples at the export's per-sample shape (spatially resized where it differs)."""
+    samples = samples.detach().to(torch.float32).cpu()
+    if input_shape is None or list(input_shape) == list(samples.shape[1:]):
+        return samples
+    size = list(input_shape)[1:]
+    mode = {1: "linear", 2: "bilinear", 3: "trilinear"}.get(len(size))
+    if mode is None:
+        raise ExportError(f"ONNX input_shape {list(input_shape)} has no spatial size the samples can be resized to")
+    return F.interpolate(samples, size=size, mode=mode, align_corners=False)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line naming the innermost cause of an exporter failure (torch wraps it twice)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _fold_in_torch(model: torch.nn.Module, example: torch.Tensor) -> tuple[torch.nn.Module, TorchFoldResult]:
+    """Fold on a copy; where the folded copy no longer runs, keep the unfolded model."""
+    folded = copy.deepcopy(model)
+    result = fold_batchnorm_modules(folded, example)
+    try:
+        with torch.no_grad():
+            folded(example)
+    except Exception as exc:  # noqa: BLE001 - e.g. a forward that reads attributes of the removed BN
+        logger.info("model does not run with BN modules removed (%s); folding on the ONNX graph only", exc)
+        return model, TorchFoldResult(method="none")
+    return folded, result
+
+
+def _export_graph(
+    model: torch.nn.Module, example: torch.Tensor, *, opset: int, dynamic_batch: bool, n_outputs: int,
+    exporter: str, torch_fold: bool,
+) -> tuple[ir.Model, TorchFoldResult, OnnxFoldResult, str]:
+    """Fold in PyTorch, export, fold on the graph: the float32 graph and what each pass did."""
+    torch_result = TorchFoldResult(method="none")
+    if torch_fold:
+        model, torch_result = _fold_in_torch(model, example)
+    raw = export_unfolded(model, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
+                          exporter=exporter)
+    graph = raw.model
+    fold_constants(graph)
+    onnx_result = fold_batchnorm_nodes(graph)
+    finalize(graph)
+    return graph, torch_result, onnx_result, raw.exporter
+
+
+def export_folded_onnx(
+    model: torch.nn.Module,
+    samples: torch.Tensor,
+    path: str | os.PathLike,
+    *,
+    opset: int = DEFAULT_OPSET,
+    dtype: Literal["float32", "float16"] = "float32",
+    dynamic_batch: bool = True,
+    input_shape: Sequence[int] | None = None,
+    _exporter: str = "auto",
+    _torch_fold: bool = True,
+) -> dict:
+    """Fold BN, export one verified .onnx file at `path`; return the report's `onnx` section:
+    {"opset", "dtype", "batchnorm_nodes", "folded", "unfolded": [{"name", "reason"}],
+     "max_abs_diff", "max_rel_diff", "verified_batches": [...], "bytes"}.
+
+    ``model`` is left untouched (a deep copy is folded, in eval mode). ``samples`` (N >= 2)
+    give the export shape and the verification inputs: onnxruntime, optimizations off,
+    against the unfolded PyTorch model at batch 1 and at batch min(N, 8) (batch 1 only
+    with ``dynamic_batch=False``, which exports a fixed batch of 1). ``input_shape`` is the
+    per-sample shape to export at; samples of another spatial size are resized to it for
+    verification. Any failure raises ExportError and leaves no file at ``path``: the
+    model is written beside it and renamed into place only once verified. ``_exporter``
+    (``auto``/``dynamo``/``torchscript``) and ``_torch_fold`` exist for tests.
+    """
+    _validate(samples, opset, dtype, input_shape)
+    shaped = _shaped_samples(samples, input_shape)
+    reference = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
+    batches = [shaped[:1]] + ([shaped[:LARGE_VERIFY_BATCH]] if dynamic_batch else [])
+    example = shaped[:2] if dynamic_batch else shaped[:1]
+    try:
+        references = [reference_outputs(reference, batch) for batch in batches]
+        with torch.no_grad():
+            n_outputs = len(flatten_outputs(reference(example)))
+    except Exception as exc:  # noqa: BLE001
+        raise ExportError(f"the model fails on the calibration samples before export: {_root_cause(exc)}") from exc
+    if n_outputs == 0:
+        raise ExportError("the model returns no tensor; nothing to export to ONNX")
+    try:
+        graph, torch_result, onnx_result, exporter = _export_graph(
+            reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
+            exporter=_exporter, torch_fold=_torch_fold,
+        )
+        check_size(graph)
+        proto = ir.serde.serialize_model(graph)
+        if dtype == "float16":  # the folds are verified at float32 tolerance before the cast
+            check_final_model(graph, proto, opset)
+            verify_onnx(proto.SerializeToString(), batches, references, "float32")
+            convert_to_float16(graph, opset, {**torch_result.rewritten, **onnx_result.rewritten})
+            proto = ir.serde.serialize_model(graph)
+        check_final_model(graph, proto, opset)
+    except BnrecalError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - exporter and pass failures become one-line ExportErrors
+        raise ExportError(f"ONNX export failed: {_root_cause(exc)}") from exc
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        os.close(handle)
+    except OSError as exc:
+        raise ExportError(f"cannot write the ONNX file beside '{target}': {exc.strerror or exc}") from exc
+    temp = Path(temp_name)
+    try:
+        temp.write_bytes(proto.SerializeToString())
+        verified = verify_onnx(temp, batches, references, dtype)
+        size = temp.stat().st_size
+        os.replace(temp, target)
+    except OSError as exc:
+        raise ExportError(f"cannot write the ONNX file '{target}': {exc.strerror or exc}") from exc
+    finally:
+        temp.unlink(missing_ok=True)
+    logger.info("exported %s via %s: %d BN folded in PyTorch (%s), %d on the graph, %d left",
+                target, exporter, len(torch_result.folded), torch_result.method, len(onnx_result.folded),
+                len(onnx_result.unfolded))
+    return {
+        "opset": opset,
+        "dtype": dtype,
+        "batchnorm_nodes": batchnorm_count(proto),
+        "folded": len(torch_result.folded) + len(onnx_result.folded),
+        "unfolded": [{"name": name, "reason": reason} for name, reason in onnx_result.unfolded],
+        "max_abs_diff": verified.max_abs_diff,
+        "max_rel_diff": verified.max_rel_diff,
+        "verified_batches": verified.verified_batches,
+        "bytes": size,
+    }
