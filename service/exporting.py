@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from workers.checkpoints import load_checkpoint, load_into_model
+from workers.data import describe_dataset
+from workers.errors import SpecError
+from workers.models import build_model
+
 from .recalibrate import Recalibration
+from .settings import Settings
 
 VERIFY_SAMPLES = 8
 """Calibration samples used to verify an export (batch 1 and this batch)."""
@@ -32,3 +41,44 @@ def export_recalibrated(
     return export_folded_onnx(
         result.model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape
     )
+
+
+def export_checkpoint(
+    arch: str,
+    checkpoint: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    settings: Settings,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    data: str | os.PathLike[str] | None = None,
+    transform: dict[str, Any] | None = None,
+    input_shape: Sequence[int] | None = None,
+    opset: int = 18,
+    dtype: str = "float32",
+    dynamic_batch: bool = True,
+) -> dict[str, Any]:
+    """Fold and export a checkpoint as it is, without recalibrating it.
+
+    The export is verified on the first calibration samples of ``data``, or, without
+    data, on seeded random samples of ``input_shape``. Returns a report with the
+    ``onnx`` section.
+    """
+    from .export import export_folded_onnx
+
+    if data is None and input_shape is None:
+        raise SpecError("give --data (samples to verify the export on) or --input-shape", field="data")
+    model = build_model(arch, model_kwargs or {}, allowed_modules=tuple(settings.model_modules))
+    load_into_model(model, load_checkpoint(checkpoint))
+    model.eval()
+    if data is not None:
+        spec = describe_dataset(data, transform=transform, unpack_dir=Path(settings.data_dir) / "unpacked")
+        samples = spec.open().load(0, min(VERIFY_SAMPLES, spec.num_samples))
+        if samples.shape[0] < 2:
+            samples = torch.cat([samples, samples])
+    else:
+        generator = torch.Generator().manual_seed(0)
+        samples = torch.randn((VERIFY_SAMPLES, *input_shape), generator=generator)  # type: ignore[misc]
+    section = export_folded_onnx(
+        model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape
+    )
+    return {"arch": arch, "checkpoint": str(checkpoint), "onnx": section}
