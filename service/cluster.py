@@ -27,6 +27,7 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
             return False
         num_cpus = max(float(os.cpu_count() or 1), float(min_cpus))
         ray.init(
+            address="local",  # a new instance of our own, never one another process left running
             num_cpus=int(num_cpus + 0.999),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",  # an embedded single-node instance listens on loopback only

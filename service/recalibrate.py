@@ -124,13 +124,13 @@ def recalibrate(
         request.data,
         transform=request.transform,
         max_samples=request.max_samples,
-        unpack_dir=Path(settings.data_dir) / "unpacked",
+        unpack_root=Path(settings.data_dir) / "unpacked",
     )
     call_order = record_call_order(model, layers, dataset.open().load(0, 1))
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-    cpus = settings.cpus_per_worker or _default_cpus_per_worker(request.workers)
+    cpus = cpus_per_worker(settings, request.workers)
     backend = backend_for_device(request.device)
     plan = RankPlan(
         arch=request.arch,
@@ -236,8 +236,11 @@ def _data_transport(setting: str) -> str:
     return "shared" if alive == [here] else "object_store"
 
 
-def _default_cpus_per_worker(workers: int) -> float:
-    """Split the local CPUs between the ranks of an embedded cluster; one each elsewhere."""
+def cpus_per_worker(settings: Settings, workers: int) -> float:
+    """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
+    between the ranks on a single-node cluster, else one."""
+    if settings.cpus_per_worker:
+        return settings.cpus_per_worker
     if ray.is_initialized() and not is_local_instance():
         return 1.0
     return float(max(1, (os.cpu_count() or 1) // workers))

@@ -64,12 +64,14 @@ def unpack_archive(
     kind: str,
     unpack_dir: Path | None = None,
     *,
+    unpack_root: Path | None = None,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
 ) -> Path:
     """Unpack the images of ``archive`` (``kind`` ``"tar"`` or ``"zip"``) and return the folder.
 
-    ``unpack_dir`` defaults to ``<cache>/<sha256 of archive>``. A folder already holding a
+    ``unpack_dir`` defaults to ``<unpack_root>/<sha256 of archive>``, the root being the
+    user cache unless given, so different archives never share a folder. A folder already holding a
     complete unpack of the same archive is reused; one holding anything else is refused.
     Any unsafe member refuses the whole archive with a :class:`DatasetError` and leaves
     nothing behind.
@@ -77,7 +79,7 @@ def unpack_archive(
     _check_bound(max_members, "max_members")
     _check_bound(max_unpacked_bytes, "max_unpacked_bytes")
     digest = file_sha256(archive)
-    target = Path(unpack_dir) if unpack_dir is not None else default_unpack_root() / digest
+    target = Path(unpack_dir) if unpack_dir is not None else Path(unpack_root or default_unpack_root()) / digest
     target = target.expanduser().absolute()
     if _is_unpack_of(target, digest):
         return target

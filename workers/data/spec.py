@@ -82,6 +82,7 @@ def describe_dataset(
     transform: Mapping[str, Any] | None = None,
     max_samples: int | None = None,
     unpack_dir: str | os.PathLike[str] | None = None,
+    unpack_root: str | os.PathLike[str] | None = None,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
     check_images: bool = True,
@@ -122,6 +123,7 @@ def describe_dataset(
         resolve_transform(transform)  # bad options fail before a long unpack
         folder = unpack_archive(
             source, data_format, Path(unpack_dir) if unpack_dir is not None else None,
+            unpack_root=Path(unpack_root) if unpack_root is not None else None,
             max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
         )
         return _describe_images(folder, source, transform, max_samples, check_images)
