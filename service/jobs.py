@@ -1,0 +1,266 @@
+"""Jobs as users see them: the validated job spec, the status set, and the job resource.
+
+A job spec (contract section 7) is checked completely when it is submitted: its fields
+by pydantic (a 422 names the field), the blobs it names against the tenant's store, a
+server-side data path against ``BNRECAL_DATA_ROOTS`` and the architecture against the
+allowlist, so a job that is accepted can only fail on what running it reveals.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from workers.errors import ArchitectureError, BnrecalError, InputError, RunError, SpecError
+from workers.models import ALLOWED_MODULES_SETTING, parse_allowed_modules
+
+from .blobs import DIGEST_PATTERN, BlobStore
+from .settings import Settings
+
+ARTIFACT_NAMES = ("checkpoint", "onnx", "report")
+MAX_WORKERS = 1024
+
+
+class ConflictError(InputError):
+    """The request conflicts with the resource's state (e.g. cancelling a finished job)."""
+
+    status = 409
+    title = "Conflict"
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is; ``succeeded``, ``failed`` and ``cancelled`` are final."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job can no longer change."""
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+Digest = Annotated[str, Field(pattern=DIGEST_PATTERN, examples=["sha256:" + "0" * 64])]
+
+
+class DataPath(BaseModel):
+    """Calibration data already on the server, under one of the operator's data roots."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, max_length=4096, description="A file or folder under BNRECAL_DATA_ROOTS.")
+
+
+class OnnxOptions(BaseModel):
+    """How to export the folded ONNX model (with ``"onnx"`` in ``outputs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    opset: int = Field(default=18, ge=13, le=23, description="ONNX opset of the export.")
+    dtype: Literal["float32", "float16"] = Field(default="float32", description="Float type of the graph.")
+    dynamic_batch: bool = Field(default=True, description="Export with a dynamic batch axis.")
+    input_shape: list[int] | None = Field(
+        default=None, min_length=1, max_length=8, description="Example input shape; default: the data's."
+    )
+
+    @field_validator("input_shape")
+    @classmethod
+    def _positive_dims(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(dim < 1 or dim > 1_000_000 for dim in value):
+            raise ValueError("every dimension must be between 1 and 1000000")
+        return value
+
+
+class JobSpec(BaseModel):
+    """What to recalibrate, on what data, how, and which artifacts to produce."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: str = Field(
+        min_length=3,
+        max_length=256,
+        description="torchvision:<name>, timm:<name> or <module.path>:<callable> (allowlisted).",
+        examples=["torchvision:resnet18"],
+    )
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
+    checkpoint: Digest = Field(description="Digest of an uploaded checkpoint blob.")
+    data: Digest | DataPath = Field(
+        description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), or {'path': ...} on the server."
+    )
+    mode: Literal["sync", "local"] = Field(default="sync", description="sync: SyncBN statistics; local: per rank.")
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
+    batch_size: int = Field(default=32, ge=1, le=1_000_000, description="Global batch size.")
+    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the ranks compute.")
+    transform: dict[str, Any] | None = Field(default=None, description="Image transform (image data only).")
+    placement: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = Field(
+        default=None, description="Spread ranks across nodes or pack them (default: BNRECAL_PLACEMENT_STRATEGY)."
+    )
+    max_retries: int | None = Field(
+        default=None, ge=0, le=10, description="Re-run a failed pass from scratch (default: BNRECAL_MAX_RETRIES)."
+    )
+    outputs: list[Literal["checkpoint", "onnx"]] = Field(
+        default_factory=lambda: ["checkpoint"], max_length=8, description="Artifacts to produce besides the report."
+    )
+    onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
+
+    @field_validator("outputs")
+    @classmethod
+    def _unique_outputs(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+
+class Progress(BaseModel):
+    """Samples processed so far (``samples_total`` is known once the data is described)."""
+
+    samples_done: int
+    samples_total: int | None
+
+
+class Artifact(BaseModel):
+    """A job output, stored as a blob of the job's tenant."""
+
+    digest: str
+    size: int
+    filename: str
+    media_type: str
+
+
+class JobView(BaseModel):
+    """The job resource (``GET /v1/jobs/{id}``)."""
+
+    id: str
+    status: JobStatus
+    spec: dict[str, Any]
+    progress: Progress
+    error: dict[str, Any] | None
+    artifacts: dict[str, Artifact]
+    report: dict[str, Any] | None
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobList(BaseModel):
+    """A page of the tenant's jobs, newest first."""
+
+    jobs: list[JobView]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job as the ledger holds it (a snapshot, safe to pass between threads)."""
+
+    id: str
+    tenant: str
+    status: JobStatus
+    spec: dict[str, Any]
+    idempotency_key: str | None
+    attempts: int
+    cancel_requested: bool
+    samples_done: int
+    samples_total: int | None
+    error: dict[str, Any] | None
+    artifacts: dict[str, dict[str, Any]]
+    report: dict[str, Any] | None
+    revision: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    def view(self) -> JobView:
+        """The public resource (no tenant, no idempotency key)."""
+        return JobView(
+            id=self.id,
+            status=self.status,
+            spec=self.spec,
+            progress=Progress(samples_done=self.samples_done, samples_total=self.samples_total),
+            error=self.error,
+            artifacts={name: Artifact(**info) for name, info in self.artifacts.items()},
+            report=self.report,
+            attempts=self.attempts,
+            created_at=self.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+
+def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
+    """Refuse a spec whose blobs, data path or architecture cannot work, naming the field."""
+    check_architecture(spec.arch, settings)
+    for name, digest in (("checkpoint", spec.checkpoint), ("data", spec.data)):
+        if isinstance(digest, str) and not blobs.exists(tenant, digest):
+            raise SpecError(f"{name}: no blob {digest} for this API key; upload it to /v1/blobs first", field=name)
+    if isinstance(spec.data, DataPath):
+        resolve_data_path(spec.data.path, settings)
+    if spec.transform is not None and len(repr(spec.transform)) > 4096:
+        raise SpecError("transform is too large", field="transform")
+
+
+def check_architecture(arch: str, settings: Settings) -> None:
+    """Refuse an architecture outside the allowlist before anything is imported."""
+    source, sep, name = arch.strip().partition(":")
+    if not sep or not source or not name:
+        raise ArchitectureError(
+            f"arch {arch!r} is malformed; use torchvision:<name>, timm:<name> or <module.path>:<callable>"
+        )
+    if source in ("torchvision", "timm"):
+        return
+    for prefix in parse_allowed_modules(settings.model_modules):
+        if source == prefix or source.startswith(prefix + "."):
+            return
+    allowed = ", ".join(parse_allowed_modules(settings.model_modules)) or "none"
+    raise ArchitectureError(
+        f"module {source!r} is not allowed (allowed prefixes: {allowed}); "
+        f"the operator must list it in {ALLOWED_MODULES_SETTING}"
+    )
+
+
+def resolve_data_path(path: str, settings: Settings) -> Path:
+    """The real location of server-side data, which must lie under a configured data root.
+
+    Symlinks are resolved first, so a link cannot lead out of a root.
+    """
+    if not settings.data_roots:
+        raise SpecError(
+            "data.path: this server reads no server-side paths (the operator sets BNRECAL_DATA_ROOTS); "
+            "upload the data to /v1/blobs instead",
+            field="data.path",
+        )
+    requested = Path(path)
+    if not requested.is_absolute():
+        raise SpecError(f"data.path must be absolute, got {path!r}", field="data.path")
+    resolved = Path(os.path.realpath(requested))
+    for root in settings.data_roots:
+        real_root = Path(os.path.realpath(root))
+        if resolved == real_root or resolved.is_relative_to(real_root):
+            if not resolved.exists():
+                raise SpecError(f"data.path {path!r} does not exist", field="data.path")
+            return resolved
+    raise SpecError(f"data.path {path!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field="data.path")
+
+
+def problem_of(exc: BnrecalError) -> dict[str, Any]:
+    """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its context)."""
+    problem: dict[str, Any] = {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.message}
+    if isinstance(exc, SpecError) and exc.field:
+        problem["field"] = exc.field
+    if isinstance(exc, RunError):
+        if exc.rank is not None:
+            problem["rank"] = exc.rank
+        if exc.node is not None:
+            problem["node"] = exc.node
+    return problem

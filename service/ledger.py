@@ -1,0 +1,302 @@
+"""The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default).
+
+The ledger, not Ray, is the source of truth: it survives restarts, and every state
+change goes through a conditional update here, so a cancel racing a start, or two
+retries of the same ``Idempotency-Key``, end in exactly one outcome. Each change bumps
+the job's ``revision``, which numbers the job's Server-Sent Events.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, select
+from sqlalchemy import update as sql_update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.types import TypeDecorator
+
+from workers.errors import NotFoundError
+
+from .jobs import ConflictError, JobRecord, JobStatus
+
+INTERRUPTED = "interrupted by restart"
+MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored naive in UTC and read back timezone-aware."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.astimezone(UTC).replace(tzinfo=None) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.replace(tzinfo=UTC) if value is not None else None
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    """One job; ``seq`` orders the FIFO queue."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(32), unique=True, index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    samples_done: Mapped[int] = mapped_column(Integer, default=0)
+    samples_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    artifacts: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    revision: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    def record(self) -> JobRecord:
+        """A detached snapshot of this row."""
+        return JobRecord(
+            id=self.id,
+            tenant=self.tenant,
+            status=JobStatus(self.status),
+            spec=dict(self.spec),
+            idempotency_key=self.idempotency_key,
+            attempts=self.attempts,
+            cancel_requested=self.cancel_requested,
+            samples_done=self.samples_done,
+            samples_total=self.samples_total,
+            error=self.error,
+            artifacts=dict(self.artifacts or {}),
+            report=self.report,
+            revision=self.revision,
+            created_at=self.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+
+def sqlite_url(data_dir: Path) -> str:
+    """The default ledger: ``ledger.db`` in the data directory."""
+    return f"sqlite:///{Path(data_dir).absolute() / 'ledger.db'}"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Ledger:
+    """The repository of jobs: the only code that reads or writes the jobs table."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = _make_engine(url)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        """Release the database connections."""
+        self.engine.dispose()
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def create(
+        self, tenant: str, spec: dict[str, Any], idempotency_key: str | None = None
+    ) -> tuple[JobRecord, bool]:
+        """Queue a new job; with a known ``idempotency_key``, return that job instead.
+
+        Returns the job and whether it was created now. Reusing a key with another spec
+        is a ``ConflictError``.
+        """
+        if idempotency_key is not None:
+            existing = self._by_idempotency_key(tenant, idempotency_key)
+            if existing is not None:
+                return self._same_spec(existing, spec), False
+        row = JobRow(
+            id=uuid.uuid4().hex, tenant=tenant, status=JobStatus.queued.value, spec=spec,
+            idempotency_key=idempotency_key, attempts=0, cancel_requested=False, samples_done=0,
+            artifacts={}, revision=1, created_at=_now(),
+        )
+        try:
+            with self._session() as session:
+                session.add(row)
+        except IntegrityError:  # a concurrent retry with the same key won the race
+            existing = self._by_idempotency_key(tenant, idempotency_key) if idempotency_key else None
+            if existing is None:
+                raise
+            return self._same_spec(existing, spec), False
+        return row.record(), True
+
+    def get(self, tenant: str, job_id: str) -> JobRecord:
+        """A tenant's job; ``NotFoundError`` for an unknown id or another tenant's job."""
+        with self._session() as session:
+            row = session.scalar(select(JobRow).where(JobRow.id == job_id, JobRow.tenant == tenant))
+            if row is None:
+                raise NotFoundError(f"no job {job_id!r} for this API key")
+            return row.record()
+
+    def get_any(self, job_id: str) -> JobRecord:
+        """A job whoever owns it (for the runner)."""
+        with self._session() as session:
+            row = session.scalar(select(JobRow).where(JobRow.id == job_id))
+            if row is None:
+                raise NotFoundError(f"no job {job_id!r}")
+            return row.record()
+
+    def list(self, tenant: str, status: JobStatus | None = None, limit: int = 50) -> list[JobRecord]:
+        """A tenant's jobs, newest first."""
+        query = select(JobRow).where(JobRow.tenant == tenant)
+        if status is not None:
+            query = query.where(JobRow.status == status.value)
+        with self._session() as session:
+            return [row.record() for row in session.scalars(query.order_by(JobRow.seq.desc()).limit(limit))]
+
+    def queued(self, limit: int = 100) -> list[JobRecord]:
+        """Queued jobs of every tenant, oldest first (the FIFO queue)."""
+        query = select(JobRow).where(JobRow.status == JobStatus.queued.value).order_by(JobRow.seq).limit(limit)
+        with self._session() as session:
+            return [row.record() for row in session.scalars(query)]
+
+    def count_by_status(self) -> dict[JobStatus, int]:
+        """How many jobs are in each status."""
+        counts = {status: 0 for status in JobStatus}
+        with self._session() as session:
+            for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
+                counts[JobStatus(status)] = count
+        return counts
+
+    def mark_running(self, job_id: str) -> JobRecord | None:
+        """Start a queued job (counting the attempt); None if it is no longer queued."""
+        changed = self._update(
+            job_id, {JobStatus.queued},
+            status=JobStatus.running.value, started_at=_now(), attempts=JobRow.attempts + 1,
+            samples_done=0, samples_total=None,
+        )
+        return self.get_any(job_id) if changed else None
+
+    def set_progress(self, job_id: str, done: int, total: int) -> bool:
+        """Record a running job's progress."""
+        return self._update(job_id, {JobStatus.running}, samples_done=done, samples_total=total)
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        error: dict[str, Any] | None = None,
+        artifacts: dict[str, Any] | None = None,
+        report: dict[str, Any] | None = None,
+    ) -> bool:
+        """Move an unfinished job to a terminal status with its outcome."""
+        assert status.is_terminal
+        values: dict[str, Any] = {"status": status.value, "finished_at": _now(), "error": error}
+        if artifacts is not None:
+            values["artifacts"] = artifacts
+        if report is not None:
+            values["report"] = report
+        return self._update(job_id, {JobStatus.queued, JobStatus.running}, **values)
+
+    def request_cancel(self, tenant: str, job_id: str) -> JobRecord:
+        """Cancel a tenant's job: a queued one at once, a running one by flagging it for the runner."""
+        job = self.get(tenant, job_id)
+        if job.status is JobStatus.queued and self.finish(job_id, JobStatus.cancelled):
+            return self.get_any(job_id)
+        if self._update(job_id, {JobStatus.running}, cancel_requested=True):
+            return self.get_any(job_id)
+        job = self.get_any(job_id)
+        if job.status is JobStatus.cancelled:
+            return job
+        raise ConflictError(f"job {job_id} already {job.status.value}; only queued or running jobs can be cancelled")
+
+    def requeue(self, job_id: str) -> bool:
+        """Put a running job back in the queue without counting its attempt (a clean shutdown)."""
+        return self._update(
+            job_id, {JobStatus.running},
+            status=JobStatus.queued.value, started_at=None, attempts=JobRow.attempts - 1, samples_done=0,
+        )
+
+    def recover_interrupted(self, rerun: bool) -> dict[str, JobStatus]:
+        """After a crash: queue each job left ``running`` again once, or fail it; returns the outcomes."""
+        outcomes: dict[str, JobStatus] = {}
+        with self._session() as session:
+            rows = session.scalars(select(JobRow).where(JobRow.status == JobStatus.running.value)).all()
+            stuck = [(row.id, row.attempts, row.cancel_requested) for row in rows]
+        for job_id, attempts, cancel_requested in stuck:
+            if cancel_requested:
+                self.finish(job_id, JobStatus.cancelled)
+                outcomes[job_id] = JobStatus.cancelled
+            elif rerun and attempts < MAX_ATTEMPTS:
+                self._update(job_id, {JobStatus.running}, status=JobStatus.queued.value, samples_done=0)
+                outcomes[job_id] = JobStatus.queued
+            else:
+                detail = INTERRUPTED + (f" (after {attempts} attempts)" if rerun else "")
+                problem = {
+                    "type": "https://bnrecal.dev/problems/interrupted",
+                    "title": "Interrupted",
+                    "status": 500,
+                    "detail": detail,
+                }
+                self.finish(job_id, JobStatus.failed, error=problem)
+                outcomes[job_id] = JobStatus.failed
+        return outcomes
+
+    def _update(self, job_id: str, allowed: set[JobStatus], **values: Any) -> bool:
+        """Change a job only while it is in one of the ``allowed`` statuses; bump its revision."""
+        statement = (
+            sql_update(JobRow)
+            .where(JobRow.id == job_id, JobRow.status.in_([status.value for status in allowed]))
+            .values(revision=JobRow.revision + 1, **values)
+        )
+        with self._session() as session:
+            return session.execute(statement).rowcount == 1
+
+    def _by_idempotency_key(self, tenant: str, key: str) -> JobRecord | None:
+        with self._session() as session:
+            row = session.scalar(select(JobRow).where(JobRow.tenant == tenant, JobRow.idempotency_key == key))
+            return row.record() if row is not None else None
+
+    @staticmethod
+    def _same_spec(job: JobRecord, spec: dict[str, Any]) -> JobRecord:
+        if job.spec != spec:
+            raise ConflictError(
+                f"Idempotency-Key {job.idempotency_key!r} was already used for job {job.id} with another spec"
+            )
+        return job
+
+
+def _make_engine(url: str) -> Engine:
+    """An engine; for SQLite: WAL journal, a busy timeout, and connections usable from any thread."""
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    database = url.split("///", 1)[-1]
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _configure(connection: Any, _record: Any) -> None:
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    return engine

@@ -1,0 +1,52 @@
+"""Prometheus metrics of one service instance (its own registry, so several can share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .jobs import JobStatus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _JobsByStatus(Collector):
+    """``bnrecal_jobs{status=...}``, counted in the ledger at scrape time."""
+
+    def __init__(self, count: Callable[[], dict[JobStatus, int]]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("bnrecal_jobs", "Jobs in the ledger by status.", labels=["status"])
+        for status, value in self._count().items():
+            family.add_metric([status.value], value)
+        yield family
+
+
+class ServiceMetrics:
+    """The counters the runner and the routes update, and the text ``/metrics`` serves."""
+
+    def __init__(self, count_jobs: Callable[[], dict[JobStatus, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_JobsByStatus(count_jobs))
+        self.samples_processed = Counter(
+            "bnrecal_samples_processed", "Calibration samples processed by jobs.", registry=self.registry
+        )
+        self.upload_bytes = Counter("bnrecal_upload_bytes", "Bytes received in blob uploads.", registry=self.registry)
+        self.uploads_rejected = Counter(
+            "bnrecal_uploads_rejected", "Uploads refused for exceeding the byte cap.", registry=self.registry
+        )
+        self.job_seconds = Histogram(
+            "bnrecal_job_seconds",
+            "Wall time of finished job runs, by final status.",
+            labelnames=["status"],
+            buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, float("inf")),
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""The job ledger (SQLite): tenancy, idempotency, the FIFO queue, state changes, crash recovery."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from service.jobs import ConflictError, JobStatus
+from service.ledger import INTERRUPTED, Ledger, sqlite_url
+from workers.errors import NotFoundError
+
+SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    opened = Ledger(sqlite_url(tmp_path))
+    yield opened
+    opened.close()
+
+
+def test_a_job_belongs_to_its_tenant(ledger):
+    job, created = ledger.create("alice", SPEC)
+    assert created and job.status is JobStatus.queued and job.attempts == 0
+    assert ledger.get("alice", job.id).spec == SPEC
+    assert ledger.get("alice", job.id).created_at.tzinfo is not None
+    with pytest.raises(NotFoundError):
+        ledger.get("bob", job.id)
+    assert [j.id for j in ledger.list("alice")] == [job.id]
+    assert ledger.list("bob") == []
+
+
+def test_idempotency_key_returns_the_same_job_per_tenant(ledger):
+    first, created = ledger.create("alice", SPEC, "key-1")
+    again, created_again = ledger.create("alice", SPEC, "key-1")
+    assert created and not created_again and again.id == first.id
+    other, other_created = ledger.create("bob", SPEC, "key-1")
+    assert other_created and other.id != first.id
+    with pytest.raises(ConflictError, match="key-1"):
+        ledger.create("alice", SPEC | {"workers": 2}, "key-1")
+
+
+def test_concurrent_retries_with_one_key_make_one_job(ledger):
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: ledger.create("alice", SPEC, "same")[0].id, range(16)))
+    assert len(set(results)) == 1
+    assert len(ledger.list("alice")) == 1
+
+
+def test_queue_is_fifo_and_a_job_starts_once(ledger):
+    ids = [ledger.create(tenant, SPEC)[0].id for tenant in ("alice", "bob", "alice")]
+    assert [job.id for job in ledger.queued()] == ids
+    started = ledger.mark_running(ids[0])
+    assert started is not None and started.status is JobStatus.running and started.attempts == 1
+    assert started.started_at is not None
+    assert ledger.mark_running(ids[0]) is None
+    assert [job.id for job in ledger.queued()] == ids[1:]
+
+
+def test_every_change_bumps_the_revision_and_terminal_is_final(ledger):
+    job, _ = ledger.create("alice", SPEC)
+    revisions = [job.revision]
+    ledger.mark_running(job.id)
+    revisions.append(ledger.get_any(job.id).revision)
+    assert ledger.set_progress(job.id, 5, 10)
+    revisions.append(ledger.get_any(job.id).revision)
+    assert ledger.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"samples": 10})
+    done = ledger.get_any(job.id)
+    revisions.append(done.revision)
+    assert revisions == sorted(set(revisions)) and len(revisions) == 4
+    assert done.status is JobStatus.succeeded and done.finished_at is not None and done.report == {"samples": 10}
+    assert not ledger.finish(job.id, JobStatus.failed)
+    assert not ledger.set_progress(job.id, 1, 10)
+    assert ledger.get_any(job.id).status is JobStatus.succeeded
+
+
+def test_cancel_queued_at_once_running_by_flag_finished_conflicts(ledger):
+    queued, _ = ledger.create("alice", SPEC)
+    assert ledger.request_cancel("alice", queued.id).status is JobStatus.cancelled
+    assert ledger.mark_running(queued.id) is None
+    running, _ = ledger.create("alice", SPEC)
+    ledger.mark_running(running.id)
+    flagged = ledger.request_cancel("alice", running.id)
+    assert flagged.status is JobStatus.running and flagged.cancel_requested
+    with pytest.raises(NotFoundError):
+        ledger.request_cancel("bob", running.id)
+    ledger.finish(running.id, JobStatus.failed)
+    with pytest.raises(ConflictError, match="already failed"):
+        ledger.request_cancel("alice", running.id)
+
+
+def test_recovery_reruns_once_then_fails_and_survives_reopening(tmp_path):
+    ledger = Ledger(sqlite_url(tmp_path))
+    first, _ = ledger.create("alice", SPEC)
+    cancelled, _ = ledger.create("alice", SPEC)
+    finished, _ = ledger.create("alice", SPEC)
+    for job in (first, cancelled, finished):
+        ledger.mark_running(job.id)
+    ledger.request_cancel("alice", cancelled.id)
+    ledger.finish(finished.id, JobStatus.succeeded, report={"ok": True})
+    ledger.close()
+
+    reopened = Ledger(sqlite_url(tmp_path))  # as after a crash: no runner ever finished them
+    outcomes = reopened.recover_interrupted(rerun=True)
+    assert outcomes == {first.id: JobStatus.queued, cancelled.id: JobStatus.cancelled}
+    assert reopened.get_any(finished.id).report == {"ok": True}
+    # first run again and interrupted again: no third attempt
+    assert reopened.mark_running(first.id).attempts == 2
+    outcomes = reopened.recover_interrupted(rerun=True)
+    failed = reopened.get_any(first.id)
+    assert outcomes == {first.id: JobStatus.failed} and failed.status is JobStatus.failed
+    assert INTERRUPTED in failed.error["detail"] and failed.finished_at is not None
+    assert not [job for job in reopened.list("alice") if job.status is JobStatus.running]
+    reopened.close()
+
+
+def test_recovery_without_rerun_fails_interrupted_jobs(ledger):
+    job, _ = ledger.create("alice", SPEC)
+    ledger.mark_running(job.id)
+    assert ledger.recover_interrupted(rerun=False) == {job.id: JobStatus.failed}
+    assert ledger.get_any(job.id).error["detail"] == INTERRUPTED
+
+
+def test_requeue_on_shutdown_does_not_count_the_attempt(ledger):
+    job, _ = ledger.create("alice", SPEC)
+    ledger.mark_running(job.id)
+    assert ledger.requeue(job.id)
+    requeued = ledger.get_any(job.id)
+    assert requeued.status is JobStatus.queued and requeued.attempts == 0 and requeued.started_at is None
+
+
+def test_counts_by_status(ledger):
+    a, _ = ledger.create("alice", SPEC)
+    ledger.create("bob", SPEC)
+    ledger.mark_running(a.id)
+    counts = ledger.count_by_status()
+    assert counts[JobStatus.running] == 1 and counts[JobStatus.queued] == 1 and counts[JobStatus.failed] == 0
