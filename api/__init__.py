@@ -1,1 +1,22 @@
 """Thin FastAPI routers and dependencies of the bnrecal HTTP API."""
+
+from __future__ import annotations
+
+from api.deps import ServicesDep, TenantDep, get_services, get_tenant
+from api.limits import BodySizeLimit
+from api.problems import Problem, install_problem_handlers, problem_response
+from api.routes import blobs, health, jobs
+
+__all__ = [
+    "BodySizeLimit",
+    "Problem",
+    "ServicesDep",
+    "TenantDep",
+    "blobs",
+    "get_services",
+    "get_tenant",
+    "health",
+    "install_problem_handlers",
+    "jobs",
+    "problem_response",
+]

@@ -1,0 +1,143 @@
+"""Every error as ``application/problem+json`` (RFC 9457): the typed errors, validation, the rest.
+
+A :class:`~workers.errors.BnrecalError` carries its own status and title; a request
+that fails validation is a 422 whose ``field`` names the first bad field; anything
+unexpected is a 500 that says so without a stack trace (the server log has it).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.jobs import problem_of
+from workers.errors import BnrecalError
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+VALIDATION_TYPE = "https://bnrecal.dev/problems/validation"
+_SHOWN_ERRORS = 5
+
+log = logging.getLogger("bnrecal.api")
+
+
+class Problem(BaseModel):
+    """An error response (RFC 9457 problem details)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    field: str | None = None
+
+
+def problem_response(problem: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    """A problem object as a response with its status."""
+    return JSONResponse(problem, status_code=problem["status"], media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def field_name(location: tuple[Any, ...] | list[Any]) -> str:
+    """``("body", "onnx", "opset")`` -> ``onnx.opset``; headers and queries keep their origin."""
+    parts = [str(part) for part in location]
+    if parts and parts[0] in ("query", "header", "path", "cookie"):
+        return f"{parts[0]} {'.'.join(parts[1:])}".strip()
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(part for part in parts if not _is_union_tag(part)) or "body"
+
+
+def _is_union_tag(part: Any) -> bool:
+    """Pydantic's names for union members in an error location (``constrained-str``, ``DataPath``)."""
+    text = str(part)
+    return isinstance(part, str) and (text[:1].isupper() or "-" in text or "[" in text)
+
+
+async def _bnrecal_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BnrecalError)
+    headers = {"WWW-Authenticate": 'Bearer realm="bnrecal"'} if exc.status == 401 else None
+    return problem_response(problem_of(exc), headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"field": field_name(error.get("loc", ())), "message": str(error.get("msg", "invalid"))}
+        for error in exc.errors()
+    ]
+    shown = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:_SHOWN_ERRORS])
+    more = f" (and {len(errors) - _SHOWN_ERRORS} more)" if len(errors) > _SHOWN_ERRORS else ""
+    problem = {
+        "type": VALIDATION_TYPE,
+        "title": "Invalid request",
+        "status": 422,
+        "detail": (shown or "the request is invalid") + more,
+        "field": errors[0]["field"] if errors else None,
+        "errors": errors,
+    }
+    return problem_response(problem)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    try:
+        title = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        title = "Error"
+    detail = exc.detail if isinstance(exc.detail, str) else title
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"no route {request.url.path}"
+    problem = {"type": "about:blank", "title": title, "status": exc.status_code, "detail": detail}
+    return problem_response(problem, dict(exc.headers) if exc.headers else None)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    problem = {
+        "type": "https://bnrecal.dev/problems/internal",
+        "title": "Internal error",
+        "status": 500,
+        "detail": f"an unexpected {type(exc).__name__} occurred; the server log has the details",
+    }
+    return problem_response(problem)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Render every error of ``app`` as problem+json."""
+    app.add_exception_handler(BnrecalError, _bnrecal_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    install_problem_openapi(app)
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for problem responses (documented as problem+json by :func:`install_problem_openapi`)."""
+    return {status: {"model": Problem, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+PROBLEM_RESPONSES = problem_responses(401, 404, 422)
+"""The problem responses every ``/v1`` operation may give."""
+
+
+def install_problem_openapi(app: FastAPI) -> None:
+    """Document error responses under ``application/problem+json``, the media type they are sent with."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operation in (op for path in schema.get("paths", {}).values() for op in path.values()):
+                for status, response in operation.get("responses", {}).items():
+                    content = response.get("content", {})
+                    if status[:1] in ("4", "5") and "application/json" in content:
+                        content[PROBLEM_MEDIA_TYPE] = content.pop("application/json")
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,110 @@
+"""``/v1/jobs``: submit, inspect, follow (Server-Sent Events), cancel, and download artifacts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import ServicesDep, TenantDep
+from api.files import blob_response
+from api.problems import PROBLEM_RESPONSES, problem_responses
+from service.events import job_event_stream
+from service.jobs import ARTIFACT_NAMES, ConflictError, JobList, JobSpec, JobStatus, JobView, check_submission
+from workers.errors import NotFoundError
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
+
+_CONFLICT = problem_responses(409)
+
+
+@router.post("", status_code=202, summary="Submit a recalibration job", responses=_CONFLICT)
+def submit_job(
+    spec: JobSpec,
+    response: Response,
+    tenant: TenantDep,
+    services: ServicesDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+) -> JobView:
+    """Queue a job; ``Location`` names it. A retry with the same ``Idempotency-Key`` returns the same job."""
+    check_submission(spec, tenant, services.blobs, services.settings)
+    job, created = services.ledger.create(tenant, spec.model_dump(mode="json"), idempotency_key)
+    if created:
+        services.runner.wake()
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return job.view()
+
+
+@router.get("", summary="List jobs")
+def list_jobs(
+    tenant: TenantDep,
+    services: ServicesDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> JobList:
+    """This key's jobs, newest first."""
+    return JobList(jobs=[job.view() for job in services.ledger.list(tenant, status, limit)])
+
+
+@router.get("/{job_id}", summary="Get a job")
+def get_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> JobView:
+    """Status, progress, error, artifacts and report of a job."""
+    return services.ledger.get(tenant, job_id).view()
+
+
+@router.get(
+    "/{job_id}/events",
+    summary="Follow a job (Server-Sent Events)",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Events until a terminal status"}},
+)
+async def job_events(
+    job_id: str,
+    request: Request,
+    tenant: TenantDep,
+    services: ServicesDep,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
+) -> StreamingResponse:
+    """``status`` and ``progress`` events with increasing ids; ends after the terminal status.
+
+    With ``Last-Event-ID`` the stream resumes: it sends only what changed since that id.
+    """
+    await run_in_threadpool(services.ledger.get, tenant, job_id)  # 404 before the stream starts
+    resume_from = int(last_event_id) if last_event_id and last_event_id.strip().isdigit() else None
+    stream = job_event_stream(job_id, tenant, services.ledger, services.feed, resume_from, request.is_disconnected)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+
+@router.post("/{job_id}/cancel", status_code=202, summary="Cancel a job", responses=_CONFLICT)
+def cancel_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> JobView:
+    """A queued job ends ``cancelled`` at once; a running one as soon as its actors are stopped."""
+    job = services.ledger.request_cancel(tenant, job_id)
+    services.runner.cancel(job_id)
+    services.feed.publish(job_id)
+    return job.view()
+
+
+@router.get(
+    "/{job_id}/artifacts/{name}",
+    summary="Download an artifact (checkpoint, onnx, report)",
+    response_class=Response,
+    responses=_CONFLICT,
+)
+def download_artifact(job_id: str, name: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
+    """The artifact file, with ``ETag`` = its digest."""
+    job = services.ledger.get(tenant, job_id)
+    if name not in ARTIFACT_NAMES:
+        raise NotFoundError(f"no artifact {name!r}: artifacts are {', '.join(ARTIFACT_NAMES)}")
+    if not job.status.is_terminal:
+        raise ConflictError(f"job {job_id} is {job.status.value}; its artifacts exist once it has succeeded")
+    artifact = job.artifacts.get(name)
+    if artifact is None:
+        raise NotFoundError(f"job {job_id} ({job.status.value}) has no {name} artifact")
+    file = services.blobs.path(tenant, artifact["digest"])
+    filename = f"{job_id[:12]}-{artifact['filename']}"
+    return blob_response(request, file, artifact["digest"], artifact["media_type"], filename)

@@ -1,0 +1,76 @@
+"""The FastAPI application: routers, problem+json errors, and the services' lifespan."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI
+
+from .server import open_services
+from .settings import Settings, get_settings
+
+DESCRIPTION = (
+    "Recalibrate the BatchNorm statistics of trained PyTorch models on Ray and download them, "
+    "also folded to ONNX. Upload a checkpoint and calibration data to `/v1/blobs`, submit a job to "
+    "`/v1/jobs`, follow `/v1/jobs/{id}/events`, then download `/v1/jobs/{id}/artifacts/{name}`."
+)
+
+
+def _version() -> str:
+    try:
+        return version("bnrecal")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+@contextmanager
+def _server_signal_handlers_kept() -> Iterator[None]:
+    """Undo Ray's SIGTERM/SIGINT handlers, which would exit at once instead of letting the
+    server shut down cleanly (running jobs back to the queue)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The application for ``settings`` (default: the environment's ``BNRECAL_*``).
+
+    Its lifespan opens the ledger, recovers jobs a crash interrupted, joins Ray and
+    starts the runner; at shutdown, running jobs go back to the queue.
+    """
+    from api.limits import BodySizeLimit
+    from api.problems import install_problem_handlers
+    from api.routes import blobs, health, jobs
+
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # On the loop's thread on purpose: Ray wants to be started from the main thread.
+        with _server_signal_handlers_kept():
+            services = open_services(settings)
+        app.state.services = services
+        try:
+            yield
+        finally:
+            app.state.services = None
+            services.close()
+
+    app = FastAPI(title="bnrecal", version=_version(), description=DESCRIPTION, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit)
+    install_problem_handlers(app)
+    app.include_router(health.router)
+    app.include_router(blobs.router)
+    app.include_router(jobs.router)
+    return app

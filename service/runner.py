@@ -1,0 +1,261 @@
+"""The job runner: a FIFO queue drained onto Ray within the cluster's resources.
+
+One dispatcher thread starts queued jobs, oldest first, while their ranks' CPUs (and
+GPUs) fit in what the cluster has and running jobs do not already hold (a job too big
+for the cluster still runs when it is alone, to fail with Ray's placement error rather
+than wait forever). Each job runs :func:`recalibrate` and the export in its own thread
+of the server process; the ranks push progress to it, which goes to the ledger and to
+the event streams. Cancelling sets the event ``recalibrate`` watches, which kills the
+job's actors and frees their placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from workers.errors import BnrecalError, CancelledError
+
+from .blobs import BlobInfo, BlobStore
+from .events import ChangeFeed
+from .exporting import export_recalibrated
+from .jobs import DataPath, JobRecord, JobSpec, JobStatus, problem_of, resolve_data_path
+from .ledger import Ledger
+from .metrics import ServiceMetrics
+from .recalibrate import Recalibration, RecalibrationRequest, cpus_per_worker, recalibrate
+from .settings import Settings
+
+log = logging.getLogger("bnrecal.runner")
+
+PROGRESS_INTERVAL_S = 0.25  # at most this often a job's progress is written to the ledger
+CHECKPOINT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
+
+
+@dataclass
+class _Running:
+    """A job in flight: its thread, its cancel switch and the resources it holds."""
+
+    cancel: threading.Event
+    cpus: float
+    gpus: float
+    shutdown: bool = False
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class JobRunner:
+    """Runs the ledger's queued jobs, at most as many at once as the cluster holds."""
+
+    def __init__(
+        self, settings: Settings, ledger: Ledger, blobs: BlobStore, metrics: ServiceMetrics, feed: ChangeFeed
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.blobs = blobs
+        self.metrics = metrics
+        self.feed = feed
+        self._lock = threading.Lock()
+        self._running: dict[str, _Running] = {}
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._dispatcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start draining the queue (Ray must be initialised)."""
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="bnrecal-dispatcher", daemon=True)
+        self._dispatcher.start()
+        self.wake()
+
+    def wake(self) -> None:
+        """Look at the queue now (a job was queued, finished or cancelled)."""
+        self._wakeup.set()
+
+    def cancel(self, job_id: str) -> None:
+        """Stop a running job: its actors are killed and it ends ``cancelled``."""
+        with self._lock:
+            entry = self._running.get(job_id)
+        if entry is not None:
+            entry.cancel.set()
+        self.wake()
+
+    def running_jobs(self) -> list[str]:
+        """Ids of the jobs running now."""
+        with self._lock:
+            return list(self._running)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop starting jobs and interrupt the running ones, which go back to the queue."""
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self._wakeup.set()
+        if self._dispatcher is not None:  # after this, no job starts any more
+            self._dispatcher.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            entries = list(self._running.values())
+        for entry in entries:
+            entry.shutdown = True
+            entry.cancel.set()
+        for entry in entries:
+            if entry.thread is not None:
+                entry.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def job_resources(self, spec: JobSpec) -> tuple[float, float]:
+        """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
+        per_rank = cpus_per_worker(self.settings, spec.workers)
+        gpus = self.settings.gpus_per_worker * spec.workers if spec.device == "cuda" else 0.0
+        return per_rank * spec.workers, gpus
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wakeup.wait(timeout=2.0)
+            self._wakeup.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                self._dispatch()
+            except Exception:  # noqa: BLE001 - the dispatcher must survive a bad moment (e.g. a locked db)
+                log.exception("dispatching queued jobs failed; retrying")
+
+    def _dispatch(self) -> None:
+        """Start queued jobs in FIFO order while they fit; stop at the first that does not."""
+        resources = ray.cluster_resources()
+        cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+        limit = self.settings.max_concurrent_jobs
+        for job in self.ledger.queued():
+            try:
+                spec = JobSpec.model_validate(job.spec)
+            except ValueError as exc:
+                problem = problem_of(BnrecalError(f"invalid stored spec: {exc}"))
+                self.ledger.finish(job.id, JobStatus.failed, error=problem)
+                continue
+            cpus, gpus = self.job_resources(spec)
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                busy = len(self._running)
+                cpus_used = sum(entry.cpus for entry in self._running.values())
+                gpus_used = sum(entry.gpus for entry in self._running.values())
+                fits = cpus_used + cpus <= cpus_total + 1e-9 and gpus_used + gpus <= gpus_total + 1e-9
+                if busy and (not fits or (limit is not None and busy >= limit)):
+                    return
+                entry = _Running(threading.Event(), cpus, gpus)
+                self._running[job.id] = entry
+            started = self.ledger.mark_running(job.id)
+            if started is None:  # cancelled while queued
+                with self._lock:
+                    self._running.pop(job.id, None)
+                continue
+            self.feed.publish(job.id)
+            entry.thread = threading.Thread(
+                target=self._execute, args=(started, spec, entry), name=f"bnrecal-job-{job.id[:8]}", daemon=True
+            )
+            entry.thread.start()
+
+    def _execute(self, job: JobRecord, spec: JobSpec, entry: _Running) -> None:
+        """Run one job to a terminal status (or back to the queue on shutdown)."""
+        started = time.monotonic()
+        workdir = Path(self.settings.data_dir) / "work" / job.id
+        final = JobStatus.failed
+        try:
+            artifacts, report = self._run(job, spec, entry.cancel, workdir)
+            final = JobStatus.succeeded
+            self.ledger.finish(job.id, final, artifacts=artifacts, report=report)
+        except CancelledError as exc:
+            if entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
+                self.ledger.requeue(job.id)
+                final = JobStatus.queued
+            else:
+                final = JobStatus.cancelled
+                self.ledger.finish(job.id, final, error=problem_of(exc))
+        except BnrecalError as exc:
+            self.ledger.finish(job.id, final, error=problem_of(exc))
+        except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
+            log.exception("job %s failed unexpectedly", job.id)
+            problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
+            self.ledger.finish(job.id, final, error=problem)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            with self._lock:
+                self._running.pop(job.id, None)
+            if final is not JobStatus.queued:
+                self.metrics.job_seconds.labels(status=final.value).observe(time.monotonic() - started)
+            self.feed.publish(job.id)
+            self.wake()
+
+    def _run(
+        self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Recalibrate, export, and store the artifacts as the tenant's blobs."""
+        if self.ledger.get_any(job.id).cancel_requested:
+            raise CancelledError("the job was cancelled")
+        workdir.mkdir(parents=True, exist_ok=True)
+        request, settings = self._request(job, spec)
+        result = recalibrate(request, settings, on_progress=self._progress_writer(job.id), cancel=cancel)
+        report = result.report
+        artifacts: dict[str, Any] = {}
+        if "onnx" in spec.outputs:
+            _check_cancel(cancel)
+            onnx_file = workdir / "recalibrated.onnx"
+            options = spec.onnx
+            report["onnx"] = export_recalibrated(
+                result, onnx_file, opset=options.opset, dtype=options.dtype,
+                dynamic_batch=options.dynamic_batch, input_shape=options.input_shape,
+            )
+            artifacts["onnx"] = self._store(job, onnx_file, "application/octet-stream")
+        _check_cancel(cancel)
+        if "checkpoint" in spec.outputs:
+            artifacts["checkpoint"] = self._save_checkpoint(job, result, workdir)
+        report_file = workdir / "report.json"
+        result.save_report(report_file)
+        artifacts["report"] = self._store(job, report_file, "application/json")
+        return artifacts, report
+
+    def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
+        """The engine's request and settings (archives unpack under the data dir, one folder per digest)."""
+        checkpoint = self.blobs.path(job.tenant, spec.checkpoint)
+        if isinstance(spec.data, DataPath):
+            data = resolve_data_path(spec.data.path, self.settings)
+        else:
+            data = self.blobs.path(job.tenant, spec.data)
+        request = RecalibrationRequest(
+            arch=spec.arch, checkpoint=checkpoint, data=data, model_kwargs=dict(spec.model_kwargs),
+            workers=spec.workers, batch_size=spec.batch_size, mode=spec.mode, max_samples=spec.max_samples,
+            device=spec.device, transform=spec.transform, placement=spec.placement, max_retries=spec.max_retries,
+        )
+        return request, self.settings
+
+    def _progress_writer(self, job_id: str) -> Any:
+        """The ``on_progress`` callback: metrics at once, the ledger and streams a few times a second."""
+        state = {"done": 0, "written": 0.0}
+
+        def on_progress(done: int, total: int) -> None:
+            self.metrics.samples_processed.inc(max(0, done - state["done"]))
+            state["done"] = done
+            now = time.monotonic()
+            if done >= total or now - state["written"] >= PROGRESS_INTERVAL_S:
+                state["written"] = now
+                self.ledger.set_progress(job_id, done, total)
+                self.feed.publish(job_id)
+
+        return on_progress
+
+    def _save_checkpoint(self, job: JobRecord, result: Recalibration, workdir: Path) -> dict[str, Any]:
+        suffix = CHECKPOINT_SUFFIX[result.checkpoint.format]
+        file = workdir / f"recalibrated{suffix}"
+        result.save_checkpoint(file)
+        return self._store(job, file, "application/octet-stream")
+
+    def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
+        info: BlobInfo = self.blobs.adopt(job.tenant, file)
+        return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
+
+
+def _check_cancel(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise CancelledError("the job was cancelled")

@@ -1,0 +1,93 @@
+"""The queue: cancel mid-run frees the actors, and 20 concurrent submissions all finish, FIFO,
+never more at once than the cluster's CPUs hold."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+import pytest
+import ray
+import torch
+
+from service.client import parse_events
+from service.jobs import JobSpec
+from tests.api.conftest import submit, upload, wait_for, write_samples
+from tests.conftest import save_array, save_state
+from tests.nets import MARKER, marker_net, mixed_net
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def free_cpus_settle(expected: float, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        free = ray.available_resources().get("CPU", 0.0)
+        if free >= expected or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
+
+
+def test_cancel_mid_run_stops_the_job_and_frees_its_actors(live_server, tmp_path):
+    total = ray.cluster_resources()["CPU"]
+    samples = torch.randn(40, 4)
+    samples[9, 0] = MARKER  # the third step hangs: the job is mid-run with progress made
+    with live_server.client("load") as client:
+        spec = {
+            "arch": "tests.nets:marker_net",
+            "model_kwargs": {"action": "hang"},
+            "checkpoint": upload(client, save_state(tmp_path / "m.pt", marker_net())),
+            "data": upload(client, save_array(tmp_path / "m.npy", samples)),
+            "workers": 2,
+            "batch_size": 4,
+        }
+        job = submit(client, spec)
+        running = wait_for(client, job["id"], ("running",), progressed=True)
+        assert 0 < running["progress"]["samples_done"] < 40
+        assert ray.available_resources().get("CPU", 0.0) < total  # its actors hold CPUs
+        assert client.get(f"/v1/jobs/{job['id']}/artifacts/report").status_code == 409
+        with client.stream("GET", f"/v1/jobs/{job['id']}/events") as stream:
+            cancel = client.post(f"/v1/jobs/{job['id']}/cancel")
+            assert cancel.status_code == 202
+            events = list(parse_events(stream.iter_lines()))
+        assert events[-1].data["status"] == "cancelled"
+        final = client.get(f"/v1/jobs/{job['id']}").json()
+        assert final["status"] == "cancelled" and final["finished_at"] is not None
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202  # cancelling again: a no-op
+    assert free_cpus_settle(total) == total  # actors killed, placement group removed
+
+
+@pytest.mark.slow  # 20 jobs, each starting its actor: ~2 min on a busy 2-core machine
+def test_twenty_concurrent_submissions_all_finish_fifo_within_the_bound(live_server, tmp_path):
+    runner = live_server.services.runner
+    counts = [4, 5, 6, 4]
+    with live_server.client("load") as client:
+        checkpoint = upload(client, save_state(tmp_path / "m.pt", mixed_net()))
+        datasets = [upload(client, write_samples(tmp_path / f"x{i}.npy", n, seed=i)[0]) for i, n in enumerate(counts)]
+        specs = [
+            {"arch": "tests.nets:mixed_net", "checkpoint": checkpoint, "data": datasets[i % 4], "batch_size": 2}
+            for i in range(20)
+        ]
+        with ThreadPoolExecutor(20) as pool:
+            jobs = list(pool.map(lambda spec: submit(client, spec), specs))
+        finished = [wait_for(client, job["id"], timeout=240) for job in jobs]
+        queue_order = [job["id"] for job in reversed(client.get("/v1/jobs", params={"limit": 20}).json()["jobs"])]
+    assert [job["status"] for job in finished] == ["succeeded"] * 20, [j["error"] for j in finished]
+    for i, job in enumerate(finished):
+        assert job["report"]["samples"] == counts[i % 4]
+        assert job["progress"]["samples_done"] == job["progress"]["samples_total"] == counts[i % 4]
+
+    cpus, _ = runner.job_resources(JobSpec.model_validate(specs[0]))
+    bound = max(1, int(ray.cluster_resources()["CPU"] // cpus))
+    spans = [(_time(j["started_at"]), _time(j["finished_at"])) for j in finished]
+    most_at_once = max(sum(1 for s, f in spans if s <= start < f) for start, _ in spans)
+    assert 1 <= most_at_once <= bound
+    assert sorted(queue_order) == sorted(job["id"] for job in jobs)
+    started = {job["id"]: _time(job["started_at"]) for job in finished}
+    starts = [started[job_id] for job_id in queue_order]
+    assert starts == sorted(starts), "jobs must start in queue order"
+
+
+def _time(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))

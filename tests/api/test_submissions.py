@@ -1,0 +1,202 @@
+"""Uploads and job specs at the front door: the streamed byte cap, unsafe checkpoints,
+422s that name the field, Idempotency-Key, and server-side data paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.api.conftest import KEYS, MAX_UPLOAD_BYTES, submit, upload, wait_for, write_samples
+from tests.conftest import save_state
+from tests.nets import mixed_net
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def tenant_files(live_server) -> list[Path]:
+    return [p for p in (Path(live_server.settings.data_dir) / "blobs").rglob("*") if p.is_file()]
+
+
+def test_oversize_streamed_upload_is_413_and_leaves_nothing(live_server):
+    before = tenant_files(live_server)
+    sent = []
+
+    def body():
+        for _ in range(48):  # 3 MiB against a 2 MiB cap, sent chunked: no Content-Length to trust
+            sent.append(65536)
+            yield os.urandom(65536)
+
+    with live_server.client("carol") as client:
+        response = client.post("/v1/blobs", content=body())
+    assert response.status_code == 413
+    assert response.headers["content-type"] == "application/problem+json"
+    assert "BNRECAL_MAX_UPLOAD_BYTES" in response.json()["detail"]
+    assert tenant_files(live_server) == before  # nothing stored, nothing left in staging
+    assert sum(sent) > MAX_UPLOAD_BYTES
+
+
+def test_declared_oversize_is_refused_and_the_cap_itself_accepted(live_server):
+    with live_server.client("carol") as client:
+        refused = client.post("/v1/blobs", content=b"x" * (MAX_UPLOAD_BYTES + 1))
+        assert refused.status_code == 413
+        accepted = client.post("/v1/blobs", content=b"y" * MAX_UPLOAD_BYTES)
+        assert accepted.status_code == 201 and accepted.json()["size"] == MAX_UPLOAD_BYTES
+        assert accepted.headers["location"] == f"/v1/blobs/{accepted.json()['digest']}"
+
+
+class RunsCode:
+    """Unpickling this would run a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+def test_a_checkpoint_that_would_run_code_is_refused_and_does_not_run(live_server, tmp_path, writer):
+    marker = tmp_path / f"pwned-{writer}"
+    payload = {"state_dict": mixed_net().state_dict(), "extra": RunsCode(marker)}
+    checkpoint = tmp_path / "evil.pt"
+    if writer == "torch.save":
+        torch.save(payload, checkpoint)
+    else:
+        checkpoint.write_bytes(pickle.dumps(payload))
+    data, _ = write_samples(tmp_path / "x.npy", 4)
+    with live_server.client("carol") as client:
+        spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, checkpoint), "data": upload(client, data)}
+        job = wait_for(client, submit(client, spec)["id"])
+    assert job["status"] == "failed"
+    assert job["error"]["type"].endswith("/checkpoint") and job["error"]["status"] == 422
+    assert "unpickle" in job["error"]["detail"] or "weights only" in job["error"]["detail"]
+    assert not marker.exists()
+    assert job["artifacts"] == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"workers": 0}, "workers"),
+        ({"batch_size": "many"}, "batch_size"),
+        ({"mode": "global"}, "mode"),
+        ({"data": "calib.npy"}, "data"),
+        ({"onnx": {"opset": 2}}, "onnx.opset"),
+        ({"outputs": ["weights"]}, "outputs.0"),
+        ({"retries": 3}, "retries"),
+        ({"checkpoint": None}, "checkpoint"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(live_server, change, field):
+    spec = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+    with live_server.client("carol") as client:
+        response = client.post("/v1/jobs", json=spec | change)
+    assert response.status_code == 422
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["field"] == field and field in problem["detail"]
+    assert set(problem) >= {"type", "title", "status", "detail"}
+
+
+def test_an_oversize_json_body_is_413(live_server):
+    spec = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+    with live_server.client("carol") as client:
+        response = client.post("/v1/jobs", json=spec | {"model_kwargs": {"blob": "x" * (2 << 20)}})
+    assert response.status_code == 413 and response.headers["content-type"] == "application/problem+json"
+
+
+def test_malformed_json_and_disallowed_arch_are_422(live_server):
+    with live_server.client("carol") as client:
+        broken = client.post("/v1/jobs", content=b'{"arch": ', headers={"Content-Type": "application/json"})
+        assert broken.status_code == 422 and broken.headers["content-type"] == "application/problem+json"
+        spec = {"arch": "os:system", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+        refused = client.post("/v1/jobs", json=spec)
+    assert refused.status_code == 422 and "BNRECAL_MODEL_MODULES" in refused.json()["detail"]
+
+
+@pytest.fixture(scope="module")
+def carols_blobs(live_server, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    checkpoint = save_state(folder / "m.pt", mixed_net())
+    data, _ = write_samples(folder / "x.npy", 5)
+    with live_server.client("carol") as client:
+        return {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, checkpoint), "data": upload(client, data)}
+
+
+@pytest.fixture(scope="module")
+def carols_job(live_server, carols_blobs):
+    with live_server.client("carol") as client:
+        return wait_for(client, submit(client, carols_blobs, **{"Idempotency-Key": "retry-1"})["id"])
+
+
+def test_idempotency_key_returns_the_same_job(live_server, carols_blobs, carols_job):
+    assert carols_job["status"] == "succeeded", carols_job["error"]
+    with live_server.client("carol") as client:
+        retry = client.post("/v1/jobs", json=carols_blobs, headers={"Idempotency-Key": "retry-1"})
+        assert retry.status_code == 202 and retry.json()["id"] == carols_job["id"]
+        assert retry.json()["status"] == "succeeded"  # the same job, not a new run
+        assert retry.headers["location"] == f"/v1/jobs/{carols_job['id']}"
+        assert retry.headers["idempotent-replayed"] == "true"
+        other = client.post("/v1/jobs", json=carols_blobs | {"batch_size": 2}, headers={"Idempotency-Key": "retry-1"})
+        assert other.status_code == 409 and other.headers["content-type"] == "application/problem+json"
+        with_key = [j for j in client.get("/v1/jobs").json()["jobs"] if j["spec"] == carols_job["spec"]]
+        assert [j["id"] for j in with_key] == [carols_job["id"]]
+
+
+def test_server_side_data_only_under_the_data_roots(live_server, carols_blobs, tmp_path):
+    inside, _ = write_samples(live_server.data_root / "calib.npy", 5)
+    outside, _ = write_samples(tmp_path / "private.npy", 5)
+    link = live_server.data_root / "sneaky.npy"
+    link.symlink_to(outside)
+    with live_server.client("carol") as client:
+        for path in (outside, link, live_server.data_root / ".." / "private.npy"):
+            response = client.post("/v1/jobs", json=carols_blobs | {"data": {"path": str(path)}})
+            assert response.status_code == 422 and response.json()["field"] == "data.path", path
+        job = submit(client, carols_blobs | {"data": {"path": str(inside)}})
+        done = wait_for(client, job["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert done["report"]["samples"] == 5
+
+
+def test_unknown_artifact_and_job_are_404(live_server, carols_job):
+    with live_server.client("carol") as client:
+        assert client.get(f"/v1/jobs/{carols_job['id']}/artifacts/weights").status_code == 404
+        assert client.get(f"/v1/jobs/{carols_job['id']}/artifacts/onnx").status_code == 404  # not asked for
+        assert client.get("/v1/jobs/does-not-exist").status_code == 404
+        assert client.get("/v1/nowhere").json()["status"] == 404
+
+
+def write_images(folder: Path, count: int, seed: int) -> Path:
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(count):
+        pixels = (torch.rand(10, 12, 3, generator=generator) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / f"img{index:02d}.png")
+    return folder
+
+
+@pytest.mark.slow  # two more jobs
+def test_image_folders_submitted_from_the_shell_as_archives(live_server, tmp_path, capsys):
+    from service.cli import main
+
+    checkpoint = save_state(tmp_path / "m.pt", mixed_net())
+    for run, count in enumerate((5, 7)):  # two different archives: each unpacked on its own
+        images = tmp_path / f"images{run}"
+        images.mkdir()
+        write_images(images, count, seed=run)
+        report = tmp_path / f"report{run}.json"
+        main([
+            "submit", "--server", live_server.url, "--api-key", KEYS["carol"], "--arch", "tests.nets:mixed_net",
+            "--checkpoint", str(checkpoint), "--data", str(images), "--transform", '{"resize": 8, "crop": 6}',
+            "--batch-size", "4", "--out", str(tmp_path / f"out{run}.pt"), "--report", str(report),
+        ])
+        summary = json.loads(report.read_text())
+        assert summary["samples"] == count and summary["dataset"]["kind"] == "images"
+        assert summary["dataset"]["sample_shape"] == [3, 6, 6]
+    assert "recalibrated 5 BN layers on 7 samples" in capsys.readouterr().err
