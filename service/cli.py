@@ -159,6 +159,51 @@ def calibrate(
     )
 
 
+@app.command("export")
+def export_command(
+    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint to fold and export as it is.")],
+    out: Annotated[Path, typer.Option(help="Where to write the .onnx file.")],
+    data: Annotated[Path | None, typer.Option(help="Samples to verify the export on (.npy/.npz, images).")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="Per-sample shape, e.g. 3,224,224 (without --data).")] = None,
+    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
+    transform: Annotated[str | None, typer.Option(help="Image transform JSON for --data.")] = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset.")] = 18,
+    onnx_dtype: Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")] = OnnxDtype.float32,
+    report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
+) -> None:
+    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
+    from .exporting import export_checkpoint
+    from .report import write_report
+    from .settings import Settings
+
+    shape = parse_shape(input_shape) if input_shape else None
+    result = export_checkpoint(
+        arch, checkpoint, out, Settings(), model_kwargs=parse_json_object(model_kwargs, "--model-kwargs"),
+        data=data, transform=parse_json_object(transform, "--transform"), input_shape=shape,
+        opset=opset, dtype=onnx_dtype.value,
+    )
+    if report is not None:
+        write_report(result, report)
+    section = result["onnx"]
+    stderr.print(
+        f"exported {out}: {section['folded']} BN folded, {section['batchnorm_nodes']} left, "
+        f"max abs diff {section['max_abs_diff']:.2e}",
+        highlight=False,
+    )
+
+
+def parse_shape(value: str) -> tuple[int, ...]:
+    """Parse ``3,224,224`` into a per-sample shape, naming the option when it is not one."""
+    try:
+        shape = tuple(int(part) for part in value.replace("x", ",").split(","))
+    except ValueError:
+        raise SpecError(f"--input-shape must be comma-separated integers, got {value!r}", field="input_shape") from None
+    if not shape or min(shape) < 1:
+        raise SpecError(f"--input-shape must be positive integers, got {value!r}", field="input_shape")
+    return shape
+
+
 def fail(message: str, code: int) -> NoReturn:
     """Print one error line and exit."""
     stderr.print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,131 @@
+"""``bnrecal serve`` (the HTTP service) and ``bnrecal submit`` (a job through it, from the shell)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+
+from workers.errors import CancelledError, InputError, SpecError
+
+from .client import BnrecalClient, error_from_problem
+
+# Choices as literals, not service.cli's enums: service.cli imports this module at its end,
+# so nothing of it is imported here at import time (that keeps `python -m service.cli` working).
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    data_dir: Annotated[Path | None, typer.Option(help="Ledger, blobs and artifacts (default BNRECAL_DATA_DIR).")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS/embedded).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the HTTP service: SQLite ledger and blobs under --data-dir, jobs on Ray."""
+    import uvicorn
+
+    from .app import create_app
+    from .cli import stderr
+    from .settings import Settings
+
+    settings = Settings()
+    overrides: dict[str, Any] = {}
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    if ray_address:
+        overrides["ray_address"] = ray_address
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    if not 0 < port < 65536:
+        raise SpecError(f"--port must be between 1 and 65535, got {port}", field="--port")
+    app = create_app(settings)
+    data = Path(settings.data_dir).absolute()
+    stderr.print(f"bnrecal serving on http://{host}:{port} (data in {data})", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def submit(
+    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
+    checkpoint: Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")],
+    data: Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")],
+    out: Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")],
+    server: Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")],
+    api_key: Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")] = None,
+    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")] = 1,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Global batch size B.")] = 32,
+    mode: Annotated[Literal["sync", "local"], typer.Option(help="sync: SyncBN statistics; local: per rank.")] = "sync",
+    max_samples: Annotated[int | None, typer.Option(help="Use only the first M samples.")] = None,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Where the ranks compute.")] = "cpu",
+    transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
+    ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
+    onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
+    onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
+    onnx_dtype: Annotated[Literal["float32", "float16"], typer.Option(help="Float type of the export.")] = "float32",
+    report: Annotated[Path | None, typer.Option(help="Where to write report.json.")] = None,
+) -> None:
+    """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
+    from .cli import parse_json_object, progress_bar, stderr
+
+    if ray_address:
+        raise SpecError(
+            "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
+            field="--ray-address",
+        )
+    for option, path in (("--checkpoint", checkpoint), ("--data", data)):
+        if not path.exists():
+            raise InputError(f"{option} {path} does not exist")
+    spec: dict[str, Any] = {
+        "arch": arch,
+        "model_kwargs": parse_json_object(model_kwargs, "--model-kwargs") or {},
+        "mode": mode,
+        "workers": workers,
+        "batch_size": batch_size,
+        "max_samples": max_samples,
+        "device": device,
+        "transform": parse_json_object(transform, "--transform"),
+        "outputs": ["checkpoint"] + (["onnx"] if onnx is not None else []),
+        "onnx": {"opset": onnx_opset, "dtype": onnx_dtype},
+    }
+    with BnrecalClient(server, api_key) as client:
+        spec["checkpoint"] = client.upload(checkpoint)["digest"]
+        spec["data"] = client.upload(data)["digest"]
+        job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
+        stderr.print(f"job {job['id']} queued on {client.server}", highlight=False)
+        with progress_bar("calibrating") as update:
+            try:
+                job = client.wait(job["id"], on_progress=update)
+            except KeyboardInterrupt:
+                client.cancel(job["id"])
+                raise
+        _raise_unless_succeeded(job)
+        client.download(job["id"], "checkpoint", out)
+        if onnx is not None:
+            client.download(job["id"], "onnx", onnx)
+        if report is not None:
+            client.download(job["id"], "report", report)
+    summary = job["report"]
+    stderr.print(
+        f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
+        f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
+        f"in {summary['seconds']:.2f} s (job {job['id']}) -> {out}",
+        highlight=False,
+    )
+
+
+def _raise_unless_succeeded(job: dict[str, Any]) -> None:
+    """Turn a failed or cancelled job into the error it ended with."""
+    if job["status"] == "succeeded":
+        return
+    if job["status"] == "cancelled":
+        raise CancelledError(f"job {job['id']} was cancelled")
+    problem = job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"}
+    raise error_from_problem(problem)
+
+
+def register_http_commands(app: typer.Typer) -> None:
+    """Add ``serve`` and ``submit`` to the ``bnrecal`` command line."""
+    app.command()(serve)
+    app.command()(submit)

@@ -1,0 +1,262 @@
+"""A small Python client of the bnrecal HTTP API (``bnrecal submit`` is built on it).
+
+Errors come back as the same typed errors the server raised (a problem's ``type``
+names its class), so a caller handles a remote bad checkpoint exactly like a local one.
+
+    with BnrecalClient("http://127.0.0.1:8000", api_key="...") as client:
+        checkpoint = client.upload("model.safetensors")["digest"]
+        data = client.upload("calib.npy")["digest"]
+        job = client.submit({"arch": "torchvision:resnet18", "checkpoint": checkpoint, "data": data})
+        job = client.wait(job["id"], on_progress=lambda done, total: print(done, total))
+        client.download(job["id"], "checkpoint", "recalibrated.safetensors")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from workers import errors as error_types
+from workers.errors import BnrecalError, InputError, RunError
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+UPLOAD_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerEvent:
+    """One Server-Sent Event of a job."""
+
+    id: int | None
+    kind: str
+    data: dict[str, Any]
+
+
+def _error_classes() -> dict[str, type[BnrecalError]]:
+    classes: dict[str, type[BnrecalError]] = {}
+    pending: list[type[BnrecalError]] = [BnrecalError]
+    while pending:
+        cls = pending.pop()
+        classes[cls("").type] = cls
+        pending.extend(cls.__subclasses__())
+    return classes
+
+
+def error_from_problem(problem: dict[str, Any]) -> BnrecalError:
+    """The typed error a problem object stands for (by its ``type``; else by its status)."""
+    detail = str(problem.get("detail") or problem.get("title") or "unknown error")
+    status = int(problem.get("status") or 500)
+    cls = _error_classes().get(str(problem.get("type")))
+    if cls is None:
+        cls = InputError if 400 <= status < 500 else RunError
+    error = cls(detail)
+    if isinstance(error, error_types.SpecError):
+        error.field = problem.get("field")
+    return error
+
+
+class BnrecalClient:
+    """Uploads, jobs, events and downloads against one bnrecal server."""
+
+    def __init__(self, server: str, api_key: str | None = None, *, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.server = server.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.server, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
+        )
+
+    def __enter__(self) -> BnrecalClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._http.close()
+
+    def upload(
+        self, path: str | os.PathLike[str], on_bytes: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Upload a file (streamed, never read whole) or a folder (sent as a tar); returns digest and size."""
+        source = Path(path)
+        if source.is_dir():
+            with _tarred(source) as archive:
+                return self.upload(archive, on_bytes)
+        try:
+            size = source.stat().st_size
+            stream = source.open("rb")
+        except OSError as exc:
+            raise InputError(f"cannot read {source}: {exc.strerror or exc}") from exc
+        with stream:
+            def chunks() -> Iterator[bytes]:
+                sent = 0
+                while block := stream.read(UPLOAD_CHUNK):
+                    sent += len(block)
+                    if on_bytes is not None:
+                        on_bytes(sent, size)
+                    yield block
+
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+            return self._json("POST", "/v1/blobs", content=chunks(), headers=headers)
+
+    def upload_bytes(self, data: bytes) -> dict[str, Any]:
+        """Upload bytes held in memory (small blobs)."""
+        return self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"})
+
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """Submit a job spec; the same ``idempotency_key`` on a retry returns the same job."""
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        return self._json("POST", "/v1/jobs", json=spec, headers=headers)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """The job resource."""
+        return self._json("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self, status: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """This key's jobs, newest first."""
+        params: dict[str, Any] = {"limit": limit} | ({"status": status} if status else {})
+        return self._json("GET", "/v1/jobs", params=params)["jobs"]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Ask the server to cancel a job."""
+        return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def events(self, job_id: str, last_event_id: int | None = None) -> Iterator[ServerEvent]:
+        """The job's events from after ``last_event_id``, until the server ends the stream."""
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = str(last_event_id)
+        with self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+            if response.is_error:
+                response.read()
+                raise self._error(response)
+            yield from parse_events(response.iter_lines())
+
+    def wait(
+        self, job_id: str, on_progress: Callable[[int, int], None] | None = None, *, reconnects: int = 5
+    ) -> dict[str, Any]:
+        """Follow a job's events to its end (resuming a dropped stream) and return the final job."""
+        last_id: int | None = None
+        failures = 0
+        while True:
+            try:
+                for event in self.events(job_id, last_id):
+                    last_id = event.id if event.id is not None else last_id
+                    progress = event.data.get("progress") or {}
+                    if on_progress is not None and progress.get("samples_total"):
+                        on_progress(int(progress["samples_done"]), int(progress["samples_total"]))
+                    if event.data.get("status") in TERMINAL:
+                        return self.job(job_id)
+                failures = 0
+            except httpx.TransportError as exc:
+                failures += 1
+                if failures > reconnects:
+                    raise RunError(f"lost the event stream of job {job_id} from {self.server}: {exc}") from exc
+                time.sleep(min(2.0**failures * 0.25, 5.0))
+            job = self.job(job_id)
+            if job["status"] in TERMINAL:
+                return job
+
+    def download(self, job_id: str, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Save an artifact (``checkpoint``, ``onnx``, ``report``) atomically, checking its digest."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+        temp = Path(temp_name)
+        try:
+            url = f"/v1/jobs/{job_id}/artifacts/{name}"
+            with os.fdopen(fd, "wb") as out, self._http.stream("GET", url) as response:
+                if response.is_error:
+                    response.read()
+                    raise self._error(response)
+                for block in response.iter_bytes(UPLOAD_CHUNK):
+                    digest.update(block)
+                    out.write(block)
+                expected = response.headers.get("etag", "").strip('"')
+            received = f"sha256:{digest.hexdigest()}"
+            if expected and expected != received:
+                raise RunError(f"download of {name} of job {job_id} is corrupt: got {received}, expected {expected}")
+            os.chmod(temp, 0o666 & ~_umask())  # as a plainly created file would be
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return {"path": str(target), "digest": received, "size": target.stat().st_size}
+
+    def _json(self, method: str, url: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.TransportError as exc:
+            raise RunError(f"cannot reach the bnrecal server at {self.server}: {exc}") from exc
+        if response.is_error:
+            raise self._error(response)
+        return response.json()
+
+    def _error(self, response: httpx.Response) -> BnrecalError:
+        try:
+            problem = response.json()
+        except ValueError:
+            problem = None
+        if not isinstance(problem, dict):
+            problem = {"status": response.status_code, "detail": f"HTTP {response.status_code}: {response.text[:200]}"}
+        problem.setdefault("status", response.status_code)
+        return error_from_problem(problem)
+
+
+def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
+    """Server-Sent Events from the lines of a ``text/event-stream``."""
+    event_id: int | None = None
+    kind = "message"
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            if data:
+                yield ServerEvent(event_id, kind, json.loads("\n".join(data)))
+            kind, data = "message", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "id" and value.isdigit():
+            event_id = int(value)
+        elif name == "event":
+            kind = value
+        elif name == "data":
+            data.append(value)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def _tarred(folder: Path) -> Iterator[Path]:
+    """A temporary uncompressed tar of a folder's files, in sorted order, without links."""
+    fd, name = tempfile.mkstemp(prefix="bnrecal-upload-", suffix=".tar")
+    os.close(fd)
+    archive = Path(name)
+    try:
+        with tarfile.open(archive, "w") as tar:
+            for file in sorted(folder.rglob("*")):
+                if file.is_file() and not file.is_symlink():
+                    tar.add(file, arcname=str(file.relative_to(folder)), recursive=False)
+        yield archive
+    finally:
+        archive.unlink(missing_ok=True)
