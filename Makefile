@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install serve demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/bnrecal serve --data-dir .bnrecal
 
 demo: $(STAMP)
 	$(BIN)/python -m service.demo demo
