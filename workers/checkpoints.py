@@ -336,6 +336,7 @@ def _atomic_write(target: Path, write: Any) -> None:
     os.close(handle)
     tmp = Path(tmp_name)
     try:
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; the output gets the usual mode
         write(tmp)
         with tmp.open("rb+") as written:
             os.fsync(written.fileno())
@@ -353,6 +354,12 @@ def _atomic_write(target: Path, write: Any) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _one_line(exc: BaseException) -> str:

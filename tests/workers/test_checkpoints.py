@@ -377,3 +377,15 @@ def test_first_matching_key_wins_and_must_hold_tensors(tmp_path: Path) -> None:
     checkpoint = load_checkpoint(path)
     assert checkpoint.location == ("model",)
     assert isinstance(checkpoint, Checkpoint)
+
+
+def test_saved_checkpoint_gets_the_usual_file_mode(tmp_path):
+    import os
+    import stat
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    torch.save(model.state_dict(), tmp_path / "in.pt")
+    save_checkpoint(load_checkpoint(tmp_path / "in.pt"), {}, tmp_path / "out.pt")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "out.pt").stat().st_mode) == 0o666 & ~mask
