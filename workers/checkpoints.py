@@ -301,7 +301,7 @@ def save_checkpoint(
     if checkpoint.format == "safetensors":
         _atomic_write(target, lambda tmp: _save_safetensors(container, checkpoint.metadata, tmp))
     else:
-        _atomic_write(target, lambda tmp: torch.save(container, tmp))
+        _atomic_write(target, lambda tmp: _torch_save(container, tmp))
 
 
 def _replace_at(container: Any, location: tuple[str, ...], value: Any) -> Any:
@@ -354,6 +354,13 @@ def _atomic_write(target: Path, write: Any) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def _torch_save(container: Any, path: Path) -> None:
+    """torch.save through a file object: the zip records are then named ``archive/``, not
+    after our temporary file, so the same content always gives the same bytes."""
+    with path.open("wb") as handle:
+        torch.save(container, handle)
 
 
 def _current_umask() -> int:

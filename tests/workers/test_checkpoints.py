@@ -389,3 +389,12 @@ def test_saved_checkpoint_gets_the_usual_file_mode(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert stat.S_IMODE((tmp_path / "out.pt").stat().st_mode) == 0o666 & ~mask
+
+
+def test_same_content_saves_to_the_same_bytes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    torch.save({"model": model.state_dict()}, tmp_path / "in.pt")
+    checkpoint = load_checkpoint(tmp_path / "in.pt")
+    save_checkpoint(checkpoint, {"1.running_var": torch.full((2,), 3.0)}, tmp_path / "a.pt")
+    save_checkpoint(checkpoint, {"1.running_var": torch.full((2,), 3.0)}, tmp_path / "other-name.pt")
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "other-name.pt").read_bytes()
