@@ -61,6 +61,11 @@ def submit(
     device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Where the ranks compute.")] = "cpu",
     transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
+    placement: Annotated[
+        Literal["spread", "pack", "strict_spread", "strict_pack"] | None,
+        typer.Option(help="Spread ranks across nodes, or pack them."),
+    ] = None,
+    max_retries: Annotated[int | None, typer.Option(help="Re-run a failed pass from scratch this many times.")] = None,
     onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
     onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
     onnx_dtype: Annotated[Literal["float32", "float16"], typer.Option(help="Float type of the export.")] = "float32",
@@ -86,6 +91,8 @@ def submit(
         "max_samples": max_samples,
         "device": device,
         "transform": parse_json_object(transform, "--transform"),
+        "placement": placement,
+        "max_retries": max_retries,
         "outputs": ["checkpoint"] + (["onnx"] if onnx is not None else []),
         "onnx": {"opset": onnx_opset, "dtype": onnx_dtype},
     }

@@ -187,9 +187,11 @@ def test_submit_command_and_client_give_the_same_result(finished, live_server, s
     main([
         "submit", "--server", live_server.url, "--api-key", KEYS["alice"], "--arch", "tests.nets:mixed_net",
         "--checkpoint", str(checkpoint), "--data", str(data), "--workers", "2", "--batch-size", str(BATCH),
-        "--out", str(out), "--report", str(report),
+        "--placement", "pack", "--max-retries", "1", "--out", str(out), "--report", str(report),
     ])
     assert "recalibrated 5 BN layers on 23 samples" in capsys.readouterr().err
+    submitted = json.loads(report.read_text())
+    assert submitted["placement"] == "PACK" and submitted["attempts"] == 1
     with BnrecalClient(live_server.url, KEYS["alice"]) as client:
         first = client.download(final["id"], "checkpoint", tmp_path / "first.safetensors")
     ours, theirs = load_file(str(out)), load_file(first["path"])

@@ -178,3 +178,14 @@ def test_console_script_runs_end_to_end(artifacts, tmp_path):
         capture_output=True, text=True, env=env, timeout=120, check=False,
     )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_submit_takes_every_calibrate_flag():
+    import typer.main
+
+    from service.cli import app
+
+    commands = typer.main.get_command(app).commands
+    flags = {name: {opt for param in commands[name].params for opt in param.opts} for name in ("calibrate", "submit")}
+    assert flags["calibrate"] <= flags["submit"]
+    assert flags["submit"] - flags["calibrate"] == {"--server", "--api-key"}
