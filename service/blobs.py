@@ -21,6 +21,7 @@ from typing import BinaryIO
 import anyio
 
 from workers.errors import NotFoundError, PayloadTooLargeError
+from workers.files import sync_directory
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 _DIGEST = re.compile(DIGEST_PATTERN)
@@ -145,7 +146,7 @@ class BlobStore:
             return
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)
-        _sync_directory(target.parent)
+        sync_directory(target.parent)
 
 
 def _write_hashed(handle: BinaryIO, digest: hashlib._Hash, chunks: list[bytes]) -> None:
@@ -157,17 +158,3 @@ def _write_hashed(handle: BinaryIO, digest: hashlib._Hash, chunks: list[bytes]) 
 def _flush_and_sync(handle: BinaryIO) -> None:
     handle.flush()
     os.fsync(handle.fileno())
-
-
-def _sync_directory(directory: Path) -> None:
-    """Make a rename durable (best effort: some file systems refuse directory fsync)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

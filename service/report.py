@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer
+from workers.files import atomic_write
 
 
 def layer_entry(
@@ -53,6 +54,5 @@ def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write the report as indented JSON, atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f".{target.name}.tmp")
-    temp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    os.replace(temp, target)
+    text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    atomic_write(target, lambda temp: temp.write_text(text))

@@ -13,7 +13,6 @@ import copy
 import os
 import pickle
 import re
-import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workers.errors import CheckpointError
+from workers.files import atomic_write
 
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 DDP_PREFIX = "module."
@@ -299,9 +299,9 @@ def save_checkpoint(
     container = _replace_at(checkpoint.container, checkpoint.location, new_state)
     target = Path(path)
     if checkpoint.format == "safetensors":
-        _atomic_write(target, lambda tmp: _save_safetensors(container, checkpoint.metadata, tmp))
+        atomic_write(target, lambda tmp: _save_safetensors(container, checkpoint.metadata, tmp))
     else:
-        _atomic_write(target, lambda tmp: _torch_save(container, tmp))
+        atomic_write(target, lambda tmp: _torch_save(container, tmp))
 
 
 def _replace_at(container: Any, location: tuple[str, ...], value: Any) -> Any:
@@ -329,44 +329,11 @@ def _save_safetensors(
     save_file(unshared, str(tmp), metadata=metadata)
 
 
-def _atomic_write(target: Path, write: Any) -> None:
-    """Write through a temporary file in the target's directory, fsync it, then rename."""
-    directory = target.parent if str(target.parent) else Path(".")
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    os.close(handle)
-    tmp = Path(tmp_name)
-    try:
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; the output gets the usual mode
-        write(tmp)
-        with tmp.open("rb+") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
 def _torch_save(container: Any, path: Path) -> None:
     """torch.save through a file object: the zip records are then named ``archive/``, not
     after our temporary file, so the same content always gives the same bytes."""
     with path.open("wb") as handle:
         torch.save(container, handle)
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,50 @@
+"""Durable file writes, shared by checkpoints, reports and the blob store."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def sync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: some file systems refuse it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(target: Path, write: Callable[[Path], None]) -> None:
+    """Write ``target`` so readers see the old file or the whole new one, never a part.
+
+    ``write`` fills a temporary file beside the target (given the usual file mode, not
+    mkstemp's 0600), which is fsynced and renamed into place.
+    """
+    directory = target.parent if str(target.parent) else Path(".")
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        write(tmp)
+        with tmp.open("rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_directory(directory)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
