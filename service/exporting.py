@@ -72,7 +72,8 @@ def export_checkpoint(
     model.eval()
     if data is not None:
         spec = describe_dataset(data, transform=transform, unpack_root=Path(settings.data_dir) / "unpacked")
-        samples = spec.open().load(0, min(VERIFY_SAMPLES, spec.num_samples))
+        with spec.open() as opened:
+            samples = opened.load(0, min(VERIFY_SAMPLES, spec.num_samples))
         if samples.shape[0] < 2:
             samples = torch.cat([samples, samples])
     else:

@@ -99,8 +99,8 @@ class Recalibration:
 
     def calibration_samples(self, count: int) -> torch.Tensor:
         """The first ``count`` calibration samples, e.g. to verify an export."""
-        data = self.dataset.open()
-        return data.load(0, min(count, self.dataset.num_samples))
+        with self.dataset.open() as data:
+            return data.load(0, min(count, self.dataset.num_samples))
 
 
 def recalibrate(
@@ -126,7 +126,8 @@ def recalibrate(
         max_samples=request.max_samples,
         unpack_root=Path(settings.data_dir) / "unpacked",
     )
-    call_order = record_call_order(model, layers, dataset.open().load(0, 1))
+    with dataset.open() as data:
+        call_order = record_call_order(model, layers, data.load(0, 1))
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .data import DatasetSpec
@@ -25,4 +25,3 @@ class RankPlan:
     layer_names: tuple[str, ...]
     call_order: tuple[int, ...]
     loader_workers: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
