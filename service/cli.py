@@ -13,7 +13,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -22,6 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from workers.errors import BnrecalError, SpecError
+
+from . import cli_options as opt
 
 app = typer.Typer(
     name="bnrecal",
@@ -32,28 +33,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 stderr = Console(stderr=True)
-
-
-class Mode(str, Enum):
-    sync = "sync"
-    local = "local"
-
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Placement(str, Enum):
-    spread = "spread"
-    pack = "pack"
-    strict_spread = "strict_spread"
-    strict_pack = "strict_pack"
-
-
-class OnnxDtype(str, Enum):
-    float32 = "float32"
-    float16 = "float16"
 
 
 def parse_json_object(value: str | None, option: str) -> dict[str, Any] | None:
@@ -90,30 +69,26 @@ def _commands() -> None:
     """Recalibrate BatchNorm statistics on Ray; serve and submit jobs over HTTP."""
 
 
-WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="Global batch size B.")]
-
-
 @app.command()
 def calibrate(
-    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
-    checkpoint: Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")],
-    data: Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")],
-    out: Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")],
-    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
-    workers: WorkersOpt = 1,
-    batch_size: BatchOpt = 32,
-    mode: Annotated[Mode, typer.Option(help="sync: SyncBN statistics; local: per-rank statistics.")] = Mode.sync,
-    max_samples: Annotated[int | None, typer.Option(help="Use only the first M samples.")] = None,
-    device: Annotated[Device, typer.Option(help="Where the ranks compute.")] = Device.cpu,
-    transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
+    arch: opt.ArchOpt,
+    checkpoint: opt.CheckpointOpt,
+    data: opt.DataOpt,
+    out: opt.OutOpt,
+    model_kwargs: opt.ModelKwargsOpt = None,
+    workers: opt.WorkersOpt = 1,
+    batch_size: opt.BatchOpt = 32,
+    mode: opt.ModeOpt = opt.Mode.sync,
+    max_samples: opt.MaxSamplesOpt = None,
+    device: opt.DeviceOpt = opt.Device.cpu,
+    transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
-    placement: Annotated[Placement | None, typer.Option(help="Spread ranks across nodes, or pack them.")] = None,
-    max_retries: Annotated[int | None, typer.Option(help="Re-run a failed pass from scratch this many times.")] = None,
-    onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
-    onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
-    onnx_dtype: Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")] = OnnxDtype.float32,
-    report: Annotated[Path | None, typer.Option(help="Where to write report.json.")] = None,
+    placement: opt.PlacementOpt = None,
+    max_retries: opt.MaxRetriesOpt = None,
+    onnx: opt.OnnxOpt = None,
+    onnx_opset: opt.OnnxOpsetOpt = 18,
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
+    report: opt.ReportOpt = None,
 ) -> None:
     """Recalibrate a checkpoint's BatchNorm statistics on calibration data."""
     from .recalibrate import RecalibrationRequest, recalibrate
@@ -161,15 +136,15 @@ def calibrate(
 
 @app.command("export")
 def export_command(
-    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
+    arch: opt.ArchOpt,
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint to fold and export as it is.")],
     out: Annotated[Path, typer.Option(help="Where to write the .onnx file.")],
     data: Annotated[Path | None, typer.Option(help="Samples to verify the export on (.npy/.npz, images).")] = None,
     input_shape: Annotated[str | None, typer.Option(help="Per-sample shape, e.g. 3,224,224 (without --data).")] = None,
-    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
-    transform: Annotated[str | None, typer.Option(help="Image transform JSON for --data.")] = None,
+    model_kwargs: opt.ModelKwargsOpt = None,
+    transform: opt.TransformOpt = None,
     opset: Annotated[int, typer.Option(help="ONNX opset.")] = 18,
-    onnx_dtype: Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")] = OnnxDtype.float32,
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
 ) -> None:
     """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 
 from workers.errors import CancelledError, InputError, SpecError
 
+from . import cli_options as opt
 from .client import BnrecalClient, error_from_problem
 
-# Choices as literals, not service.cli's enums: service.cli imports this module at its end,
-# so nothing of it is imported here at import time (that keeps `python -m service.cli` working).
+# Shared options come from cli_options, not service.cli: service.cli imports this module at
+# its end, so nothing of it is imported here at import time (keeps `python -m service.cli` working).
 
 
 def serve(
@@ -47,29 +48,26 @@ def serve(
 
 
 def submit(
-    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
-    checkpoint: Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")],
-    data: Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")],
-    out: Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")],
+    arch: opt.ArchOpt,
+    checkpoint: opt.CheckpointOpt,
+    data: opt.DataOpt,
+    out: opt.OutOpt,
     server: Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")],
     api_key: Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")] = None,
-    model_kwargs: Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")] = 1,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Global batch size B.")] = 32,
-    mode: Annotated[Literal["sync", "local"], typer.Option(help="sync: SyncBN statistics; local: per rank.")] = "sync",
-    max_samples: Annotated[int | None, typer.Option(help="Use only the first M samples.")] = None,
-    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Where the ranks compute.")] = "cpu",
-    transform: Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')] = None,
+    model_kwargs: opt.ModelKwargsOpt = None,
+    workers: opt.WorkersOpt = 1,
+    batch_size: opt.BatchOpt = 32,
+    mode: opt.ModeOpt = opt.Mode.sync,
+    max_samples: opt.MaxSamplesOpt = None,
+    device: opt.DeviceOpt = opt.Device.cpu,
+    transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
-    placement: Annotated[
-        Literal["spread", "pack", "strict_spread", "strict_pack"] | None,
-        typer.Option(help="Spread ranks across nodes, or pack them."),
-    ] = None,
-    max_retries: Annotated[int | None, typer.Option(help="Re-run a failed pass from scratch this many times.")] = None,
-    onnx: Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")] = None,
-    onnx_opset: Annotated[int, typer.Option(help="ONNX opset of the export.")] = 18,
-    onnx_dtype: Annotated[Literal["float32", "float16"], typer.Option(help="Float type of the export.")] = "float32",
-    report: Annotated[Path | None, typer.Option(help="Where to write report.json.")] = None,
+    placement: opt.PlacementOpt = None,
+    max_retries: opt.MaxRetriesOpt = None,
+    onnx: opt.OnnxOpt = None,
+    onnx_opset: opt.OnnxOpsetOpt = 18,
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
+    report: opt.ReportOpt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     from .cli import parse_json_object, progress_bar, stderr
@@ -85,16 +83,16 @@ def submit(
     spec: dict[str, Any] = {
         "arch": arch,
         "model_kwargs": parse_json_object(model_kwargs, "--model-kwargs") or {},
-        "mode": mode,
+        "mode": mode.value,
         "workers": workers,
         "batch_size": batch_size,
         "max_samples": max_samples,
-        "device": device,
+        "device": device.value,
         "transform": parse_json_object(transform, "--transform"),
-        "placement": placement,
+        "placement": placement.value if placement is not None else None,
         "max_retries": max_retries,
         "outputs": ["checkpoint"] + (["onnx"] if onnx is not None else []),
-        "onnx": {"opset": onnx_opset, "dtype": onnx_dtype},
+        "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
     }
     with BnrecalClient(server, api_key) as client:
         spec["checkpoint"] = client.upload(checkpoint)["digest"]
