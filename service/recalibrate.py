@@ -19,7 +19,8 @@ import ray
 import torch
 from torch import nn
 
-from workers.batchnorm import MODES, BatchNormLayer, SkippedLayer, find_batchnorm_layers, record_call_order
+from workers.batchnorm import MODES, BatchNormLayer, SkippedLayer, find_batchnorm_layers
+from workers.calibrator import probe_call_order
 from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from workers.collectives import backend_for_device
@@ -127,7 +128,7 @@ def recalibrate(
         unpack_root=Path(settings.data_dir) / "unpacked",
     )
     with dataset.open() as data:
-        call_order = record_call_order(model, layers, data.load(0, 1))
+        call_order = probe_call_order(model, layers, data.load(0, min(2, dataset.num_samples)))
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
@@ -147,6 +148,7 @@ def recalibrate(
         layer_names=tuple(layer.name for layer in layers),
         call_order=tuple(call_order),
         loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
+        memory_format=settings.memory_format,
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
@@ -201,6 +203,7 @@ def recalibrate(
         "seconds": round(result.seconds, 6),
         "samples_per_second": round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
         "nodes": result.nodes,
+        "memory_formats": result.memory_formats,
         "placement": options.placement_strategy,
         "data_transport": transport,
         "attempts": len(failures) + 1,

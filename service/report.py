@@ -34,6 +34,7 @@ def layer_entry(
         ratio = (new_var / old_var).max().item()
     return {
         "name": layer.name,
+        "class": layer.class_name,
         "channels": layer.channels,
         "calls": calls,
         "mean_shift": _finite(shift),

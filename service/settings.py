@@ -40,6 +40,11 @@ class Settings(BaseSettings):
         description="How data reaches the ranks: the object store, or a path every node sees (shared); "
         "auto shares only on a single-node cluster that includes this process.",
     )
+    memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
+        default="auto",
+        description="Layout ranks compute image models in; auto measures both on the first two steps "
+        "and keeps the faster.",
+    )
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")

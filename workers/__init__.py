@@ -10,14 +10,16 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "batchnorm": ("BatchNormCalibrator", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "record_call_order"),
+    "batchnorm": ("BatchNormLayer", "SkippedLayer", "find_batchnorm_layers"),
+    "calibrator": ("BatchNormCalibrator", "probe_call_order"),
     "calibration": ("PassResult", "apply_statistics", "calibration_pass"),
     "checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
     "collectives": ("Collective", "RayCollective", "SingleProcessCollective", "backend_for_device"),
     "errors": (
-        "ArchitectureError", "AuthenticationError", "BnrecalError", "CancelledError", "CheckpointError",
+        "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
+        "CheckpointError",
         "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError", "NotFoundError",
-        "PayloadTooLargeError", "RunError", "SpecError",
+        "PayloadTooLargeError", "RunError", "SpecError", "UnsupportedLayerError",
     ),
     "group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models": ("build_model", "parse_allowed_modules"),
@@ -44,6 +46,7 @@ __all__ = [
     "BatchNormCalibrator",
     "BatchNormLayer",
     "BnrecalError",
+    "CallOrderError",
     "CancelledError",
     "Checkpoint",
     "CheckpointError",
@@ -65,6 +68,7 @@ __all__ = [
     "SingleProcessCollective",
     "SkippedLayer",
     "SpecError",
+    "UnsupportedLayerError",
     "apply_statistics",
     "backend_for_device",
     "build_model",
@@ -75,7 +79,7 @@ __all__ = [
     "num_steps",
     "parse_allowed_modules",
     "rank_ranges",
-    "record_call_order",
+    "probe_call_order",
     "run_rank_group",
     "save_checkpoint",
 ]

@@ -104,6 +104,7 @@ class CalibrationRank:
                         call_order=plan.call_order,
                         device=device,
                         on_step=on_step,
+                        memory_format=plan.memory_format,
                     )
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
@@ -133,6 +134,7 @@ class CalibrationRank:
             "collectives": event.collectives,
             "calls": event.calls,
             "seconds": event.seconds,
+            "memory_format": event.memory_format,
             "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in event.stats]
             if self.rank == 0
             else None,

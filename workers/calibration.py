@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batchnorm import BatchNormCalibrator, BatchNormLayer
+from .batchnorm import BatchNormLayer
+from .calibrator import BatchNormCalibrator
 from .collectives import Collective
+from .memory_format import MemoryFormatChooser
 from .moments import MomentStats
 
 StepCallback = Callable[[int, int], None]
@@ -31,6 +33,7 @@ class PassResult:
     samples: int
     collectives: int
     seconds: float
+    memory_format: str = "contiguous"
 
 
 def calibration_pass(
@@ -43,28 +46,37 @@ def calibration_pass(
     call_order: Sequence[int] = (),
     device: torch.device | str = "cpu",
     on_step: StepCallback | None = None,
+    memory_format: str = "auto",
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
     ``batches`` yields one tensor per global step (empty where this rank's slice is
     empty). Every module other than BN runs in eval mode. Returns the statistics of
     every layer over everything every rank saw; in ``local`` mode that includes the
-    job's single allreduce.
+    job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
+    ``channels_last``) is the layout the rank computes in; ``auto`` measures both.
     """
     model.eval()
     started = time.perf_counter()
     steps = samples = 0
+    chooser: MemoryFormatChooser | None = None
     with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
         for batch in batches:
             if batch.shape[0] == 0:
                 calibrator.replay_empty_step()
             else:
-                model(batch.to(device, dtype=torch.float32, non_blocking=True))
+                if chooser is None:
+                    chooser = MemoryFormatChooser(memory_format, batch.dim(), device)
+                x = batch.to(device, dtype=torch.float32, non_blocking=True)
+                model(chooser.apply(model, x))
+                chooser.record(int(batch.shape[0]))
             steps += 1
             samples += int(batch.shape[0])
             if on_step is not None:
                 on_step(steps - 1, int(batch.shape[0]))
         stats = calibrator.moments()
+    if chooser is not None:
+        chooser.restore(model)
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     return PassResult(
@@ -74,6 +86,7 @@ def calibration_pass(
         samples=samples,
         collectives=collective.calls,
         seconds=time.perf_counter() - started,
+        memory_format=chooser.chosen if chooser is not None else "contiguous",
     )
 
 

@@ -12,12 +12,16 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── DatasetError           unreadable, empty or unsafe calibration data
     │   ├── ModelInputError        the model rejects the data (shape, dtype)
     │   ├── NoBatchNormError       nothing to recalibrate
+    │   ├── UnsupportedLayerError  a BN layer that never normalises through
+    │   │                          F.batch_norm, so it cannot be calibrated
     │   ├── SpecError              an invalid option or job field
     │   ├── NotFoundError          unknown blob, job or artifact (HTTP 404)
     │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
     │   └── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
     ├── RunError                   the run itself failed: a rank died, a collective
     │   │                          timed out, the cluster is unreachable
+    │   ├── CallOrderError         ranks reduced different BN layers in one
+    │   │                          collective (their BN call order differs)
     │   └── CancelledError         the run was cancelled
     └── ExportError                the ONNX export could not be made or verified
 """
@@ -91,6 +95,19 @@ class NoBatchNormError(InputError):
     title = "No BatchNorm layer to recalibrate"
 
 
+class UnsupportedLayerError(InputError):
+    """A BN layer whose forward never normalises through ``F.batch_norm`` with its own
+    running buffers: its statistics cannot be replaced, so it cannot be calibrated."""
+
+    status = 422
+    title = "BatchNorm layer cannot be calibrated"
+
+    def __init__(self, message: str, layer: str | None = None, layer_class: str | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.layer_class = layer_class
+
+
 class SpecError(InputError):
     """An option or job field has an invalid value."""
 
@@ -135,6 +152,12 @@ class RunError(BnrecalError):
         self.node = node
 
 
+class CallOrderError(RunError):
+    """In ``sync`` mode, ranks entered one collective for different BN layers."""
+
+    title = "BatchNorm call order differs between ranks"
+
+
 class CancelledError(RunError):
     """The run was cancelled before it finished."""
 
@@ -147,3 +170,12 @@ class ExportError(BnrecalError):
 
     status = 500
     title = "ONNX export failed"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (or its class name): what a
+    one-line error shows of a cause it wraps."""
+    for line in str(exc).strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__

@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .actor import CalibrationActor
-from .errors import BnrecalError, CancelledError, RunError
+from .errors import BnrecalError, CallOrderError, CancelledError, RunError
 from .plan import RankPlan
 
 ProgressCallback = Callable[[int], None]
@@ -52,6 +52,7 @@ class GroupResult:
     seconds: float
     nodes: list[str]
     calls: list[int] = field(default_factory=list)
+    memory_formats: list[str] = field(default_factory=list)
 
 
 def run_rank_group(
@@ -172,6 +173,8 @@ def _follow(
             elif event["kind"] == "result":
                 results[rank] = event
                 last_progress = time.monotonic()
+        if plan.mode == "sync" and results:
+            _check_collective_counts(results, calls_entered, nodes)
         if len(started) < len(streams):
             if time.monotonic() > startup_deadline:
                 late = sorted(set(range(len(streams))) - started)
@@ -200,7 +203,26 @@ def _follow(
         seconds=max(r["seconds"] for r in results.values()),
         nodes=[results[r]["node_id"] for r in sorted(results)],
         calls=first["calls"],
+        memory_formats=[results[r]["memory_format"] for r in sorted(results)],
     )
+
+
+def _check_collective_counts(
+    results: dict[int, dict[str, Any]], calls_entered: list[int], nodes: dict[int, str]
+) -> None:
+    """In sync mode every rank makes the same collectives: one that enters more than a
+    finished peer made waits for a partner that will never come, so fail now, naming it."""
+    finished = min(results.values(), key=lambda r: r["collectives"])
+    for rank, calls in enumerate(calls_entered):
+        if rank not in results and calls > finished["collectives"]:
+            raise CallOrderError(
+                f"rank {rank} entered collective {calls} but rank {finished['rank']} finished after "
+                f"{finished['collectives']}: the ranks called BN layers a different number of times "
+                "(data-dependent control flow in the model?); sync mode needs the same calls on every rank, "
+                "--mode local does not",
+                rank=rank,
+                node=nodes.get(rank),
+            )
 
 
 def _root_cause(rank: int, exc: BaseException, streams: list[Any], nodes: dict[int, str]) -> BnrecalError:

@@ -25,3 +25,4 @@ class RankPlan:
     layer_names: tuple[str, ...]
     call_order: tuple[int, ...]
     loader_workers: int = 0
+    memory_format: str = "auto"

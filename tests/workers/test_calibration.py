@@ -10,11 +10,12 @@ import torch
 
 from tests.nets import far_from_zero_net, mixed_net, no_norm_net, perturbed, volume_net
 from tests.reference import assert_matches_reference, reference_statistics
-from workers.batchnorm import BatchNormCalibrator, find_batchnorm_layers, record_call_order
+from workers.batchnorm import find_batchnorm_layers
+from workers.calibrator import BatchNormCalibrator, probe_call_order
 from workers.calibration import apply_statistics, calibration_pass
 from workers.collectives import SingleProcessCollective
 from workers.errors import ModelInputError
-from workers.moments import ScratchSpace, finalize, shifted_moments
+from workers.moments import batch_moments, finalize, pack, packed_size
 from workers.sharding import num_steps, rank_ranges
 
 
@@ -79,13 +80,16 @@ def test_only_bn_statistics_change():
             assert value.dtype == after[key].dtype
 
 
-def test_forwards_are_restored_and_dropout_stays_off():
-    model = mixed_net()
+def test_layers_are_restored_and_dropout_stays_off():
+    model = mixed_net().eval()
     layers, _ = find_batchnorm_layers(model)
-    with BatchNormCalibrator(layers, "sync", SingleProcessCollective()):
-        assert all("forward" in layer.module.__dict__ for layer in layers)
-    assert all("forward" not in layer.module.__dict__ for layer in layers)
-    model.eval()
+    tracked = [layer.module.num_batches_tracked.clone() for layer in layers]
+    with torch.inference_mode(), BatchNormCalibrator(layers, "sync", SingleProcessCollective()):
+        assert all(layer.module.training for layer in layers)
+        assert not model.drop.training
+        model(torch.randn(4, 3, 6, 5))
+    assert not any(layer.module.training for layer in layers)
+    assert [layer.module.num_batches_tracked for layer in layers] == tracked
     x = torch.randn(4, 3, 6, 5)
     model_a = perturbed(mixed_net())
     model_b = copy.deepcopy(model_a)
@@ -107,18 +111,20 @@ def test_skipped_layers_are_named():
 def test_call_order_and_shape_rejection():
     model = mixed_net()
     layers, _ = find_batchnorm_layers(model)
-    order = record_call_order(model, layers, torch.randn(1, 3, 6, 5))
+    order = probe_call_order(model, layers, torch.randn(1, 3, 6, 5))
     assert [layers[i].name for i in order] == ["bn", "bn_dw", "bn_plain", "bn_seq", "bn_fc"]
     with pytest.raises(ModelInputError, match=r"rejects samples of shape \(5, 6, 5\)"):
-        record_call_order(model, layers, torch.randn(1, 5, 6, 5))
+        probe_call_order(model, layers, torch.randn(1, 5, 6, 5))
 
 
 def test_moments_of_an_empty_slice_are_zero():
-    packed, _, _ = shifted_moments(torch.empty(0, 4, 3), torch.zeros(4, dtype=torch.float64), ScratchSpace())
+    shift = torch.zeros(4, dtype=torch.float64)
+    packed = pack(batch_moments(torch.empty(0, 4, 3)), shift, torch.empty(packed_size(4), dtype=torch.float64))
     assert packed.shape == (9,) and not packed.any()
     x = torch.randn(7, 4, 3, dtype=torch.float32)
-    packed, _, _ = shifted_moments(x, torch.full((4,), 5.0, dtype=torch.float64), ScratchSpace())
-    stats = finalize(packed, torch.full((4,), 5.0, dtype=torch.float64))
+    shift = torch.full((4,), 5.0, dtype=torch.float64)
+    packed = pack(batch_moments(x), shift, torch.empty(packed_size(4), dtype=torch.float64))
+    stats = finalize(packed, shift)
     values = x.double().transpose(0, 1).reshape(4, -1)
     assert torch.allclose(stats.mean, values.mean(1), atol=1e-6)
     assert torch.allclose(stats.unbiased_var, values.var(1), rtol=1e-5)

@@ -1,0 +1,270 @@
+"""BatchNorm layers in calibration mode: each layer's own forward runs, only the
+statistics it normalises with are replaced.
+
+While a :class:`BatchNormCalibrator` is active, every call to
+``torch.nn.functional.batch_norm`` is seen by a ``TorchFunctionMode``. A call that
+passes one of the calibrated layers' running buffers is that layer normalising: its
+input's moments are measured (one statistics pass), in ``sync`` mode combined across
+ranks in one allreduce, and the call goes on in eval form with those statistics (one
+normalising pass). Everything else the layer's class does around that call (timm's
+activation and drop path, a subclass's arithmetic, a second call) still happens.
+
+Calibrated layers run with their own ``training`` flag set, as in training; their
+children (an activation, a drop path) stay in eval mode. ``SyncBatchNorm`` layers keep
+``training`` off: their training forward would synchronise over ``torch.distributed``
+itself, and in eval form they reach ``F.batch_norm`` with their running buffers all the
+same, so the product's collective stays the only one. A layer whose forward finishes
+without normalising through ``F.batch_norm`` fails the pass, naming it.
+
+``probe_call_order`` runs the model once this way on a sample before any actor starts:
+it catches data the model rejects and layers that cannot be calibrated, and records the
+order in which the layers normalise (what a rank with an empty slice replays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .batchnorm import MODES, BatchNormLayer, unsupported_layer
+from .collectives import Collective, SingleProcessCollective
+from .errors import BnrecalError, CallOrderError, ModelInputError, RunError, first_line
+from .moments import BatchMoments, MomentStats, batch_moments, finalize, pack, packed_size
+
+TAGS = 2
+"""Packed slots ahead of a sync allreduce's moments: the layer tag and its square. With
+SUM, every rank reduced the same layer exactly when the sums are K*t and K*t^2."""
+
+
+class BatchNormCalibrator:
+    """Context manager that puts a model's BN layers in calibration mode.
+
+    Leaving the context restores the layers as they were (training flags and
+    ``num_batches_tracked``). ``moments()`` then gives the combined float64 statistics of
+    every value each layer saw, across all ranks.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[BatchNormLayer],
+        mode: str,
+        collective: Collective,
+        call_order: Sequence[int] = (),
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.layers = list(layers)
+        self.mode = mode
+        self.collective = collective
+        self.call_order = list(call_order)
+        self.shifts = [layer.module.running_mean.detach().double() for layer in self.layers]
+        self.totals = [
+            torch.zeros(packed_size(layer.channels), dtype=torch.float64, device=shift.device)
+            for layer, shift in zip(self.layers, self.shifts)
+        ]
+        self.calls = [0] * len(self.layers)
+        self.order: list[int] = []
+        self._by_buffer = {id(layer.module.running_mean): i for i, layer in enumerate(self.layers)}
+        self._mode = _Interceptor(self)
+        self._saved: list[tuple[bool, torch.Tensor | None]] = []
+        self._hooks: list[Any] = []
+        self._in_forward: list[tuple[int, int]] = []
+        self._combined = False
+
+    def __enter__(self) -> BatchNormCalibrator:
+        for i, layer in enumerate(self.layers):
+            module = layer.module
+            tracked = module.num_batches_tracked
+            self._saved.append((module.training, None if tracked is None else tracked.detach().clone()))
+            module.training = not isinstance(module, nn.SyncBatchNorm)
+            self._hooks.append(module.register_forward_pre_hook(self._entering(i)))
+            self._hooks.append(module.register_forward_hook(self._leaving(i)))
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._mode.__exit__(*exc_info)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        with torch.no_grad():
+            for layer, (training, tracked) in zip(self.layers, self._saved):
+                layer.module.training = training
+                if tracked is not None and layer.module.num_batches_tracked is not None:
+                    layer.module.num_batches_tracked.copy_(tracked)
+        self._saved.clear()
+
+    def _entering(self, index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._in_forward.append((index, self.calls[index]))
+
+        return hook
+
+    def _leaving(self, index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+            entered, calls_before = self._in_forward.pop()
+            if entered == index and self.calls[index] == calls_before:
+                raise unsupported_layer(self.layers[index])
+
+        return hook
+
+    def layer_in_progress(self) -> BatchNormLayer | None:
+        """The innermost calibrated layer whose forward is running and has not normalised yet."""
+        for index, calls_before in reversed(self._in_forward):
+            if self.calls[index] == calls_before:
+                return self.layers[index]
+        return None
+
+    def intercept(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """Calibrate an ``F.batch_norm`` call made with a calibrated layer's buffers;
+        ``None`` for any other call, which then runs as it is."""
+        call = _bind(args, kwargs)
+        index = self._by_buffer.get(id(call["running_mean"]))
+        if index is None or self.layers[index].module.running_mean is not call["running_mean"]:
+            return None
+        x = call["input"]
+        layer = self.layers[index]
+        if x.dim() < 2 or x.shape[1] != layer.channels:
+            raise ModelInputError(
+                f"BN layer {layer.name!r} expects {layer.channels} channels in dimension 1, "
+                f"got input of shape {tuple(x.shape)}"
+            )
+        own = batch_moments(x)
+        stats = self._combine(index, own)
+        return _normalise(x, own, stats, call, layer.module.running_mean.dtype)
+
+    def _combine(self, index: int, own: BatchMoments) -> MomentStats:
+        """This call's statistics over the global batch (sync) or the rank's slice (local)."""
+        shift = self.shifts[index]
+        buffer = torch.empty(TAGS + packed_size(shift.numel()), dtype=torch.float64, device=shift.device)
+        packed = pack(own, shift, buffer[TAGS:])
+        if self.mode == "sync":
+            self._reduce_tagged(index, buffer)
+        self.totals[index] += packed
+        self.calls[index] += 1
+        self.order.append(index)
+        if self.mode == "local":
+            return MomentStats(float(own.count), own.mean, own.var)
+        return finalize(packed, shift)
+
+    def _reduce_tagged(self, index: int, buffer: torch.Tensor) -> None:
+        tag = float(index + 1)
+        buffer[0] = tag
+        buffer[1] = tag * tag
+        self.collective.allreduce(buffer)
+        world = float(self.collective.world_size)
+        if buffer[0].item() != world * tag or buffer[1].item() != world * tag * tag:
+            layer = self.layers[index]
+            raise CallOrderError(
+                f"collective {self.collective.calls}: this rank reduced BN layer {layer.name!r} "
+                f"({layer.class_name}) while another rank reduced a different layer: the model calls its "
+                "BN layers in a different order on different ranks (data-dependent control flow?); "
+                "sync mode needs the same order on every rank, --mode local does not"
+            )
+
+    def replay_empty_step(self) -> None:
+        """Take part in a step with no local samples: the same collectives, zero moments."""
+        if self.mode != "sync":
+            return
+        if not self.call_order:
+            raise RunError("an empty slice needs the model's BN call order, which was not recorded")
+        for index in self.call_order:
+            shift = self.shifts[index]
+            buffer = torch.zeros(TAGS + packed_size(shift.numel()), dtype=torch.float64, device=shift.device)
+            self._reduce_tagged(index, buffer)
+            self.totals[index] += buffer[TAGS:]
+
+    def moments(self) -> list[MomentStats]:
+        """Combined statistics of every layer; in ``local`` mode this is the job's one allreduce."""
+        if self.mode == "local" and not self._combined:
+            buffer = torch.cat(self.totals)
+            self.collective.allreduce(buffer)
+            self.totals = list(torch.split(buffer, [t.numel() for t in self.totals]))
+            self._combined = True
+        for layer, total in zip(self.layers, self.totals):
+            if not bool(torch.isfinite(total).all()):
+                raise RunError(
+                    f"BN layer {layer.name!r} ({layer.class_name}) saw non-finite values (NaN or inf): "
+                    "check the calibration data and the checkpoint's weights"
+                )
+        return [finalize(total, shift) for total, shift in zip(self.totals, self.shifts)]
+
+
+def probe_call_order(model: nn.Module, layers: Sequence[BatchNormLayer], sample: torch.Tensor) -> list[int]:
+    """The indices of ``layers`` in the order one calibrating forward normalises with them.
+
+    Runs the model once on ``sample`` with the layers in calibration mode (a world of
+    one, nothing written to the model). Raises ``UnsupportedLayerError`` for a layer that
+    cannot be calibrated and ``ModelInputError`` when the model rejects the data.
+    """
+    was_training = model.training
+    model.eval()
+    calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective())
+    try:
+        with torch.inference_mode(), calibrator:
+            model(sample)
+    except BnrecalError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here means the model or data do not fit
+        culprit = calibrator.layer_in_progress()
+        if culprit is not None:
+            raise unsupported_layer(culprit, f"it failed: {first_line(exc)}") from exc
+        raise ModelInputError(
+            f"the model rejects samples of shape {tuple(sample.shape[1:])}: {first_line(exc)}"
+        ) from exc
+    finally:
+        model.train(was_training)
+    return list(calibrator.order)
+
+
+class _Interceptor(TorchFunctionMode):
+    """Routes ``F.batch_norm`` calls to the calibrator; every other call runs unchanged."""
+
+    def __init__(self, calibrator: BatchNormCalibrator) -> None:
+        super().__init__()
+        self.calibrator = calibrator
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            result = self.calibrator.intercept(args, kwargs)
+            if result is not None:
+                return result
+        return func(*args, **kwargs)
+
+
+_PARAMETERS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_DEFAULTS: dict[str, Any] = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    call = dict(_DEFAULTS)
+    call.update(zip(_PARAMETERS, args))
+    call.update(kwargs)
+    return call
+
+
+def _normalise(
+    x: torch.Tensor, own: BatchMoments, stats: MomentStats, call: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    """The layer's output: its own ``F.batch_norm`` in eval form, with the calibration
+    statistics. An input re-centred for precision is normalised from ``x - base``."""
+    mean = stats.mean
+    source = x
+    if own.centred is not None and own.base is not None:
+        source, mean = own.centred, mean - own.base
+    return F.batch_norm(
+        source,
+        mean.to(dtype),
+        stats.var.to(dtype),
+        call["weight"],
+        call["bias"],
+        False,
+        0.0,
+        call["eps"],
+    )
