@@ -148,3 +148,83 @@ class MarkerNet(nn.Module):
 def marker_net(action: str = "exit", signal_dir: str | None = None) -> nn.Module:
     """Factory for ``tests.nets:marker_net``; with ``signal_dir``, a hanging rank leaves a file there."""
     return MarkerNet(action, signal_dir)
+
+
+class ActBatchNorm2d(nn.BatchNorm2d):
+    """A user's BN subclass: its own arithmetic after normalising, as timm's BatchNormAct2d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x)) * 1.5 + 0.1
+
+
+class SelfStatsBatchNorm2d(nn.BatchNorm2d):
+    """Computes its own batch statistics in training (as detectron2's NaiveSyncBatchNorm
+    does before all-reducing them): it never reaches F.batch_norm there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        mean = x.mean((0, 2, 3), keepdim=True)
+        var = x.var((0, 2, 3), unbiased=False, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+class SubclassNet(nn.Module):
+    """A BN subclass with its own forward, a BN module called twice, and (optionally)
+    timm's BatchNormAct2d with an activation and a drop layer."""
+
+    def __init__(self, channels: int = 6, bn_class: type[nn.BatchNorm2d] = ActBatchNorm2d, timm_act: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn = bn_class(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.shared = nn.BatchNorm2d(channels)
+        if timm_act:
+            from timm.layers import BatchNormAct2d
+
+            self.bn_act: nn.Module = BatchNormAct2d(channels, act_layer=nn.SiLU, drop_layer=nn.Dropout)
+        else:
+            self.bn_act = nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.conv(x))
+        x = torch.relu(self.shared(self.conv2(x)))
+        x = self.shared(x * 0.5 - 1.0)  # the same module again, on different values
+        x = self.bn_act(x)
+        return self.fc(x.mean((2, 3)))
+
+
+def subclass_net(timm_act: bool = False) -> nn.Module:
+    """Factory for ``tests.nets:subclass_net``."""
+    return SubclassNet(timm_act=timm_act)
+
+
+def self_stats_net() -> nn.Module:
+    """Factory for ``tests.nets:self_stats_net``: a layer bnrecal must refuse."""
+    return SubclassNet(bn_class=SelfStatsBatchNorm2d)
+
+
+def sync_bn_net() -> nn.Module:
+    """Factory for ``tests.nets:sync_bn_net``: every BN layer of a SubclassNet converted to SyncBatchNorm."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(SubclassNet(bn_class=nn.BatchNorm2d))
+
+
+class BranchingNet(nn.Module):
+    """Calls its two BN layers in an order that depends on the data: a batch whose mean is
+    positive goes through ``a`` then ``b``, any other through ``b`` then ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.BatchNorm1d(4)
+        self.b = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.mean() > 0):
+            return self.b(self.a(x))
+        return self.a(self.b(x))
+
+
+def branching_net() -> nn.Module:
+    """Factory for ``tests.nets:branching_net``."""
+    return BranchingNet()

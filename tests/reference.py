@@ -1,9 +1,10 @@
 """An independent float64 single-process reference of contract section 1.
 
-It does not share code with the engine: it runs a float64 copy of the model with its
-BN layers in torch's own training mode (batch statistics, biased variance), the rest
-in eval mode, and collects every value each BN layer sees to compute the mean and the
-unbiased variance directly.
+It does not share code with the engine: it runs a float64 copy of the model, each BN
+module's own forward in torch's training mode (batch statistics, biased variance; only
+the layer's own flag, its children such as timm's activation or drop path stay in eval
+mode like the rest of the model), and collects every value each BN layer sees with
+forward pre-hooks to compute the mean and the unbiased variance directly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def reference_statistics(
     hooks = []
     for name, module in reference.named_modules():
         if isinstance(module, _BatchNorm) and module.track_running_stats:
-            module.train()
+            module.training = True
             seen[name] = []
 
             def keep(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
