@@ -18,10 +18,19 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def reference_statistics(
-    model: nn.Module, samples: torch.Tensor, batch_size: int, world_size: int = 1, mode: str = "sync"
+    model: nn.Module,
+    samples: torch.Tensor,
+    batch_size: int,
+    world_size: int = 1,
+    mode: str = "sync",
+    dtype: torch.dtype = torch.float64,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{layer name: (running_mean, running_var)}`` in float64, as the contract defines them."""
-    reference = copy.deepcopy(model).double().eval()
+    """``{layer name: (running_mean, running_var)}`` in float64, as the contract defines them.
+
+    ``dtype`` is the precision the model runs in: float64 for the reference itself,
+    float32 to tell a float32 model's own rounding from an error of the engine.
+    """
+    reference = copy.deepcopy(model).to(dtype).eval()
     seen: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for name, module in reference.named_modules():
@@ -31,10 +40,10 @@ def reference_statistics(
 
             def keep(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
                 x = args[0]
-                seen[name].append(x.transpose(0, 1).reshape(x.shape[1], -1).clone())
+                seen[name].append(x.transpose(0, 1).reshape(x.shape[1], -1).double())
 
             hooks.append(module.register_forward_pre_hook(keep))
-    data = samples.double()
+    data = samples.to(dtype)
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             step = np.arange(start, min(start + batch_size, len(data)))
@@ -54,21 +63,44 @@ def reference_statistics(
 
 
 def assert_matches_reference(
-    model: nn.Module, reference: dict[str, tuple[torch.Tensor, torch.Tensor]], rel: float = 1e-4
+    model: nn.Module,
+    reference: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    rel: float = 1e-4,
+    float32_reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    noise_factor: float = 4.0,
 ) -> None:
     """Contract tolerances: |var err| <= rel * var and |mean err| <= rel * std, per channel.
 
     The mean is also allowed the rounding of the buffer that stores it (half an ulp of
     its dtype): a float32 running_mean of 1e3 cannot be closer than 3e-5 to the truth.
+
+    Deep in a float32 model, the values a layer sees already differ from the float64
+    model's by the float32 forward's own rounding, amplified by the layers before it.
+    With ``float32_reference`` (the same reference run in float32: torch's own
+    training-mode BN), a layer where that rounding alone exceeds ``rel`` may be off by
+    up to ``noise_factor`` times what torch's own float32 BN is off, and no more.
     """
     modules = dict(model.named_modules())
     for name, (mean, var) in reference.items():
         module = modules[name]
-        got_mean = module.running_mean.double()
-        got_var = module.running_var.double()
-        std = var.sqrt().clamp_min(1e-30)
-        storage = torch.finfo(module.running_mean.dtype).eps * mean.abs()
-        mean_err = (((got_mean - mean).abs() - storage).clamp_min(0) / std).max().item()
-        var_err = ((got_var - var).abs() / var.clamp_min(1e-30)).max().item()
-        assert mean_err <= rel, f"{name}: running_mean off by {mean_err:.3g} std"
-        assert var_err <= rel, f"{name}: running_var relative error {var_err:.3g}"
+        got_mean, got_var = module.running_mean.double(), module.running_var.double()
+        mean_err, var_err = _errors(got_mean, got_var, mean, var)
+        mean_allowed = var_allowed = rel
+        if float32_reference is not None:
+            f32_mean, f32_var = float32_reference[name]
+            f32_mean_err, f32_var_err = _errors(f32_mean.float().double(), f32_var.float().double(), mean, var)
+            mean_allowed = max(rel, noise_factor * f32_mean_err)
+            var_allowed = max(rel, noise_factor * f32_var_err)
+        assert mean_err <= mean_allowed, f"{name}: running_mean off by {mean_err:.3g} std (allowed {mean_allowed:.3g})"
+        assert var_err <= var_allowed, f"{name}: running_var relative error {var_err:.3g} (allowed {var_allowed:.3g})"
+
+
+def _errors(
+    got_mean: torch.Tensor, got_var: torch.Tensor, mean: torch.Tensor, var: torch.Tensor
+) -> tuple[float, float]:
+    """Worst channel's mean error in std (less the float32 storage rounding) and relative var error."""
+    std = var.sqrt().clamp_min(1e-30)
+    storage = torch.finfo(torch.float32).eps * mean.abs()
+    mean_err = (((got_mean - mean).abs() - storage).clamp_min(0) / std).max().item()
+    var_err = ((got_var - var).abs() / var.clamp_min(1e-30)).max().item()
+    return mean_err, var_err

@@ -61,7 +61,12 @@ def assert_matches_torch(path: Path, model: nn.Module, x: torch.Tensor, toleranc
     """The ONNX file reproduces ``model(x)`` within ``tolerance * max(1, max|y|)``."""
     with torch.no_grad():
         expected = model.eval()(x)
-    expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    if isinstance(expected, torch.Tensor):
+        expected = [expected]
+    elif isinstance(expected, dict):  # torchvision's segmentation models: {"out": ...}
+        expected = list(expected.values())
+    else:
+        expected = list(expected)
     got = run_onnx(path, x, dtype)
     assert len(got) == len(expected)
     worst = 0.0
