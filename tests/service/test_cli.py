@@ -16,7 +16,7 @@ from PIL import Image
 
 from service.cli import main
 from tests.conftest import save_array, save_state
-from tests.nets import mixed_net, no_norm_net, perturbed
+from tests.nets import mixed_net, no_norm_net, perturbed, self_stats_net
 from tests.reference import assert_matches_reference, reference_statistics
 
 
@@ -92,6 +92,8 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
     save_array(tmp_path / "empty.npy", np.zeros((0, 3, 6, 5), np.float32))
     torch.save(no_norm_net().state_dict(), tmp_path / "nonorm.pt")
     save_array(tmp_path / "vec.npy", np.zeros((4, 4), np.float32))
+    torch.save(self_stats_net().state_dict(), tmp_path / "selfstats.pt")
+    save_array(tmp_path / "img.npy", np.random.default_rng(0).standard_normal((4, 3, 7, 6)).astype(np.float32))
     return {
         "unknown arch": (["--arch", "torchvision:resnet1800", "--checkpoint", ckpt], "resnet1800"),
         "module not allowed": (["--arch", "os:getcwd", "--checkpoint", ckpt], "BNRECAL_MODEL_MODULES"),
@@ -105,12 +107,18 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
         "bad kwargs json": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--model-kwargs", "{oops"], "--model-kwargs"),
         "bad mode": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--mode", "async"], "--mode"),
         "zero workers": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--workers", "0"], "workers"),
+        "uncalibratable layer": (
+            ["--arch", "tests.nets:self_stats_net", "--checkpoint", str(tmp_path / "selfstats.pt"),
+             "--data", str(tmp_path / "img.npy")],
+            "BN layer 'bn' of class tests.nets.SelfStatsBatchNorm2d cannot be calibrated",
+        ),
     }
 
 
 CASES = [
     "unknown arch", "module not allowed", "unexpected keys", "missing keys", "corrupt file", "code in pickle",
     "shape rejected", "no batchnorm", "empty dataset", "bad kwargs json", "bad mode", "zero workers",
+    "uncalibratable layer",
 ]
 
 

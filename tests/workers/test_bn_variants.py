@@ -135,3 +135,21 @@ def test_probe_leaves_the_model_untouched():
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sync", "local"])
+def test_cuda_kernels_give_the_reference_statistics(mode):
+    """On CUDA the same interception runs torch's CUDA statistics and normalisation kernels."""
+    torch.manual_seed(0)
+    model = perturbed(subclass_net())
+    samples = torch.randn(22, 3, 7, 6) * 1.3 + 0.4
+    expected = reference_statistics(model, samples, batch_size=8, mode=mode)
+    cuda_model = model.cuda()
+    layers, _ = find_batchnorm_layers(cuda_model)
+    batches = [samples[s : s + 8] for s in range(0, len(samples), 8)]
+    result = calibration_pass(
+        cuda_model, layers, batches, mode=mode, collective=SingleProcessCollective(), device="cuda"
+    )
+    apply_statistics(layers, result.stats, result.steps)
+    assert_matches_reference(cuda_model.cpu(), expected)
