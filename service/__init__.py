@@ -1,4 +1,5 @@
-"""The bnrecal service: recalibration runs, folded ONNX export, jobs, blobs, settings, CLI.
+"""The bnrecal service core: recalibration runs, folded ONNX export, jobs, blobs, settings,
+the HTTP client and the CLI. The HTTP app itself lives in ``api`` (``api.create_app``).
 
 Public names are imported on first use, so the CLI starts without loading torch or Ray.
 """
@@ -13,7 +14,6 @@ _HOMES = {
     "exporting": ("export_checkpoint", "export_recalibrated"),
     "settings": ("Settings", "get_settings"),
     "client": ("BnrecalClient",),
-    "app": ("create_app",),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -21,7 +21,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from service.app import create_app
+from api.app import create_app
 from service.server import Services
 from service.settings import Settings
 from tests.nets import mixed_net, perturbed

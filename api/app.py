@@ -1,4 +1,8 @@
-"""The FastAPI application: routers, problem+json errors, and the services' lifespan."""
+"""The FastAPI application factory: routers, problem+json errors, and the services' lifespan.
+
+The HTTP layer sits on top of the service core: this package imports ``service``, never
+the reverse. ``bnrecal serve`` starts it by name (``api.app:create_app``).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 
-from .server import open_services
-from .settings import Settings, get_settings
+from service.server import open_services
+from service.settings import Settings, get_settings
+
+from .limits import BodySizeLimit
+from .problems import install_problem_handlers
+from .routes import blobs, health, jobs
 
 DESCRIPTION = (
     "Recalibrate the BatchNorm statistics of trained PyTorch models on Ray and download them, "
@@ -49,10 +57,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     Its lifespan opens the ledger, recovers jobs a crash interrupted, joins Ray and
     starts the runner; at shutdown, running jobs go back to the queue.
     """
-    from api.limits import BodySizeLimit
-    from api.problems import install_problem_handlers
-    from api.routes import blobs, health, jobs
-
     settings = settings or get_settings()
 
     @asynccontextmanager

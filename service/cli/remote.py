@@ -1,7 +1,9 @@
-"""``bnrecal serve`` (the HTTP service) and ``bnrecal submit`` (a job through it, from the shell)."""
+"""The commands that talk HTTP: ``serve`` (run the service) and ``submit`` (a job on a
+server: upload, submit, follow, download)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,11 +12,12 @@ import typer
 
 from workers.errors import CancelledError, InputError, SpecError
 
-from . import cli_options as opt
-from .client import BnrecalClient, error_from_problem
+from ..client import BnrecalClient, error_from_problem
+from . import options as opt
+from .console import parse_json_object, print_line, progress_bar
 
-# Shared options come from cli_options, not service.cli: service.cli imports this module at
-# its end, so nothing of it is imported here at import time (keeps `python -m service.cli` working).
+APP_FACTORY = "api.app:create_app"
+"""The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
 
 
 def serve(
@@ -27,24 +30,19 @@ def serve(
     """Run the HTTP service: SQLite ledger and blobs under --data-dir, jobs on Ray."""
     import uvicorn
 
-    from .app import create_app
-    from .cli import stderr
-    from .settings import Settings
+    from ..settings import Settings, get_settings
 
-    settings = Settings()
-    overrides: dict[str, Any] = {}
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir
-    if ray_address:
-        overrides["ray_address"] = ray_address
-    if overrides:
-        settings = settings.model_copy(update=overrides)
     if not 0 < port < 65536:
         raise SpecError(f"--port must be between 1 and 65535, got {port}", field="--port")
-    app = create_app(settings)
-    data = Path(settings.data_dir).absolute()
-    stderr.print(f"bnrecal serving on http://{host}:{port} (data in {data})", highlight=False)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    # The flags reach the app's settings through the environment it reads them from.
+    if data_dir is not None:
+        os.environ["BNRECAL_DATA_DIR"] = str(data_dir)
+    if ray_address:
+        os.environ["BNRECAL_RAY_ADDRESS"] = ray_address
+    get_settings.cache_clear()
+    data = Path(Settings().data_dir).absolute()
+    print_line(f"bnrecal serving on http://{host}:{port} (data in {data})")
+    uvicorn.run(APP_FACTORY, factory=True, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
 
 
 def submit(
@@ -70,8 +68,6 @@ def submit(
     report: opt.ReportOpt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
-    from .cli import parse_json_object, progress_bar, stderr
-
     if ray_address:
         raise SpecError(
             "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
@@ -98,7 +94,7 @@ def submit(
         spec["checkpoint"] = client.upload(checkpoint)["digest"]
         spec["data"] = client.upload(data)["digest"]
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
-        stderr.print(f"job {job['id']} queued on {client.server}", highlight=False)
+        print_line(f"job {job['id']} queued on {client.server}")
         with progress_bar("calibrating") as update:
             try:
                 job = client.wait(job["id"], on_progress=update)
@@ -112,11 +108,10 @@ def submit(
         if report is not None:
             client.download(job["id"], "report", report)
     summary = job["report"]
-    stderr.print(
+    print_line(
         f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
         f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
-        f"in {summary['seconds']:.2f} s (job {job['id']}) -> {out}",
-        highlight=False,
+        f"in {summary['seconds']:.2f} s (job {job['id']}) -> {out}"
     )
 
 
@@ -128,9 +123,3 @@ def _raise_unless_succeeded(job: dict[str, Any]) -> None:
         raise CancelledError(f"job {job['id']} was cancelled")
     problem = job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"}
     raise error_from_problem(problem)
-
-
-def register_http_commands(app: typer.Typer) -> None:
-    """Add ``serve`` and ``submit`` to the ``bnrecal`` command line."""
-    app.command()(serve)
-    app.command()(submit)

@@ -1,0 +1,7 @@
+"""``python -m service.cli``: the ``bnrecal`` command line."""
+
+import sys
+
+from .main import main
+
+main(sys.argv[1:])

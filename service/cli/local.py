@@ -1,0 +1,107 @@
+"""The commands that run here: ``calibrate`` (on an embedded or given Ray cluster) and
+``export`` (fold a checkpoint to ONNX as it is)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import options as opt
+from .console import parse_json_object, parse_shape, print_line, progress_bar
+
+def calibrate(
+    arch: opt.ArchOpt,
+    checkpoint: opt.CheckpointOpt,
+    data: opt.DataOpt,
+    out: opt.OutOpt,
+    model_kwargs: opt.ModelKwargsOpt = None,
+    workers: opt.WorkersOpt = 1,
+    batch_size: opt.BatchOpt = 32,
+    mode: opt.ModeOpt = opt.Mode.sync,
+    max_samples: opt.MaxSamplesOpt = None,
+    device: opt.DeviceOpt = opt.Device.cpu,
+    transform: opt.TransformOpt = None,
+    ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+    placement: opt.PlacementOpt = None,
+    max_retries: opt.MaxRetriesOpt = None,
+    onnx: opt.OnnxOpt = None,
+    onnx_opset: opt.OnnxOpsetOpt = 18,
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
+    report: opt.ReportOpt = None,
+) -> None:
+    """Recalibrate a checkpoint's BatchNorm statistics on calibration data."""
+    from ..recalibrate import RecalibrationRequest, recalibrate
+    from ..settings import Settings
+
+    settings = Settings()
+    if ray_address:
+        settings = settings.model_copy(update={"ray_address": ray_address})
+    request = RecalibrationRequest(
+        arch=arch,
+        checkpoint=checkpoint,
+        data=data,
+        model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
+        workers=workers,
+        batch_size=batch_size,
+        mode=mode.value,
+        max_samples=max_samples,
+        device=device.value,
+        transform=parse_json_object(transform, "--transform"),
+        placement=placement.value if placement is not None else None,
+        max_retries=max_retries,
+    )
+    cancel = threading.Event()
+    with progress_bar("calibrating") as update:
+        try:
+            result = recalibrate(request, settings, on_progress=update, cancel=cancel)
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
+    if onnx is not None:
+        from ..exporting import export_recalibrated
+
+        result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+    result.save_checkpoint(out)
+    if report is not None:
+        result.save_report(report)
+    summary = result.report
+    print_line(
+        f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
+        f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
+        f"in {summary['seconds']:.2f} s -> {out}",
+    )
+
+
+def export_command(
+    arch: opt.ArchOpt,
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint to fold and export as it is.")],
+    out: Annotated[Path, typer.Option(help="Where to write the .onnx file.")],
+    data: Annotated[Path | None, typer.Option(help="Samples to verify the export on (.npy/.npz, images).")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="Per-sample shape, e.g. 3,224,224 (without --data).")] = None,
+    model_kwargs: opt.ModelKwargsOpt = None,
+    transform: opt.TransformOpt = None,
+    opset: Annotated[int, typer.Option(help="ONNX opset.")] = 18,
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
+    report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
+) -> None:
+    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
+    from ..exporting import export_checkpoint
+    from ..report import write_report
+    from ..settings import Settings
+
+    shape = parse_shape(input_shape) if input_shape else None
+    result = export_checkpoint(
+        arch, checkpoint, out, Settings(), model_kwargs=parse_json_object(model_kwargs, "--model-kwargs"),
+        data=data, transform=parse_json_object(transform, "--transform"), input_shape=shape,
+        opset=opset, dtype=onnx_dtype.value,
+    )
+    if report is not None:
+        write_report(result, report)
+    section = result["onnx"]
+    print_line(
+        f"exported {out}: {section['folded']} BN folded, {section['batchnorm_nodes']} left, "
+        f"max abs diff {section['max_abs_diff']:.2e}",
+    )

@@ -1,0 +1,67 @@
+"""The ``bnrecal`` command line (see the README and ``docs/``): the app, its commands, and
+the entry point that turns every failure into one line on stderr and an exit code: 2 for
+bad input (flags, files, architecture, data), 1 for a run that failed, 130 when
+interrupted. Tracebacks only with ``BNRECAL_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from workers.errors import BnrecalError, first_line
+
+from . import local, remote
+from .console import fail
+
+app = typer.Typer(
+    name="bnrecal",
+    help="Recalibrate the BatchNorm statistics of trained PyTorch models on Ray, and export them folded to ONNX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback()
+def _commands() -> None:
+    """Recalibrate BatchNorm statistics on Ray; serve and submit jobs over HTTP."""
+
+
+app.command()(local.calibrate)
+app.command("export")(local.export_command)
+app.command()(remote.serve)
+app.command()(remote.submit)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``bnrecal`` script: runs the app, turning every error into one line."""
+    debug = os.environ.get("BNRECAL_DEBUG") == "1"
+    try:
+        app(args=argv, standalone_mode=False, prog_name="bnrecal")
+    except BnrecalError as exc:
+        if debug:
+            raise
+        fail(exc.message, exc.exit_code)
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        fail("interrupted", 130)
+    except typer.TyperException as exc:  # usage errors: unknown flag, bad value, missing option
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            context = getattr(exc, "ctx", None)
+            if context is not None:
+                print(context.get_help())
+            raise SystemExit(0) from None
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        fail(" ".join(message.split()), getattr(exc, "exit_code", 2) or 2)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback for users
+        if debug:
+            raise
+        fail(f"internal error: {type(exc).__name__}: {first_line(exc)} (set BNRECAL_DEBUG=1 for the traceback)", 1)

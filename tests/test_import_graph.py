@@ -1,0 +1,113 @@
+"""The house rules of the code: imports run one way (api -> service -> workers) and no
+module imports, directly or through others, a module that imports it back.
+
+Every import statement counts, also one inside a function: a lazy import is still a
+dependency. The graph is read from the source with ``ast``; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("api", "service", "workers")
+LAYER = {"api": 2, "service": 1, "workers": 0}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports (resolved to existing modules)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            candidates = [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in known:
+                candidate = candidate.rpartition(".")[0]
+            if candidate and candidate != name:
+                targets.add(candidate)
+    return targets
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def test_imports_run_one_way():
+    upward = [
+        f"{source} imports {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]
+    ]
+    assert upward == [], "imports must run api -> service -> workers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    edges = graph()
+    # A package's __init__ may re-export its own modules; a module importing its own
+    # package's __init__ is the same room, not a cycle.
+    for name in edges:
+        edges[name] = {t for t in edges[name] if not (name.startswith(t + ".") and (ROOT / t.replace(".", "/") / "__init__.py").exists())}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(edges):
+        if name not in index:
+            visit(name)
+    assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_graph_sees_real_imports():
+    """The test above would pass on an empty graph: make sure it reads what is there."""
+    edges = graph()
+    assert "service.server" in edges["api.app"]
+    assert "workers.errors" in edges["service.cli.main"]
+    assert "service.cli.local" in edges["service.cli.main"]
