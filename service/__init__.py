@@ -6,8 +6,7 @@ Public names are imported on first use, so the CLI starts without loading torch 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_exports
 
 _HOMES = {
     "recalibrate": ("Recalibration", "RecalibrationRequest", "recalibrate"),
@@ -15,15 +14,4 @@ _HOMES = {
     "settings": ("Settings", "get_settings"),
     "client": ("BnrecalClient",),
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'service' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __all__ = lazy_exports(__name__, _HOMES)

@@ -30,6 +30,7 @@ import httpx
 
 from workers import errors as error_types
 from workers.errors import BnrecalError, InputError, RunError
+from workers.files import atomic_write
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 UPLOAD_CHUNK = 1024 * 1024
@@ -175,11 +176,10 @@ class BnrecalClient:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
-        fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-        temp = Path(temp_name)
-        try:
+
+        def fetch(temp: Path) -> None:
             url = f"/v1/jobs/{job_id}/artifacts/{name}"
-            with os.fdopen(fd, "wb") as out, self._http.stream("GET", url) as response:
+            with temp.open("wb") as out, self._http.stream("GET", url) as response:
                 if response.is_error:
                     response.read()
                     raise self._error(response)
@@ -190,12 +190,9 @@ class BnrecalClient:
             received = f"sha256:{digest.hexdigest()}"
             if expected and expected != received:
                 raise RunError(f"download of {name} of job {job_id} is corrupt: got {received}, expected {expected}")
-            os.chmod(temp, 0o666 & ~_umask())  # as a plainly created file would be
-            os.replace(temp, target)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        return {"path": str(target), "digest": received, "size": target.stat().st_size}
+
+        atomic_write(target, fetch)  # the usual file mode; nothing at the target unless the digest matched
+        return {"path": str(target), "digest": f"sha256:{digest.hexdigest()}", "size": target.stat().st_size}
 
     def _json(self, method: str, url: str, **kwargs: Any) -> Any:
         try:
@@ -238,12 +235,6 @@ def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
             kind = value
         elif name == "data":
             data.append(value)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from workers.data import describe_dataset
 from workers.errors import SpecError
 from workers.models import build_model
 
+from .options import DEFAULT_OPSET
 from .recalibrate import Recalibration
 from .settings import Settings
 
@@ -25,7 +26,7 @@ def export_recalibrated(
     result: Recalibration,
     path: str | os.PathLike[str],
     *,
-    opset: int = 18,
+    opset: int = DEFAULT_OPSET,
     dtype: str = "float32",
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
@@ -53,7 +54,7 @@ def export_checkpoint(
     data: str | os.PathLike[str] | None = None,
     transform: dict[str, Any] | None = None,
     input_shape: Sequence[int] | None = None,
-    opset: int = 18,
+    opset: int = DEFAULT_OPSET,
     dtype: str = "float32",
     dynamic_batch: bool = True,
 ) -> dict[str, Any]:

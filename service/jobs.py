@@ -17,14 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from workers.errors import ArchitectureError, BnrecalError, InputError, RunError, SpecError
-from workers.models import ALLOWED_MODULES_SETTING, parse_allowed_modules
+from workers.errors import BnrecalError, InputError, RunError, SpecError
+from workers.models import check_architecture as check_reference
 
 from .blobs import DIGEST_PATTERN, BlobStore
+from .options import DEFAULT_OPSET, RunOptions
 from .settings import Settings
 
 ARTIFACT_NAMES = ("checkpoint", "onnx", "report")
-MAX_WORKERS = 1024
 
 
 class ConflictError(InputError):
@@ -68,7 +68,7 @@ class OnnxOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    opset: int = Field(default=18, ge=13, le=23, description="ONNX opset of the export.")
+    opset: int = Field(default=DEFAULT_OPSET, ge=13, le=23, description="ONNX opset of the export.")
     dtype: Literal["float32", "float16"] = Field(default="float32", description="Float type of the graph.")
     dynamic_batch: bool = Field(default=True, description="Export with a dynamic batch axis.")
     input_shape: list[int] | None = Field(
@@ -83,33 +83,13 @@ class OnnxOptions(BaseModel):
         return value
 
 
-class JobSpec(BaseModel):
-    """What to recalibrate, on what data, how, and which artifacts to produce."""
+class JobSpec(RunOptions):
+    """What to recalibrate (the run options), on what checkpoint and data, and which
+    artifacts to produce."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    arch: str = Field(
-        min_length=3,
-        max_length=256,
-        description="torchvision:<name>, timm:<name> or <module.path>:<callable> (allowlisted).",
-        examples=["torchvision:resnet18"],
-    )
-    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the factory.")
     checkpoint: Digest = Field(description="Digest of an uploaded checkpoint blob.")
     data: Digest | DataPath = Field(
         description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), or {'path': ...} on the server."
-    )
-    mode: Literal["sync", "local"] = Field(default="sync", description="sync: SyncBN statistics; local: per rank.")
-    workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
-    batch_size: int = Field(default=32, ge=1, le=1_000_000, description="Global batch size.")
-    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
-    device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the ranks compute.")
-    transform: dict[str, Any] | None = Field(default=None, description="Image transform (image data only).")
-    placement: Literal["spread", "pack", "strict_spread", "strict_pack"] | None = Field(
-        default=None, description="Spread ranks across nodes or pack them (default: BNRECAL_PLACEMENT_STRATEGY)."
-    )
-    max_retries: int | None = Field(
-        default=None, ge=0, le=10, description="Re-run a failed pass from scratch (default: BNRECAL_MAX_RETRIES)."
     )
     outputs: list[Literal["checkpoint", "onnx"]] = Field(
         default_factory=lambda: ["checkpoint"], max_length=8, description="Artifacts to produce besides the report."
@@ -212,21 +192,7 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
 
 def check_architecture(arch: str, settings: Settings) -> None:
     """Refuse an architecture outside the allowlist before anything is imported."""
-    source, sep, name = arch.strip().partition(":")
-    if not sep or not source or not name:
-        raise ArchitectureError(
-            f"arch {arch!r} is malformed; use torchvision:<name>, timm:<name> or <module.path>:<callable>"
-        )
-    if source in ("torchvision", "timm"):
-        return
-    for prefix in parse_allowed_modules(settings.model_modules):
-        if source == prefix or source.startswith(prefix + "."):
-            return
-    allowed = ", ".join(parse_allowed_modules(settings.model_modules)) or "none"
-    raise ArchitectureError(
-        f"module {source!r} is not allowed (allowed prefixes: {allowed}); "
-        f"the operator must list it in {ALLOWED_MODULES_SETTING}"
-    )
+    check_reference(arch, settings.model_modules)
 
 
 def resolve_data_path(path: str, settings: Settings) -> Path:

@@ -19,7 +19,7 @@ import ray
 import torch
 from torch import nn
 
-from workers.batchnorm import MODES, BatchNormLayer, SkippedLayer, find_batchnorm_layers
+from workers.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
 from workers.calibrator import probe_call_order
 from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
@@ -34,50 +34,19 @@ from workers.plan import RankPlan
 from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
-from .report import layer_entry, skipped_entries, write_report
+from .options import RunOptions
+from .report import build_report, write_report
 from .settings import Settings
-
-PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 
 ProgressCallback = Callable[[int, int], None]
 """Called with (samples done, samples total) as the ranks report progress."""
 
 
-@dataclass
-class RecalibrationRequest:
-    """What to recalibrate and how (the calibrate flags / the job spec)."""
+class RecalibrationRequest(RunOptions):
+    """The run options, with the checkpoint and data as local paths: what ``recalibrate`` takes."""
 
-    arch: str
     checkpoint: Path
     data: Path
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    workers: int = 1
-    batch_size: int = 32
-    mode: str = "sync"
-    max_samples: int | None = None
-    device: str = "cpu"
-    transform: dict[str, Any] | None = None
-    placement: str | None = None
-    max_retries: int | None = None
-
-    def validate(self) -> None:
-        """Refuse impossible options before any work starts, naming the option."""
-        if self.workers < 1:
-            raise SpecError(f"workers must be >= 1, got {self.workers}", field="workers")
-        if self.batch_size < 1:
-            raise SpecError(f"batch_size must be >= 1, got {self.batch_size}", field="batch_size")
-        if self.mode not in MODES:
-            raise SpecError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", field="mode")
-        if self.device not in ("cpu", "cuda"):
-            raise SpecError(f"device must be cpu or cuda, got {self.device!r}", field="device")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise SpecError(f"max_samples must be >= 1, got {self.max_samples}", field="max_samples")
-        if self.placement is not None and self.placement.upper() not in PLACEMENTS:
-            raise SpecError(f"placement must be one of {', '.join(p.lower() for p in PLACEMENTS)}", field="placement")
-        if self.max_retries is not None and self.max_retries < 0:
-            raise SpecError(f"max_retries must be >= 0, got {self.max_retries}", field="max_retries")
-        if not isinstance(self.model_kwargs, dict):
-            raise SpecError("model_kwargs must be a JSON object", field="model_kwargs")
 
 
 @dataclass
@@ -112,7 +81,6 @@ def recalibrate(
     cancel: threading.Event | None = None,
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint on Ray actors."""
-    request.validate()
     model = build_model(request.arch, request.model_kwargs, allowed_modules=tuple(settings.model_modules))
     checkpoint = load_checkpoint(request.checkpoint)
     load_into_model(model, checkpoint)
@@ -132,7 +100,7 @@ def recalibrate(
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-    cpus = cpus_per_worker(settings, request.workers)
+    cpus, gpus = rank_resources(settings, request)
     backend = backend_for_device(request.device)
     plan = RankPlan(
         arch=request.arch,
@@ -152,7 +120,7 @@ def recalibrate(
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
-        gpus_per_worker=settings.gpus_per_worker if request.device == "cuda" else 0.0,
+        gpus_per_worker=gpus,
         placement_strategy=(request.placement or settings.placement_strategy).upper(),
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
@@ -189,33 +157,22 @@ def recalibrate(
     unreached = apply_statistics(layers, stats, result.steps)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
-    report = {
-        "arch": request.arch,
-        "mode": request.mode,
-        "world_size": request.workers,
-        "backend": backend,
-        "device": request.device,
-        "batch_size": request.batch_size,
-        "samples": result.samples,
-        "steps": result.steps,
-        "collectives": result.collectives[0],
-        "collectives_per_rank": result.collectives,
-        "seconds": round(result.seconds, 6),
-        "samples_per_second": round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
-        "nodes": result.nodes,
-        "memory_formats": result.memory_formats,
-        "placement": options.placement_strategy,
-        "data_transport": transport,
-        "attempts": len(failures) + 1,
-        "retried_failures": failures,
-        "cpus_per_worker": cpus,
-        "dataset": {"kind": dataset.kind, "samples": dataset.num_samples, "sample_shape": list(dataset.sample_shape)},
-        "layers": [
-            layer_entry(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated
-        ],
-        "skipped": skipped_entries(skipped),
-        "embedded_cluster": started_local or is_local_instance(),
-    }
+    report = build_report(
+        request,
+        result,
+        [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        skipped,
+        run={
+            "backend": backend,
+            "placement": options.placement_strategy,
+            "data_transport": transport,
+            "attempts": len(failures) + 1,
+            "retried_failures": failures,
+            "cpus_per_worker": cpus,
+            "dataset": dataset,
+            "embedded_cluster": started_local or is_local_instance(),
+        },
+    )
     return Recalibration(model, checkpoint, _updates(calibrated), dataset, report)
 
 
@@ -238,6 +195,12 @@ def _data_transport(setting: str) -> str:
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     here = ray.get_runtime_context().get_node_id()
     return "shared" if alive == [here] else "object_store"
+
+
+def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, float]:
+    """CPUs and GPUs each rank of a job asks Ray for (the runner counts them the same way)."""
+    gpus = settings.gpus_per_worker if options.device == "cuda" else 0.0
+    return cpus_per_worker(settings, options.workers), gpus
 
 
 def cpus_per_worker(settings: Settings, workers: int) -> float:

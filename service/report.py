@@ -12,7 +12,52 @@ from typing import Any
 import torch
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer
+from workers.data import DatasetSpec
 from workers.files import atomic_write
+from workers.group import GroupResult
+
+from .options import RunOptions
+
+LayerDrift = tuple[BatchNormLayer, torch.Tensor, torch.Tensor, int]
+"""A calibrated layer with its old running mean and variance and its call count."""
+
+
+def build_report(
+    options: RunOptions,
+    result: GroupResult,
+    layers: Sequence[LayerDrift],
+    skipped: Sequence[SkippedLayer],
+    run: dict[str, Any],
+) -> dict[str, Any]:
+    """The run report (see docs/report.md): the options, what the ranks did, and per layer
+    how far its statistics moved. ``run`` holds the facts only the run knows (backend,
+    placement, transport, attempts, resources, the dataset, whether Ray was embedded)."""
+    dataset: DatasetSpec = run["dataset"]
+    return {
+        "arch": options.arch,
+        "mode": options.mode,
+        "world_size": options.workers,
+        "backend": run["backend"],
+        "device": options.device,
+        "batch_size": options.batch_size,
+        "samples": result.samples,
+        "steps": result.steps,
+        "collectives": result.collectives[0],
+        "collectives_per_rank": result.collectives,
+        "seconds": round(result.seconds, 6),
+        "samples_per_second": round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
+        "nodes": result.nodes,
+        "memory_formats": result.memory_formats,
+        "placement": run["placement"],
+        "data_transport": run["data_transport"],
+        "attempts": run["attempts"],
+        "retried_failures": run["retried_failures"],
+        "cpus_per_worker": run["cpus_per_worker"],
+        "dataset": {"kind": dataset.kind, "samples": dataset.num_samples, "sample_shape": list(dataset.sample_shape)},
+        "layers": [layer_entry(*drift) for drift in layers],
+        "skipped": skipped_entries(skipped),
+        "embedded_cluster": run["embedded_cluster"],
+    }
 
 
 def layer_entry(

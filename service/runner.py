@@ -29,7 +29,7 @@ from .exporting import export_recalibrated
 from .jobs import DataPath, JobRecord, JobSpec, JobStatus, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
-from .recalibrate import Recalibration, RecalibrationRequest, cpus_per_worker, recalibrate
+from .recalibrate import Recalibration, RecalibrationRequest, rank_resources, recalibrate
 from .settings import Settings
 
 log = logging.getLogger("bnrecal.runner")
@@ -107,9 +107,8 @@ class JobRunner:
 
     def job_resources(self, spec: JobSpec) -> tuple[float, float]:
         """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
-        per_rank = cpus_per_worker(self.settings, spec.workers)
-        gpus = self.settings.gpus_per_worker * spec.workers if spec.device == "cuda" else 0.0
-        return per_rank * spec.workers, gpus
+        cpus, gpus = rank_resources(self.settings, spec)
+        return cpus * spec.workers, gpus * spec.workers
 
     def _dispatch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -223,11 +222,7 @@ class JobRunner:
             data = resolve_data_path(spec.data.path, self.settings)
         else:
             data = self.blobs.path(job.tenant, spec.data)
-        request = RecalibrationRequest(
-            arch=spec.arch, checkpoint=checkpoint, data=data, model_kwargs=dict(spec.model_kwargs),
-            workers=spec.workers, batch_size=spec.batch_size, mode=spec.mode, max_samples=spec.max_samples,
-            device=spec.device, transform=spec.transform, placement=spec.placement, max_retries=spec.max_retries,
-        )
+        request = RecalibrationRequest(**spec.run_options(), checkpoint=checkpoint, data=data)
         return request, self.settings
 
     def _progress_writer(self, job_id: str) -> Any:

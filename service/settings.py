@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .options import Placement
+
 
 def _split_csv(value: object) -> object:
     if isinstance(value, str):
@@ -34,7 +36,9 @@ class Settings(BaseSettings):
         default=None, gt=0, description="CPUs (and torch threads) per rank; default splits the local CPUs."
     )
     gpus_per_worker: float = Field(default=1.0, gt=0, description="GPUs per rank when the device is CUDA.")
-    placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+    placement_strategy: Placement = Field(
+        default="spread", description="Default placement of a job's ranks (a job's own `placement` wins)."
+    )
     data_transport: Literal["auto", "object_store", "shared"] = Field(
         default="auto",
         description="How data reaches the ranks: the object store, or a path every node sees (shared); "
@@ -65,6 +69,11 @@ class Settings(BaseSettings):
     embedded_cpus: int | None = Field(
         default=None, ge=1, description="Logical CPUs of the embedded Ray instance of `serve`; default: the machine's."
     )
+
+    @field_validator("placement_strategy", mode="before")
+    @classmethod
+    def _lowercase(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("model_modules", "api_keys", "data_roots", mode="before")
     @classmethod

@@ -6,8 +6,7 @@ side (``run_rank_group``) places one ``CalibrationRank`` actor per rank.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy import lazy_exports
 
 _HOMES = {
     "batchnorm": ("BatchNormLayer", "SkippedLayer", "find_batchnorm_layers"),
@@ -27,59 +26,4 @@ _HOMES = {
     "plan": ("RankPlan",),
     "sharding": ("num_steps", "rank_ranges"),
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    """Import public names on first use, so ``workers.errors`` users do not pay for torch and Ray."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = [
-    "ArchitectureError",
-    "AuthenticationError",
-    "BatchNormCalibrator",
-    "BatchNormLayer",
-    "BnrecalError",
-    "CallOrderError",
-    "CancelledError",
-    "Checkpoint",
-    "CheckpointError",
-    "Collective",
-    "DatasetError",
-    "ExportError",
-    "GroupOptions",
-    "GroupResult",
-    "InputError",
-    "ModelInputError",
-    "MomentStats",
-    "NoBatchNormError",
-    "NotFoundError",
-    "PassResult",
-    "PayloadTooLargeError",
-    "RankPlan",
-    "RayCollective",
-    "RunError",
-    "SingleProcessCollective",
-    "SkippedLayer",
-    "SpecError",
-    "UnsupportedLayerError",
-    "apply_statistics",
-    "backend_for_device",
-    "build_model",
-    "calibration_pass",
-    "find_batchnorm_layers",
-    "load_checkpoint",
-    "load_into_model",
-    "num_steps",
-    "parse_allowed_modules",
-    "rank_ranges",
-    "probe_call_order",
-    "run_rank_group",
-    "save_checkpoint",
-]
+__getattr__, __all__ = lazy_exports(__name__, _HOMES)

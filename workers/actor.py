@@ -16,7 +16,7 @@ from .batchnorm import BatchNormLayer
 from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
 from .data import CalibrationData, iter_batches
-from .errors import BnrecalError, RunError
+from .errors import BnrecalError, RunError, first_line
 from .models import build_model
 from .plan import RankPlan
 from .sharding import rank_ranges
@@ -61,9 +61,8 @@ class CalibrationRank:
         except BnrecalError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
-            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RunError(
-                f"rank {self.rank} on node {self.node_id[:12]} failed: {type(exc).__name__}: {detail}",
+                f"rank {self.rank} on node {self.node_id[:12]} failed: {type(exc).__name__}: {first_line(exc)}",
                 rank=self.rank,
                 node=self.node_id,
             ) from exc

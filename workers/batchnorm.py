@@ -9,8 +9,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import UnsupportedLayerError
+from .modes import MODES
 
-MODES = ("sync", "local")
+__all__ = ["MODES", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "unsupported_layer"]
 
 
 @dataclass

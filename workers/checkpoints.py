@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workers.errors import CheckpointError
+from workers.errors import CheckpointError, one_line
 from workers.files import atomic_write
 
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
@@ -107,7 +107,7 @@ def _read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError and OSError
         raise CheckpointError(
-            f"checkpoint {file.name} is a corrupt safetensors file: {_one_line(exc)}"
+            f"checkpoint {file.name} is a corrupt safetensors file: {one_line(exc)}"
         ) from exc
     return tensors, (dict(metadata) if metadata is not None else None)
 
@@ -123,7 +123,7 @@ def _read_torch(file: Path) -> Any:
         detail = str(exc.__context__ or exc.__cause__ or exc)
         if "Weights only load failed" not in str(exc):
             raise CheckpointError(
-                f"checkpoint {name} is corrupt or not a checkpoint: {_one_line(exc)}"
+                f"checkpoint {name} is corrupt or not a checkpoint: {one_line(exc)}"
             ) from exc
         match = re.search(r"GLOBAL ([\w.]+)", detail)
         if match:
@@ -131,14 +131,14 @@ def _read_torch(file: Path) -> Any:
                 f"checkpoint {name} needs a full unpickle (it references {match.group(1)}); "
                 "bnrecal only loads weights: save a state_dict with torch.save or use safetensors"
             ) from None
-        reason = _one_line(exc.__context__ or exc)
+        reason = one_line(exc.__context__ or exc)
         raise CheckpointError(
             f"checkpoint {name} cannot be read as weights only ({reason}); "
             "it is corrupt or needs a full unpickle, which bnrecal never does"
         ) from None
     except Exception as exc:  # zip errors, EOF, bad magic number, truncated storages
         raise CheckpointError(
-            f"checkpoint {name} is corrupt, truncated or not a checkpoint: {_one_line(exc)}"
+            f"checkpoint {name} is corrupt, truncated or not a checkpoint: {one_line(exc)}"
         ) from exc
 
 
@@ -260,7 +260,7 @@ def load_into_model(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         model.load_state_dict(ordered, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"checkpoint does not load into the architecture: {_one_line(exc)}"
+            f"checkpoint does not load into the architecture: {one_line(exc)}"
         ) from exc
 
 
@@ -334,11 +334,3 @@ def _torch_save(container: Any, path: Path) -> None:
     after our temporary file, so the same content always gives the same bytes."""
     with path.open("wb") as handle:
         torch.save(container, handle)
-
-
-def _one_line(exc: BaseException) -> str:
-    """``Type: message`` of an exception on one line, whitespace collapsed, kept short."""
-    text = " ".join(str(exc).split())
-    if len(text) > 200:
-        text = text[:197] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -172,10 +172,19 @@ class ExportError(BnrecalError):
     title = "ONNX export failed"
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (or its class name): what a
-    one-line error shows of a cause it wraps."""
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of an exception's message (or its class name), at most
+    ``limit`` characters: what a one-line error shows of a cause it wraps."""
     for line in str(exc).strip().splitlines():
         if line.strip():
-            return line.strip()
+            return line.strip()[:limit]
     return type(exc).__name__
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """``Type: message`` of an exception on one line, whitespace collapsed, at most about
+    ``limit`` characters: for causes whose type tells as much as their text."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .actor import CalibrationActor
-from .errors import BnrecalError, CallOrderError, CancelledError, RunError
+from .errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
 from .plan import RankPlan
 
 ProgressCallback = Callable[[int], None]
@@ -251,9 +251,8 @@ def _describe(rank: int, exc: BaseException, node: str) -> BnrecalError:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, BnrecalError):
             return cause
-        detail = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        return RunError(f"rank {rank} on node {node[:12]} failed: {detail}", rank=rank, node=node)
-    reason = _first_line(str(exc))
+        return RunError(f"rank {rank} on node {node[:12]} failed: {first_line(cause)}", rank=rank, node=node)
+    reason = first_line(exc)
     lost = " (the node left the cluster)" if node not in _alive_nodes() else ""
     return RunError(f"rank {rank} on node {node[:12]}{lost} died: {reason}", rank=rank, node=node)
 
@@ -263,11 +262,3 @@ def _alive_nodes() -> set[str]:
         return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     except Exception:  # noqa: BLE001 - for the message only
         return set()
-
-
-def _first_line(text: str) -> str:
-    for line in text.strip().splitlines():
-        line = line.strip()
-        if line:
-            return line[:300]
-    return "no reason given"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from workers.errors import ArchitectureError, SpecError
+from workers.errors import ArchitectureError, SpecError, one_line
 
 ALLOWED_MODULES_SETTING = "BNRECAL_MODEL_MODULES"
 
@@ -81,12 +81,8 @@ def build_model(
     The model comes back in float32 on the CPU, with random weights: the checkpoint is
     loaded into it afterwards. Errors name the reference, the setting or the field to fix.
     """
-    if not isinstance(arch, str):
-        raise ArchitectureError(f"arch must be a string of the form {ACCEPTED_FORMS}")
+    source, name = check_architecture(arch, allowed_modules)
     kwargs = _clean_kwargs(model_kwargs)
-    source, sep, name = arch.strip().partition(":")
-    if not sep or not source or not name:
-        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
     if source == "torchvision":
         model = _build_torchvision(name, kwargs)
     elif source == "timm":
@@ -178,6 +174,28 @@ def _build_timm(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
     )
 
 
+def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[str, str]:
+    """Refuse a malformed reference, or a module outside the operator's allowlist, before
+    anything is imported; returns ``(source, name)``. The HTTP API calls this at
+    submission, ``build_model`` before building."""
+    if not isinstance(arch, str):
+        raise ArchitectureError(f"arch must be a string of the form {ACCEPTED_FORMS}")
+    source, sep, name = arch.strip().partition(":")
+    if not sep or not source or not name:
+        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
+    if source in ("torchvision", "timm"):
+        return source, name
+    if not _DOTTED_NAME.fullmatch(source) or not _DOTTED_NAME.fullmatch(name):
+        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
+    if not _is_allowed(source, allowed_modules):
+        allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
+        raise ArchitectureError(
+            f"module {source!r} is not allowed (allowed prefixes: {allowed}); the operator "
+            f"must list it in the setting {ALLOWED_MODULES_SETTING}"
+        )
+    return source, name
+
+
 def _is_allowed(module_path: str, allowed_modules: Sequence[str]) -> bool:
     """Whether ``module_path`` is one of the prefixes or below one, on dotted boundaries."""
     for prefix in parse_allowed_modules(allowed_modules):
@@ -193,24 +211,17 @@ def _build_from_module(
     kwargs: dict[str, Any],
     allowed_modules: Sequence[str],
 ) -> torch.nn.Module:
-    """Build ``<module.path>:<callable>`` from a module the operator allowed."""
-    if not _DOTTED_NAME.fullmatch(module_path) or not _DOTTED_NAME.fullmatch(attribute_path):
-        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
-    if not _is_allowed(module_path, allowed_modules):
-        allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
-        raise ArchitectureError(
-            f"module {module_path!r} is not allowed (allowed prefixes: {allowed}); the operator "
-            f"must list it in the setting {ALLOWED_MODULES_SETTING}"
-        )
+    """Build ``<module.path>:<callable>`` from a module the operator allowed (checked by
+    ``check_architecture`` first)."""
     try:
         module = importlib.import_module(module_path)
     except ImportError as exc:
         raise ArchitectureError(
-            f"cannot import module {module_path!r} for {arch}: {_one_line(exc)}"
+            f"cannot import module {module_path!r} for {arch}: {one_line(exc)}"
         ) from exc
     except Exception as exc:  # the module's own code failed while importing
         raise ArchitectureError(
-            f"importing module {module_path!r} for {arch} failed: {_one_line(exc)}"
+            f"importing module {module_path!r} for {arch} failed: {one_line(exc)}"
         ) from exc
     factory: Any = module
     for part in attribute_path.split("."):
@@ -226,12 +237,6 @@ def _build_from_module(
             "it must name a function or class that returns a torch.nn.Module"
         )
     return _call_factory(arch, factory, kwargs, factory)
-
-
-def _one_line(exc: BaseException) -> str:
-    """``Type: message`` of an exception on one line, whitespace collapsed."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _signature_parameters(func: Callable[..., Any]) -> Mapping[str, inspect.Parameter] | None:
@@ -254,7 +259,7 @@ def _call_factory(
             inspect.signature(signature_of).bind(**kwargs)
         except TypeError as exc:
             raise SpecError(
-                f"model_kwargs do not fit {arch}: {_one_line(exc)}", field="model_kwargs"
+                f"model_kwargs do not fit {arch}: {one_line(exc)}", field="model_kwargs"
             ) from exc
         except ValueError:
             pass  # no signature available: let the call decide
@@ -262,16 +267,16 @@ def _call_factory(
         model = call(**kwargs)
     except TypeError as exc:
         raise SpecError(
-            f"model_kwargs do not fit {arch}: {_one_line(exc)}", field="model_kwargs"
+            f"model_kwargs do not fit {arch}: {one_line(exc)}", field="model_kwargs"
         ) from exc
     except (ValueError, AssertionError) as exc:
         if kwargs:
             raise SpecError(
-                f"{arch} rejected model_kwargs {kwargs!r}: {_one_line(exc)}", field="model_kwargs"
+                f"{arch} rejected model_kwargs {kwargs!r}: {one_line(exc)}", field="model_kwargs"
             ) from exc
-        raise ArchitectureError(f"building {arch} failed: {_one_line(exc)}") from exc
+        raise ArchitectureError(f"building {arch} failed: {one_line(exc)}") from exc
     except Exception as exc:
-        raise ArchitectureError(f"building {arch} failed: {_one_line(exc)}") from exc
+        raise ArchitectureError(f"building {arch} failed: {one_line(exc)}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ArchitectureError(
             f"{arch} returned a {type(model).__name__}, not a torch.nn.Module"

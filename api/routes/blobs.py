@@ -9,7 +9,7 @@ from starlette.requests import ClientDisconnect
 from api.deps import ServicesDep, TenantDep
 from api.files import blob_response
 from api.problems import PROBLEM_RESPONSES, problem_responses
-from workers.errors import InputError, PayloadTooLargeError
+from workers.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)
 
@@ -42,21 +42,11 @@ async def upload_blob(request: Request, response: Response, tenant: TenantDep, s
     The size cap (``BNRECAL_MAX_UPLOAD_BYTES``) is enforced on the bytes received, so a
     wrong or missing ``Content-Length`` changes nothing.
     """
-    cap = services.settings.max_upload_bytes
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cap:
-        services.metrics.uploads_rejected.inc()
-        raise PayloadTooLargeError(
-            f"upload of {declared} bytes exceeds the limit of {cap} bytes (BNRECAL_MAX_UPLOAD_BYTES)"
-        )
     try:
-        info = await services.blobs.ingest(tenant, request.stream(), cap)
-    except PayloadTooLargeError:
-        services.metrics.uploads_rejected.inc()
-        raise
+        info = await services.upload(tenant, request.stream(), int(declared) if declared.isdigit() else None)
     except ClientDisconnect:
         raise InputError("upload interrupted: the client disconnected before the end of the body") from None
-    services.metrics.upload_bytes.inc(info.size)
     response.headers["Location"] = f"/v1/blobs/{info.digest}"
     return BlobOut(digest=info.digest, size=info.size)
 

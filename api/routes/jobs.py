@@ -12,8 +12,7 @@ from api.deps import ServicesDep, TenantDep
 from api.files import blob_response
 from api.problems import PROBLEM_RESPONSES, problem_responses
 from service.events import job_event_stream
-from service.jobs import ARTIFACT_NAMES, ConflictError, JobList, JobSpec, JobStatus, JobView, check_submission
-from workers.errors import NotFoundError
+from service.jobs import JobList, JobSpec, JobStatus, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 
@@ -29,11 +28,8 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobView:
     """Queue a job; ``Location`` names it. A retry with the same ``Idempotency-Key`` returns the same job."""
-    check_submission(spec, tenant, services.blobs, services.settings)
-    job, created = services.ledger.create(tenant, spec.model_dump(mode="json"), idempotency_key)
-    if created:
-        services.runner.wake()
-    else:
+    job, created = services.submit(tenant, spec, idempotency_key)
+    if not created:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return job.view()
@@ -83,10 +79,7 @@ async def job_events(
 @router.post("/{job_id}/cancel", status_code=202, summary="Cancel a job", responses=_CONFLICT)
 def cancel_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> JobView:
     """A queued job ends ``cancelled`` at once; a running one as soon as its actors are stopped."""
-    job = services.ledger.request_cancel(tenant, job_id)
-    services.runner.cancel(job_id)
-    services.feed.publish(job_id)
-    return job.view()
+    return services.cancel(tenant, job_id).view()
 
 
 @router.get(
@@ -97,14 +90,5 @@ def cancel_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> JobView
 )
 def download_artifact(job_id: str, name: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
     """The artifact file, with ``ETag`` = its digest."""
-    job = services.ledger.get(tenant, job_id)
-    if name not in ARTIFACT_NAMES:
-        raise NotFoundError(f"no artifact {name!r}: artifacts are {', '.join(ARTIFACT_NAMES)}")
-    if not job.status.is_terminal:
-        raise ConflictError(f"job {job_id} is {job.status.value}; its artifacts exist once it has succeeded")
-    artifact = job.artifacts.get(name)
-    if artifact is None:
-        raise NotFoundError(f"job {job_id} ({job.status.value}) has no {name} artifact")
-    file = services.blobs.path(tenant, artifact["digest"])
-    filename = f"{job_id[:12]}-{artifact['filename']}"
-    return blob_response(request, file, artifact["digest"], artifact["media_type"], filename)
+    artifact = services.artifact(tenant, job_id, name)
+    return blob_response(request, artifact.path, artifact.digest, artifact.media_type, artifact.filename)

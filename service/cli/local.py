@@ -18,17 +18,17 @@ def calibrate(
     data: opt.DataOpt,
     out: opt.OutOpt,
     model_kwargs: opt.ModelKwargsOpt = None,
-    workers: opt.WorkersOpt = 1,
-    batch_size: opt.BatchOpt = 32,
-    mode: opt.ModeOpt = opt.Mode.sync,
+    workers: opt.WorkersOpt = opt.WORKERS,
+    batch_size: opt.BatchOpt = opt.BATCH_SIZE,
+    mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
-    device: opt.DeviceOpt = opt.Device.cpu,
+    device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
     placement: opt.PlacementOpt = None,
     max_retries: opt.MaxRetriesOpt = None,
     onnx: opt.OnnxOpt = None,
-    onnx_opset: opt.OnnxOpsetOpt = 18,
+    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
 ) -> None:
@@ -39,20 +39,11 @@ def calibrate(
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
-    request = RecalibrationRequest(
-        arch=arch,
-        checkpoint=checkpoint,
-        data=data,
-        model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
-        workers=workers,
-        batch_size=batch_size,
-        mode=mode.value,
-        max_samples=max_samples,
-        device=device.value,
-        transform=parse_json_object(transform, "--transform"),
-        placement=placement.value if placement is not None else None,
-        max_retries=max_retries,
+    options = opt.run_options(
+        arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
+        max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
     )
+    request = RecalibrationRequest(**options.run_options(), checkpoint=checkpoint, data=data)
     cancel = threading.Event()
     with progress_bar("calibrating") as update:
         try:
@@ -83,7 +74,7 @@ def export_command(
     input_shape: Annotated[str | None, typer.Option(help="Per-sample shape, e.g. 3,224,224 (without --data).")] = None,
     model_kwargs: opt.ModelKwargsOpt = None,
     transform: opt.TransformOpt = None,
-    opset: Annotated[int, typer.Option(help="ONNX opset.")] = 18,
+    opset: Annotated[int, typer.Option(help="ONNX opset.")] = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
 ) -> None:

@@ -1,30 +1,33 @@
-"""Options shared by ``calibrate``, ``submit`` and ``export``: declared once, so the
-commands cannot drift apart in names, types, choices or help."""
+"""The flags of ``calibrate``, ``submit`` and ``export``.
+
+The run options' choices, defaults and help come from ``service.options.RunOptions``, the
+one declaration the HTTP job spec and the engine share; only what is particular to the
+command line (flag spellings, paths, output files) is declared here.
+"""
 
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_args
 
 import typer
 
-
-class Mode(str, Enum):
-    sync = "sync"
-    local = "local"
-
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
+from ..options import Device as DeviceChoice
+from ..options import Placement as PlacementChoice
+from ..options import DEFAULT_OPSET, RunOptions, default, description
+from .console import parse_json_object
+from workers.modes import Mode as ModeChoice
 
 
-class Placement(str, Enum):
-    spread = "spread"
-    pack = "pack"
-    strict_spread = "strict_spread"
-    strict_pack = "strict_pack"
+def _choices(name: str, literal: Any) -> type[Enum]:
+    """A typer choice type with exactly the values the run options accept."""
+    return Enum(name, {value: value for value in get_args(literal)}, type=str)  # type: ignore[return-value]
+
+
+Mode = _choices("Mode", ModeChoice)
+Device = _choices("Device", DeviceChoice)
+Placement = _choices("Placement", PlacementChoice)
 
 
 class OnnxDtype(str, Enum):
@@ -32,20 +35,54 @@ class OnnxDtype(str, Enum):
     float16 = "float16"
 
 
-ArchOpt = Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")]
+ArchOpt = Annotated[str, typer.Option(help=description("arch"))]
 CheckpointOpt = Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")]
 DataOpt = Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")]
 OutOpt = Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")]
-ModelKwargsOpt = Annotated[str | None, typer.Option(help="JSON object passed to the model factory.")]
-WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help="Ray actors (ranks).")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="Global batch size B.")]
-ModeOpt = Annotated[Mode, typer.Option(help="sync: SyncBN statistics; local: per-rank statistics.")]
-MaxSamplesOpt = Annotated[int | None, typer.Option(help="Use only the first M samples.")]
-DeviceOpt = Annotated[Device, typer.Option(help="Where the ranks compute.")]
-TransformOpt = Annotated[str | None, typer.Option(help='Image transform JSON, e.g. {"resize":256,"crop":224}.')]
-PlacementOpt = Annotated[Placement | None, typer.Option(help="Spread ranks across nodes, or pack them.")]
-MaxRetriesOpt = Annotated[int | None, typer.Option(help="Re-run a failed pass from scratch this many times.")]
+ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwargs") + " (JSON object)")]
+WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help=description("workers"))]
+BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help=description("batch_size"))]
+ModeOpt = Annotated[Mode, typer.Option(help=description("mode"))]
+MaxSamplesOpt = Annotated[int | None, typer.Option(help=description("max_samples"))]
+DeviceOpt = Annotated[Device, typer.Option(help=description("device"))]
+TransformOpt = Annotated[str | None, typer.Option(help=description("transform") + " (JSON object)")]
+PlacementOpt = Annotated[Placement | None, typer.Option(help=description("placement"))]
+MaxRetriesOpt = Annotated[int | None, typer.Option(help=description("max_retries"))]
 OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")]
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
+
+WORKERS = default("workers")
+BATCH_SIZE = default("batch_size")
+MODE = Mode(default("mode"))
+DEVICE = Device(default("device"))
+OPSET = DEFAULT_OPSET
+
+
+def run_options(
+    *,
+    arch: str,
+    model_kwargs: str | None,
+    workers: int,
+    batch_size: int,
+    mode: Enum,
+    max_samples: int | None,
+    device: Enum,
+    transform: str | None,
+    placement: Enum | None,
+    max_retries: int | None,
+) -> RunOptions:
+    """The run options of a command line, validated (a bad value names its flag's field)."""
+    return RunOptions.checked(
+        arch=arch,
+        model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
+        workers=workers,
+        batch_size=batch_size,
+        mode=mode.value,
+        max_samples=max_samples,
+        device=device.value,
+        transform=parse_json_object(transform, "--transform"),
+        placement=placement.value if placement is not None else None,
+        max_retries=max_retries,
+    )

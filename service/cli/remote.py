@@ -14,7 +14,7 @@ from workers.errors import CancelledError, InputError, SpecError
 
 from ..client import BnrecalClient, error_from_problem
 from . import options as opt
-from .console import parse_json_object, print_line, progress_bar
+from .console import print_line, progress_bar
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -53,17 +53,17 @@ def submit(
     server: Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")],
     api_key: Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")] = None,
     model_kwargs: opt.ModelKwargsOpt = None,
-    workers: opt.WorkersOpt = 1,
-    batch_size: opt.BatchOpt = 32,
-    mode: opt.ModeOpt = opt.Mode.sync,
+    workers: opt.WorkersOpt = opt.WORKERS,
+    batch_size: opt.BatchOpt = opt.BATCH_SIZE,
+    mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
-    device: opt.DeviceOpt = opt.Device.cpu,
+    device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
     placement: opt.PlacementOpt = None,
     max_retries: opt.MaxRetriesOpt = None,
     onnx: opt.OnnxOpt = None,
-    onnx_opset: opt.OnnxOpsetOpt = 18,
+    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
 ) -> None:
@@ -76,17 +76,12 @@ def submit(
     for option, path in (("--checkpoint", checkpoint), ("--data", data)):
         if not path.exists():
             raise InputError(f"{option} {path} does not exist")
+    options = opt.run_options(
+        arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
+        max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+    )
     spec: dict[str, Any] = {
-        "arch": arch,
-        "model_kwargs": parse_json_object(model_kwargs, "--model-kwargs") or {},
-        "mode": mode.value,
-        "workers": workers,
-        "batch_size": batch_size,
-        "max_samples": max_samples,
-        "device": device.value,
-        "transform": parse_json_object(transform, "--transform"),
-        "placement": placement.value if placement is not None else None,
-        "max_retries": max_retries,
+        **options.run_options(),
         "outputs": ["checkpoint"] + (["onnx"] if onnx is not None else []),
         "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
     }

@@ -21,11 +21,11 @@ from service.export.graph_passes import batchnorm_count, check_final_model, chec
 from service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
 from service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
 from service.export.verification import flatten_outputs, reference_outputs, verify_onnx
+from service.options import DEFAULT_OPSET
 from workers.errors import BnrecalError, ExportError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OPSET = 18
 LARGE_VERIFY_BATCH = 8
 
 

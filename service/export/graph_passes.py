@@ -14,7 +14,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxscript.optimizer
 
-from workers.errors import ExportError
+from workers.errors import ExportError, first_line
 
 _UNLIMITED = 2**62
 MAX_FILE_BYTES = 2**31 - 1
@@ -136,5 +136,4 @@ def check_final_model(model: ir.Model, proto: onnx.ModelProto, opset: int) -> No
     try:
         onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"ONNX model fails onnx.checker (full check): {first_line}") from exc
+        raise ExportError(f"ONNX model fails onnx.checker (full check): {first_line(exc)}") from exc

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.errors import ExportError
+from workers.errors import ExportError, first_line
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 
@@ -77,7 +77,7 @@ def verify_onnx(
     try:
         session = _session(model)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
-        raise ExportError(f"onnxruntime cannot load the exported model: {_first_line(exc)}") from exc
+        raise ExportError(f"onnxruntime cannot load the exported model: {first_line(exc)}") from exc
     input_name = session.get_inputs()[0].name
     np_dtype = np.float16 if dtype == "float16" else np.float32
     result = VerificationResult()
@@ -85,7 +85,7 @@ def verify_onnx(
         try:
             got = session.run(None, {input_name: batch.detach().cpu().numpy().astype(np_dtype)})
         except Exception as exc:  # noqa: BLE001
-            raise ExportError(f"onnxruntime fails on a batch of {len(batch)}: {_first_line(exc)}") from exc
+            raise ExportError(f"onnxruntime fails on a batch of {len(batch)}: {first_line(exc)}") from exc
         if len(got) != len(expected):
             raise ExportError(f"ONNX model returns {len(got)} outputs, PyTorch {len(expected)}")
         for index, (onnx_out, torch_out) in enumerate(zip(got, expected)):
@@ -113,8 +113,3 @@ def verify_onnx(
             result.max_rel_diff = max(result.max_rel_diff, abs_diff / peak if peak > 0 else abs_diff)
         result.verified_batches.append(len(batch))
     return result
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
