@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -76,7 +75,7 @@ def test_ranks_calling_layers_in_different_orders_fail_the_job(settings, tmp_pat
     request = branching_request(tmp_path, samples, workers=2, batch_size=8)
     with pytest.raises(CallOrderError, match=r"reduced BN layer '(a|b)' \(BatchNorm1d\) while another rank"):
         recalibrate(request, settings)
-    local = recalibrate(replace(request, mode="local"), settings)  # no per-step collective to mix up
+    local = recalibrate(request.model_copy(update={"mode": "local"}), settings)  # no per-step collective to mix up
     assert local.report["collectives"] == 1
 
 
