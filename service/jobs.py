@@ -24,7 +24,7 @@ from .blobs import DIGEST_PATTERN, BlobStore
 from .options import DEFAULT_OPSET, RunOptions
 from .settings import Settings
 
-ARTIFACT_NAMES = ("checkpoint", "onnx", "report")
+ARTIFACT_NAMES = ("checkpoint", "onnx", "report", "report.html")
 
 
 class ConflictError(InputError):

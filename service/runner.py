@@ -30,6 +30,7 @@ from .jobs import DataPath, JobRecord, JobSpec, JobStatus, problem_of, resolve_d
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 from .recalibrate import Recalibration, RecalibrationRequest, rank_resources, recalibrate
+from .report_html import write_html_report
 from .settings import Settings
 
 log = logging.getLogger("bnrecal.runner")
@@ -213,6 +214,9 @@ class JobRunner:
         report_file = workdir / "report.json"
         result.save_report(report_file)
         artifacts["report"] = self._store(job, report_file, "application/json")
+        html_file = workdir / "report.html"
+        write_html_report(report, html_file)
+        artifacts["report.html"] = self._store(job, html_file, "text/html; charset=utf-8")
         return artifacts, report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:

@@ -31,6 +31,7 @@ def calibrate(
     onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
+    report_html: opt.ReportHtmlOpt = None,
 ) -> None:
     """Recalibrate a checkpoint's BatchNorm statistics on calibration data."""
     from ..recalibrate import RecalibrationRequest, recalibrate
@@ -58,6 +59,10 @@ def calibrate(
     result.save_checkpoint(out)
     if report is not None:
         result.save_report(report)
+    if report_html is not None:
+        from ..report_html import write_html_report
+
+        write_html_report(result.report, report_html)
     summary = result.report
     print_line(
         f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "

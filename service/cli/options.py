@@ -52,6 +52,9 @@ OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
+ReportHtmlOpt = Annotated[
+    Path | None, typer.Option(help="Where to write the report as one self-contained HTML page (charts inline).")
+]
 
 WORKERS = default("workers")
 BATCH_SIZE = default("batch_size")

@@ -66,6 +66,7 @@ def submit(
     onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
+    report_html: opt.ReportHtmlOpt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     if ray_address:
@@ -102,6 +103,8 @@ def submit(
             client.download(job["id"], "onnx", onnx)
         if report is not None:
             client.download(job["id"], "report", report)
+        if report_html is not None:
+            client.download(job["id"], "report.html", report_html)
     summary = job["report"]
     print_line(
         f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "

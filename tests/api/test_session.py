@@ -121,7 +121,11 @@ def test_onnx_and_report_artifacts(finished, live_server, session_inputs, tmp_pa
         onnx_bytes = client.get(f"/v1/jobs/{final['id']}/artifacts/onnx").content
         report = client.get(f"/v1/jobs/{final['id']}/artifacts/report").json()
         weights = client.get(f"/v1/jobs/{final['id']}/artifacts/checkpoint").content
+        page = client.get(f"/v1/jobs/{final['id']}/artifacts/report.html")
     assert report == final["report"]
+    assert page.headers["content-type"].startswith("text/html")
+    assert "<svg" in page.text and "http" not in page.text
+    assert all(layer["name"] in page.text for layer in report["layers"])
     assert report["onnx"]["batchnorm_nodes"] < 5  # folding happened
     session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
     model = mixed_net()

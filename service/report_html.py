@@ -1,0 +1,173 @@
+"""The run report as one self-contained HTML file: opens offline in any browser.
+
+What the job was (model, data, options, where each rank ran and how fast), how far each
+BN layer's statistics moved (a chart of mean shift and variance ratio against layer
+depth, with the layers' names, and the table behind it), the layers left alone, and the
+ONNX fold audit. The chart is drawn by matplotlib as inline SVG; nothing in the file
+refers to the network (no script, font or stylesheet is fetched).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, select_autoescape
+
+from workers.files import atomic_write
+
+_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>bnrecal report: {{ r.arch }}</title>
+<style>
+ body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }
+ h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+ table { border-collapse: collapse; } td, th { padding: .2em .8em; border-bottom: 1px solid #eee; text-align: left; }
+ td.num { text-align: right; font-variant-numeric: tabular-nums; } .muted { color: #777; }
+ figure { margin: 1em 0; } svg { max-width: 100%; height: auto; }
+</style>
+</head>
+<body>
+<h1>BatchNorm recalibration: {{ r.arch }}</h1>
+<p class="muted">{{ r.layers|length }} BN layers recalibrated on {{ r.samples }} samples,
+{{ r.world_size }} worker(s), {{ r.mode }} mode, {{ "%.2f"|format(r.seconds) }} s.</p>
+
+<h2>Job</h2>
+<table>
+{% for key, value in job %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>
+{% endfor %}</table>
+
+<h2>Ranks</h2>
+<table>
+<tr><th>rank</th><th>node</th><th>layout</th><th>collectives</th></tr>
+{% for rank in ranks %}<tr><td class="num">{{ rank.rank }}</td><td>{{ rank.node }}</td><td>{{ rank.layout }}</td>
+<td class="num">{{ rank.collectives }}</td></tr>
+{% endfor %}</table>
+
+<h2 id="drift">Drift per layer</h2>
+<p class="muted">mean shift: largest change of a channel's mean, in units of its old standard deviation;
+variance ratio: largest new / old variance of a channel (1 = unchanged). Large values are statistics
+that were stale.</p>
+<figure id="drift-chart">{{ chart|safe }}</figure>
+<table>
+<tr><th>#</th><th>layer</th><th>class</th><th>channels</th><th>calls</th><th>mean shift</th><th>variance ratio (max)</th></tr>
+{% for layer in r.layers %}<tr><td class="num">{{ loop.index0 }}</td><td>{{ layer.name }}</td><td>{{ layer["class"] }}</td>
+<td class="num">{{ layer.channels }}</td><td class="num">{{ layer.calls }}</td>
+<td class="num">{{ fmt(layer.mean_shift) }}</td><td class="num">{{ fmt(layer.var_ratio_max) }}</td></tr>
+{% endfor %}</table>
+{% if r.skipped %}
+<h2>Layers left alone</h2>
+<table>
+{% for layer in r.skipped %}<tr><td>{{ layer.name }}</td><td>{{ layer.reason }}</td></tr>
+{% endfor %}</table>
+{% endif %}
+{% if r.onnx %}
+<h2 id="onnx">ONNX export</h2>
+<table>
+<tr><th>opset</th><td>{{ r.onnx.opset }}</td></tr>
+<tr><th>BN folded</th><td>{{ r.onnx.folded }}</td></tr>
+<tr><th>BN left in the graph</th><td>{{ r.onnx.batchnorm_nodes }}</td></tr>
+<tr><th>max abs / rel diff vs PyTorch</th><td>{{ fmt(r.onnx.max_abs_diff) }} / {{ fmt(r.onnx.max_rel_diff) }}</td></tr>
+</table>
+{% if r.onnx.unfolded %}
+<table>
+<tr><th>left in the graph</th><th>reason</th></tr>
+{% for item in r.onnx.unfolded %}<tr><td>{{ item.name }}</td><td>{{ item.reason }}</td></tr>
+{% endfor %}</table>
+{% endif %}
+{% endif %}
+</body>
+</html>
+"""
+
+_ENVIRONMENT = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
+
+
+def render_html_report(report: dict[str, Any]) -> str:
+    """The report (``report.json``'s content) as one self-contained HTML page."""
+    layers = report.get("layers", [])
+    nodes = report.get("nodes", [])
+    formats = report.get("memory_formats", [])
+    collectives = report.get("collectives_per_rank", [])
+    ranks = [
+        {
+            "rank": rank,
+            "node": node,
+            "layout": formats[rank] if rank < len(formats) else "",
+            "collectives": collectives[rank] if rank < len(collectives) else "",
+        }
+        for rank, node in enumerate(nodes)
+    ]
+    dataset = report.get("dataset", {})
+    job = [
+        ("architecture", report.get("arch")),
+        ("mode", report.get("mode")),
+        ("workers", f"{report.get('world_size')} ({report.get('backend')}, {report.get('device')})"),
+        ("batch size", report.get("batch_size")),
+        ("samples / steps", f"{report.get('samples')} / {report.get('steps')}"),
+        ("data", f"{dataset.get('kind')}, {dataset.get('samples')} samples of {dataset.get('sample_shape')}"),
+        ("calibration pass", f"{report.get('seconds', 0):.2f} s, {report.get('samples_per_second')} samples/s"),
+        ("placement / transport", f"{report.get('placement')} / {report.get('data_transport')}"),
+        ("attempts", report.get("attempts")),
+    ]
+    template = _ENVIRONMENT.from_string(_TEMPLATE)
+    return template.render(r=report, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format)
+
+
+def write_html_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the HTML report, atomically."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = render_html_report(report)
+    atomic_write(target, lambda temp: temp.write_text(text, encoding="utf-8"))
+
+
+def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
+    """Mean shift and variance ratio of each layer against its depth, as inline SVG."""
+    from matplotlib.figure import Figure
+
+    depth = list(range(len(layers)))
+    shifts = [_number(layer.get("mean_shift")) for layer in layers]
+    ratios = [_number(layer.get("var_ratio_max")) for layer in layers]
+    width = min(40.0, max(8.0, 0.28 * len(layers)))
+    figure = Figure(figsize=(width, 5.0), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    top.bar(depth, shifts, color="#3b6ea8")
+    top.set_ylabel("mean shift (old std)")
+    bottom.bar(depth, ratios, color="#c0633a")
+    bottom.axhline(1.0, color="#555", linewidth=0.8)
+    bottom.set_ylabel("variance ratio (max)")
+    bottom.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
+    bottom.set_xlabel("BN layer, in module order")
+    for axes in (top, bottom):
+        axes.grid(axis="y", alpha=0.3)
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    return _inline(buffer.getvalue())
+
+
+def _inline(svg: str) -> str:
+    """An SVG document made fit to sit inside HTML: no XML prologue, doctype, metadata or
+    namespace declarations (an inline <svg> needs none, and they spell out URLs)."""
+    svg = re.sub(r"<\?xml[^>]*\?>", "", svg)
+    svg = re.sub(r"<!DOCTYPE[^>]*>", "", svg, flags=re.S)
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+    return svg.replace("xlink:href", "href").strip()
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
