@@ -7,16 +7,18 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer
-from workers.data import DatasetSpec
 from workers.files import atomic_write
-from workers.group import GroupResult
 
 from .options import RunOptions
+
+if TYPE_CHECKING:  # annotations only: writing a report (bnrecal export) needs neither Ray nor the data readers
+    from workers.data import DatasetSpec
+    from workers.group import GroupResult
 
 LayerDrift = tuple[BatchNormLayer, torch.Tensor, torch.Tensor, int]
 """A calibrated layer with its old running mean and variance and its call count."""

@@ -55,6 +55,7 @@ class BatchNormCalibrator:
         mode: str,
         collective: Collective,
         call_order: Sequence[int] = (),
+        record_order: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -69,6 +70,7 @@ class BatchNormCalibrator:
         ]
         self.calls = [0] * len(self.layers)
         self.order: list[int] = []
+        self._record_order = record_order
         self._by_buffer = {id(layer.module.running_mean): i for i, layer in enumerate(self.layers)}
         self._mode = _Interceptor(self)
         self._saved: list[tuple[bool, torch.Tensor | None]] = []
@@ -147,7 +149,8 @@ class BatchNormCalibrator:
             self._reduce_tagged(index, buffer)
         self.totals[index] += packed
         self.calls[index] += 1
-        self.order.append(index)
+        if self._record_order:
+            self.order.append(index)
         if self.mode == "local":
             return MomentStats(float(own.count), own.mean, own.var)
         return finalize(packed, shift)
@@ -158,7 +161,8 @@ class BatchNormCalibrator:
         buffer[1] = tag * tag
         self.collective.allreduce(buffer)
         world = float(self.collective.world_size)
-        if buffer[0].item() != world * tag or buffer[1].item() != world * tag * tag:
+        tag_sum, square_sum = buffer[:TAGS].tolist()
+        if tag_sum != world * tag or square_sum != world * tag * tag:
             layer = self.layers[index]
             raise CallOrderError(
                 f"collective {self.collective.calls}: this rank reduced BN layer {layer.name!r} "
@@ -204,7 +208,7 @@ def probe_call_order(model: nn.Module, layers: Sequence[BatchNormLayer], sample:
     """
     was_training = model.training
     model.eval()
-    calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective())
+    calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective(), record_order=True)
     try:
         with torch.inference_mode(), calibrator:
             model(sample)

@@ -61,11 +61,13 @@ class MemoryFormatChooser:
         return batch.contiguous(memory_format=layout)
 
     def record(self, samples: int) -> None:
-        """Stop the step's clock: seconds per sample of the layout it ran in."""
+        """Stop the step's clock: seconds per sample of the layout it ran in (only while a
+        layout is still unmeasured: later steps pay no device synchronisation)."""
+        if self._current is None or self._current in self.timings or samples <= 0:
+            return
         if self._cuda:
             torch.cuda.synchronize()
-        if self._current is not None and self._current not in self.timings and samples > 0:
-            self.timings[self._current] = (time.perf_counter() - self._started) / samples
+        self.timings[self._current] = (time.perf_counter() - self._started) / samples
 
     def restore(self, model: nn.Module) -> None:
         """Give ``model`` back in the default layout if a step changed it."""
