@@ -7,7 +7,7 @@ names its class), so a caller handles a remote bad checkpoint exactly like a loc
         checkpoint = client.upload("model.safetensors")["digest"]
         data = client.upload("calib.npy")["digest"]
         job = client.submit({"arch": "torchvision:resnet18", "checkpoint": checkpoint, "data": data})
-        job = client.wait(job["id"], on_progress=lambda done, total: print(done, total))
+        job = client.wait(job["id"], on_progress=lambda done, total, phase: print(phase, done, total))
         client.download(job["id"], "checkpoint", "recalibrated.safetensors")
 """
 
@@ -147,9 +147,13 @@ class BnrecalClient:
             yield from parse_events(response.iter_lines())
 
     def wait(
-        self, job_id: str, on_progress: Callable[[int, int], None] | None = None, *, reconnects: int = 5
+        self, job_id: str, on_progress: Callable[[int, int, str], None] | None = None, *, reconnects: int = 5
     ) -> dict[str, Any]:
-        """Follow a job's events to its end (resuming a dropped stream) and return the final job."""
+        """Follow a job's events to its end (resuming a dropped stream) and return the final job.
+
+        ``on_progress`` gets (samples done, samples total, phase) for each event of a phase
+        that counts samples (calibrating, evaluating).
+        """
         last_id: int | None = None
         failures = 0
         while True:
@@ -158,7 +162,8 @@ class BnrecalClient:
                     last_id = event.id if event.id is not None else last_id
                     progress = event.data.get("progress") or {}
                     if on_progress is not None and progress.get("samples_total"):
-                        on_progress(int(progress["samples_done"]), int(progress["samples_total"]))
+                        phase = str(progress.get("phase") or "calibrating")
+                        on_progress(int(progress["samples_done"]), int(progress["samples_total"]), phase)
                     if event.data.get("status") in TERMINAL:
                         return self.job(job_id)
                 failures = 0

@@ -63,7 +63,7 @@ def event_payload(job: JobRecord) -> dict[str, Any]:
     return {
         "id": job.id,
         "status": job.status.value,
-        "progress": {"samples_done": job.samples_done, "samples_total": job.samples_total},
+        "progress": job.progress().model_dump(),
         "error": job.error,
     }
 

@@ -83,6 +83,18 @@ class OnnxOptions(BaseModel):
         return value
 
 
+class EvalSpec(BaseModel):
+    """Data to evaluate the model on before and after recalibration (report ``evaluation``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: Digest | DataPath = Field(
+        description="Digest of an uploaded blob, or {'path': ...} on the server: an image folder or archive "
+        "with class folders, or .npz with x and y (labelled); any calibration data format (unlabelled)."
+    )
+    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+
+
 class JobSpec(RunOptions):
     """What to recalibrate (the run options), on what checkpoint and data, and which
     artifacts to produce."""
@@ -95,6 +107,7 @@ class JobSpec(RunOptions):
         default_factory=lambda: ["checkpoint"], max_length=8, description="Artifacts to produce besides the report."
     )
     onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
+    eval: EvalSpec | None = Field(default=None, description="Evaluate before and after on this data.")
 
     @field_validator("outputs")
     @classmethod
@@ -103,10 +116,15 @@ class JobSpec(RunOptions):
 
 
 class Progress(BaseModel):
-    """Samples processed so far (``samples_total`` is known once the data is described)."""
+    """What a job is doing and how far it got: the samples done of the phase's total
+    (known once its data is described)."""
 
     samples_done: int
     samples_total: int | None
+    phase: str | None = Field(
+        default=None,
+        description="starting workers, calibrating, evaluating, exporting or writing (null before the job runs)",
+    )
 
 
 class Artifact(BaseModel):
@@ -153,6 +171,7 @@ class JobRecord:
     cancel_requested: bool
     samples_done: int
     samples_total: int | None
+    phase: str | None
     error: dict[str, Any] | None
     artifacts: dict[str, dict[str, Any]]
     report: dict[str, Any] | None
@@ -161,13 +180,17 @@ class JobRecord:
     started_at: datetime | None
     finished_at: datetime | None
 
+    def progress(self) -> Progress:
+        """The job's progress as the API shows it."""
+        return Progress(samples_done=self.samples_done, samples_total=self.samples_total, phase=self.phase)
+
     def view(self) -> JobView:
         """The public resource (no tenant, no idempotency key)."""
         return JobView(
             id=self.id,
             status=self.status,
             spec=self.spec,
-            progress=Progress(samples_done=self.samples_done, samples_total=self.samples_total),
+            progress=self.progress(),
             error=self.error,
             artifacts={name: Artifact(**info) for name, info in self.artifacts.items()},
             report=self.report,
@@ -181,11 +204,14 @@ class JobRecord:
 def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
     """Refuse a spec whose blobs, data path or architecture cannot work, naming the field."""
     check_architecture(spec.arch, settings)
-    for name, digest in (("checkpoint", spec.checkpoint), ("data", spec.data)):
-        if isinstance(digest, str) and not blobs.exists(tenant, digest):
-            raise SpecError(f"{name}: no blob {digest} for this API key; upload it to /v1/blobs first", field=name)
-    if isinstance(spec.data, DataPath):
-        resolve_data_path(spec.data.path, settings)
+    named = [("checkpoint", spec.checkpoint), ("data", spec.data)]
+    if spec.eval is not None:
+        named.append(("eval.data", spec.eval.data))
+    for name, source in named:
+        if isinstance(source, str) and not blobs.exists(tenant, source):
+            raise SpecError(f"{name}: no blob {source} for this API key; upload it to /v1/blobs first", field=name)
+        if isinstance(source, DataPath):
+            resolve_data_path(source.path, settings, field=f"{name}.path")
     if spec.transform is not None and len(repr(spec.transform)) > 4096:
         raise SpecError("transform is too large", field="transform")
 
@@ -195,28 +221,29 @@ def check_architecture(arch: str, settings: Settings) -> None:
     check_reference(arch, settings.model_modules)
 
 
-def resolve_data_path(path: str, settings: Settings) -> Path:
+def resolve_data_path(path: str, settings: Settings, field: str = "data.path") -> Path:
     """The real location of server-side data, which must lie under a configured data root.
 
-    Symlinks are resolved first, so a link cannot lead out of a root.
+    Symlinks are resolved first, so a link cannot lead out of a root. ``field`` names the
+    spec field in errors.
     """
     if not settings.data_roots:
         raise SpecError(
-            "data.path: this server reads no server-side paths (the operator sets BNRECAL_DATA_ROOTS); "
+            f"{field}: this server reads no server-side paths (the operator sets BNRECAL_DATA_ROOTS); "
             "upload the data to /v1/blobs instead",
-            field="data.path",
+            field=field,
         )
     requested = Path(path)
     if not requested.is_absolute():
-        raise SpecError(f"data.path must be absolute, got {path!r}", field="data.path")
+        raise SpecError(f"{field} must be absolute, got {path!r}", field=field)
     resolved = Path(os.path.realpath(requested))
     for root in settings.data_roots:
         real_root = Path(os.path.realpath(root))
         if resolved == real_root or resolved.is_relative_to(real_root):
             if not resolved.exists():
-                raise SpecError(f"data.path {path!r} does not exist", field="data.path")
+                raise SpecError(f"{field} {path!r} does not exist", field=field)
             return resolved
-    raise SpecError(f"data.path {path!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field="data.path")
+    raise SpecError(f"{field} {path!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field=field)
 
 
 def problem_of(exc: BnrecalError) -> dict[str, Any]:

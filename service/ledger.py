@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, select
+from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, inspect
+from sqlalchemy import select, text
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -26,6 +27,7 @@ from workers.errors import NotFoundError
 from .jobs import ConflictError, JobRecord, JobStatus
 
 INTERRUPTED = "interrupted by restart"
+STARTING = "starting workers"  # the phase of a job that has just started running
 MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once
 
 
@@ -62,6 +64,7 @@ class JobRow(Base):
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     samples_done: Mapped[int] = mapped_column(Integer, default=0)
     samples_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    phase: Mapped[str | None] = mapped_column(String(32), nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     artifacts: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
@@ -82,6 +85,7 @@ class JobRow(Base):
             cancel_requested=self.cancel_requested,
             samples_done=self.samples_done,
             samples_total=self.samples_total,
+            phase=self.phase,
             error=self.error,
             artifacts=dict(self.artifacts or {}),
             report=self.report,
@@ -107,6 +111,7 @@ class Ledger:
     def __init__(self, url: str) -> None:
         self.engine = _make_engine(url)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -188,13 +193,17 @@ class Ledger:
         changed = self._update(
             job_id, {JobStatus.queued},
             status=JobStatus.running.value, started_at=_now(), attempts=JobRow.attempts + 1,
-            samples_done=0, samples_total=None,
+            samples_done=0, samples_total=None, phase=STARTING,
         )
         return self.get_any(job_id) if changed else None
 
-    def set_progress(self, job_id: str, done: int, total: int) -> bool:
-        """Record a running job's progress."""
-        return self._update(job_id, {JobStatus.running}, samples_done=done, samples_total=total)
+    def set_progress(self, job_id: str, done: int, total: int, phase: str) -> bool:
+        """Record a running job's phase and the samples done of the phase's total."""
+        return self._update(job_id, {JobStatus.running}, samples_done=done, samples_total=total, phase=phase)
+
+    def set_phase(self, job_id: str, phase: str) -> bool:
+        """Record that a running job entered a phase that does not count samples (exporting, writing)."""
+        return self._update(job_id, {JobStatus.running}, phase=phase)
 
     def finish(
         self,
@@ -280,6 +289,17 @@ class Ledger:
                 f"Idempotency-Key {job.idempotency_key!r} was already used for job {job.id} with another spec"
             )
         return job
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Add the nullable columns a newer release declares to a ledger an older one created,
+    so upgrading keeps every stored job."""
+    present = {column["name"] for column in inspect(engine).get_columns(JobRow.__tablename__)}
+    with engine.begin() as connection:
+        for column in JobRow.__table__.columns:
+            if column.name not in present and column.nullable:
+                kind = column.type.compile(dialect=engine.dialect)
+                connection.execute(text(f"ALTER TABLE {JobRow.__tablename__} ADD COLUMN {column.name} {kind}"))
 
 
 def _make_engine(url: str) -> Engine:

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 import torch
+from pydantic import Field
 from torch import nn
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
@@ -24,13 +25,13 @@ from workers.calibrator import probe_call_order
 from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from workers.collectives import backend_for_device
-from workers.data import DatasetSpec, describe_dataset
-from workers.data import ship_dataset
+from workers.data import DatasetSpec, describe_dataset, detect_format, read_labels, ship_dataset
 from workers.errors import CancelledError, NoBatchNormError, RunError, SpecError
+from workers.evaluation import check_eval_output
 from workers.group import GroupOptions, run_rank_group
 from workers.models import build_model
 from workers.moments import MomentStats
-from workers.plan import RankPlan
+from workers.plan import EvalPlan, RankPlan
 from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
@@ -38,15 +39,21 @@ from .options import RunOptions
 from .report import build_report, write_report
 from .settings import Settings
 
-ProgressCallback = Callable[[int, int], None]
-"""Called with (samples done, samples total) as the ranks report progress."""
+ProgressCallback = Callable[[int, int, str], None]
+"""Called with (samples done, samples total, phase) as the ranks report progress; the
+phase is ``calibrating``, then ``evaluating`` when the request evaluates."""
 
 
 class RecalibrationRequest(RunOptions):
-    """The run options, with the checkpoint and data as local paths: what ``recalibrate`` takes."""
+    """The run options, with the checkpoint and data as local paths: what ``recalibrate`` takes.
+
+    With ``eval_data`` the model is evaluated before and after on it (report ``evaluation``).
+    """
 
     checkpoint: Path
     data: Path
+    eval_data: Path | None = None
+    eval_max_samples: int | None = Field(default=None, ge=1, le=2**53)
 
 
 @dataclass
@@ -97,6 +104,7 @@ def recalibrate(
     )
     with dataset.open() as data:
         call_order = probe_call_order(model, layers, data.load(0, 1))
+    evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
@@ -117,6 +125,7 @@ def recalibrate(
         call_order=tuple(call_order),
         loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
         memory_format=settings.memory_format,
+        evaluation=evaluation,
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
@@ -125,23 +134,27 @@ def recalibrate(
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
     )
-    total = dataset.num_samples
+    totals = {"calibrating": dataset.num_samples}
+    if evaluation is not None:
+        totals["evaluating"] = evaluation.dataset.num_samples
 
-    def progress(done: int) -> None:
+    def progress(phase: str, done: int) -> None:
         if on_progress is not None:
-            on_progress(done, total)
+            on_progress(done, totals[phase], phase)
 
     transport = _data_transport(settings.data_transport)
-    shards = None
+    shards = eval_shards = None
     if transport == "object_store":
-        ranges = [rank_ranges(total, request.batch_size, request.workers, r) for r in range(request.workers)]
-        shards = ship_dataset(dataset, ranges)
+        shards = _ship(dataset, request.batch_size, request.workers)
+        if evaluation is not None:
+            eval_shards = _ship(evaluation.dataset, evaluation.batch_size, request.workers)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     failures: list[str] = []
     while True:
         try:
             result = run_rank_group(
-                plan, model.state_dict(), options, on_progress=progress, cancel=cancel, shards=shards
+                plan, model.state_dict(), options, on_progress=progress, cancel=cancel,
+                shards=shards, eval_shards=eval_shards,
             )
             break
         except CancelledError:
@@ -173,7 +186,35 @@ def recalibrate(
             "embedded_cluster": started_local or is_local_instance(),
         },
     )
+    if evaluation is not None and result.evaluation is not None:
+        report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     return Recalibration(model, checkpoint, _updates(calibrated), dataset, report)
+
+
+def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
+    """Describe the evaluation data, read its labels and check on one sample, on the driver,
+    that the model's output can be evaluated: a problem fails here, before any actor starts."""
+    assert request.eval_data is not None
+    source = request.eval_data
+    # The transform is for images: evaluation arrays beside calibration images are fed as they are.
+    arrays = source.is_file() and detect_format(source, "evaluation data") in ("npy", "npz")
+    dataset = describe_dataset(
+        source,
+        transform=None if arrays else request.transform,
+        max_samples=request.eval_max_samples,
+        unpack_root=Path(settings.data_dir) / "unpacked",
+        role="evaluation data",
+    )
+    labels = read_labels(dataset)
+    with dataset.open() as data:
+        target = check_eval_output(model, data.load(0, 1), labels)
+    return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
+
+
+def _ship(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
+    """Each rank's samples of ``dataset``, put in the object store."""
+    ranges = [rank_ranges(dataset.num_samples, batch_size, workers, r) for r in range(workers)]
+    return ship_dataset(dataset, ranges)
 
 
 def _updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:

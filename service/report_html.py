@@ -37,6 +37,26 @@ _TEMPLATE = """<!doctype html>
 <p class="muted">{{ r.layers|length }} BN layers recalibrated on {{ r.samples }} samples,
 {{ r.world_size }} worker(s), {{ r.mode }} mode, {{ "%.2f"|format(r.seconds) }} s.</p>
 
+{% if ev %}
+<h2 id="evaluation">Evaluation: before and after</h2>
+<p class="muted">{{ ev.samples }} samples of {{ ev.data.source if ev.data else "evaluation data" }};
+"before" is the model with its uploaded BN statistics, "after" with the recalibrated ones.</p>
+{% if ev.before %}
+<table id="evaluation-table">
+<tr><th>metric</th><th>before</th><th>after</th><th>change</th></tr>
+{% for name, label in metrics %}{% if name in ev.before %}<tr><th>{{ label }}</th>
+<td class="num">{{ "%.4f"|format(ev.before[name]) }}</td><td class="num">{{ "%.4f"|format(ev.after[name]) }}</td>
+<td class="num">{{ "%+.4f"|format(ev.after[name] - ev.before[name]) }}</td></tr>
+{% endif %}{% endfor %}</table>
+<figure id="accuracy-chart">{{ accuracy_chart|safe }}</figure>
+{% endif %}
+<table>
+<tr><th>predictions changed</th><td class="num">{{ "%.2f"|format(100 * ev.prediction_change) }} %</td></tr>
+<tr><th>mean KL(before &#8741; after)</th><td class="num">{{ fmt(ev.kl_divergence) }}</td></tr>
+</table>
+{% if ev.note %}<p class="muted">{{ ev.note }}</p>{% endif %}
+{% endif %}
+
 <h2>Job</h2>
 <table>
 {% for key, value in job %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>
@@ -85,6 +105,8 @@ that were stale.</p>
 </html>
 """
 
+_METRICS = (("top1", "top-1 accuracy"), ("top5", "top-5 accuracy"), ("cross_entropy", "cross-entropy"))
+
 _ENVIRONMENT = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
 
 
@@ -115,8 +137,13 @@ def render_html_report(report: dict[str, Any]) -> str:
         ("placement / transport", f"{report.get('placement')} / {report.get('data_transport')}"),
         ("attempts", report.get("attempts")),
     ]
+    evaluation = report.get("evaluation")
+    accuracy_chart = accuracy_chart_svg(evaluation) if evaluation and evaluation.get("before") else ""
     template = _ENVIRONMENT.from_string(_TEMPLATE)
-    return template.render(r=report, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format)
+    return template.render(
+        r=report, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format,
+        ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
+    )
 
 
 def write_html_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -146,14 +173,35 @@ def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
     bottom.set_xlabel("BN layer, in module order")
     for axes in (top, bottom):
         axes.grid(axis="y", alpha=0.3)
+    return _inline_svg(figure)
+
+
+def accuracy_chart_svg(evaluation: dict[str, Any]) -> str:
+    """Accuracy before and after recalibration, side by side per metric, as inline SVG."""
+    from matplotlib.figure import Figure
+
+    names = [name for name in ("top1", "top5") if name in evaluation["before"]]
+    figure = Figure(figsize=(5.0, 2.8), layout="constrained")
+    axes = figure.subplots()
+    positions = range(len(names))
+    for offset, (when, color) in ((-0.2, ("before", "#9aa5b1")), (0.2, ("after", "#2e8b57"))):
+        values = [evaluation[when][name] for name in names]
+        bars = axes.bar([p + offset for p in positions], values, width=0.38, color=color, label=when)
+        axes.bar_label(bars, fmt="%.3f", fontsize=8)
+    axes.set_xticks(list(positions), [name.replace("top", "top-") for name in names])
+    axes.set_ylim(0, 1.1)
+    axes.set_ylabel("accuracy")
+    axes.legend(loc="lower right", fontsize=8)
+    axes.grid(axis="y", alpha=0.3)
+    return _inline_svg(figure)
+
+
+def _inline_svg(figure: Any) -> str:
+    """A matplotlib figure as an SVG made fit to sit inside HTML: no XML prologue, doctype,
+    metadata or namespace declarations (an inline <svg> needs none, and they spell out URLs)."""
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
-    return _inline(buffer.getvalue())
-
-
-def _inline(svg: str) -> str:
-    """An SVG document made fit to sit inside HTML: no XML prologue, doctype, metadata or
-    namespace declarations (an inline <svg> needs none, and they spell out URLs)."""
+    svg = buffer.getvalue()
     svg = re.sub(r"<\?xml[^>]*\?>", "", svg)
     svg = re.sub(r"<!DOCTYPE[^>]*>", "", svg, flags=re.S)
     svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)

@@ -201,6 +201,7 @@ class JobRunner:
         artifacts: dict[str, Any] = {}
         if "onnx" in spec.outputs:
             _check_cancel(cancel)
+            self._enter_phase(job.id, "exporting")
             onnx_file = workdir / "recalibrated.onnx"
             options = spec.onnx
             report["onnx"] = export_recalibrated(
@@ -209,6 +210,7 @@ class JobRunner:
             )
             artifacts["onnx"] = self._store(job, onnx_file, "application/octet-stream")
         _check_cancel(cancel)
+        self._enter_phase(job.id, "writing")
         if "checkpoint" in spec.outputs:
             artifacts["checkpoint"] = self._save_checkpoint(job, result, workdir)
         report_file = workdir / "report.json"
@@ -222,27 +224,42 @@ class JobRunner:
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
         """The engine's request and settings (archives unpack under the data dir, one folder per digest)."""
         checkpoint = self.blobs.path(job.tenant, spec.checkpoint)
-        if isinstance(spec.data, DataPath):
-            data = resolve_data_path(spec.data.path, self.settings)
-        else:
-            data = self.blobs.path(job.tenant, spec.data)
-        request = RecalibrationRequest(**spec.run_options(), checkpoint=checkpoint, data=data)
+        evaluation = spec.eval
+        request = RecalibrationRequest(
+            **spec.run_options(),
+            checkpoint=checkpoint,
+            data=self._data_path(job, spec.data),
+            eval_data=self._data_path(job, evaluation.data) if evaluation is not None else None,
+            eval_max_samples=evaluation.max_samples if evaluation is not None else None,
+        )
         return request, self.settings
+
+    def _data_path(self, job: JobRecord, data: str | DataPath) -> Path:
+        """Where a spec's data lies: an uploaded blob of the tenant, or a path under a data root."""
+        if isinstance(data, DataPath):
+            return resolve_data_path(data.path, self.settings)
+        return self.blobs.path(job.tenant, data)
 
     def _progress_writer(self, job_id: str) -> Any:
         """The ``on_progress`` callback: metrics at once, the ledger and streams a few times a second."""
-        state = {"done": 0, "written": 0.0}
+        state: dict[str, Any] = {"done": 0, "written": 0.0, "phase": None}
 
-        def on_progress(done: int, total: int) -> None:
-            self.metrics.samples_processed.inc(max(0, done - state["done"]))
-            state["done"] = done
+        def on_progress(done: int, total: int, phase: str) -> None:
+            if phase == "calibrating":
+                self.metrics.samples_processed.inc(max(0, done - state["done"]))
+                state["done"] = done
             now = time.monotonic()
-            if done >= total or now - state["written"] >= PROGRESS_INTERVAL_S:
-                state["written"] = now
-                self.ledger.set_progress(job_id, done, total)
+            if done >= total or phase != state["phase"] or now - state["written"] >= PROGRESS_INTERVAL_S:
+                state["written"], state["phase"] = now, phase
+                self.ledger.set_progress(job_id, done, total, phase)
                 self.feed.publish(job_id)
 
         return on_progress
+
+    def _enter_phase(self, job_id: str, phase: str) -> None:
+        """Tell the ledger and the job's listeners that the job moved on to ``phase``."""
+        self.ledger.set_phase(job_id, phase)
+        self.feed.publish(job_id)
 
     def _save_checkpoint(self, job: JobRecord, result: Recalibration, workdir: Path) -> dict[str, Any]:
         suffix = CHECKPOINT_SUFFIX[result.checkpoint.format]

@@ -228,3 +228,56 @@ class BranchingNet(nn.Module):
 def branching_net() -> nn.Module:
     """Factory for ``tests.nets:branching_net``."""
     return BranchingNet()
+
+
+class ClassifierNet(nn.Module):
+    """Conv -> BN -> ReLU -> pool -> Linear: (N, classes) logits, for evaluation."""
+
+    def __init__(self, classes: int = 12) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class SegmenterNet(nn.Module):
+    """Per-pixel class scores in a dict, as torchvision's segmentation models return them."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.head(torch.relu(self.bn(self.conv(x))))}
+
+
+class FeatureListNet(nn.Module):
+    """Returns a list of feature maps' shapes, no tensor of logits: nothing to evaluate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, list[int]]:
+        return {"shape": list(self.bn(self.conv(x)).shape)}
+
+
+def classifier_net(classes: int = 12) -> nn.Module:
+    """Factory for ``tests.nets:classifier_net``."""
+    return ClassifierNet(classes)
+
+
+def segmenter_net(classes: int = 5) -> nn.Module:
+    """Factory for ``tests.nets:segmenter_net``."""
+    return SegmenterNet(classes)
+
+
+def feature_list_net() -> nn.Module:
+    """Factory for ``tests.nets:feature_list_net``."""
+    return FeatureListNet()

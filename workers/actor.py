@@ -6,7 +6,8 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
 from .data import CalibrationData, iter_batches
 from .errors import BnrecalError, RunError, first_line
+from .evaluation import evaluation_pass, with_statistics
 from .models import build_model
 from .plan import RankPlan
 from .sharding import rank_ranges
@@ -27,14 +29,23 @@ HEARTBEAT_S = 1.0
 stuck in its own work (fewer collectives entered) from one waiting for its peers."""
 
 
+@dataclass
+class _Finished:
+    """The work thread's last message: the calibration pass and the evaluation, if any."""
+
+    calibration: PassResult
+    evaluation: dict[str, Any] | None
+
+
 class CalibrationRank:
     """One rank: builds the model from the shared weights, reads its own shard, and
     streams progress events, then its result, back to the driver.
 
     Events are dicts: ``{"kind": "started", "rank", "node_id"}`` once the rank has
-    joined the collective group, ``{"kind": "progress", "rank", "step", "samples", "calls"}`` after
-    each step, ``{"kind": "heartbeat", "rank", "calls"}`` while a step is in flight, then
-    ``{"kind": "result", ...}`` once. Errors become ``RunError`` naming the
+    joined the collective group, ``{"kind": "progress", "phase": "calibrating", "rank", "step",
+    "samples", "calls"}`` after each step (``"phase": "evaluating"``, without ``step``, after
+    each evaluation batch), ``{"kind": "heartbeat", "rank", "calls"}`` while a step is in
+    flight, then ``{"kind": "result", ...}`` once. Errors become ``RunError`` naming the
     rank and its node.
     """
 
@@ -49,15 +60,21 @@ class CalibrationRank:
         return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "host": os.uname().nodename}
 
     def run(
-        self, plan: RankPlan, state_dict: dict[str, torch.Tensor], shard: CalibrationData | None = None
+        self,
+        plan: RankPlan,
+        state_dict: dict[str, torch.Tensor],
+        shard: CalibrationData | None = None,
+        eval_shard: CalibrationData | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Calibrate this rank's shard; yields progress events and finally the result.
+        """Calibrate this rank's shard, then evaluate if the plan asks; yields progress
+        events and finally the result.
 
-        ``shard`` is this rank's data when it travels through the object store; without
-        it the rank opens the dataset's path itself (a shared filesystem).
+        ``shard`` and ``eval_shard`` are this rank's data when it travels through the
+        object store; without them the rank opens the datasets' paths itself (a shared
+        filesystem).
         """
         try:
-            yield from self._run(plan, state_dict, shard)
+            yield from self._run(plan, state_dict, shard, eval_shard)
         except BnrecalError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
@@ -70,7 +87,11 @@ class CalibrationRank:
             self._leave_group()
 
     def _run(
-        self, plan: RankPlan, state_dict: dict[str, torch.Tensor], shard: CalibrationData | None
+        self,
+        plan: RankPlan,
+        state_dict: dict[str, torch.Tensor],
+        shard: CalibrationData | None,
+        eval_shard: CalibrationData | None,
     ) -> Iterator[dict[str, Any]]:
         device = torch.device(plan.device)
         model = build_model(plan.arch, plan.model_kwargs, allowed_modules=plan.allowed_modules)
@@ -84,32 +105,37 @@ class CalibrationRank:
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
         yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
-        events: queue.SimpleQueue[dict[str, Any] | PassResult | BaseException] = queue.SimpleQueue()
+        events: queue.SimpleQueue[dict[str, Any] | _Finished | BaseException] = queue.SimpleQueue()
 
         def on_step(step: int, samples: int) -> None:
             events.put(
-                {"kind": "progress", "rank": self.rank, "step": step, "samples": samples, "calls": collective.calls}
+                {
+                    "kind": "progress", "phase": "calibrating", "rank": self.rank, "step": step,
+                    "samples": samples, "calls": collective.calls,
+                }
             )
 
         def work() -> None:
             try:
-                events.put(
-                    calibration_pass(
-                        model,
-                        layers,
-                        iter_batches(data, ranges, num_workers=loader_workers),
-                        mode=plan.mode,
-                        collective=collective,
-                        call_order=plan.call_order,
-                        device=device,
-                        on_step=on_step,
-                        memory_format=plan.memory_format,
-                    )
+                result = calibration_pass(
+                    model,
+                    layers,
+                    iter_batches(data, ranges, num_workers=loader_workers),
+                    mode=plan.mode,
+                    collective=collective,
+                    call_order=plan.call_order,
+                    device=device,
+                    on_step=on_step,
+                    memory_format=plan.memory_format,
                 )
+                evaluation = None
+                if plan.evaluation is not None:
+                    evaluation = self._evaluate(plan, model, result, eval_shard, collective, events.put)
+                events.put(_Finished(result, evaluation))
             except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
                 events.put(exc)
 
-        # The pass runs on a thread so this generator can stream its progress as it goes.
+        # The work runs on a thread so this generator can stream its progress as it goes.
         worker = threading.Thread(target=work, name=f"calibration-rank-{self.rank}", daemon=True)
         worker.start()
         while True:
@@ -120,24 +146,68 @@ class CalibrationRank:
                 continue
             if isinstance(event, BaseException):
                 raise event
-            if isinstance(event, PassResult):
+            if isinstance(event, _Finished):
                 break
             yield event
         worker.join()
+        passed = event.calibration
         yield {
             "kind": "result",
             "rank": self.rank,
             "node_id": self.node_id,
-            "steps": event.steps,
-            "samples": event.samples,
-            "collectives": event.collectives,
-            "calls": event.calls,
-            "seconds": event.seconds,
-            "memory_format": event.memory_format,
-            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in event.stats]
+            "steps": passed.steps,
+            "samples": passed.samples,
+            "collectives": passed.collectives,
+            "collectives_total": collective.calls,
+            "calls": passed.calls,
+            "seconds": passed.seconds,
+            "memory_format": passed.memory_format,
+            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in passed.stats]
             if self.rank == 0
             else None,
+            "evaluation": event.evaluation,
         }
+
+    def _evaluate(
+        self,
+        plan: RankPlan,
+        model: torch.nn.Module,
+        calibration: PassResult,
+        shard: CalibrationData | None,
+        collective: RayCollective,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> dict[str, Any]:
+        """Evaluate this rank's evaluation shard before and after; every rank gets the job's metrics."""
+        evaluation = plan.evaluation
+        assert evaluation is not None
+        after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
+        data = shard if shard is not None else evaluation.dataset.open()
+        ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, self.rank)
+        labels = [
+            evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges
+        ]
+
+        def on_step(samples: int) -> None:
+            emit(
+                {
+                    "kind": "progress", "phase": "evaluating", "rank": self.rank,
+                    "samples": samples, "calls": collective.calls,
+                }
+            )
+
+        loader_workers = plan.loader_workers if shard is None else 0
+        metrics, seconds = evaluation_pass(
+            model,
+            after,
+            iter_batches(data, ranges, num_workers=loader_workers),
+            labels,
+            evaluation.target,
+            collective=collective,
+            device=torch.device(plan.device),
+            channels_last=calibration.memory_format == "channels_last",
+            on_step=on_step,
+        )
+        return {**metrics, "seconds": seconds}
 
     def _leave_group(self) -> None:
         if self._collective is not None:

@@ -26,8 +26,9 @@ from .actor import CalibrationActor
 from .errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
 from .plan import RankPlan
 
-ProgressCallback = Callable[[int], None]
-"""Called with the number of samples all ranks have processed so far."""
+ProgressCallback = Callable[[str, int], None]
+"""Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
+ranks have processed in it so far."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GroupResult:
     nodes: list[str]
     calls: list[int] = field(default_factory=list)
     memory_formats: list[str] = field(default_factory=list)
+    evaluation: dict[str, Any] | None = None
 
 
 def run_rank_group(
@@ -63,11 +65,13 @@ def run_rank_group(
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
     shards: Sequence[Any] | None = None,
+    eval_shards: Sequence[Any] | None = None,
 ) -> GroupResult:
     """Run a job on ``plan.world_size`` rank actors and return their combined result.
 
-    ``shards`` (one per rank) carry the data through the object store; without them
-    every rank opens ``plan.dataset`` from its path.
+    ``shards`` (one per rank) carry the data through the object store, and
+    ``eval_shards`` the evaluation data; without them every rank opens the datasets
+    from their paths.
     """
     world_size = plan.world_size
     plan = replace(plan, group_name=plan.group_name or f"bnrecal-{uuid.uuid4().hex[:12]}")
@@ -93,7 +97,12 @@ def run_rank_group(
                 ).remote(rank, threads)
             )
         streams = [
-            actor.run.remote(plan, state_ref, shards[rank] if shards is not None else None)
+            actor.run.remote(
+                plan,
+                state_ref,
+                shards[rank] if shards is not None else None,
+                eval_shards[rank] if eval_shards is not None else None,
+            )
             for rank, actor in enumerate(actors)
         ]
         return _follow(streams, group, plan, options, on_progress, cancel)
@@ -139,7 +148,7 @@ def _follow(
     calls_entered = [0] * len(streams)
     started: set[int] = set()
     nodes = _bundle_nodes(group)
-    samples_done = 0
+    samples_done = {"calibrating": 0, "evaluating": 0}
     startup_deadline = time.monotonic() + options.placement_timeout_s
     last_progress = time.monotonic()
     while pending:
@@ -164,12 +173,14 @@ def _follow(
                     calls_entered[rank] = event["calls"]
                     last_progress = time.monotonic()
             elif event["kind"] == "progress":
-                steps_done[rank] = event["step"] + 1
+                phase = event["phase"]
+                if "step" in event:
+                    steps_done[rank] = event["step"] + 1
                 calls_entered[rank] = event["calls"]
-                samples_done += event["samples"]
+                samples_done[phase] += event["samples"]
                 last_progress = time.monotonic()
                 if on_progress is not None:
-                    on_progress(samples_done)
+                    on_progress(phase, samples_done[phase])
             elif event["kind"] == "result":
                 results[rank] = event
                 last_progress = time.monotonic()
@@ -204,6 +215,7 @@ def _follow(
         nodes=[results[r]["node_id"] for r in sorted(results)],
         calls=first["calls"],
         memory_formats=[results[r]["memory_format"] for r in sorted(results)],
+        evaluation=first["evaluation"],
     )
 
 
@@ -212,12 +224,12 @@ def _check_collective_counts(
 ) -> None:
     """In sync mode every rank makes the same collectives: one that enters more than a
     finished peer made waits for a partner that will never come, so fail now, naming it."""
-    finished = min(results.values(), key=lambda r: r["collectives"])
+    finished = min(results.values(), key=lambda r: r["collectives_total"])
     for rank, calls in enumerate(calls_entered):
-        if rank not in results and calls > finished["collectives"]:
+        if rank not in results and calls > finished["collectives_total"]:
             raise CallOrderError(
                 f"rank {rank} entered collective {calls} but rank {finished['rank']} finished after "
-                f"{finished['collectives']}: the ranks called BN layers a different number of times "
+                f"{finished['collectives_total']}: the ranks called BN layers a different number of times "
                 "(data-dependent control flow in the model?); sync mode needs the same calls on every rank, "
                 "--mode local does not",
                 rank=rank,

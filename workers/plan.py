@@ -5,7 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .data import DatasetSpec
+from .evaluation import EvalTarget
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """The evaluation after calibration: its data, labels (or None) and what to measure."""
+
+    dataset: DatasetSpec
+    labels: np.ndarray | None
+    target: EvalTarget
+    batch_size: int
 
 
 @dataclass(frozen=True)
@@ -26,3 +39,4 @@ class RankPlan:
     call_order: tuple[int, ...]
     loader_workers: int = 0
     memory_format: str = "auto"
+    evaluation: EvalPlan | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
@@ -44,16 +45,49 @@ def parse_shape(value: str) -> tuple[int, ...]:
 def progress_bar(description: str) -> Iterator[Any]:
     """A progress bar on a terminal; a silent callback elsewhere (pipes, CI logs)."""
     if not stderr.is_terminal:
-        yield lambda done, total: None
+        yield lambda done, total, phase=description: None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr, transient=False) as bar:
-        task = bar.add_task(description, total=None)
+        tasks: dict[str, Any] = {description: bar.add_task(description, total=None)}
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+        def update(done: int, total: int | None, phase: str = description) -> None:
+            if phase not in tasks:  # a new phase gets its own line, the finished one stays
+                tasks[phase] = bar.add_task(phase, total=None)
+            bar.update(tasks[phase], completed=done, total=total)
 
         yield update
+
+
+def summary_lines(report: dict[str, Any], out: Path, job_id: str | None = None) -> list[str]:
+    """The closing lines of ``calibrate`` and ``submit``: what was recalibrated and, with
+    evaluation data, whether it helped."""
+    job = f" (job {job_id})" if job_id else ""
+    lines = [
+        f"recalibrated {len(report['layers'])} BN layers on {report['samples']} samples "
+        f"({report['world_size']} x {report['backend']}, {report['mode']}) "
+        f"in {report['seconds']:.2f} s{job} -> {out}"
+    ]
+    evaluation = report.get("evaluation")
+    if evaluation:
+        lines.append(evaluation_line(evaluation))
+    return lines
+
+
+def evaluation_line(evaluation: dict[str, Any]) -> str:
+    """One line saying what recalibration changed on the evaluation data."""
+    changed = f"{evaluation['prediction_change']:.1%} of predictions changed"
+    before, after = evaluation.get("before"), evaluation.get("after")
+    if not before or not after:
+        return (
+            f"evaluation on {evaluation['samples']} samples (no labels): {changed}, "
+            f"mean KL(before || after) {evaluation['kl_divergence']:.4g}"
+        )
+    parts = [f"top-1 {before['top1']:.3f} -> {after['top1']:.3f}"]
+    if "top5" in before:
+        parts.append(f"top-5 {before['top5']:.3f} -> {after['top5']:.3f}")
+    parts.append(f"cross-entropy {before['cross_entropy']:.3f} -> {after['cross_entropy']:.3f}")
+    return f"evaluation on {evaluation['samples']} samples: {', '.join(parts)}; {changed}"
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -64,4 +98,4 @@ def fail(message: str, code: int) -> NoReturn:
 
 def print_line(text: str) -> None:
     """One plain line on stderr (no markup, no highlighting)."""
-    stderr.print(text, highlight=False)
+    stderr.print(text, highlight=False, markup=False, soft_wrap=True)

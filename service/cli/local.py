@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from . import options as opt
-from .console import parse_json_object, parse_shape, print_line, progress_bar
+from .console import parse_json_object, parse_shape, print_line, progress_bar, summary_lines
 
 def calibrate(
     arch: opt.ArchOpt,
@@ -32,8 +32,11 @@ def calibrate(
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
     report_html: opt.ReportHtmlOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    eval_max_samples: opt.EvalMaxSamplesOpt = None,
 ) -> None:
-    """Recalibrate a checkpoint's BatchNorm statistics on calibration data."""
+    """Recalibrate a checkpoint's BatchNorm statistics on calibration data (and with
+    --eval-data, show what it changed)."""
     from ..recalibrate import RecalibrationRequest, recalibrate
     from ..settings import Settings
 
@@ -44,7 +47,10 @@ def calibrate(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
     )
-    request = RecalibrationRequest(**options.run_options(), checkpoint=checkpoint, data=data)
+    request = RecalibrationRequest(
+        **options.run_options(), checkpoint=checkpoint, data=data,
+        eval_data=eval_data, eval_max_samples=eval_max_samples,
+    )
     cancel = threading.Event()
     with progress_bar("calibrating") as update:
         try:
@@ -63,12 +69,8 @@ def calibrate(
         from ..report_html import write_html_report
 
         write_html_report(result.report, report_html)
-    summary = result.report
-    print_line(
-        f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
-        f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
-        f"in {summary['seconds']:.2f} s -> {out}",
-    )
+    for line in summary_lines(result.report, out):
+        print_line(line)
 
 
 def export_command(

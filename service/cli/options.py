@@ -52,6 +52,14 @@ OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
+EvalDataOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Evaluate before and after on this data: image folder/archive with class folders or .npz "
+        "with x and y (accuracy), or any calibration data format (prediction change only)."
+    ),
+]
+EvalMaxSamplesOpt = Annotated[int | None, typer.Option(help="Evaluate on only the first M samples.", min=1)]
 ReportHtmlOpt = Annotated[
     Path | None, typer.Option(help="Where to write the report as one self-contained HTML page (charts inline).")
 ]

@@ -14,7 +14,7 @@ from workers.errors import CancelledError, InputError, SpecError
 
 from ..client import BnrecalClient, error_from_problem
 from . import options as opt
-from .console import print_line, progress_bar
+from .console import print_line, progress_bar, summary_lines
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -67,6 +67,8 @@ def submit(
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: opt.ReportOpt = None,
     report_html: opt.ReportHtmlOpt = None,
+    eval_data: opt.EvalDataOpt = None,
+    eval_max_samples: opt.EvalMaxSamplesOpt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     if ray_address:
@@ -74,8 +76,8 @@ def submit(
             "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
             field="--ray-address",
         )
-    for option, path in (("--checkpoint", checkpoint), ("--data", data)):
-        if not path.exists():
+    for option, path in (("--checkpoint", checkpoint), ("--data", data), ("--eval-data", eval_data)):
+        if path is not None and not path.exists():
             raise InputError(f"{option} {path} does not exist")
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
@@ -89,6 +91,8 @@ def submit(
     with BnrecalClient(server, api_key) as client:
         spec["checkpoint"] = client.upload(checkpoint)["digest"]
         spec["data"] = client.upload(data)["digest"]
+        if eval_data is not None:
+            spec["eval"] = {"data": client.upload(eval_data)["digest"], "max_samples": eval_max_samples}
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
         print_line(f"job {job['id']} queued on {client.server}")
         with progress_bar("calibrating") as update:
@@ -105,12 +109,8 @@ def submit(
             client.download(job["id"], "report", report)
         if report_html is not None:
             client.download(job["id"], "report.html", report_html)
-    summary = job["report"]
-    print_line(
-        f"recalibrated {len(summary['layers'])} BN layers on {summary['samples']} samples "
-        f"({summary['world_size']} x {summary['backend']}, {summary['mode']}) "
-        f"in {summary['seconds']:.2f} s (job {job['id']}) -> {out}"
-    )
+    for line in summary_lines(job["report"], out, job["id"]):
+        print_line(line)
 
 
 def _raise_unless_succeeded(job: dict[str, Any]) -> None:

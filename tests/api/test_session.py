@@ -69,6 +69,9 @@ def test_events_stream_to_the_terminal_status(finished):
     done = [event.data["progress"]["samples_done"] for event in events]
     assert done == sorted(done) and done[-1] == 23
     assert events[-1].data["progress"]["samples_total"] == 23
+    phases = [event.data["progress"]["phase"] for event in events]
+    order = [None, "starting workers", "calibrating", "exporting", "writing"]
+    assert phases == sorted(phases, key=order.index) and phases[-1] == "writing"
 
 
 def test_downloaded_checkpoint_is_the_engines_result_in_the_uploaded_format(

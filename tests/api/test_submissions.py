@@ -8,9 +8,11 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from service.client import parse_events
 from tests.api.conftest import KEYS, MAX_UPLOAD_BYTES, submit, upload, wait_for, write_samples
 from tests.conftest import save_state
 from tests.nets import mixed_net
@@ -200,3 +202,28 @@ def test_image_folders_submitted_from_the_shell_as_archives(live_server, tmp_pat
         assert summary["samples"] == count and summary["dataset"]["kind"] == "images"
         assert summary["dataset"]["sample_shape"] == [3, 6, 6]
     assert "recalibrated 5 BN layers on 7 samples" in capsys.readouterr().err
+
+
+def test_a_job_evaluates_before_and_after_and_streams_the_phase(live_server, carols_blobs, tmp_path):
+    _, samples = write_samples(tmp_path / "unused.npy", 9, seed=4)
+    labels = torch.arange(9) % 4  # mixed_net has 4 outputs
+    np.savez(tmp_path / "eval.npz", x=samples.numpy(), y=labels.numpy())
+    with live_server.client("carol") as client:
+        missing = client.post("/v1/jobs", json=carols_blobs | {"eval": {"data": "sha256:" + "1" * 64}})
+        assert missing.status_code == 422 and missing.json()["field"] == "eval.data"
+        outside = client.post("/v1/jobs", json=carols_blobs | {"eval": {"data": {"path": str(tmp_path)}}})
+        assert outside.status_code == 422 and outside.json()["field"] == "eval.data.path"
+        spec = carols_blobs | {"eval": {"data": upload(client, tmp_path / "eval.npz"), "max_samples": 8}}
+        job = submit(client, spec)
+        with client.stream("GET", f"/v1/jobs/{job['id']}/events") as response:
+            events = list(parse_events(response.iter_lines()))
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        html = client.get(f"/v1/jobs/{job['id']}/artifacts/report.html").text
+    assert done["status"] == "succeeded", done["error"]
+    evaluation = done["report"]["evaluation"]
+    assert evaluation["samples"] == 8 and evaluation["labelled"] and set(evaluation["before"]) == {"top1", "cross_entropy"}
+    assert 0 <= evaluation["prediction_change"] <= 1 and evaluation["kl_divergence"] >= 0
+    assert done["spec"]["eval"]["max_samples"] == 8
+    phases = {event.data["progress"]["phase"] for event in events}
+    assert "writing" in phases and phases <= {None, "starting workers", "calibrating", "evaluating", "writing"}
+    assert 'id="evaluation-table"' in html

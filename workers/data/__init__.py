@@ -13,6 +13,7 @@ from workers.data.arrays import ArrayData, ArrayLayout
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.batches import iter_batches
 from workers.data.images import IMAGE_EXTENSIONS, ImageData
+from workers.data.labels import read_labels
 from workers.data.shipping import ShippedData, ship_dataset
 from workers.data.spec import DatasetSpec, describe_dataset, detect_format
 from workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
@@ -34,6 +35,7 @@ __all__ = [
     "describe_dataset",
     "detect_format",
     "iter_batches",
+    "read_labels",
     "resolve_transform",
     "ship_dataset",
 ]

@@ -86,13 +86,14 @@ def describe_dataset(
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
     check_images: bool = True,
+    role: str = "calibration data",
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
     The format comes from the extension, or from the leading bytes for a file without a
     known one (an uploaded blob). ``max_samples`` keeps the first samples;
     ``check_images`` reads the header of each kept image so a broken file fails here
-    rather than in an actor. Raises :class:`DatasetError` on any problem (bad options
+    rather than in an actor. ``role`` names the data in messages (e.g. ``evaluation data``). Raises :class:`DatasetError` on any problem (bad options
     raise :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
     """
     if max_samples is not None and (
@@ -101,12 +102,12 @@ def describe_dataset(
         raise DatasetOptionError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
     source = Path(path).expanduser()
     if not source.exists():
-        raise DatasetError(f"calibration data not found: {path}")
+        raise DatasetError(f"{role} not found: {path}")
     source = source.absolute()
     try:
         if source.is_dir():
             return _describe_images(source, source, transform, max_samples, check_images)
-        data_format = detect_format(source)
+        data_format = detect_format(source, role)
         if data_format in ("npy", "npz"):
             if transform:
                 raise DatasetOptionError(
@@ -131,7 +132,7 @@ def describe_dataset(
         raise DatasetError(f"cannot read {source.name}: {exc.strerror or exc}") from exc
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: Path, role: str = "calibration data") -> str:
     """``npy``, ``npz``, ``tar`` or ``zip``: by extension, else by the file's leading bytes."""
     lower = path.name.lower()
     for suffix, data_format in _SUFFIX_FORMATS:
@@ -140,7 +141,7 @@ def detect_format(path: Path) -> str:
     sniffed = _sniff_format(path)
     if sniffed is None:
         suffix = "".join(path.suffixes) or "(none)"
-        raise DatasetError(f"unknown calibration data format {path.name} (extension {suffix}); expected {_EXPECTED}")
+        raise DatasetError(f"unknown {role} format {path.name} (extension {suffix}); expected {_EXPECTED}")
     return sniffed
 
 

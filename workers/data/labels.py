@@ -1,0 +1,56 @@
+"""Labels of evaluation data: the class folders of an image set, or ``y`` beside ``x`` in an ``.npz``.
+
+Labels are small (one integer per sample), so the driver reads them whole and hands
+each rank the labels of its own samples; the samples themselves stay where they are.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from workers.data.images import list_images
+from workers.data.spec import DatasetSpec
+from workers.errors import DatasetError
+
+LABEL_ARRAY = "y"
+"""The ``.npz`` member holding one class index per sample of ``x``."""
+
+
+def read_labels(spec: DatasetSpec) -> np.ndarray | None:
+    """The class index of each of the dataset's samples (int64), or None when it has none.
+
+    Image folders are labelled by their class folders (sorted names, index = position,
+    as torchvision's ImageFolder); an ``.npz`` by an integer array ``y`` of one label
+    per row of ``x``. A ``y`` that does not fit ``x`` is an error, never silently ignored.
+    """
+    if spec.kind == "images":
+        if not spec.classes:
+            return None
+        listing = list_images(Path(spec.path), strip_wrappers=False)
+        return np.asarray(listing.labels[: spec.num_samples], dtype=np.int64)
+    layout = spec.layout
+    if layout is None or not layout.storage.startswith("npz"):
+        return None
+    name = Path(spec.source).name
+    try:
+        with zipfile.ZipFile(spec.path) as archive:
+            if f"{LABEL_ARRAY}.npy" not in archive.namelist():
+                return None
+        with np.load(spec.path, allow_pickle=False) as arrays:
+            labels = arrays[LABEL_ARRAY]
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DatasetError(f"{name}: cannot read labels {LABEL_ARRAY!r}: {exc}") from exc
+    if labels.shape != (spec.total_samples,):
+        raise DatasetError(
+            f"{name}: labels {LABEL_ARRAY!r} have shape {labels.shape}; expected one per sample, "
+            f"shape ({spec.total_samples},)"
+        )
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise DatasetError(f"{name}: labels {LABEL_ARRAY!r} must be integer class indices, not {labels.dtype}")
+    labels = labels[: spec.num_samples].astype(np.int64)
+    if labels.size and int(labels.min()) < 0:
+        raise DatasetError(f"{name}: labels {LABEL_ARRAY!r} must be class indices >= 0, found {int(labels.min())}")
+    return labels
