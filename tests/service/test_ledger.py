@@ -63,15 +63,20 @@ def test_every_change_bumps_the_revision_and_terminal_is_final(ledger):
     revisions = [job.revision]
     ledger.mark_running(job.id)
     revisions.append(ledger.get_any(job.id).revision)
-    assert ledger.set_progress(job.id, 5, 10)
+    assert ledger.get_any(job.id).phase == "starting workers"
+    assert ledger.set_progress(job.id, 5, 10, "calibrating")
     revisions.append(ledger.get_any(job.id).revision)
+    assert ledger.set_phase(job.id, "writing")
+    revisions.append(ledger.get_any(job.id).revision)
+    moved = ledger.get_any(job.id)
+    assert (moved.phase, moved.samples_done, moved.samples_total) == ("writing", 5, 10)
     assert ledger.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"samples": 10})
     done = ledger.get_any(job.id)
     revisions.append(done.revision)
-    assert revisions == sorted(set(revisions)) and len(revisions) == 4
+    assert revisions == sorted(set(revisions)) and len(revisions) == 5
     assert done.status is JobStatus.succeeded and done.finished_at is not None and done.report == {"samples": 10}
     assert not ledger.finish(job.id, JobStatus.failed)
-    assert not ledger.set_progress(job.id, 1, 10)
+    assert not ledger.set_progress(job.id, 1, 10, "calibrating") and not ledger.set_phase(job.id, "exporting")
     assert ledger.get_any(job.id).status is JobStatus.succeeded
 
 
@@ -136,3 +141,21 @@ def test_counts_by_status(ledger):
     ledger.mark_running(a.id)
     counts = ledger.count_by_status()
     assert counts[JobStatus.running] == 1 and counts[JobStatus.queued] == 1 and counts[JobStatus.failed] == 0
+
+
+def test_a_ledger_from_before_the_phase_column_is_upgraded_in_place(tmp_path):
+    import sqlite3
+
+    old = Ledger(sqlite_url(tmp_path))
+    job, _ = old.create("alice", SPEC)
+    old.close()
+    with sqlite3.connect(tmp_path / "ledger.db") as connection:  # the table as the previous release made it
+        connection.execute("ALTER TABLE jobs DROP COLUMN phase")
+    upgraded = Ledger(sqlite_url(tmp_path))
+    try:
+        kept = upgraded.get("alice", job.id)
+        assert kept.spec == SPEC and kept.phase is None
+        upgraded.mark_running(job.id)
+        assert upgraded.get_any(job.id).phase == "starting workers"
+    finally:
+        upgraded.close()
