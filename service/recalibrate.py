@@ -179,6 +179,7 @@ def recalibrate(
             "backend": backend,
             "placement": options.placement_strategy,
             "data_transport": transport,
+            "object_store_bytes": sum(shard.nbytes for shard in [*(shards or []), *(eval_shards or [])]),
             "attempts": len(failures) + 1,
             "retried_failures": failures,
             "cpus_per_worker": cpus,

@@ -52,6 +52,7 @@ def build_report(
         "memory_formats": result.memory_formats,
         "placement": run["placement"],
         "data_transport": run["data_transport"],
+        "object_store_bytes": run.get("object_store_bytes", 0),
         "attempts": run["attempts"],
         "retried_failures": run["retried_failures"],
         "cpus_per_worker": run["cpus_per_worker"],

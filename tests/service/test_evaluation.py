@@ -80,6 +80,7 @@ def test_labelled_evaluation_matches_the_models_own_forward(stale, settings, mod
     assert evaluation["kl_divergence"] == pytest.approx(expected["kl"], rel=1e-3)
     assert evaluation["after"]["cross_entropy"] != evaluation["before"]["cross_entropy"]
     assert evaluation["data"]["source"] == "eval.npz" and evaluation["collectives"] == 1
+    assert result.report["object_store_bytes"] == ((40 + 27) * 3 * 8 * 8 * 4 if transport == "object_store" else 0)
     assert result.report["collectives"] == (1 if mode == "local" else 5)  # calibration: 5 steps x 1 BN
     # progress: calibrating to its total, then evaluating to its total
     assert [p for p, *_ in phases] == sorted((p for p, *_ in phases), key=["calibrating", "evaluating"].index)

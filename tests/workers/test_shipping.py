@@ -44,3 +44,21 @@ def test_images_travel_encoded_and_decode_in_the_rank(tmp_path):
 
     payload = ray.get(block.ref)
     assert isinstance(payload[0][1], bytes) and payload[0][1][:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float16", "float64", ">i2"])
+def test_narrow_arrays_travel_narrow_and_arrive_as_float32(tmp_path, dtype):
+    array = np.random.default_rng(2).integers(0, 120, size=(10, 3, 4, 4)).astype(dtype)
+    np.save(tmp_path / "x.npy", array)
+    np.savez_compressed(tmp_path / "x.npz", x=array)
+    for name in ("x.npy", "x.npz"):
+        shards = check_every_rank(describe_dataset(tmp_path / name), batch_size=4, world_size=2, block_bytes=1 << 20)
+        import ray
+
+        payload = ray.get(shards[0].blocks[0].ref)
+        travelled = {"uint8": torch.uint8, "float16": torch.float16, "float64": torch.float32, ">i2": torch.int16}
+        assert payload.dtype == travelled[dtype]
+        assert sum(s.nbytes for s in shards) == 10 * 48 * payload.element_size()
+        loaded = shards[1].load(*rank_ranges(10, 4, 2, 1)[0])
+        assert loaded.dtype == torch.float32
+        np.testing.assert_array_equal(loaded.numpy(), array[2:4].astype(np.float32))

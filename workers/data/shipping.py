@@ -3,8 +3,9 @@
 On a cluster whose nodes do not share the driver's filesystem, the driver reads the
 data once and puts each rank's own samples in the object store, in blocks of about
 ``block_bytes``; an actor fetches only its own blocks, one at a time, as its steps
-reach them. Arrays travel as the float32 rows the model is fed; images travel as
-their encoded file bytes and are decoded in the actor.
+reach them. Arrays travel in their compact type (uint8 stays uint8: a quarter of the
+bytes of float32) and become float32 in the actor; images travel as their encoded file
+bytes and are decoded in the actor.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import ray
 import torch
 
+from workers.data.arrays import ArrayData
 from workers.data.base import CalibrationData
 from workers.data.images import ImageData
 from workers.data.spec import DatasetSpec
@@ -31,7 +33,8 @@ class ShippedBlock:
     """One object-store block: the sample ranges it holds, in order, and its reference."""
 
     ranges: tuple[tuple[int, int], ...]
-    ref: Any  # ray.ObjectRef: float32 tensor (arrays) or list of (name, bytes) (images)
+    ref: Any  # ray.ObjectRef: tensor of rows (arrays) or list of (name, bytes) (images)
+    nbytes: int = 0  # payload bytes put in the object store
 
 
 class ShippedData(CalibrationData):
@@ -65,8 +68,13 @@ class ShippedData(CalibrationData):
         block = self._block(index)
         rows = block[offset : offset + stop - start]
         if self.transform is None:
-            return rows
+            return rows.to(torch.float32)
         return torch.stack([load_image(io.BytesIO(data), name, self.transform) for name, data in rows])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank's samples occupy in the object store."""
+        return sum(block.nbytes for block in self.blocks)
 
     def _block(self, index: int) -> Any:
         if self._cached is None or self._cached[0] != index:
@@ -126,6 +134,8 @@ def _read(data: CalibrationData, start: int, stop: int) -> Any:
     if isinstance(data, ImageData):
         root = Path(data.root)
         return [(name, (root / name).read_bytes()) for name in data.files[start:stop]]
+    if isinstance(data, ArrayData):
+        return torch.from_numpy(data.load_compact(start, stop))
     return data.load(start, stop)
 
 
@@ -140,4 +150,4 @@ def _put(ranges: list[tuple[int, int]], parts: list[Any]) -> ShippedBlock:
         payload: Any = torch.cat(parts)
     else:
         payload = [item for part in parts for item in part]
-    return ShippedBlock(tuple(ranges), ray.put(payload))
+    return ShippedBlock(tuple(ranges), ray.put(payload), sum(_nbytes(part) for part in parts))
