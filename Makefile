@@ -3,8 +3,12 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The browser tests (tests/api/test_web_page.py) drive Debian's Chromium through Playwright;
+# `playwright install` is not used (it downloads from a CDN).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve demo test bench clean
+.PHONY: install browser serve demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +20,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(CHROMIUM):
+	$(SUDO) apt-get update
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+
+browser: $(CHROMIUM)
+
 serve: $(STAMP)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
@@ -26,7 +36,7 @@ demo: $(STAMP)
 		--out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx --report demo/report.json
 	@echo "wrote demo/resnet18-recalibrated.pt, demo/resnet18.onnx and demo/report.json"
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -13,13 +13,14 @@ from contextlib import asynccontextmanager, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from service.server import open_services
 from service.settings import Settings, get_settings
 
 from .limits import BodySizeLimit
 from .problems import install_problem_handlers
-from .routes import blobs, health, jobs
+from .routes import blobs, health, jobs, pages
 
 DESCRIPTION = (
     "Recalibrate the BatchNorm statistics of trained PyTorch models on Ray and download them, "
@@ -54,7 +55,8 @@ def _server_signal_handlers_kept() -> Iterator[None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The application for ``settings`` (default: the environment's ``BNRECAL_*``).
 
-    Its lifespan opens the ledger, recovers jobs a crash interrupted, joins Ray and
+    Besides the API it serves the web page (``/``, ``/jobs/{id}``) and its scripts and
+    styles (``/static``). Its lifespan opens the ledger, recovers jobs a crash interrupted, joins Ray and
     starts the runner; at shutdown, running jobs go back to the queue.
     """
     settings = settings or get_settings()
@@ -77,4 +79,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(blobs.router)
     app.include_router(jobs.router)
+    app.include_router(pages.router)
+    app.mount("/static", StaticFiles(directory=pages.STATIC_DIR), name="static")
     return app

@@ -1,7 +1,7 @@
-"""The routers of the HTTP API: health and metrics, blobs, jobs."""
+"""The routers of the HTTP API (health and metrics, blobs, jobs) and of the web page."""
 
 from __future__ import annotations
 
-from api.routes import blobs, health, jobs
+from api.routes import blobs, health, jobs, pages
 
-__all__ = ["blobs", "health", "jobs"]
+__all__ = ["blobs", "health", "jobs", "pages"]
