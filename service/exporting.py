@@ -72,7 +72,7 @@ def export_checkpoint(
     load_into_model(model, load_checkpoint(checkpoint))
     model.eval()
     if data is not None:
-        spec = describe_dataset(data, transform=transform, unpack_root=Path(settings.data_dir) / "unpacked")
+        spec = describe_dataset(data, transform=transform, **settings.unpack_options())
         with spec.open() as opened:
             samples = opened.load(0, min(VERIFY_SAMPLES, spec.num_samples))
         if samples.shape[0] < 2:

@@ -25,8 +25,8 @@ from workers.calibrator import probe_call_order
 from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from workers.collectives import backend_for_device
-from workers.data import DatasetSpec, describe_dataset, detect_format, read_labels, ship_dataset
-from workers.errors import CancelledError, NoBatchNormError, RunError, SpecError
+from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
+from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError, SpecError
 from workers.evaluation import check_eval_output
 from workers.group import GroupOptions, run_rank_group
 from workers.models import build_model
@@ -100,7 +100,7 @@ def recalibrate(
         request.data,
         transform=request.transform,
         max_samples=request.max_samples,
-        unpack_root=Path(settings.data_dir) / "unpacked",
+        **settings.unpack_options(),
     )
     with dataset.open() as data:
         call_order = probe_call_order(model, layers, data.load(0, 1))
@@ -159,6 +159,12 @@ def recalibrate(
             break
         except CancelledError:
             raise
+        except DatasetError:
+            # The content of an archive is bad (an image that does not decode): keep nothing of it.
+            for spec in (dataset, evaluation.dataset if evaluation is not None else None):
+                if spec is not None and spec.kind == "images" and spec.path != spec.source:
+                    discard_unpack(spec.path)
+            raise
         except RunError as exc:
             if len(failures) >= retries:
                 if failures:
@@ -203,7 +209,7 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
         source,
         transform=None if arrays else request.transform,
         max_samples=request.eval_max_samples,
-        unpack_root=Path(settings.data_dir) / "unpacked",
+        **settings.unpack_options(),
         role="evaluation data",
     )
     labels = read_labels(dataset)

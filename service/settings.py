@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     max_upload_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest accepted upload, in bytes.")
+    max_unpacked_bytes: int | None = Field(
+        default=None, gt=0, description="Largest total an archive may unpack to, in bytes; default: 2 x max_upload_bytes."
+    )
+    max_compression_ratio: float = Field(
+        default=50.0, ge=1, description="An archive member (or archive) that expands more than this is refused as a bomb."
+    )
     data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Server folders a job may read `data: {path}` from; empty: none."
     )
@@ -69,6 +75,14 @@ class Settings(BaseSettings):
     embedded_cpus: int | None = Field(
         default=None, ge=1, description="Logical CPUs of the embedded Ray instance of `serve`; default: the machine's."
     )
+
+    def unpack_options(self) -> dict[str, Any]:
+        """Where archives unpack and the bounds they unpack under (for ``describe_dataset``)."""
+        return {
+            "unpack_root": Path(self.data_dir) / "unpacked",
+            "max_unpacked_bytes": self.max_unpacked_bytes or 2 * self.max_upload_bytes,
+            "max_compression_ratio": self.max_compression_ratio,
+        }
 
     @field_validator("placement_strategy", mode="before")
     @classmethod

@@ -213,12 +213,12 @@ export function el(tag, attributes = {}, ...children) {
   return element;
 }
 
-/** "3 / 5 samples · calibrating" (the phase when the server sends one). */
-export function progressText(progress) {
+/** "3 / 5 samples · calibrating": the phase while the job runs (a finished job's is stale). */
+export function progressText(progress, status = "running") {
   if (!progress) return "";
   const total = progress.samples_total;
   const counted = total ? `${progress.samples_done} / ${total} samples` : `${progress.samples_done} samples`;
-  return progress.phase ? `${counted} · ${progress.phase}` : counted;
+  return progress.phase && status === "running" ? `${counted} · ${progress.phase}` : counted;
 }
 
 /** Set a <progress> element from a job's progress (indeterminate while the total is unknown). */

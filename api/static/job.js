@@ -21,7 +21,7 @@ function showProblem(message) {
 function showState(state) {
   setStatus(document.getElementById("job-status"), state.status);
   setProgress(document.getElementById("job-progress"), state.progress, state.status);
-  document.getElementById("job-progress-text").textContent = progressText(state.progress);
+  document.getElementById("job-progress-text").textContent = progressText(state.progress, state.status);
   document.getElementById("cancel-button").hidden = isTerminal(state.status);
   const errorBox = document.getElementById("job-error");
   errorBox.hidden = !state.error;

@@ -30,7 +30,7 @@ function jobRow(job) {
 function updateRow(row, state) {
   setStatus(row.querySelector(".status"), state.status);
   setProgress(row.querySelector("progress"), state.progress, state.status);
-  row.querySelector(".progress-text").textContent = progressText(state.progress);
+  row.querySelector(".progress-text").textContent = progressText(state.progress, state.status);
   row.dataset.status = state.status;
 }
 

@@ -225,3 +225,68 @@ def test_an_archive_blob_without_extension_is_recognised(tmp_path: Path) -> None
     write_tar(tmp_path / "blob", TREE, "w:gz")
     spec = describe_dataset(tmp_path / "blob", transform=SMALL, unpack_dir=tmp_path / "u")
     assert spec.num_samples == 5 and spec.classes == ("ant", "cat", "dog")
+
+
+def zero_stream(size: int):
+    """``size`` zero bytes as a readable stream, never held whole."""
+
+    class Zeros(io.RawIOBase):
+        left = size
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            count = min(len(buffer), self.left)
+            buffer[:count] = b"\0" * count
+            self.left -= count
+            return count
+
+    return io.BufferedReader(Zeros())
+
+
+@pytest.mark.parametrize("kind", ["zip", "tar.gz"])
+def test_a_decompression_bomb_is_refused_before_it_fills_the_disk(tmp_path: Path, kind: str) -> None:
+    size = 64 * 2**20  # 64 MiB of zeros named like an image: a ~64 KiB archive
+    archive = tmp_path / f"bomb.{kind}"
+    if kind == "zip":
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("ok/0.png", png_bytes(0))
+            with zf.open("ok/huge.png", "w", force_zip64=True) as member:
+                stream = zero_stream(size)
+                while chunk := stream.read(1 << 20):
+                    member.write(chunk)
+    else:
+        with tarfile.open(archive, "w:gz") as tar:
+            info = tarfile.TarInfo("ok/huge.png")
+            info.size = size
+            tar.addfile(info, zero_stream(size))
+    assert archive.stat().st_size < size / 200
+    with pytest.raises(DatasetError, match=r"expands \d+:1.*decompression bomb.*BNRECAL_MAX_COMPRESSION_RATIO"):
+        describe_dataset(archive, unpack_root=tmp_path / "cache")
+    assert all_paths(tmp_path / "cache") == set()  # nothing written stays, not even the staging folder
+    # the same archive under a ratio the operator raised unpacks (and then fails on decoding, below)
+
+
+def test_the_compression_ratio_is_not_held_against_real_images(tmp_path: Path) -> None:
+    archive = write_zip(tmp_path / "a.zip", TREE)  # tiny PNGs: any ratio below the first MiB is fine
+    assert describe_dataset(archive, unpack_root=tmp_path / "cache", max_compression_ratio=1).num_samples == 5
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels: Pillow refuses it on the header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_a_pixel_bomb_inside_a_valid_archive_fails_clearly_and_its_unpack_is_removed(tmp_path: Path) -> None:
+    archive = write_zip(tmp_path / "pixels.zip", TREE | {"dog/bomb.png": png_header_only(20000, 20000)})
+    with pytest.raises(DatasetError, match=r"bomb\.png.*(decompression bomb|exceeds limit|pixels)"):
+        describe_dataset(archive, unpack_root=tmp_path / "cache")
+    assert all_paths(tmp_path / "cache") == set()  # the unpack of an archive with bad content is gone

@@ -8,7 +8,12 @@ for the unpacking safety rules.
 
 from __future__ import annotations
 
-from workers.data.archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES, default_unpack_root
+from workers.data.archive import (
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_UNPACKED_BYTES,
+    default_unpack_root,
+    discard_unpack,
+)
 from workers.data.arrays import ArrayData, ArrayLayout
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.batches import iter_batches
@@ -34,6 +39,7 @@ __all__ = [
     "default_unpack_root",
     "describe_dataset",
     "detect_format",
+    "discard_unpack",
     "iter_batches",
     "read_labels",
     "resolve_transform",

@@ -3,7 +3,10 @@
 Every member is checked before anything of it is written: no absolute path, no ``..``
 component, no link or device (only regular files and folders), at most ``max_members``
 members and ``max_unpacked_bytes`` bytes in all (declared sizes are checked up front and
-the bytes actually written are counted too). Only image files are written. The archive
+the bytes actually written are counted too). Images are already compressed, so an archive
+of images barely shrinks: a zip member, or a whole archive as it unpacks, that expands
+more than ``max_compression_ratio`` times (past the first MiB) is a decompression bomb and
+refused before it fills the disk. Only image files are written. The archive
 unpacks into a fresh temporary folder beside the target, which is renamed into place
 when complete, so no process ever sees half an unpack and a second call reuses it.
 """
@@ -30,6 +33,8 @@ from workers.errors import DatasetError
 
 DEFAULT_MAX_MEMBERS = 1_000_000
 DEFAULT_MAX_UNPACKED_BYTES = 64 * 2**30
+DEFAULT_MAX_COMPRESSION_RATIO = 50.0
+RATIO_FREE_BYTES = 1 << 20  # below this, any ratio is harmless (tiny files compress well)
 _MARKER = ".bnrecal-unpacked.json"  # hidden, so never listed as data
 _COPY_CHUNK = 1 << 20
 
@@ -67,6 +72,7 @@ def unpack_archive(
     unpack_root: Path | None = None,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
 ) -> Path:
     """Unpack the images of ``archive`` (``kind`` ``"tar"`` or ``"zip"``) and return the folder.
 
@@ -78,6 +84,11 @@ def unpack_archive(
     """
     _check_bound(max_members, "max_members")
     _check_bound(max_unpacked_bytes, "max_unpacked_bytes")
+    if not max_compression_ratio >= 1:
+        raise DatasetOptionError(
+            f"max_compression_ratio must be >= 1, got {max_compression_ratio!r}", field="max_compression_ratio"
+        )
+    limits = _Limits(max_members, max_unpacked_bytes, max_compression_ratio, archive.stat().st_size)
     digest = file_sha256(archive)
     target = Path(unpack_dir) if unpack_dir is not None else Path(unpack_root or default_unpack_root()) / digest
     target = target.expanduser().absolute()
@@ -88,12 +99,9 @@ def unpack_archive(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
     try:
-        if kind == "tar":
-            members = _tar_members(archive)
-        else:
-            members = _zip_members(archive, max_members, max_unpacked_bytes)
+        members = _tar_members(archive) if kind == "tar" else _zip_members(archive, limits)
         try:
-            _extract(members, staging, archive.name, max_members, max_unpacked_bytes)
+            _extract(members, staging, archive.name, limits)
         finally:
             members.close()
         (staging / _MARKER).write_text(json.dumps({"archive_sha256": digest, "source": archive.name}))
@@ -107,6 +115,37 @@ def unpack_archive(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """The bounds one unpack runs under, and the archive's size the ratio is taken against."""
+
+    members: int
+    unpacked_bytes: int
+    compression_ratio: float
+    archive_bytes: int
+
+    def check_expansion(self, archive_name: str, unpacked: int, packed: int, what: str) -> None:
+        """Refuse ``what`` when ``unpacked`` bytes came from ``packed`` at an implausible ratio."""
+        if unpacked > RATIO_FREE_BYTES and unpacked > self.compression_ratio * max(packed, 1):
+            raise DatasetError(
+                f"{archive_name}: {what} expands {unpacked / max(packed, 1):.0f}:1, more than images compress "
+                f"(limit {self.compression_ratio:g}:1); refusing the archive as a decompression bomb "
+                "(BNRECAL_MAX_COMPRESSION_RATIO)"
+            )
+
+
+def discard_unpack(folder: str | os.PathLike[str]) -> bool:
+    """Remove the unpack that ``folder`` lies in (its root holds the unpack marker), e.g.
+    once a job failed on its content: a bad archive must not keep its bytes on disk.
+    Returns whether anything was removed; a folder that is not an unpack is left alone."""
+    current = Path(folder).absolute()
+    for candidate in (current, *current.parents[:4]):
+        if (candidate / _MARKER).is_file():
+            shutil.rmtree(candidate, ignore_errors=True)
+            return True
+    return False
 
 
 def _check_bound(value: int, name: str) -> None:
@@ -134,16 +173,17 @@ def _safe_parts(name: str, archive_name: str) -> list[str]:
     return parts
 
 
-def _extract(
-    members: Iterator[_Member], staging: Path, archive_name: str, max_members: int, max_bytes: int
-) -> None:
+def _extract(members: Iterator[_Member], staging: Path, archive_name: str, limits: _Limits) -> None:
     count = 0
     total = 0
+    written = [0]  # bytes written so far, for the whole-archive expansion check
+    max_bytes = limits.unpacked_bytes
     for member in members:
         count += 1
-        if count > max_members:
+        if count > limits.members:
             raise DatasetError(
-                f"{archive_name} has more than {max_members} members; refusing the archive (max_members)"
+                f"{archive_name} has more than {limits.members} members; refusing the archive "
+                "(max_members)"
             )
         parts = _safe_parts(member.name, archive_name)
         if member.kind not in ("file", "dir"):
@@ -152,19 +192,26 @@ def _extract(
             )
         total += member.size
         if total > max_bytes:
-            raise DatasetError(
-                f"{archive_name} unpacks to more than {max_bytes} bytes; refusing the archive (max_unpacked_bytes)"
-            )
+            raise DatasetError(_too_large(archive_name, max_bytes))
         if member.kind == "dir" or not parts or not is_image_name(parts[-1]):
             continue
         if any(is_ignored_part(p) for p in parts):
             continue
         destination = staging.joinpath(*parts)
         destination.parent.mkdir(parents=True, exist_ok=True)
-        _copy_member(member, destination, member.size, archive_name)
+        _copy_member(member, destination, member.size, archive_name, limits, written)
 
 
-def _copy_member(member: _Member, destination: Path, budget: int, archive_name: str) -> None:
+def _too_large(archive_name: str, max_bytes: int) -> str:
+    return (
+        f"{archive_name} unpacks to more than {max_bytes} bytes; refusing the archive "
+        "(max_unpacked_bytes, BNRECAL_MAX_UNPACKED_BYTES)"
+    )
+
+
+def _copy_member(
+    member: _Member, destination: Path, budget: int, archive_name: str, limits: _Limits, written_total: list[int]
+) -> None:
     """Write one member, never more than its declared size, never through an existing entry."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -176,10 +223,12 @@ def _copy_member(member: _Member, destination: Path, budget: int, archive_name: 
         with os.fdopen(fd, "wb") as out, member.open_data() as source:
             while chunk := source.read(_COPY_CHUNK):
                 written += len(chunk)
+                written_total[0] += len(chunk)
                 if written > budget:
                     raise DatasetError(
                         f"{archive_name}: member {member.name!r} holds more data than it declares; refusing the archive"
                     )
+                limits.check_expansion(archive_name, written_total[0], limits.archive_bytes, "the archive")
                 out.write(chunk)
     except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError) as exc:
         raise DatasetError(f"{archive_name} is corrupt at member {member.name!r}: {exc}") from exc
@@ -216,19 +265,21 @@ def _tar_opener(tar: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[], IO[
     return open_data
 
 
-def _zip_members(archive: Path, max_members: int, max_bytes: int) -> Generator[_Member, None, None]:
-    """The members of a zip, from its central directory; count and declared size are checked first."""
+def _zip_members(archive: Path, limits: _Limits) -> Generator[_Member, None, None]:
+    """The members of a zip, from its central directory; count, declared sizes and each
+    member's compression ratio are checked before anything is written."""
     try:
         with zipfile.ZipFile(archive) as zf:
             infos = zf.infolist()
-            if len(infos) > max_members:
+            if len(infos) > limits.members:
                 raise DatasetError(
-                    f"{archive.name} has more than {max_members} members; refusing the archive (max_members)"
+                    f"{archive.name} has more than {limits.members} members; refusing the archive "
+                    "(max_members)"
                 )
-            if sum(info.file_size for info in infos) > max_bytes:
-                raise DatasetError(
-                    f"{archive.name} unpacks to more than {max_bytes} bytes; refusing the archive (max_unpacked_bytes)"
-                )
+            if sum(info.file_size for info in infos) > limits.unpacked_bytes:
+                raise DatasetError(_too_large(archive.name, limits.unpacked_bytes))
+            for info in infos:
+                limits.check_expansion(archive.name, info.file_size, info.compress_size, f"member {info.filename!r}")
             for info in infos:
                 file_type = stat.S_IFMT(info.external_attr >> 16)  # 0 when the archiver recorded none
                 if info.is_dir() or file_type == stat.S_IFDIR:

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from workers.data.archive import DEFAULT_MAX_MEMBERS, DEFAULT_MAX_UNPACKED_BYTES, unpack_archive
+from workers.data.archive import (
+    DEFAULT_MAX_COMPRESSION_RATIO,
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_UNPACKED_BYTES,
+    discard_unpack,
+    unpack_archive,
+)
 from workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.images import ImageData, files_digest, list_images
@@ -85,6 +91,7 @@ def describe_dataset(
     unpack_root: str | os.PathLike[str] | None = None,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
     check_images: bool = True,
     role: str = "calibration data",
 ) -> DatasetSpec:
@@ -126,8 +133,13 @@ def describe_dataset(
             source, data_format, Path(unpack_dir) if unpack_dir is not None else None,
             unpack_root=Path(unpack_root) if unpack_root is not None else None,
             max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
+            max_compression_ratio=max_compression_ratio,
         )
-        return _describe_images(folder, source, transform, max_samples, check_images)
+        try:
+            return _describe_images(folder, source, transform, max_samples, check_images)
+        except DatasetError:
+            discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
+            raise
     except OSError as exc:
         raise DatasetError(f"cannot read {source.name}: {exc.strerror or exc}") from exc
 
