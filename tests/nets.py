@@ -281,3 +281,15 @@ def segmenter_net(classes: int = 5) -> nn.Module:
 def feature_list_net() -> nn.Module:
     """Factory for ``tests.nets:feature_list_net``."""
     return FeatureListNet()
+
+
+def slow_start_net(seconds: float = 3600.0) -> nn.Module:
+    """Factory for ``tests.nets:slow_start_net``: ``mixed_net`` that takes ``seconds`` to
+    build inside a Ray actor (a rank still starting up), at once on the driver."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        import time
+
+        time.sleep(seconds)
+    return MixedNet()

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,7 +81,7 @@ def run_rank_group(
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy=options.placement_strategy)
     actors: list[Any] = []
     try:
-        _wait_for_placement(group, world_size, bundle, options)
+        _wait_for_placement(group, world_size, bundle, options, cancel)
         state_ref = ray.put(state_dict)
         threads = max(1, int(options.cpus_per_worker))
         for rank in range(world_size):
@@ -112,16 +112,27 @@ def run_rank_group(
         remove_placement_group(group)
 
 
-def _wait_for_placement(group: Any, world_size: int, bundle: dict[str, float], options: GroupOptions) -> None:
-    try:
-        ray.get(group.ready(), timeout=options.placement_timeout_s)
-    except GetTimeoutError:
-        available = ray.available_resources()
-        raise RunError(
-            f"could not place {world_size} workers of {bundle} within {options.placement_timeout_s:.0f} s "
-            f"(cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g} free): "
-            "use fewer workers, lower BNRECAL_CPUS_PER_WORKER, or raise BNRECAL_PLACEMENT_TIMEOUT_S"
-        ) from None
+def _wait_for_placement(
+    group: Any, world_size: int, bundle: dict[str, float], options: GroupOptions, cancel: threading.Event | None
+) -> None:
+    """Wait until the cluster holds the ranks' bundles; a cancel is noticed within a fraction of a second."""
+    ready = group.ready()
+    deadline = time.monotonic() + options.placement_timeout_s
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("the job was cancelled while waiting for its workers' resources")
+        done, _ = ray.wait([ready], timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        if done:
+            ray.get(done[0])
+            return
+        if time.monotonic() >= deadline:
+            break
+    available = ray.available_resources()
+    raise RunError(
+        f"could not place {world_size} workers of {bundle} within {options.placement_timeout_s:.0f} s "
+        f"(cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g} free): "
+        "use fewer workers, lower BNRECAL_CPUS_PER_WORKER, or raise BNRECAL_PLACEMENT_TIMEOUT_S"
+    )
 
 
 def _bundle_nodes(group: Any) -> dict[int, str]:

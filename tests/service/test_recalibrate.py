@@ -177,3 +177,38 @@ def test_object_store_transport_matches_shared_paths(mixed, settings):
     result = run(shipped, checkpoint, data, workers=2, batch_size=6)
     assert result.report["data_transport"] == "object_store"
     assert_matches_reference(result.model, reference_statistics(model, samples, 6))
+
+
+def cancel_after(cancel: threading.Event, seconds: float) -> float:
+    """Set ``cancel`` after ``seconds`` from a timer thread; returns the monotonic time it fires."""
+    import time
+
+    threading.Timer(seconds, cancel.set).start()
+    return time.monotonic() + seconds
+
+
+@pytest.mark.parametrize("state", ["waiting for placement", "starting workers"])
+def test_cancel_is_honoured_while_the_job_waits_and_frees_everything(mixed, settings, state):
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    _, _, checkpoint, data = mixed
+    if state == "waiting for placement":  # asks for more CPUs than the cluster has: the group stays pending
+        settings = settings.model_copy(update={"cpus_per_worker": 1000.0, "placement_timeout_s": 60})
+        arch = "tests.nets:mixed_net"
+    else:  # placed, but every rank is still building its model
+        arch = "tests.nets:slow_start_net"
+    request = RecalibrationRequest(arch=arch, checkpoint=checkpoint, data=data, workers=2, batch_size=4)
+    cpus = ray.available_resources().get("CPU", 0)
+    cancel = threading.Event()
+    fired = cancel_after(cancel, 2.0)
+    with pytest.raises(CancelledError):
+        recalibrate(request, settings, cancel=cancel)
+    assert time.monotonic() - fired < 2.0
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) >= cpus  # actors and bundles given back
+    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
