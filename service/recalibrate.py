@@ -138,9 +138,18 @@ def recalibrate(
     if evaluation is not None:
         totals["evaluating"] = evaluation.dataset.num_samples
 
+    seen = dict.fromkeys(totals, 0)
+
     def progress(phase: str, done: int) -> None:
-        if on_progress is not None:
-            on_progress(done, totals[phase], phase)
+        # A rank may start evaluating while a peer's last calibration steps are still on
+        # their way: the phases are reported in order, calibration to its end first.
+        seen[phase] = done
+        calibrated = seen["calibrating"] >= totals["calibrating"]
+        if on_progress is None or (phase == "evaluating" and not calibrated):
+            return
+        on_progress(done, totals[phase], phase)
+        if phase == "calibrating" and calibrated and seen.get("evaluating"):
+            on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
     transport = _data_transport(settings.data_transport)
     shards = eval_shards = None
