@@ -6,10 +6,9 @@ import copy
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import onnx_ir as ir
 import torch
@@ -23,6 +22,7 @@ from service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
 from service.export.verification import flatten_outputs, reference_outputs, verify_onnx
 from service.options import DEFAULT_OPSET
 from workers.errors import BnrecalError, ExportError
+from workers.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -156,22 +156,19 @@ def export_folded_onnx(
     except Exception as exc:  # noqa: BLE001 - exporter and pass failures become one-line ExportErrors
         raise ExportError(f"ONNX export failed: {_root_cause(exc)}") from exc
     target = Path(path)
+    written: dict[str, Any] = {}
+
+    def write_and_verify(temp: Path) -> None:
+        temp.write_bytes(proto.SerializeToString())
+        written["verified"] = verify_onnx(temp, batches, references, dtype)
+        written["size"] = temp.stat().st_size
+
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-        os.close(handle)
-    except OSError as exc:
-        raise ExportError(f"cannot write the ONNX file beside '{target}': {exc.strerror or exc}") from exc
-    temp = Path(temp_name)
-    try:
-        temp.write_bytes(proto.SerializeToString())
-        verified = verify_onnx(temp, batches, references, dtype)
-        size = temp.stat().st_size
-        os.replace(temp, target)
+        atomic_write(target, write_and_verify)  # the usual file mode; nothing at the target unless verified
     except OSError as exc:
         raise ExportError(f"cannot write the ONNX file '{target}': {exc.strerror or exc}") from exc
-    finally:
-        temp.unlink(missing_ok=True)
+    verified, size = written["verified"], written["size"]
     logger.info("exported %s via %s: %d BN folded in PyTorch (%s), %d on the graph, %d left",
                 target, exporter, len(torch_result.folded), torch_result.method, len(onnx_result.folded),
                 len(onnx_result.unfolded))
