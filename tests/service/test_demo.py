@@ -1,0 +1,82 @@
+"""The quick-start demo's inputs: the promised files, and BN statistics that really are stale.
+
+The staleness is checked against an independent reference, PyTorch's own
+``torch.optim.swa_utils.update_bn`` (an exact average with ``momentum=None``), not bnrecal's
+engine: recomputing the statistics on the calibration images must raise held-out top-1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from torch.optim.swa_utils import update_bn
+
+from service import demo
+
+# Held-out top-1 on the new camera, stale -> recomputed with update_bn, measured on seeds 0-2
+# of the demo's recipe (the seed stands in for another machine's float rounding):
+# 0.458 -> 0.978, 0.400 -> 0.969, 0.211 -> 0.969 (0.978-0.983 on the old scanner).
+MIN_GAIN = 0.3
+MIN_RECALIBRATED = 0.9
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> demo.DemoInputs:
+    """The demo's files, written once for this module (training takes most of a minute)."""
+    return demo.write_demo_inputs(tmp_path_factory.mktemp("demo"))
+
+
+def top1(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Held-out top-1 in eval mode (BN uses its running statistics)."""
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def load_model(checkpoint: Path) -> torch.nn.Module:
+    """Build the model the way the product does for ``torchvision:resnet18`` and load strictly."""
+    model = torchvision.models.get_model("resnet18", weights=None, num_classes=10)
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    return model
+
+
+@pytest.mark.slow
+def test_inputs_have_the_promised_shapes(inputs: demo.DemoInputs) -> None:
+    assert [path.name for path in inputs] == ["resnet18-stale.pt", "calib.npy", "eval.npz"]
+    calib = np.load(inputs.calib)
+    assert calib.dtype == np.float32 and calib.shape == (1437, 3, demo.SIZE, demo.SIZE)
+    with np.load(inputs.eval) as held_out:
+        x, y = held_out["x"], held_out["y"]
+    assert x.dtype == np.float32 and x.shape == (demo.HELD_OUT, 3, demo.SIZE, demo.SIZE)
+    assert y.dtype == np.int64 and y.shape == (demo.HELD_OUT,) and set(y.tolist()) == set(range(10))
+    # Both splits went through the same new camera: half the contrast, a brighter background.
+    assert float(calib.std()) < 0.6 and float(calib.mean()) > 0.5
+    assert abs(float(x.mean()) - float(calib.mean())) < 0.1 and abs(float(x.std()) - float(calib.std())) < 0.1
+    assert torch.load(inputs.checkpoint, weights_only=True)["epochs"] == demo.TRAIN_EPOCHS
+    load_model(inputs.checkpoint)
+
+
+@pytest.mark.slow
+def test_recomputing_bn_statistics_restores_held_out_accuracy(inputs: demo.DemoInputs) -> None:
+    model = load_model(inputs.checkpoint)
+    with np.load(inputs.eval) as held_out:
+        x, y = torch.from_numpy(held_out["x"]), torch.from_numpy(held_out["y"])
+    stale = top1(model, x, y)
+    update_bn(torch.utils.data.DataLoader(torch.from_numpy(np.load(inputs.calib)), batch_size=256), model)
+    recalibrated = top1(model, x, y)
+    assert recalibrated >= MIN_RECALIBRATED, (stale, recalibrated)
+    assert recalibrated - stale >= MIN_GAIN, (stale, recalibrated)
+
+
+def test_missing_scikit_learn_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # the import now fails
+    assert demo.main([str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "install the demo extra: .venv/bin/pip install -e '.[demo]'" in err
+    assert not (tmp_path / "demo").exists()
