@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: this build lies on the machine's disk (no multi-GB download).
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,9 +32,9 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m service.demo demo
 	$(BIN)/bnrecal calibrate --arch torchvision:resnet18 --model-kwargs '{"num_classes": 10}' \
-		--checkpoint demo/resnet18-stale.pt --data demo/digits.npy --workers 2 --batch-size 32 \
-		--out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx --report demo/report.json
-	@echo "wrote demo/resnet18-recalibrated.pt, demo/resnet18.onnx and demo/report.json"
+		--checkpoint demo/resnet18-stale.pt --data demo/calib.npy --eval-data demo/eval.npz \
+		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
+		--report demo/report.json --report-html demo/report.html
 
 test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest

@@ -133,7 +133,7 @@ def render_html_report(report: dict[str, Any]) -> str:
         ("batch size", report.get("batch_size")),
         ("samples / steps", f"{report.get('samples')} / {report.get('steps')}"),
         ("data", f"{dataset.get('kind')}, {dataset.get('samples')} samples of {dataset.get('sample_shape')}"),
-        ("calibration pass", f"{report.get('seconds', 0):.2f} s, {report.get('samples_per_second')} samples/s"),
+        ("calibration pass", f"{report.get('seconds', 0):.2f} s, {report.get('samples_per_second') or 0:.1f} samples/s"),
         ("placement / transport", f"{report.get('placement')} / {report.get('data_transport')}"),
         ("attempts", report.get("attempts")),
     ]
