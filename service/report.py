@@ -69,24 +69,27 @@ def layer_entry(
     """How far one layer's statistics moved: the report's per-layer entry.
 
     ``mean_shift`` is the largest channel's mean change in units of its old standard
-    deviation; ``var_ratio_max`` the largest new/old variance ratio (null where an
-    old variance was zero).
+    deviation; ``var_ratio_max`` and ``var_ratio_min`` the largest and smallest new/old
+    variance ratio over channels (null where an old variance was zero), so a channel that
+    shrank is visible beside one that grew.
     """
     module = layer.module
     new_mean = module.running_mean.detach().double().cpu()
     new_var = module.running_var.detach().double().cpu()
     old_mean, old_var = old_mean.double().cpu(), old_var.double().cpu()
     shift = ((new_mean - old_mean).abs() / torch.sqrt(old_var + module.eps)).max().item()
-    ratio = None
+    ratio_max = ratio_min = None
     if bool((old_var > 0).all()):
-        ratio = (new_var / old_var).max().item()
+        ratios = new_var / old_var
+        ratio_max, ratio_min = ratios.max().item(), ratios.min().item()
     return {
         "name": layer.name,
         "class": layer.class_name,
         "channels": layer.channels,
         "calls": calls,
         "mean_shift": _finite(shift),
-        "var_ratio_max": _finite(ratio),
+        "var_ratio_max": _finite(ratio_max),
+        "var_ratio_min": _finite(ratio_min),
     }
 
 

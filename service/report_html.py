@@ -9,6 +9,8 @@ refers to the network (no script, font or stylesheet is fetched).
 
 from __future__ import annotations
 
+import math
+
 import io
 import os
 import re
@@ -71,14 +73,15 @@ _TEMPLATE = """<!doctype html>
 
 <h2 id="drift">Drift per layer</h2>
 <p class="muted">mean shift: largest change of a channel's mean, in units of its old standard deviation;
-variance ratio: largest new / old variance of a channel (1 = unchanged). Large values are statistics
-that were stale.</p>
+variance ratio: largest and smallest new / old variance of a channel (1 = unchanged). Values far
+from 0 and 1 are statistics that were stale.</p>
 <figure id="drift-chart">{{ chart|safe }}</figure>
 <table>
-<tr><th>#</th><th>layer</th><th>class</th><th>channels</th><th>calls</th><th>mean shift</th><th>variance ratio (max)</th></tr>
+<tr><th>#</th><th>layer</th><th>class</th><th>channels</th><th>calls</th><th>mean shift</th><th>variance ratio (min)</th><th>variance ratio (max)</th></tr>
 {% for layer in r.layers %}<tr><td class="num">{{ loop.index0 }}</td><td>{{ layer.name }}</td><td>{{ layer["class"] }}</td>
 <td class="num">{{ layer.channels }}</td><td class="num">{{ layer.calls }}</td>
-<td class="num">{{ fmt(layer.mean_shift) }}</td><td class="num">{{ fmt(layer.var_ratio_max) }}</td></tr>
+<td class="num">{{ fmt(layer.mean_shift) }}</td><td class="num">{{ fmt(layer.var_ratio_min) }}</td>
+<td class="num">{{ fmt(layer.var_ratio_max) }}</td></tr>
 {% endfor %}</table>
 {% if r.skipped %}
 <h2>Layers left alone</h2>
@@ -160,15 +163,21 @@ def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
 
     depth = list(range(len(layers)))
     shifts = [_number(layer.get("mean_shift")) for layer in layers]
-    ratios = [_number(layer.get("var_ratio_max")) for layer in layers]
+    ratios = [_ratio(layer.get("var_ratio_max")) for layer in layers]
+    lows = [_ratio(layer.get("var_ratio_min")) for layer in layers]
     width = min(40.0, max(8.0, 0.28 * len(layers)))
     figure = Figure(figsize=(width, 5.0), layout="constrained")
     top, bottom = figure.subplots(2, 1, sharex=True)
     top.bar(depth, shifts, color="#3b6ea8")
     top.set_ylabel("mean shift (old std)")
-    bottom.bar(depth, ratios, color="#c0633a")
+    bottom.vlines(depth, [low if math.isfinite(low) else high for low, high in zip(lows, ratios)], ratios,
+                  color="#c0633a", linewidth=3)
+    bottom.scatter(depth, ratios, color="#c0633a", marker="^", s=28, zorder=3, label="max over channels")
+    bottom.scatter(depth, lows, color="#5a2a12", marker="v", s=28, zorder=3, label="min over channels")
     bottom.axhline(1.0, color="#555", linewidth=0.8)
-    bottom.set_ylabel("variance ratio (max)")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("variance ratio (new / old)")
+    bottom.legend(loc="best", fontsize=7)
     bottom.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
     bottom.set_xlabel("BN layer, in module order")
     for axes in (top, bottom):
@@ -211,6 +220,11 @@ def _inline_svg(figure: Any) -> str:
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _ratio(value: Any) -> float:
+    """A ratio for the log axis: a missing or non-positive one is not drawn (NaN), not 0."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else math.nan
 
 
 def _format(value: Any) -> str:
