@@ -123,7 +123,8 @@ class Progress(BaseModel):
     samples_total: int | None
     phase: str | None = Field(
         default=None,
-        description="starting workers, calibrating, evaluating, exporting or writing (null before the job runs)",
+        description="starting workers (counts ranks started of the workers), calibrating and evaluating "
+        "(count samples), exporting or writing; null before the job runs",
     )
 
 

@@ -28,7 +28,7 @@ from workers.collectives import backend_for_device
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError, SpecError
 from workers.evaluation import check_eval_output
-from workers.group import GroupOptions, run_rank_group
+from workers.group import STARTING_PHASE, GroupOptions, run_rank_group
 from workers.models import build_model
 from workers.moments import MomentStats
 from workers.plan import EvalPlan, RankPlan
@@ -134,7 +134,7 @@ def recalibrate(
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
     )
-    totals = {"calibrating": dataset.num_samples}
+    totals = {STARTING_PHASE: request.workers, "calibrating": dataset.num_samples}
     if evaluation is not None:
         totals["evaluating"] = evaluation.dataset.num_samples
 
@@ -148,6 +148,8 @@ def recalibrate(
         if on_progress is None or (phase == "evaluating" and not calibrated):
             return
         on_progress(done, totals[phase], phase)
+        if phase == STARTING_PHASE and done == totals[phase] and not seen["calibrating"]:
+            on_progress(0, totals["calibrating"], "calibrating")  # every phase shows its total from its start
         if phase == "calibrating" and calibrated and seen.get("evaluating"):
             on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
@@ -160,6 +162,9 @@ def recalibrate(
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     failures: list[str] = []
     while True:
+        seen.update(dict.fromkeys(totals, 0))
+        if on_progress is not None:
+            on_progress(0, request.workers, STARTING_PHASE)
         try:
             result = run_rank_group(
                 plan, model.state_dict(), options, on_progress=progress, cancel=cancel,

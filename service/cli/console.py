@@ -4,7 +4,7 @@ parsing of the JSON and shape flags (errors name the flag)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,22 +52,30 @@ def progress_bar(description: str) -> Iterator[Any]:
         tasks: dict[str, Any] = {description: bar.add_task(description, total=None)}
 
         def update(done: int, total: int | None, phase: str = description) -> None:
-            if phase not in tasks:  # a new phase gets its own line, the finished one stays
+            if phase not in tasks:  # a new phase gets its own line; the earlier ones are over
+                for task in bar.tasks:
+                    if not task.finished:
+                        bar.update(task.id, total=task.total or 1, completed=task.total or 1)
                 tasks[phase] = bar.add_task(phase, total=None)
             bar.update(tasks[phase], completed=done, total=total)
 
         yield update
 
 
-def summary_lines(report: dict[str, Any], out: Path, job_id: str | None = None) -> list[str]:
-    """The closing lines of ``calibrate`` and ``submit``: what was recalibrated and, with
-    evaluation data, whether it helped."""
+def summary_lines(
+    report: dict[str, Any], out: Path, job_id: str | None = None, also_wrote: Sequence[Path | None] = ()
+) -> list[str]:
+    """The closing lines of ``calibrate`` and ``submit``: what was recalibrated, every file
+    written and, with evaluation data, whether it helped."""
     job = f" (job {job_id})" if job_id else ""
     lines = [
         f"recalibrated {len(report['layers'])} BN layers on {report['samples']} samples "
         f"({report['world_size']} x {report['backend']}, {report['mode']}) "
         f"in {report['seconds']:.2f} s{job} -> {out}"
     ]
+    others = [str(path) for path in also_wrote if path is not None]
+    if others:
+        lines.append(f"also wrote {', '.join(others)}")
     evaluation = report.get("evaluation")
     if evaluation:
         lines.append(evaluation_line(evaluation))

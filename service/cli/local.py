@@ -52,24 +52,28 @@ def calibrate(
         eval_data=eval_data, eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
-    with progress_bar("calibrating") as update:
+    with progress_bar("starting workers") as update:
         try:
             result = recalibrate(request, settings, on_progress=update, cancel=cancel)
         except KeyboardInterrupt:
             cancel.set()
             raise
-    if onnx is not None:
-        from ..exporting import export_recalibrated
+        if onnx is not None:
+            from ..exporting import export_recalibrated
 
-        result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
-    result.save_checkpoint(out)
-    if report is not None:
-        result.save_report(report)
-    if report_html is not None:
-        from ..report_html import write_html_report
+            update(0, 1, "exporting and verifying ONNX")
+            result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+            update(1, 1, "exporting and verifying ONNX")
+        update(0, 1, "writing")
+        result.save_checkpoint(out)
+        if report is not None:
+            result.save_report(report)
+        if report_html is not None:
+            from ..report_html import write_html_report
 
-        write_html_report(result.report, report_html)
-    for line in summary_lines(result.report, out):
+            write_html_report(result.report, report_html)
+        update(1, 1, "writing")
+    for line in summary_lines(result.report, out, also_wrote=(onnx, report, report_html)):
         print_line(line)
 
 

@@ -12,7 +12,7 @@ import typer
 
 from workers.errors import BnrecalError, first_line
 
-from . import local, remote
+from . import jobs, local, remote
 from .console import fail
 
 app = typer.Typer(
@@ -34,13 +34,18 @@ app.command()(local.calibrate)
 app.command("export")(local.export_command)
 app.command()(remote.serve)
 app.command()(remote.submit)
+app.command("jobs")(jobs.list_jobs)
+app.command("status")(jobs.job_status)
+app.command("cancel")(jobs.cancel)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``bnrecal`` script: runs the app, turning every error into one line."""
     debug = os.environ.get("BNRECAL_DEBUG") == "1"
     try:
-        app(args=argv, standalone_mode=False, prog_name="bnrecal")
+        code = app(args=argv, standalone_mode=False, prog_name="bnrecal")
+        if isinstance(code, int) and code:  # a command's typer.Exit(code) is returned, not raised
+            raise SystemExit(code)
     except BnrecalError as exc:
         if debug:
             raise

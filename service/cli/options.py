@@ -1,4 +1,4 @@
-"""The flags of ``calibrate``, ``submit`` and ``export``.
+"""The flags of ``calibrate``, ``submit``, ``export`` and the job commands.
 
 The run options' choices, defaults and help come from ``service.options.RunOptions``, the
 one declaration the HTTP job spec and the engine share; only what is particular to the
@@ -63,6 +63,10 @@ EvalMaxSamplesOpt = Annotated[int | None, typer.Option(help="Evaluate on only th
 ReportHtmlOpt = Annotated[
     Path | None, typer.Option(help="Where to write the report as one self-contained HTML page (charts inline).")
 ]
+
+ServerOpt = Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")]
+JobIdArg = Annotated[str, typer.Argument(help="The job's id, as submit printed it (bnrecal jobs lists them).")]
 
 WORKERS = default("workers")
 BATCH_SIZE = default("batch_size")

@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
-from workers.errors import CancelledError, InputError, SpecError
+from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 
 from ..client import BnrecalClient, error_from_problem
 from . import options as opt
-from .console import print_line, progress_bar, summary_lines
+from .console import fail, print_line, progress_bar, summary_lines
+from .jobs import cancel_and_wait
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -50,8 +51,8 @@ def submit(
     checkpoint: opt.CheckpointOpt,
     data: opt.DataOpt,
     out: opt.OutOpt,
-    server: Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")],
-    api_key: Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")] = None,
+    server: opt.ServerOpt,
+    api_key: opt.ApiKeyOpt = None,
     model_kwargs: opt.ModelKwargsOpt = None,
     workers: opt.WorkersOpt = opt.WORKERS,
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
@@ -95,22 +96,32 @@ def submit(
             spec["eval"] = {"data": client.upload(eval_data)["digest"], "max_samples": eval_max_samples}
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
         print_line(f"job {job['id']} queued on {client.server}")
-        with progress_bar("calibrating") as update:
+        with progress_bar("queued") as update:
             try:
                 job = client.wait(job["id"], on_progress=update)
             except KeyboardInterrupt:
-                client.cancel(job["id"])
-                raise
-        _raise_unless_succeeded(job)
-        client.download(job["id"], "checkpoint", out)
-        if onnx is not None:
-            client.download(job["id"], "onnx", onnx)
-        if report is not None:
-            client.download(job["id"], "report", report)
-        if report_html is not None:
-            client.download(job["id"], "report.html", report_html)
-    for line in summary_lines(job["report"], out, job["id"]):
+                _cancel_on_interrupt(client, job["id"])
+            _raise_unless_succeeded(job)
+            downloads = [("checkpoint", out), ("onnx", onnx), ("report", report), ("report.html", report_html)]
+            wanted = [(name, path) for name, path in downloads if path is not None]
+            for done, (name, path) in enumerate(wanted):
+                update(done, len(wanted), "downloading")
+                client.download(job["id"], name, path)
+            update(len(wanted), len(wanted), "downloading")
+    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, report, report_html)):
         print_line(line)
+
+
+def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
+    """Ctrl-C while following a job: cancel it on the server, say so, and exit 130."""
+    try:
+        status = cancel_and_wait(client, job_id)
+        outcome = "cancelled" if status == "cancelled" else f"cancel requested ({status})"
+        message = f"interrupted: job {job_id} {outcome} on {client.server}"
+    except (BnrecalError, KeyboardInterrupt) as exc:
+        detail = exc.message if isinstance(exc, BnrecalError) else "interrupted again"
+        message = f"interrupted: job {job_id} may still run on {client.server} ({detail}); bnrecal cancel {job_id}"
+    fail(message, 130)
 
 
 def _raise_unless_succeeded(job: dict[str, Any]) -> None:

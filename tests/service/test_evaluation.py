@@ -82,8 +82,13 @@ def test_labelled_evaluation_matches_the_models_own_forward(stale, settings, mod
     assert evaluation["data"]["source"] == "eval.npz" and evaluation["collectives"] == 1
     assert result.report["object_store_bytes"] == ((40 + 27) * 3 * 8 * 8 * 4 if transport == "object_store" else 0)
     assert result.report["collectives"] == (1 if mode == "local" else 5)  # calibration: 5 steps x 1 BN
-    # progress: calibrating to its total, then evaluating to its total
-    assert [p for p, *_ in phases] == sorted((p for p, *_ in phases), key=["calibrating", "evaluating"].index)
+    # progress: each phase in order, its total known from its first event
+    order = ["starting workers", "calibrating", "evaluating"]
+    assert [p for p, *_ in phases] == sorted((p for p, *_ in phases), key=order.index)
+    firsts = {phase: (done, total) for phase, done, total in reversed(phases)}
+    assert firsts["starting workers"] == (0, workers) and firsts["calibrating"] == (0, 40)
+    assert firsts["evaluating"][1] == 27
+    assert ("starting workers", workers, workers) in phases
     assert ("calibrating", 40, 40) in phases and ("evaluating", 27, 27) in phases
 
 
