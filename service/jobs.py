@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.errors import BnrecalError, InputError, RunError, SpecError
-from workers.models import check_architecture as check_reference
+from workers.models import check_architecture_exists as check_reference
 
 from .blobs import DIGEST_PATTERN, BlobStore
 from .options import DEFAULT_OPSET, RunOptions
@@ -218,7 +218,8 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
 
 
 def check_architecture(arch: str, settings: Settings) -> None:
-    """Refuse an architecture outside the allowlist before anything is imported."""
+    """Refuse an architecture that cannot be built (outside the allowlist, an unknown name,
+    a missing callable) before a job exists; the error suggests close names."""
     check_reference(arch, settings.model_modules)
 
 
@@ -250,8 +251,9 @@ def resolve_data_path(path: str, settings: Settings, field: str = "data.path") -
 def problem_of(exc: BnrecalError) -> dict[str, Any]:
     """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its context)."""
     problem: dict[str, Any] = {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.message}
-    if isinstance(exc, SpecError) and exc.field:
-        problem["field"] = exc.field
+    field = getattr(exc, "field", None)
+    if isinstance(field, str) and field:
+        problem["field"] = field
     if isinstance(exc, RunError):
         if exc.rank is not None:
             problem["rank"] = exc.rank

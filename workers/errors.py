@@ -65,6 +65,7 @@ class ArchitectureError(InputError):
 
     status = 422
     title = "Unknown or disallowed architecture"
+    field = "arch"  # the job spec field (and CLI flag --arch) at fault
 
 
 class CheckpointError(InputError):

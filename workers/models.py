@@ -129,19 +129,24 @@ def _suggestion(name: str, candidates: Sequence[str]) -> str:
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
+def _torchvision_builder(name: str) -> Callable[..., Any]:
+    """torchvision's builder for ``name``, or an error suggesting close names."""
+    import torchvision
+
+    available = torchvision.models.list_models()
+    if name not in available:
+        raise ArchitectureError(f"unknown torchvision model {name!r}{_suggestion(name, available)}")
+    return torchvision.models.get_model_builder(name)
+
+
 def _build_torchvision(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
     """Build ``torchvision:<name>`` with every weight download switched off."""
     import torchvision
 
     arch = f"torchvision:{name}"
-    available = torchvision.models.list_models()
-    if name not in available:
-        raise ArchitectureError(
-            f"unknown torchvision model {name!r}{_suggestion(name, available)}"
-        )
+    builder = _torchvision_builder(name)
     _refuse_weight_kwargs(arch, kwargs, _TORCHVISION_WEIGHT_KWARGS)
     kwargs = {k: v for k, v in kwargs.items() if k not in _TORCHVISION_WEIGHT_KWARGS}
-    builder = torchvision.models.get_model_builder(name)
     parameters = _signature_parameters(builder)
     if parameters is not None and "weights_backbone" in parameters:
         # Detection/segmentation builders default to downloading a pretrained backbone.
@@ -149,24 +154,28 @@ def _build_torchvision(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
     return _call_factory(arch, lambda **kw: builder(weights=None, **kw), kwargs, builder)
 
 
-def _build_timm(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """Build ``timm:<name>`` without pretrained weights; needs the ``bnrecal[timm]`` extra."""
-    arch = f"timm:{name}"
+def _timm_module(name: str) -> Any:
+    """The timm package, once ``name`` is known to be one of its models; else a clear error."""
     try:
         import timm
     except ImportError as exc:
         raise ArchitectureError(
-            f"{arch} needs timm, which is not installed: install the optional extra "
-            "with pip install 'bnrecal[timm]'"
+            f"timm:{name} needs timm, which is not installed: install the optional extra "
+            "with pip install 'bnrecal[timm]'",
         ) from exc
     if not _DOTTED_NAME.fullmatch(name.replace("-", "_")):
         raise ArchitectureError(
             f"timm model name {name!r} is not a plain model name (hub references are not allowed)"
         )
     if not timm.is_model(name):
-        raise ArchitectureError(
-            f"unknown timm model {name!r}{_suggestion(name, timm.list_models())}"
-        )
+        raise ArchitectureError(f"unknown timm model {name!r}{_suggestion(name, timm.list_models())}")
+    return timm
+
+
+def _build_timm(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """Build ``timm:<name>`` without pretrained weights; needs the ``bnrecal[timm]`` extra."""
+    arch = f"timm:{name}"
+    timm = _timm_module(name)
     _refuse_weight_kwargs(arch, kwargs, _TIMM_WEIGHT_KWARGS)
     kwargs = {k: v for k, v in kwargs.items() if k not in _TIMM_WEIGHT_KWARGS}
     return _call_factory(
@@ -182,7 +191,7 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
         raise ArchitectureError(f"arch must be a string of the form {ACCEPTED_FORMS}")
     source, sep, name = arch.strip().partition(":")
     if not sep or not source or not name:
-        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
+        raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}{_bare_name_hint(arch)}")
     if source in ("torchvision", "timm"):
         return source, name
     if not _DOTTED_NAME.fullmatch(source) or not _DOTTED_NAME.fullmatch(name):
@@ -196,12 +205,61 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
     return source, name
 
 
+def _bare_name_hint(arch: str) -> str:
+    """' (did you mean torchvision:resnet18?)' for a bare torchvision model name, or ''."""
+    import torchvision
+
+    name = arch.strip().strip(":")
+    return f" (did you mean torchvision:{name}?)" if name in torchvision.models.list_models() else ""
+
+
 def _is_allowed(module_path: str, allowed_modules: Sequence[str]) -> bool:
     """Whether ``module_path`` is one of the prefixes or below one, on dotted boundaries."""
     for prefix in parse_allowed_modules(allowed_modules):
         if module_path == prefix or module_path.startswith(prefix + "."):
             return True
     return False
+
+
+def _module_factory(arch: str, module_path: str, attribute_path: str) -> Callable[..., Any]:
+    """The callable ``attribute_path`` of an allowed module, or an error naming what is missing."""
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise ArchitectureError(f"cannot import module {module_path!r} for {arch}: {one_line(exc)}") from exc
+    except Exception as exc:  # the module's own code failed while importing
+        raise ArchitectureError(
+            f"importing module {module_path!r} for {arch} failed: {one_line(exc)}"
+        ) from exc
+    factory: Any = module
+    for part in attribute_path.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError as exc:
+            names = [n for n in dir(factory) if not n.startswith("_") and callable(getattr(factory, n, None))]
+            raise ArchitectureError(
+                f"module {module_path!r} has no attribute {attribute_path!r} (arch {arch})"
+                f"{_suggestion(part, names)}",
+            ) from exc
+    if not callable(factory):
+        raise ArchitectureError(
+            f"{arch} is not callable (it is a {type(factory).__name__}); "
+            "it must name a function or class that returns a torch.nn.Module",
+        )
+    return factory
+
+
+def check_architecture_exists(arch: str, allowed_modules: Sequence[str] = ()) -> None:
+    """Refuse a reference that cannot be built, before a job exists: a malformed or
+    disallowed one, an unknown torchvision or timm name, an allowed module without that
+    callable; errors suggest close names. Builds nothing, downloads nothing."""
+    source, name = check_architecture(arch, allowed_modules)
+    if source == "torchvision":
+        _torchvision_builder(name)
+    elif source == "timm":
+        _timm_module(name)
+    else:
+        _module_factory(arch, source, name)
 
 
 def _build_from_module(
@@ -213,29 +271,7 @@ def _build_from_module(
 ) -> torch.nn.Module:
     """Build ``<module.path>:<callable>`` from a module the operator allowed (checked by
     ``check_architecture`` first)."""
-    try:
-        module = importlib.import_module(module_path)
-    except ImportError as exc:
-        raise ArchitectureError(
-            f"cannot import module {module_path!r} for {arch}: {one_line(exc)}"
-        ) from exc
-    except Exception as exc:  # the module's own code failed while importing
-        raise ArchitectureError(
-            f"importing module {module_path!r} for {arch} failed: {one_line(exc)}"
-        ) from exc
-    factory: Any = module
-    for part in attribute_path.split("."):
-        try:
-            factory = getattr(factory, part)
-        except AttributeError as exc:
-            raise ArchitectureError(
-                f"module {module_path!r} has no attribute {attribute_path!r} (arch {arch})"
-            ) from exc
-    if not callable(factory):
-        raise ArchitectureError(
-            f"{arch} is not callable (it is a {type(factory).__name__}); "
-            "it must name a function or class that returns a torch.nn.Module"
-        )
+    factory = _module_factory(arch, module_path, attribute_path)
     return _call_factory(arch, factory, kwargs, factory)
 
 
