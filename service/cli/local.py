@@ -52,6 +52,7 @@ def calibrate(
         eval_data=eval_data, eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
+    connected_before = _ray_connected()
     with progress_bar("starting workers") as update:
         try:
             result = recalibrate(request, settings, on_progress=update, cancel=cancel)
@@ -73,8 +74,27 @@ def calibrate(
 
             write_html_report(result.report, report_html)
         update(1, 1, "writing")
+        if not connected_before:  # an instance this command started takes seconds to stop: before the summary
+            update(0, 1, "stopping Ray")
+            _stop_ray()
+            update(1, 1, "stopping Ray")
     for line in summary_lines(result.report, out, also_wrote=(onnx, report, report_html)):
         print_line(line)
+
+
+def _ray_connected() -> bool:
+    """Whether this process was connected to Ray before the command (then it stays connected)."""
+    import ray
+
+    return ray.is_initialized()
+
+
+def _stop_ray() -> None:
+    """Stop the Ray instance this command started (or leave the cluster it joined)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def export_command(
