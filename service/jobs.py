@@ -117,14 +117,13 @@ class JobSpec(RunOptions):
 
 class Progress(BaseModel):
     """What a job is doing and how far it got: the samples done of the phase's total
-    (known once its data is described)."""
+    (from the start of the job for calibration, from its start for evaluation)."""
 
     samples_done: int
     samples_total: int | None
     phase: str | None = Field(
         default=None,
-        description="starting workers (counts ranks started of the workers), calibrating and evaluating "
-        "(count samples), exporting or writing; null before the job runs",
+        description="starting workers, calibrating, evaluating, exporting or writing (null before the job runs)",
     )
 
 

@@ -134,7 +134,7 @@ def recalibrate(
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
     )
-    totals = {STARTING_PHASE: request.workers, "calibrating": dataset.num_samples}
+    totals = {"calibrating": dataset.num_samples}
     if evaluation is not None:
         totals["evaluating"] = evaluation.dataset.num_samples
 
@@ -148,8 +148,6 @@ def recalibrate(
         if on_progress is None or (phase == "evaluating" and not calibrated):
             return
         on_progress(done, totals[phase], phase)
-        if phase == STARTING_PHASE and done == totals[phase] and not seen["calibrating"]:
-            on_progress(0, totals["calibrating"], "calibrating")  # every phase shows its total from its start
         if phase == "calibrating" and calibrated and seen.get("evaluating"):
             on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
@@ -163,8 +161,8 @@ def recalibrate(
     failures: list[str] = []
     while True:
         seen.update(dict.fromkeys(totals, 0))
-        if on_progress is not None:
-            on_progress(0, request.workers, STARTING_PHASE)
+        if on_progress is not None:  # the samples to calibrate are known before any worker starts
+            on_progress(0, totals["calibrating"], STARTING_PHASE)
         try:
             result = run_rank_group(
                 plan, model.state_dict(), options, on_progress=progress, cancel=cancel,

@@ -27,11 +27,11 @@ from .errors import BnrecalError, CallOrderError, CancelledError, RunError, firs
 from .plan import RankPlan
 
 ProgressCallback = Callable[[str, int], None]
-"""Called with the phase and its count so far: ``starting workers`` with the ranks that have
-started, ``calibrating`` and ``evaluating`` with the samples all ranks have processed."""
+"""Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
+ranks have processed in it so far."""
 
 STARTING_PHASE = "starting workers"
-"""The phase of a job whose rank actors are starting; its count is the ranks that have started."""
+"""The phase of a job whose rank actors are starting, before any sample is processed."""
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,6 @@ def _follow(
                 started.add(rank)
                 nodes[rank] = event["node_id"]
                 last_progress = time.monotonic()
-                if on_progress is not None:
-                    on_progress(STARTING_PHASE, len(started))
             elif event["kind"] == "heartbeat":
                 if event["calls"] != calls_entered[rank]:
                     calls_entered[rank] = event["calls"]

@@ -217,8 +217,7 @@ export function el(tag, attributes = {}, ...children) {
 export function progressText(progress, status = "running") {
   if (!progress) return "";
   const total = progress.samples_total;
-  const unit = progress.phase === "starting workers" && status === "running" ? "workers" : "samples";
-  const counted = total ? `${progress.samples_done} / ${total} ${unit}` : `${progress.samples_done} ${unit}`;
+  const counted = total ? `${progress.samples_done} / ${total} samples` : `${progress.samples_done} samples`;
   return progress.phase && status === "running" ? `${counted} · ${progress.phase}` : counted;
 }
 

@@ -57,7 +57,8 @@ def progress_bar(description: str) -> Iterator[Any]:
                     if not task.finished:
                         bar.update(task.id, total=task.total or 1, completed=task.total or 1)
                 tasks[phase] = bar.add_task(phase, total=None)
-            bar.update(tasks[phase], completed=done, total=total)
+            # starting workers counts nothing (its total is the samples still to come): no bar yet
+            bar.update(tasks[phase], completed=done, total=None if phase == "starting workers" else total)
 
         yield update
 

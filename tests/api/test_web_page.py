@@ -325,7 +325,6 @@ PARSE_EVENTS = """async () => {
     phase: api.progressText({samples_done: 3, samples_total: 5, phase: "calibrating"}),
     plain: api.progressText({samples_done: 7, samples_total: null}),
     finished: api.progressText({samples_done: 5, samples_total: 5, phase: "writing"}, "succeeded"),
-    starting: api.progressText({samples_done: 1, samples_total: 2, phase: "starting workers"}),
   };
 }"""
 
@@ -340,7 +339,6 @@ def test_the_stream_parser_and_the_progress_line_in_the_browser(live_server, tab
     ]
     assert result["phase"] == "3 / 5 samples \u00b7 calibrating" and result["plain"] == "7 samples"
     assert result["finished"] == "5 / 5 samples"  # a finished job's last phase is not shown
-    assert result["starting"] == "1 / 2 workers \u00b7 starting workers"
     assert tab.problems == []
 
 
