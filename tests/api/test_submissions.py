@@ -112,6 +112,25 @@ def test_an_oversize_json_body_is_413(live_server):
     assert response.status_code == 413 and response.headers["content-type"] == "application/problem+json"
 
 
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [(b'{"arch": ', "line 1 column 10"), (b'{\n  "arch": "x",\n}', "line 3 column 1")],
+)
+def test_a_body_that_is_not_json_says_where_it_breaks_and_names_no_field(live_server, body, where):
+    with live_server.client("carol") as client:
+        response = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["detail"].startswith("the request body is not valid JSON: ")
+    assert problem["detail"].endswith(f" at {where}") and "\n" not in problem["detail"]
+    assert problem["field"] is None and problem["errors"] == []
+    # a real field error still names the field path, nested ones with dots
+    spec = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+    with live_server.client("carol") as client:
+        nested = client.post("/v1/jobs", json=spec | {"eval": {"data": 5}}).json()
+    assert nested["field"] == "eval.data" and nested["errors"][0]["field"] == "eval.data"
+
+
 def test_malformed_json_and_disallowed_arch_are_422(live_server):
     with live_server.client("carol") as client:
         broken = client.post("/v1/jobs", content=b'{"arch": ', headers={"Content-Type": "application/json"})
