@@ -207,11 +207,14 @@ def detect_format(path: Path, role: str = "calibration data", name: str | None =
 
 
 def _rename(exc: DatasetError, internal: Iterable[str], shown: str) -> None:
-    """Replace whole-word occurrences of internal file names in ``exc``'s message by ``shown``."""
-    message = exc.message
+    """Replace whole-word occurrences of internal file names in ``exc``'s message by ``shown``
+    (not inside ``shown`` itself, where a digest may already appear as ``sha256:<hex>``)."""
+    pieces = exc.message.split(shown)
     for old in internal:
         if old and old != shown:
-            message = re.sub(rf"(?<![\w.-]){re.escape(old)}(?![\w.-])", lambda _: shown, message)
+            pattern = re.compile(rf"(?<![\w.-]){re.escape(old)}(?![\w.-])")
+            pieces = [pattern.sub(lambda _: shown, piece) for piece in pieces]
+    message = shown.join(pieces)
     exc.message = message
     exc.args = (message,)
 
