@@ -7,6 +7,7 @@ unexpected is a 500 that says so without a stack trace (the server log has it).
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -66,6 +67,9 @@ async def _bnrecal_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    invalid_json = next((error for error in exc.errors() if error.get("type") == "json_invalid"), None)
+    if invalid_json is not None:
+        return problem_response(_invalid_json_problem(invalid_json, exc.body))
     errors = [
         {"field": field_name(error.get("loc", ())), "message": str(error.get("msg", "invalid"))}
         for error in exc.errors()
@@ -81,6 +85,32 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         "errors": errors,
     }
     return problem_response(problem)
+
+
+def _invalid_json_problem(error: dict[str, Any], body: Any) -> dict[str, Any]:
+    """A body that is not JSON at all: where it breaks, as line and column; no field to name.
+
+    FastAPI puts the character offset of the decode error where a field path would be
+    (``("body", 9)``), which is not a field, so it is turned into a position instead.
+    """
+    location = error.get("loc", ())
+    offset = location[-1] if location and isinstance(location[-1], int) else None
+    reason = str((error.get("ctx") or {}).get("error") or "cannot decode it")
+    where = ""
+    if offset is not None and isinstance(body, (str, bytes)):
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+        position = json.JSONDecodeError(reason, text, min(offset, len(text)))
+        where = f" at line {position.lineno} column {position.colno}"
+    elif offset is not None:
+        where = f" at character {offset + 1}"
+    return {
+        "type": VALIDATION_TYPE,
+        "title": "Invalid request",
+        "status": 422,
+        "detail": f"the request body is not valid JSON: {reason}{where}",
+        "field": None,
+        "errors": [],
+    }
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -4,6 +4,11 @@ A blob lives at ``<root>/<tenant>/sha256/<hex[:2]>/<hex>``; its name is the SHA-
 its bytes, so the same bytes always get the same digest and a file is never rewritten.
 Every write goes through a temporary file that is hashed while written, fsynced and
 renamed into place, so a blob is either complete or absent, never half there.
+
+An upload may come with a file name, kept beside the blob in
+``<root>/<tenant>/names/<hex>`` (the name of the latest upload of those bytes that gave
+one). It is only ever shown, in messages about the blob; it never becomes a path. A
+store written before names existed simply has none.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +27,22 @@ from typing import BinaryIO
 import anyio
 
 from workers.errors import NotFoundError, PayloadTooLargeError
-from workers.files import sync_directory
+from workers.files import atomic_write, sync_directory
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 _DIGEST = re.compile(DIGEST_PATTERN)
 _TENANT = re.compile(r"^[0-9a-z_-]{1,64}$")
 _WRITE_CHUNK = 1024 * 1024  # bytes gathered before one write (and one thread hop)
+MAX_FILENAME_CHARS = 255
 
 
 @dataclass(frozen=True)
 class BlobInfo:
-    """A stored blob: its digest (``sha256:<hex>``) and size in bytes."""
+    """A stored blob: its digest (``sha256:<hex>``), size in bytes and the file name it was uploaded with."""
 
     digest: str
     size: int
+    filename: str | None = None
 
     @property
     def hex(self) -> str:
@@ -45,6 +53,19 @@ class BlobInfo:
 def is_digest(value: str) -> bool:
     """Whether ``value`` is a well-formed ``sha256:<64 hex>`` digest."""
     return bool(_DIGEST.match(value))
+
+
+def clean_filename(raw: str | None) -> str | None:
+    """A client's file name made safe to show: its last path component (``/`` or ``\\``),
+    without control, format (bidi) or unassigned characters, trimmed, at most
+    ``MAX_FILENAME_CHARS`` characters; None when nothing (or only ``.``/``..``) is left."""
+    if not raw:
+        return None
+    name = unicodedata.normalize("NFC", raw).replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(char for char in name if not unicodedata.category(char).startswith("C")).strip()
+    if name in ("", ".", ".."):
+        return None
+    return name[:MAX_FILENAME_CHARS]
 
 
 class BlobStore:
@@ -65,19 +86,33 @@ class BlobStore:
         return file
 
     def info(self, tenant: str, digest: str) -> BlobInfo:
-        """Digest and size of a tenant's blob (``NotFoundError`` if absent)."""
-        return BlobInfo(digest, self.path(tenant, digest).stat().st_size)
+        """Digest, size and file name of a tenant's blob (``NotFoundError`` if absent)."""
+        size = self.path(tenant, digest).stat().st_size
+        return BlobInfo(digest, size, self.filename(tenant, digest))
+
+    def filename(self, tenant: str, digest: str) -> str | None:
+        """The file name the tenant's blob was last uploaded with; None if it came without one."""
+        if not is_digest(digest):
+            return None
+        try:
+            stored = self._name_location(tenant, digest.removeprefix("sha256:")).read_text("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+        return clean_filename(stored)
 
     def exists(self, tenant: str, digest: str) -> bool:
         """Whether the tenant holds this blob."""
         return is_digest(digest) and self._location(tenant, digest.removeprefix("sha256:")).is_file()
 
-    async def ingest(self, tenant: str, chunks: AsyncIterator[bytes], max_bytes: int) -> BlobInfo:
+    async def ingest(
+        self, tenant: str, chunks: AsyncIterator[bytes], max_bytes: int, filename: str | None = None
+    ) -> BlobInfo:
         """Store a streamed upload, hashing it as it arrives; memory use does not grow with its size.
 
         The byte cap is enforced on the bytes actually received: the upload stops with
         ``PayloadTooLargeError`` at the first chunk past ``max_bytes`` and nothing of it
-        stays on disk.
+        stays on disk. ``filename`` (cleaned by :func:`clean_filename`) is remembered for
+        messages; an upload without one keeps the name the bytes had.
         """
         digest = hashlib.sha256()
         size = 0
@@ -103,7 +138,10 @@ class BlobStore:
                 await anyio.to_thread.run_sync(_flush_and_sync, handle)
             info = BlobInfo(f"sha256:{digest.hexdigest()}", size)
             await anyio.to_thread.run_sync(self._place, tenant, staged, info)
-            return info
+            name = clean_filename(filename)
+            if name is not None:
+                await anyio.to_thread.run_sync(self._remember_name, tenant, info.hex, name)
+            return BlobInfo(info.digest, size, name or self.filename(tenant, info.digest))
         finally:
             staged.unlink(missing_ok=True)
 
@@ -138,6 +176,14 @@ class BlobStore:
         if not _TENANT.match(tenant):
             raise ValueError(f"invalid tenant id {tenant!r}")
         return self.root / tenant / "sha256" / hex_digest[:2] / hex_digest
+
+    def _name_location(self, tenant: str, hex_digest: str) -> Path:
+        return self._location(tenant, hex_digest).parents[2] / "names" / hex_digest
+
+    def _remember_name(self, tenant: str, hex_digest: str, name: str) -> None:
+        target = self._name_location(tenant, hex_digest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, lambda tmp: tmp.write_text(name, "utf-8"))
 
     def _place(self, tenant: str, staged: Path, info: BlobInfo) -> None:
         """Rename a complete, synced staging file to its content address (a no-op if present)."""

@@ -34,6 +34,7 @@ from workers.files import atomic_write
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 UPLOAD_CHUNK = 1024 * 1024
+UPLOAD_NAME_CHARS = 255  # the longest file name the server keeps
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,20 @@ class BnrecalClient:
         self._http.close()
 
     def upload(
-        self, path: str | os.PathLike[str], on_bytes: Callable[[int, int], None] | None = None
+        self,
+        path: str | os.PathLike[str],
+        on_bytes: Callable[[int, int], None] | None = None,
+        filename: str | None = None,
     ) -> dict[str, Any]:
-        """Upload a file (streamed, never read whole) or a folder (sent as a tar); returns digest and size."""
+        """Upload a file (streamed, never read whole) or a folder (sent as a tar); returns digest and size.
+
+        The server is told the file's name (a folder's name for a folder), or ``filename``,
+        so the errors of a job that uses the blob name it rather than its digest.
+        """
         source = Path(path)
         if source.is_dir():
             with _tarred(source) as archive:
-                return self.upload(archive, on_bytes)
+                return self.upload(archive, on_bytes, filename or source.absolute().resolve().name)
         try:
             size = source.stat().st_size
             stream = source.open("rb")
@@ -111,7 +119,8 @@ class BnrecalClient:
                     yield block
 
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
-            return self._json("POST", "/v1/blobs", content=chunks(), headers=headers)
+            params = {"filename": (filename or source.name)[:UPLOAD_NAME_CHARS]}
+            return self._json("POST", "/v1/blobs", content=chunks(), headers=headers, params=params)
 
     def upload_bytes(self, data: bytes) -> dict[str, Any]:
         """Upload bytes held in memory (small blobs)."""

@@ -48,12 +48,18 @@ class RecalibrationRequest(RunOptions):
     """The run options, with the checkpoint and data as local paths: what ``recalibrate`` takes.
 
     With ``eval_data`` the model is evaluated before and after on it (report ``evaluation``).
+    The ``*_name`` fields are what messages and the report call each file instead of its
+    own name: the service stores uploads under their digest and passes the names they
+    were uploaded with (only shown, never used as paths).
     """
 
     checkpoint: Path
     data: Path
     eval_data: Path | None = None
     eval_max_samples: int | None = Field(default=None, ge=1, le=2**53)
+    checkpoint_name: str | None = None
+    data_name: str | None = None
+    eval_data_name: str | None = None
 
 
 @dataclass
@@ -89,7 +95,7 @@ def recalibrate(
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint on Ray actors."""
     model = build_model(request.arch, request.model_kwargs, allowed_modules=tuple(settings.model_modules))
-    checkpoint = load_checkpoint(request.checkpoint)
+    checkpoint = load_checkpoint(request.checkpoint, request.checkpoint_name)
     load_into_model(model, checkpoint)
     model.eval()
     layers, skipped = find_batchnorm_layers(model)
@@ -101,9 +107,14 @@ def recalibrate(
         transform=request.transform,
         max_samples=request.max_samples,
         **settings.unpack_options(),
+        name=request.data_name,
     )
-    with dataset.open() as data:
-        call_order = probe_call_order(model, layers, data.load(0, 1))
+    try:
+        with dataset.open() as data:
+            call_order = probe_call_order(model, layers, data.load(0, 1))
+    except DatasetError as exc:
+        dataset.name_in(exc)
+        raise
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
 
@@ -171,11 +182,13 @@ def recalibrate(
             break
         except CancelledError:
             raise
-        except DatasetError:
+        except DatasetError as exc:
             # The content of an archive is bad (an image that does not decode): keep nothing of it.
             for spec in (dataset, evaluation.dataset if evaluation is not None else None):
                 if spec is not None and spec.kind == "images" and spec.path != spec.source:
                     discard_unpack(spec.path)
+                if spec is not None:
+                    spec.name_in(exc)
             raise
         except RunError as exc:
             if len(failures) >= retries:
@@ -216,17 +229,22 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
     assert request.eval_data is not None
     source = request.eval_data
     # The transform is for images: evaluation arrays beside calibration images are fed as they are.
-    arrays = source.is_file() and detect_format(source, "evaluation data") in ("npy", "npz")
+    arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
     dataset = describe_dataset(
         source,
         transform=None if arrays else request.transform,
         max_samples=request.eval_max_samples,
         **settings.unpack_options(),
         role="evaluation data",
+        name=request.eval_data_name,
     )
-    labels = read_labels(dataset)
-    with dataset.open() as data:
-        target = check_eval_output(model, data.load(0, 1), labels)
+    try:
+        labels = read_labels(dataset)
+        with dataset.open() as data:
+            target = check_eval_output(model, data.load(0, 1), labels)
+    except DatasetError as exc:
+        dataset.name_in(exc)
+        raise
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
 
 

@@ -222,17 +222,30 @@ class JobRunner:
         return artifacts, report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
-        """The engine's request and settings (archives unpack under the data dir, one folder per digest)."""
+        """The engine's request and settings (archives unpack under the data dir, one folder per digest).
+
+        Blobs are stored under their digest, so the request carries the names they were
+        uploaded with for its messages (the digest, for a blob uploaded without one).
+        """
         checkpoint = self.blobs.path(job.tenant, spec.checkpoint)
         evaluation = spec.eval
         request = RecalibrationRequest(
             **spec.run_options(),
             checkpoint=checkpoint,
+            checkpoint_name=self._blob_name(job, spec.checkpoint),
             data=self._data_path(job, spec.data),
+            data_name=self._blob_name(job, spec.data),
             eval_data=self._data_path(job, evaluation.data) if evaluation is not None else None,
+            eval_data_name=self._blob_name(job, evaluation.data) if evaluation is not None else None,
             eval_max_samples=evaluation.max_samples if evaluation is not None else None,
         )
         return request, self.settings
+
+    def _blob_name(self, job: JobRecord, source: str | DataPath) -> str | None:
+        """What messages call a spec's blob: its upload's file name, else its digest (None for a path)."""
+        if isinstance(source, DataPath):
+            return None
+        return self.blobs.filename(job.tenant, source) or source
 
     def _data_path(self, job: JobRecord, data: str | DataPath) -> Path:
         """Where a spec's data lies: an uploaded blob of the tenant, or a path under a data root."""

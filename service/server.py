@@ -62,16 +62,18 @@ class Services:
     feed: ChangeFeed
     started_ray: bool = False
 
-    async def upload(self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None) -> BlobInfo:
+    async def upload(
+        self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
+    ) -> BlobInfo:
         """Store an upload within ``BNRECAL_MAX_UPLOAD_BYTES`` (refused early when its declared
-        size is already over), counting it in the metrics."""
+        size is already over), counting it in the metrics; ``filename`` is kept for messages."""
         cap = self.settings.max_upload_bytes
         try:
             if declared_size is not None and declared_size > cap:
                 raise PayloadTooLargeError(
                     f"upload of {declared_size} bytes exceeds the limit of {cap} bytes (BNRECAL_MAX_UPLOAD_BYTES)"
                 )
-            info = await self.blobs.ingest(tenant, chunks, cap)
+            info = await self.blobs.ingest(tenant, chunks, cap, filename)
         except PayloadTooLargeError:
             self.metrics.uploads_rejected.inc()
             raise

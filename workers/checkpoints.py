@@ -10,6 +10,7 @@ exactly the uploaded format and layout, leaving every other byte of content alon
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
 import re
@@ -29,6 +30,8 @@ from workers.files import atomic_write
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 DDP_PREFIX = "module."
 _LISTED = 5  # how many keys of each kind an error message names
+
+log = logging.getLogger("bnrecal.checkpoints")
 
 
 @dataclass
@@ -56,15 +59,17 @@ class Checkpoint:
         return {key[cut:]: value for key, value in self.stored_state_dict.items()}
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Checkpoint:
     """Read a checkpoint file safely and find its state dict.
 
     The format is decided by the content, not the file name. Torch files are read with
     the weights-only unpickler, so a file that would need arbitrary code to load is
-    refused instead of run.
+    refused instead of run. ``name`` is what error messages call the file (default: its
+    own name); the service passes the name a blob was uploaded with, since the stored
+    file is named after its digest.
     """
     file = Path(path)
-    name = file.name
+    name = repr(name or file.name)
     if file.is_dir():
         raise CheckpointError(f"checkpoint {name} is a directory, not a file")
     try:
@@ -76,11 +81,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if size == 0:
         raise CheckpointError(f"checkpoint {name} is empty")
     if _looks_like_safetensors(head, size):
-        tensors, metadata = _read_safetensors(file)
+        tensors, metadata = _read_safetensors(file, name)
         checkpoint_format: Literal["safetensors", "torch"] = "safetensors"
         container: Any = tensors
     else:
-        container = _read_torch(file)
+        container = _read_torch(file, name)
         checkpoint_format, metadata = "torch", None
     location = _find_state_dict(container, name)
     found: Any = container
@@ -99,22 +104,26 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
     return 2 <= header_length <= size - 8 and head[8:9] == b"{"
 
 
-def _read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """All tensors of a safetensors file, and its header metadata."""
+def _read_safetensors(file: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """All tensors of a safetensors file, and its header metadata (``name``: the file as messages quote it)."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             metadata = handle.metadata()
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError and OSError
         raise CheckpointError(
-            f"checkpoint {file.name} is a corrupt safetensors file: {one_line(exc)}"
+            f"checkpoint {name} is a corrupt safetensors file: {one_line(exc)}"
         ) from exc
     return tensors, (dict(metadata) if metadata is not None else None)
 
 
-def _read_torch(file: Path) -> Any:
-    """The object in a torch file, read with the weights-only unpickler and nothing else."""
-    name = file.name
+def _read_torch(file: Path, name: str) -> Any:
+    """The object in a torch file, read with the weights-only unpickler and nothing else.
+
+    A file torch cannot even parse (cut short, or not a torch file at all) gets one plain
+    sentence; torch's own words (miniz's paragraph about a corrupt zip, an EOF, a
+    ``KeyError`` from the unpickler) stay in the log and the exception chain.
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -122,9 +131,7 @@ def _read_torch(file: Path) -> Any:
     except pickle.UnpicklingError as exc:
         detail = str(exc.__context__ or exc.__cause__ or exc)
         if "Weights only load failed" not in str(exc):
-            raise CheckpointError(
-                f"checkpoint {name} is corrupt or not a checkpoint: {one_line(exc)}"
-            ) from exc
+            raise _unreadable(name, exc) from exc
         match = re.search(r"GLOBAL ([\w.]+)", detail)
         if match:
             raise CheckpointError(
@@ -137,9 +144,13 @@ def _read_torch(file: Path) -> Any:
             "it is corrupt or needs a full unpickle, which bnrecal never does"
         ) from None
     except Exception as exc:  # zip errors, EOF, bad magic number, truncated storages
-        raise CheckpointError(
-            f"checkpoint {name} is corrupt, truncated or not a checkpoint: {one_line(exc)}"
-        ) from exc
+        raise _unreadable(name, exc) from exc
+
+
+def _unreadable(name: str, exc: BaseException) -> CheckpointError:
+    """The error for a file torch cannot parse; what torch said goes to the log only."""
+    log.info("checkpoint %s: torch.load failed: %s: %s", name, type(exc).__name__, exc)
+    return CheckpointError(f"checkpoint {name} is truncated or not a torch/safetensors file")
 
 
 def _is_tensor_dict(value: Any) -> bool:

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from api.deps import ServicesDep, TenantDep
 from api.files import blob_response
 from api.problems import PROBLEM_RESPONSES, problem_responses
+from service.blobs import MAX_FILENAME_CHARS
 from workers.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)
 
 
 class BlobOut(BaseModel):
-    """A stored blob."""
+    """A stored blob; ``filename`` is the name it was uploaded with (null without one)."""
 
     digest: str
     size: int
+    filename: str | None = None
 
 
+_FILENAME_HELP = (
+    "The name of the uploaded file (e.g. calib.npy), shown in the errors of jobs that use the blob "
+    "instead of its digest. Only its last path component is kept, without control characters."
+)
 _UPLOAD_BODY = {
     "requestBody": {
         "required": True,
@@ -36,19 +44,27 @@ _UPLOAD_BODY = {
     openapi_extra=_UPLOAD_BODY,
     responses=problem_responses(413),
 )
-async def upload_blob(request: Request, response: Response, tenant: TenantDep, services: ServicesDep) -> BlobOut:
+async def upload_blob(
+    request: Request,
+    response: Response,
+    tenant: TenantDep,
+    services: ServicesDep,
+    filename: Annotated[str | None, Query(max_length=MAX_FILENAME_CHARS, description=_FILENAME_HELP)] = None,
+) -> BlobOut:
     """Store the raw request body, streamed to disk while hashed; the same bytes give the same digest.
 
     The size cap (``BNRECAL_MAX_UPLOAD_BYTES``) is enforced on the bytes received, so a
-    wrong or missing ``Content-Length`` changes nothing.
+    wrong or missing ``Content-Length`` changes nothing. ``filename`` is only a display
+    name for the errors of jobs that use the blob; it never names a file on the server.
     """
     declared = request.headers.get("content-length", "")
     try:
-        info = await services.upload(tenant, request.stream(), int(declared) if declared.isdigit() else None)
+        size = int(declared) if declared.isdigit() else None
+        info = await services.upload(tenant, request.stream(), size, filename)
     except ClientDisconnect:
         raise InputError("upload interrupted: the client disconnected before the end of the body") from None
     response.headers["Location"] = f"/v1/blobs/{info.digest}"
-    return BlobOut(digest=info.digest, size=info.size)
+    return BlobOut(digest=info.digest, size=info.size, filename=info.filename)
 
 
 @router.get("/{digest}", summary="Download a blob", response_class=Response)

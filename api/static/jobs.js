@@ -93,7 +93,8 @@ function chosenFile(id, label, required) {
 
 async function uploadBlob(file, label, state) {
   state.textContent = `uploading ${label} (${file.name}, ${file.size} bytes)…`;
-  const response = await api("/v1/blobs", {
+  // the file's name is only shown in the errors of jobs that use the blob
+  const response = await api(`/v1/blobs?filename=${encodeURIComponent(file.name.slice(0, 255))}`, {
     method: "POST",
     body: file,
     headers: { "Content-Type": "application/octet-stream" },

@@ -112,6 +112,72 @@ def test_an_oversize_json_body_is_413(live_server):
     assert response.status_code == 413 and response.headers["content-type"] == "application/problem+json"
 
 
+UNKNOWN_FORMAT = (
+    "unknown {role} format {name} ({extension}); expected a .npy or .npz file, an image folder, "
+    "or a .tar, .tar.gz/.tgz or .zip archive of images"
+)
+
+
+def test_a_failed_job_names_the_files_as_uploaded_not_their_digests(live_server, tmp_path):
+    from service.client import BnrecalClient
+
+    good = save_state(tmp_path / "good.pt", mixed_net())
+    whole = good.read_bytes()
+    (tmp_path / "model.pt").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "calib.txt").write_text("1,2\n3,4\n")
+    samples, _ = write_samples(tmp_path / "x.npy", 4)
+    with BnrecalClient(live_server.url, api_key=KEYS["carol"]) as remote:
+        text = remote.upload(tmp_path / "calib.txt")
+        half = remote.upload(tmp_path / "model.pt")["digest"]
+        checkpoint, data = remote.upload(good)["digest"], remote.upload(samples)["digest"]
+    assert text["filename"] == "calib.txt"
+    base = {"arch": "tests.nets:mixed_net", "checkpoint": checkpoint, "data": data}
+    with live_server.client("carol") as client:
+        unnamed = upload(client, b"text uploaded without a name")
+        named = client.post("/v1/blobs", params={"filename": "C:\\fakepath\\notes.md"}, content=b"notes")
+        assert named.status_code == 201 and named.json()["filename"] == "notes.md"  # only the last component
+        too_long = client.post("/v1/blobs", params={"filename": "x" * 256}, content=b"notes")
+        assert too_long.status_code == 422 and too_long.json()["field"] == "query filename"
+        specs = {
+            "data": base | {"data": text["digest"]},
+            "checkpoint": base | {"checkpoint": half},
+            "eval": base | {"eval": {"data": text["digest"]}},
+            "unnamed": base | {"data": unnamed},
+        }
+        jobs = {case: submit(client, spec)["id"] for case, spec in specs.items()}
+        errors = {case: wait_for(client, job_id)["error"] for case, job_id in jobs.items()}
+    assert errors["data"]["detail"] == UNKNOWN_FORMAT.format(
+        role="calibration data", name="'calib.txt'", extension="extension .txt"
+    )
+    assert errors["data"]["type"].endswith("/dataset") and errors["data"]["status"] == 422
+    assert errors["checkpoint"]["detail"] == "checkpoint 'model.pt' is truncated or not a torch/safetensors file"
+    assert errors["checkpoint"]["type"].endswith("/checkpoint")
+    assert errors["eval"]["detail"].startswith("unknown evaluation data format 'calib.txt' (extension .txt)")
+    # a blob uploaded without a name is called by the digest the spec gave, not the stored file's bare hex
+    assert errors["unnamed"]["detail"] == UNKNOWN_FORMAT.format(
+        role="calibration data", name=f"'{unnamed}'", extension="no extension"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [(b'{"arch": ', "line 1 column 10"), (b'{\n  "arch": "x",\n}', "line 3 column 1")],
+)
+def test_a_body_that_is_not_json_says_where_it_breaks_and_names_no_field(live_server, body, where):
+    with live_server.client("carol") as client:
+        response = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["detail"].startswith("the request body is not valid JSON: ")
+    assert problem["detail"].endswith(f" at {where}") and "\n" not in problem["detail"]
+    assert problem["field"] is None and problem["errors"] == []
+    # a real field error still names the field path, nested ones with dots
+    spec = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+    with live_server.client("carol") as client:
+        nested = client.post("/v1/jobs", json=spec | {"eval": {"data": 5}}).json()
+    assert nested["field"] == "eval.data" and nested["errors"][0]["field"] == "eval.data"
+
+
 def test_malformed_json_and_disallowed_arch_are_422(live_server):
     with live_server.client("carol") as client:
         broken = client.post("/v1/jobs", content=b'{"arch": ', headers={"Content-Type": "application/json"})

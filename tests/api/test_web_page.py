@@ -147,7 +147,8 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     # asked for the job list or the job again after submitting.
     assert page.evaluate("window.__pageMarker") == "not reloaded"
     after_submit = [url.removeprefix(live_server.url) for url in tab.requested[submitted_at:]]
-    assert after_submit == ["/v1/blobs", "/v1/blobs", "/v1/jobs", f"/v1/jobs/{job_id}/events"], after_submit
+    blobs = ["/v1/blobs?filename=stale.pt", "/v1/blobs?filename=calib.npy"]
+    assert after_submit == [*blobs, "/v1/jobs", f"/v1/jobs/{job_id}/events"], after_submit
     seen = [(status, text) for seen_id, status, text in page.evaluate("window.__rows") if seen_id == job_id]
     assert seen[0][0] in ("queued", "running") and seen[-1] == ("succeeded", "48 / 48 samples"), seen
     screenshot(page, "jobs.png")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.blobs import BlobStore, is_digest
+from service.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
 from workers.errors import NotFoundError, PayloadTooLargeError
 
 
@@ -21,8 +21,9 @@ async def _chunks(parts: list[bytes], consumed: list[int] | None = None) -> Asyn
         yield part
 
 
-def ingest(store: BlobStore, tenant: str, parts: list[bytes], cap: int = 1 << 30, consumed: list[int] | None = None):
-    return asyncio.run(store.ingest(tenant, _chunks(parts, consumed), cap))
+def ingest(store: BlobStore, tenant: str, parts: list[bytes], cap: int = 1 << 30, consumed: list[int] | None = None,
+           filename: str | None = None):
+    return asyncio.run(store.ingest(tenant, _chunks(parts, consumed), cap, filename))
 
 
 def files_under(root: Path) -> list[Path]:
@@ -102,3 +103,47 @@ def test_clear_staging_removes_half_written_uploads(tmp_path):
     (store.root / ".staging" / "upload-crashed.part").write_bytes(b"half")
     BlobStore(tmp_path / "blobs").clear_staging()
     assert files_under(store.root) == []
+
+
+def test_an_upload_keeps_its_file_name_per_tenant_and_the_latest_name_wins(tmp_path):
+    store = BlobStore(tmp_path / "blobs")
+    first = ingest(store, "alice", [b"weights"], filename="model.pt")
+    assert first.filename == "model.pt" and store.filename("alice", first.digest) == "model.pt"
+    assert store.info("alice", first.digest).filename == "model.pt"
+    assert ingest(store, "alice", [b"weights"]).filename == "model.pt"  # no name: the earlier one stays
+    assert ingest(store, "alice", [b"weights"], filename="renamed.pt").filename == "renamed.pt"
+    assert store.filename("alice", first.digest) == "renamed.pt"
+    assert ingest(store, "bob", [b"weights"]).filename is None  # bob's copy has its own (no) name
+    assert store.path("alice", first.digest).read_bytes() == b"weights"  # the name never moves the blob
+
+
+def test_a_store_written_without_names_still_serves_its_blobs(tmp_path):
+    store = BlobStore(tmp_path / "blobs")
+    info = ingest(store, "alice", [b"old data"])
+    assert files_under(store.root) == [store.path("alice", info.digest)]  # nothing beside the blob
+    reopened = BlobStore(tmp_path / "blobs")
+    assert reopened.info("alice", info.digest) == info and info.filename is None
+    assert reopened.filename("alice", "sha256:" + "0" * 64) is None
+    assert reopened.filename("alice", "../../etc/passwd") is None
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("calib.txt", "calib.txt"),
+        ("C:\\Users\\me\\calib.npy", "calib.npy"),
+        ("../../etc/passwd", "passwd"),
+        ("two\nlines\x00.npy", "twolines.npy"),
+        ("\u202egnp.exe", "gnp.exe"),  # a right-to-left override cannot disguise the name
+        ("caf\u00e9 photos", "caf\u00e9 photos"),
+        ("..", None), ("dir/", None), ("   ", None), ("", None), (None, None),
+    ],
+)
+def test_file_names_are_only_a_safe_display_name(given, kept):
+    assert clean_filename(given) == kept
+
+
+def test_an_overlong_file_name_is_cut(tmp_path):
+    store = BlobStore(tmp_path / "blobs")
+    info = ingest(store, "alice", [b"x"], filename="n" * 1000 + ".npy")
+    assert info.filename == "n" * MAX_FILENAME_CHARS

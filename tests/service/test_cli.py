@@ -92,6 +92,8 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
     partial.pop("fc.weight")
     torch.save(partial, tmp_path / "partial.pt")
     (tmp_path / "corrupt.pt").write_bytes(b"PK\x03\x04 definitely not a checkpoint")
+    whole = artifacts["checkpoint"].read_bytes()
+    (tmp_path / "half.pt").write_bytes(whole[: len(whole) // 2])
     (tmp_path / "evil.pt").write_bytes(pickle.dumps({"state_dict": Evil()}))
     save_array(tmp_path / "wrong.npy", np.zeros((4, 5, 6, 5), np.float32))
     save_array(tmp_path / "empty.npy", np.zeros((0, 3, 6, 5), np.float32))
@@ -105,6 +107,10 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
         "unexpected keys": (["--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "extra.pt")], "stray.weight"),
         "missing keys": (["--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "partial.pt")], "fc.weight"),
         "corrupt file": (["--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "corrupt.pt")], "corrupt.pt"),
+        "truncated file": (
+            ["--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "half.pt")],
+            "error: checkpoint 'half.pt' is truncated or not a torch/safetensors file",
+        ),
         "code in pickle": (["--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "evil.pt")], "unpickl"),
         "shape rejected": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--data", str(tmp_path / "wrong.npy")], "rejects samples of shape (5, 6, 5)"),
         "no batchnorm": (["--arch", "tests.nets:no_norm_net", "--checkpoint", str(tmp_path / "nonorm.pt"), "--data", str(tmp_path / "vec.npy")], "no BatchNorm"),
@@ -121,7 +127,7 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
 
 
 CASES = [
-    "unknown arch", "module not allowed", "unexpected keys", "missing keys", "corrupt file", "code in pickle",
+    "unknown arch", "module not allowed", "unexpected keys", "missing keys", "corrupt file", "truncated file", "code in pickle",
     "shape rejected", "no batchnorm", "empty dataset", "bad kwargs json", "bad mode", "zero workers",
     "uncalibratable layer",
 ]

@@ -1,10 +1,16 @@
-"""The Python client's protocol pieces: Server-Sent Event parsing and problem -> typed error."""
+"""The Python client's protocol pieces: Server-Sent Event parsing, problem -> typed error,
+and what an upload sends (the file's name beside its bytes)."""
 
 from __future__ import annotations
 
+import io
+import tarfile
+from pathlib import Path
+
+import httpx
 import pytest
 
-from service.client import error_from_problem, parse_events
+from service.client import BnrecalClient, error_from_problem, parse_events
 from service.jobs import ConflictError
 from workers.errors import (
     CancelledError,
@@ -61,3 +67,33 @@ def test_spec_errors_keep_their_field_and_unknown_types_go_by_status():
     assert isinstance(error, SpecError) and error.field == "workers"
     assert type(error_from_problem({"type": "about:blank", "status": 405, "detail": "nope"})) is InputError
     assert type(error_from_problem({"status": 502, "detail": "bad gateway"})) is RunError
+
+
+def recorded_uploads(client: BnrecalClient) -> list[tuple[httpx.URL, bytes]]:
+    """Point the client at an in-process handler that records each upload's URL and body."""
+    sent: list[tuple[httpx.URL, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url, request.read()))
+        return httpx.Response(201, json={"digest": "sha256:" + "0" * 64, "size": len(sent[-1][1])})
+
+    client._http = httpx.Client(base_url=client.server, transport=httpx.MockTransport(handler))
+    return sent
+
+
+def test_an_upload_sends_the_file_name_and_a_folder_its_own_name(tmp_path: Path):
+    (tmp_path / "calib.txt").write_text("1,2\n")
+    photos = tmp_path / "photos"
+    (photos / "cats").mkdir(parents=True)
+    (photos / "cats" / "a.png").write_bytes(b"png")
+    with BnrecalClient("http://bnrecal.invalid") as client:
+        sent = recorded_uploads(client)
+        client.upload(tmp_path / "calib.txt")
+        client.upload(photos)
+        client.upload(tmp_path / "calib.txt", filename="renamed.csv")
+    assert [(url.path, url.params.get("filename")) for url, _ in sent] == [
+        ("/v1/blobs", "calib.txt"), ("/v1/blobs", "photos"), ("/v1/blobs", "renamed.csv"),
+    ]
+    assert sent[0][1] == b"1,2\n"
+    with tarfile.open(fileobj=io.BytesIO(sent[1][1])) as tar:  # the folder goes as a tar, named after the folder
+        assert tar.getnames() == ["cats/a.png"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import shlex
@@ -351,6 +352,19 @@ def test_truncated_files_are_named(tmp_path: Path, fmt: str) -> None:
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError, match="cut.ckpt"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.98], ids=["half", "tail-cut"])
+def test_a_cut_torch_file_is_one_sentence_naming_the_given_name(tmp_path, caplog, kept) -> None:
+    torch.save(trained_like_model().state_dict(), tmp_path / "good.pt")
+    data = (tmp_path / "good.pt").read_bytes()
+    stored = tmp_path / ("ab" * 32)  # a blob is stored under its digest; the user knows its name
+    stored.write_bytes(data[: int(len(data) * kept)])
+    with caplog.at_level(logging.INFO, "bnrecal.checkpoints"), pytest.raises(CheckpointError) as info:
+        load_checkpoint(stored, name="model.pt")
+    assert str(info.value) == "checkpoint 'model.pt' is truncated or not a torch/safetensors file"
+    assert info.value.__cause__ is not None  # torch's own words stay in the chain and the log
+    assert "'model.pt'" in caplog.text and "torch.load failed" in caplog.text
 
 
 def test_files_without_a_state_dict_are_refused(tmp_path: Path) -> None:

@@ -170,7 +170,7 @@ def test_corrupt_and_missing_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="not found"):
         describe_dataset(tmp_path / "absent.npy")
     (tmp_path / "table.csv").write_text("1,2\n3,4\n")
-    with pytest.raises(DatasetError, match=r"unknown calibration data format table\.csv"):
+    with pytest.raises(DatasetError, match=r"unknown calibration data format 'table\.csv' \(extension \.csv\)"):
         describe_dataset(tmp_path / "table.csv")
 
 
@@ -183,6 +183,34 @@ def test_a_file_without_extension_is_recognised_by_content(tmp_path: Path) -> No
         with archive.open("data.npy", "w") as member:
             np.lib.format.write_array(member, values)
     assert describe_dataset(tmp_path / "npzblob").layout.array_name == "data"  # type: ignore[union-attr]
+
+
+def test_a_stored_blob_is_named_as_uploaded_but_read_by_its_content(tmp_path: Path) -> None:
+    stored = tmp_path / ("5891b5b5" * 8)  # a blob: named by its digest, no extension
+    stored.write_text("1,2\n3,4\n")
+    with pytest.raises(DatasetError) as caught:
+        describe_dataset(stored, name="calib.txt")
+    assert str(caught.value) == (
+        "unknown calibration data format 'calib.txt' (extension .txt); expected a .npy or .npz file, "
+        "an image folder, or a .tar, .tar.gz/.tgz or .zip archive of images"
+    )
+    with pytest.raises(DatasetError, match=f"format 'sha256:{stored.name}' \\(no extension\\)"):
+        describe_dataset(stored, name=f"sha256:{stored.name}")  # a blob uploaded without a name
+    np.save(tmp_path / "x.npy", np.zeros((0, 3), np.float32))
+    (tmp_path / "x.npy").replace(stored)
+    with pytest.raises(DatasetError, match=r"^calib\.npy holds no samples"):
+        describe_dataset(stored, name="calib.npy")
+    with zipfile.ZipFile(stored, "w") as archive:  # an archive of no images, unpacked into a folder named by digest
+        archive.writestr("notes/readme.md", "no pictures here")
+    with pytest.raises(DatasetError, match="no images") as caught:
+        describe_dataset(stored, name="photos", unpack_root=tmp_path / "unpacked")
+    assert "photos" in str(caught.value) and stored.name not in str(caught.value)
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.save(tmp_path / "x.npy", values)
+    (tmp_path / "x.npy").replace(stored)
+    spec = describe_dataset(stored, name="calib.txt")  # the name is only shown: .npy bytes are read as .npy
+    assert spec.kind == "array" and spec.summary()["source"] == "calib.txt"
+    np.testing.assert_array_equal(spec.open().load(0, 2).numpy(), values)
 
 
 def test_transform_is_refused_for_arrays(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def test_labels_come_from_npz_y_and_class_folders(tmp_path: Path) -> None:
 
 def test_evaluation_data_errors_say_evaluation(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(DatasetError, match="unknown evaluation data format notes.txt"):
+    with pytest.raises(DatasetError, match="unknown evaluation data format 'notes.txt'"):
         describe_dataset(tmp_path / "notes.txt", role="evaluation data")
     with pytest.raises(DatasetError, match="evaluation data not found"):
         describe_dataset(tmp_path / "missing.npz", role="evaluation data")

@@ -34,7 +34,7 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
     layout = spec.layout
     if layout is None or not layout.storage.startswith("npz"):
         return None
-    name = Path(spec.source).name
+    name = spec.display_name
     try:
         with zipfile.ZipFile(spec.path) as archive:
             if f"{LABEL_ARRAY}.npy" not in archive.namelist():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import zipfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,8 @@ class DatasetSpec:
     ``path`` is the ``.npy``/``.npz`` file or the image folder (after unpacking an
     archive); ``source`` is the path the user gave. ``num_samples`` counts after
     ``max_samples``, ``total_samples`` before. ``sample_shape`` is one sample as fed
-    to the model (float32).
+    to the model (float32). ``name`` is what messages and reports call the data when
+    that is not the file's own name (an uploaded blob is stored under its digest).
     """
 
     kind: Literal["array", "images"]
@@ -50,6 +52,18 @@ class DatasetSpec:
     transform: ImageTransform | None = None  # images: the resolved transform
     classes: tuple[str, ...] = ()  # images in class folders: class names, label = index
     files_digest: str | None = None  # images: digest of the sample file list
+    name: str | None = None  # the name the user knows, where the file's is an internal one
+
+    @property
+    def display_name(self) -> str:
+        """The data as the user named it: ``name``, else the source file's or folder's name."""
+        return self.name or Path(self.source).name
+
+    def name_in(self, exc: DatasetError) -> None:
+        """Replace the stored file's name (a blob's digest, which also names its unpack folder)
+        by ``name`` in ``exc``'s message."""
+        if self.name:
+            _rename(exc, (Path(self.source).name,), self.name)
 
     def open(self) -> CalibrationData:
         """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
@@ -60,7 +74,7 @@ class DatasetSpec:
         listing = list_images(Path(self.path), strip_wrappers=False)
         files = listing.files[: self.num_samples]
         if len(files) != self.num_samples or files_digest(files) != self.files_digest:
-            raise DatasetError(f"image folder {Path(self.source).name} changed since it was described")
+            raise DatasetError(f"image folder {self.display_name} changed since it was described")
         return ImageData(
             self.path, files, self.transform,
             classes=listing.classes, labels=listing.labels[: self.num_samples],
@@ -70,7 +84,7 @@ class DatasetSpec:
         """A JSON-ready description for reports and logs."""
         info: dict[str, Any] = {
             "kind": self.kind,
-            "source": Path(self.source).name,
+            "source": self.display_name,
             "samples": self.num_samples,
             "total_samples": self.total_samples,
             "sample_shape": list(self.sample_shape),
@@ -94,14 +108,18 @@ def describe_dataset(
     max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
     check_images: bool = True,
     role: str = "calibration data",
+    name: str | None = None,
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
     The format comes from the extension, or from the leading bytes for a file without a
     known one (an uploaded blob). ``max_samples`` keeps the first samples;
     ``check_images`` reads the header of each kept image so a broken file fails here
-    rather than in an actor. ``role`` names the data in messages (e.g. ``evaluation data``). Raises :class:`DatasetError` on any problem (bad options
-    raise :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
+    rather than in an actor. ``role`` names the data in messages (e.g. ``evaluation data``);
+    ``name`` is what messages and the summary call it instead of the file's own name (the
+    name an uploaded blob came with: only shown, never used to find or parse the file).
+    Raises :class:`DatasetError` on any problem (bad options raise
+    :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
     """
     if max_samples is not None and (
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
@@ -111,50 +129,94 @@ def describe_dataset(
     if not source.exists():
         raise DatasetError(f"{role} not found: {path}")
     source = source.absolute()
+    unpacked: list[Path] = []
+    try:
+        spec = _describe(
+            source, transform, max_samples, check_images, role, name, unpacked,
+            unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
+            unpack_root=Path(unpack_root) if unpack_root is not None else None,
+            max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
+            max_compression_ratio=max_compression_ratio,
+        )
+    except DatasetError as exc:
+        # The stored file and an archive's unpack folder may be named by digest: say what the user gave.
+        _rename(exc, [source.name, *(folder.name for folder in unpacked)], name or source.name)
+        raise
+    return spec if name is None else replace(spec, name=name)
+
+
+def _describe(
+    source: Path,
+    transform: Mapping[str, Any] | None,
+    max_samples: int | None,
+    check_images: bool,
+    role: str,
+    name: str | None,
+    unpacked: list[Path],
+    **unpack: Any,
+) -> DatasetSpec:
+    """:func:`describe_dataset` on an existing absolute path; an archive's unpack folder goes to ``unpacked``."""
+    shown = name or source.name
     try:
         if source.is_dir():
             return _describe_images(source, source, transform, max_samples, check_images)
-        data_format = detect_format(source, role)
+        data_format = detect_format(source, role, name)
         if data_format in ("npy", "npz"):
             if transform:
                 raise DatasetOptionError(
-                    f"transform applies to image data only; {source.name} is an array file", field="transform"
+                    f"transform applies to image data only; {shown} is an array file", field="transform"
                 )
             layout = describe_npy(source) if data_format == "npy" else describe_npz(source)
             total = layout.shape[0]
             if total == 0:
-                raise DatasetError(f"{source.name} holds no samples (shape {layout.shape})")
+                raise DatasetError(f"{shown} holds no samples (shape {layout.shape})")
             return DatasetSpec(
                 kind="array", path=str(source), num_samples=min(total, max_samples or total),
                 sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source), layout=layout,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
-        folder = unpack_archive(
-            source, data_format, Path(unpack_dir) if unpack_dir is not None else None,
-            unpack_root=Path(unpack_root) if unpack_root is not None else None,
-            max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
-            max_compression_ratio=max_compression_ratio,
-        )
+        folder = unpack_archive(source, data_format, unpack.pop("unpack_dir"), **unpack)
+        unpacked.append(folder)
         try:
             return _describe_images(folder, source, transform, max_samples, check_images)
         except DatasetError:
             discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
             raise
     except OSError as exc:
-        raise DatasetError(f"cannot read {source.name}: {exc.strerror or exc}") from exc
+        raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
 
 
-def detect_format(path: Path, role: str = "calibration data") -> str:
-    """``npy``, ``npz``, ``tar`` or ``zip``: by extension, else by the file's leading bytes."""
+def detect_format(path: Path, role: str = "calibration data", name: str | None = None) -> str:
+    """``npy``, ``npz``, ``tar`` or ``zip``: by the file's extension, else by its leading bytes.
+
+    ``name`` (an uploaded blob's file name) is only shown in the error: a blob is stored
+    without an extension, so its format always comes from its content, whatever it was
+    called when uploaded.
+    """
     lower = path.name.lower()
     for suffix, data_format in _SUFFIX_FORMATS:
         if lower.endswith(suffix):
             return data_format
     sniffed = _sniff_format(path)
     if sniffed is None:
-        suffix = "".join(path.suffixes) or "(none)"
-        raise DatasetError(f"unknown {role} format {path.name} (extension {suffix}); expected {_EXPECTED}")
+        shown = name or path.name
+        suffix = "".join(Path(shown).suffixes)
+        extension = f"extension {suffix}" if suffix else "no extension"
+        raise DatasetError(f"unknown {role} format {shown!r} ({extension}); expected {_EXPECTED}")
     return sniffed
+
+
+def _rename(exc: DatasetError, internal: Iterable[str], shown: str) -> None:
+    """Replace whole-word occurrences of internal file names in ``exc``'s message by ``shown``
+    (not inside ``shown`` itself, where a digest may already appear as ``sha256:<hex>``)."""
+    pieces = exc.message.split(shown)
+    for old in internal:
+        if old and old != shown:
+            pattern = re.compile(rf"(?<![\w.-]){re.escape(old)}(?![\w.-])")
+            pieces = [pattern.sub(lambda _: shown, piece) for piece in pieces]
+    message = shown.join(pieces)
+    exc.message = message
+    exc.args = (message,)
 
 
 def _sniff_format(path: Path) -> str | None:
