@@ -203,7 +203,9 @@ def test_submit_command_and_client_give_the_same_result(finished, live_server, s
         "--checkpoint", str(checkpoint), "--data", str(data), "--workers", "2", "--batch-size", str(BATCH),
         "--placement", "pack", "--max-retries", "1", "--out", str(out), "--report", str(report),
     ])
-    assert "recalibrated 5 BN layers on 23 samples" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "recalibrated 5 BN layers on 23 samples" in err and f"-> {out}" in err
+    assert f"also wrote {report}\n" in err  # every file written is listed
     submitted = json.loads(report.read_text())
     assert submitted["placement"] == "PACK" and submitted["attempts"] == 1
     with BnrecalClient(live_server.url, KEYS["alice"]) as client:
