@@ -32,9 +32,10 @@ from workers import errors as error_types
 from workers.errors import BnrecalError, InputError, RunError
 from workers.files import atomic_write
 
+from .blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
+
 TERMINAL = ("succeeded", "failed", "cancelled")
 UPLOAD_CHUNK = 1024 * 1024
-UPLOAD_NAME_CHARS = 255  # the longest file name the server keeps
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class BnrecalClient:
                     yield block
 
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
-            params = {"filename": (filename or source.name)[:UPLOAD_NAME_CHARS]}
+            params = {"filename": (filename or source.name)[:MAX_FILENAME_CHARS]}
             return self._json("POST", "/v1/blobs", content=chunks(), headers=headers, params=params)
 
     def upload_bytes(self, data: bytes) -> dict[str, Any]:

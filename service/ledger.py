@@ -25,9 +25,9 @@ from sqlalchemy.types import TypeDecorator
 from workers.errors import NotFoundError
 
 from .jobs import ConflictError, JobRecord, JobStatus
+from .options import STARTING_PHASE
 
 INTERRUPTED = "interrupted by restart"
-STARTING = "starting workers"  # the phase of a job that has just started running
 MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once
 
 
@@ -193,7 +193,7 @@ class Ledger:
         changed = self._update(
             job_id, {JobStatus.queued},
             status=JobStatus.running.value, started_at=_now(), attempts=JobRow.attempts + 1,
-            samples_done=0, samples_total=None, phase=STARTING,
+            samples_done=0, samples_total=None, phase=STARTING_PHASE,
         )
         return self.get_any(job_id) if changed else None
 

@@ -23,6 +23,10 @@ MAX_WORKERS = 1024
 DEFAULT_OPSET = 18
 """ONNX opset of an export unless the user picks one."""
 
+STARTING_PHASE = "starting workers"
+"""The progress phase of a job whose rank actors are starting, before any sample is processed:
+the ledger's first phase of a running job, and one the CLI shows without a count."""
+
 OptionsT = TypeVar("OptionsT", bound="RunOptions")
 
 

@@ -28,14 +28,14 @@ from workers.collectives import backend_for_device
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError, SpecError
 from workers.evaluation import check_eval_output
-from workers.group import STARTING_PHASE, GroupOptions, run_rank_group
+from workers.group import GroupOptions, run_rank_group
 from workers.models import build_model
 from workers.moments import MomentStats
 from workers.plan import EvalPlan, RankPlan
 from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
-from .options import RunOptions
+from .options import STARTING_PHASE, RunOptions
 from .report import build_report, write_report
 from .settings import Settings
 

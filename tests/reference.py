@@ -1,6 +1,6 @@
-"""An independent float64 single-process reference of contract section 1.
+"""Independent references: float64 statistics (contract section 1) and evaluation metrics.
 
-It does not share code with the engine: it runs a float64 copy of the model, each BN
+The statistics reference shares no code with the engine: it runs a float64 copy of the model, each BN
 module's own forward in torch's training mode (batch statistics, biased variance; only
 the layer's own flag, its children such as timm's activation or drop path stay in eval
 mode like the rest of the model), and collects every value each BN layer sees with
@@ -10,8 +10,10 @@ forward pre-hooks to compute the mean and the unbiased variance directly.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -104,3 +106,32 @@ def _errors(
     mean_err = (((got_mean - mean).abs() - storage).clamp_min(0) / std).max().item()
     var_err = ((got_var - var).abs() / var.clamp_min(1e-30)).max().item()
     return mean_err, var_err
+
+
+def reference_metrics(before: torch.Tensor, after: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:
+    """Top-1/top-5/cross-entropy and prediction change/KL written out from their definitions."""
+    p_before = before.double().softmax(1)
+    p_after = after.double().softmax(1)
+    kl = (p_before * (p_before.log() - p_after.log())).sum(1).mean().item()
+    changed = (before.argmax(1) != after.argmax(1)).double().mean().item()
+    result = {"kl": kl, "changed": changed}
+    if labels is not None:
+        for name, logits in (("before", before), ("after", after)):
+            order = logits.double().argsort(1, descending=True)
+            result[f"top1_{name}"] = (order[:, 0] == labels).double().mean().item()
+            result[f"top5_{name}"] = (order[:, :5] == labels[:, None]).any(1).double().mean().item()
+            picked = logits.double().log_softmax(1).gather(1, labels[:, None])
+            result[f"ce_{name}"] = -picked.mean().item()
+    return result
+
+def assert_metrics_match(
+    metrics: dict[str, Any], expected: dict[str, float], *, cross_entropy_rel: float, kl_rel: float
+) -> None:
+    """The engine's labelled evaluation metrics equal :func:`reference_metrics`: counts exactly,
+    the float sums within the given relative tolerances."""
+    for name in ("before", "after"):
+        assert metrics[name]["top1"] == pytest.approx(expected[f"top1_{name}"], abs=1e-12)
+        assert metrics[name]["top5"] == pytest.approx(expected[f"top5_{name}"], abs=1e-12)
+        assert metrics[name]["cross_entropy"] == pytest.approx(expected[f"ce_{name}"], rel=cross_entropy_rel)
+    assert metrics["prediction_change"] == pytest.approx(expected["changed"], abs=1e-12)
+    assert metrics["kl_divergence"] == pytest.approx(expected["kl"], rel=kl_rel)

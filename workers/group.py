@@ -30,9 +30,6 @@ ProgressCallback = Callable[[str, int], None]
 """Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
 ranks have processed in it so far."""
 
-STARTING_PHASE = "starting workers"
-"""The phase of a job whose rank actors are starting, before any sample is processed."""
-
 
 @dataclass(frozen=True)
 class GroupOptions:

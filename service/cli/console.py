@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from workers.errors import SpecError
 
+from ..options import STARTING_PHASE
+
 stderr = Console(stderr=True)
 
 
@@ -58,7 +60,7 @@ def progress_bar(description: str) -> Iterator[Any]:
                         bar.update(task.id, total=task.total or 1, completed=task.total or 1)
                 tasks[phase] = bar.add_task(phase, total=None)
             # starting workers counts nothing (its total is the samples still to come): no bar yet
-            bar.update(tasks[phase], completed=done, total=None if phase == "starting workers" else total)
+            bar.update(tasks[phase], completed=done, total=None if phase == STARTING_PHASE else total)
 
         yield update
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..options import STARTING_PHASE
 from . import options as opt
 from .console import parse_json_object, parse_shape, print_line, progress_bar, summary_lines
 
@@ -53,7 +54,7 @@ def calibrate(
     )
     cancel = threading.Event()
     connected_before = _ray_connected()
-    with progress_bar("starting workers") as update:
+    with progress_bar(STARTING_PHASE) as update:
         try:
             result = recalibrate(request, settings, on_progress=update, cancel=cancel)
         except KeyboardInterrupt:
