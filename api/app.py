@@ -6,16 +6,18 @@ the reverse. ``bnrecal serve`` starts it by name (``api.app:create_app``).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from importlib.metadata import PackageNotFoundError, version
+from types import FrameType
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from service.server import open_services
+from service.server import Services, open_services
 from service.settings import Settings, get_settings
 
 from .limits import BodySizeLimit
@@ -52,12 +54,52 @@ def _server_signal_handlers_kept() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+@contextmanager
+def _drain_on_sigterm(services: Services) -> Iterator[None]:
+    """Make SIGTERM a gentle shutdown: new uploads and jobs get 503 at once, running jobs
+    get ``BNRECAL_SHUTDOWN_GRACE_S`` to finish, then the server's own handler stops it
+    (running jobs that are left go back to the queue). A second SIGTERM, or SIGINT, stops
+    at once. Only where signals can be handled (the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    server_handler = signal.getsignal(signal.SIGTERM)
+
+    def stop_server(sig: int) -> None:
+        if callable(server_handler):
+            server_handler(sig, None)
+        else:  # no server handler to hand over to: terminate as SIGTERM would have
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+    def drain_then_stop(sig: int) -> None:
+        try:
+            services.drain()
+        finally:
+            stop_server(sig)
+
+    def on_sigterm(sig: int, frame: FrameType | None) -> None:
+        if services.draining.is_set():
+            stop_server(sig)
+            return
+        services.draining.set()  # before this handler returns: the next request already gets 503
+        threading.Thread(target=drain_then_stop, args=(sig,), name="bnrecal-drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, server_handler)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The application for ``settings`` (default: the environment's ``BNRECAL_*``).
 
     Besides the API it serves the web page (``/``, ``/jobs/{id}``) and its scripts and
     styles (``/static``). Its lifespan opens the ledger, recovers jobs a crash interrupted, joins Ray and
-    starts the runner; at shutdown, running jobs go back to the queue.
+    starts the runner. SIGTERM drains: no new work (503), running jobs finish within
+    ``BNRECAL_SHUTDOWN_GRACE_S``, the rest go back to the queue.
     """
     settings = settings or get_settings()
 
@@ -68,7 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             services = open_services(settings)
         app.state.services = services
         try:
-            yield
+            with _drain_on_sigterm(services):
+                yield
         finally:
             app.state.services = None
             services.close()

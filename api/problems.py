@@ -24,6 +24,8 @@ from workers.errors import BnrecalError
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 VALIDATION_TYPE = "https://bnrecal.dev/problems/validation"
 _SHOWN_ERRORS = 5
+RETRY_AFTER_S = 5
+"""What a 503 (a server shutting down) tells clients to wait before they retry."""
 
 log = logging.getLogger("bnrecal.api")
 
@@ -61,7 +63,11 @@ def _is_union_tag(part: Any) -> bool:
 
 async def _bnrecal_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BnrecalError)
-    headers = {"WWW-Authenticate": 'Bearer realm="bnrecal"'} if exc.status == 401 else None
+    headers = None
+    if exc.status == 401:
+        headers = {"WWW-Authenticate": 'Bearer realm="bnrecal"'}
+    elif exc.status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return problem_response(problem_of(exc), headers)
 
 

@@ -36,6 +36,8 @@ from .blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 UPLOAD_CHUNK = 1024 * 1024
+STREAM_RESUME_S = 0.5
+"""Pause before resuming an event stream the server ended before the job did (it was shutting down)."""
 
 
 @dataclass(frozen=True)
@@ -176,15 +178,16 @@ class BnrecalClient:
                         on_progress(int(progress["samples_done"]), int(progress["samples_total"]), phase)
                     if event.data.get("status") in TERMINAL:
                         return self.job(job_id)
+                job = self.job(job_id)
+                if job["status"] in TERMINAL:
+                    return job
                 failures = 0
+                time.sleep(STREAM_RESUME_S)  # the server ended the stream early (shutting down?)
             except httpx.TransportError as exc:
                 failures += 1
                 if failures > reconnects:
                     raise RunError(f"lost the event stream of job {job_id} from {self.server}: {exc}") from exc
                 time.sleep(min(2.0**failures * 0.25, 5.0))
-            job = self.job(job_id)
-            if job["status"] in TERMINAL:
-                return job
 
     def download(self, job_id: str, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Save an artifact (``checkpoint``, ``onnx``, ``report``) atomically, checking its digest."""

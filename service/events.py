@@ -30,6 +30,21 @@ class ChangeFeed:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the server is shutting down: streams end after their next event."""
+        return self._closed
+
+    def close(self) -> None:
+        """End every stream (after it has sent the job's current state), so a shutting-down
+        server is not held open by clients following jobs that will not finish here."""
+        with self._lock:
+            self._closed = True
+            job_ids = list(self._waiters)
+        for job_id in job_ids:
+            self.publish(job_id)
 
     def publish(self, job_id: str) -> None:
         """Tell the job's listeners it changed; safe from any thread."""
@@ -81,7 +96,8 @@ async def job_event_stream(
     last_event_id: int | None,
     is_disconnected: Callable[[], Any],
 ) -> AsyncIterator[str]:
-    """Events of one job from after ``last_event_id`` until (and including) its terminal status."""
+    """Events of one job from after ``last_event_id`` until (and including) its terminal status,
+    or until the server shuts down (a client then resumes elsewhere with ``Last-Event-ID``)."""
     sent = last_event_id if last_event_id is not None else 0
     last_status: str | None = None
     with feed.subscribe(job_id) as changed:
@@ -92,7 +108,7 @@ async def job_event_stream(
                 kind = "progress" if last_status == job.status.value else "status"
                 yield format_event(job.revision, kind, event_payload(job))
                 sent, last_status = job.revision, job.status.value
-            if job.status.is_terminal:
+            if job.status.is_terminal or feed.closed:
                 return
             try:
                 await asyncio.wait_for(changed.wait(), timeout=KEEPALIVE_S)

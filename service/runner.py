@@ -65,6 +65,7 @@ class JobRunner:
         self._running: dict[str, _Running] = {}
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self._dispatcher: threading.Thread | None = None
 
     def start(self) -> None:
@@ -89,6 +90,15 @@ class JobRunner:
         """Ids of the jobs running now."""
         with self._lock:
             return list(self._running)
+
+    def drain(self, grace_s: float) -> list[str]:
+        """Start no more jobs and give the running ones up to ``grace_s`` seconds to finish,
+        so a shutdown interrupts as little work as it can; returns the ids still running."""
+        deadline = time.monotonic() + grace_s
+        self._draining.set()
+        while self.running_jobs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.running_jobs()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop starting jobs and interrupt the running ones, which go back to the queue."""
@@ -136,7 +146,7 @@ class JobRunner:
                 continue
             cpus, gpus = self.job_resources(spec)
             with self._lock:
-                if self._stopping.is_set():
+                if self._stopping.is_set() or self._draining.is_set():
                     return
                 busy = len(self._running)
                 cpus_used = sum(entry.cpus for entry in self._running.values())

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from workers.errors import NotFoundError, PayloadTooLargeError
+from workers.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
 
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
@@ -61,12 +62,39 @@ class Services:
     metrics: ServiceMetrics
     feed: ChangeFeed
     started_ray: bool = False
+    draining: threading.Event = field(default_factory=threading.Event)
+
+    def check_accepting(self) -> None:
+        """Refuse new work (503) once a shutdown has begun; reads, downloads and cancels go on."""
+        if self.draining.is_set():
+            raise ServiceUnavailableError(
+                "the server is shutting down and takes no new uploads or jobs; retry in a moment "
+                "(its replacement, or this server after its restart, will take them)"
+            )
+
+    def drain(self) -> list[str]:
+        """Shut down gently: take no new uploads or jobs, let running jobs finish within
+        ``BNRECAL_SHUTDOWN_GRACE_S``, then put the rest back in the queue (their attempt not
+        counted) and end the event streams; returns the ids put back."""
+        self.draining.set()
+        grace = self.settings.shutdown_grace_s
+        running = self.runner.running_jobs()
+        if running:
+            log.warning("shutting down: waiting up to %g s for %d running job(s)", grace, len(running))
+        left = self.runner.drain(grace)
+        if left:
+            log.warning("shutdown grace of %g s is over: %d job(s) go back to the queue: %s (BNRECAL_SHUTDOWN_GRACE_S)",
+                        grace, len(left), ", ".join(left))
+        self.runner.stop()
+        self.feed.close()
+        return left
 
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
     ) -> BlobInfo:
         """Store an upload within ``BNRECAL_MAX_UPLOAD_BYTES`` (refused early when its declared
         size is already over), counting it in the metrics; ``filename`` is kept for messages."""
+        self.check_accepting()
         cap = self.settings.max_upload_bytes
         try:
             if declared_size is not None and declared_size > cap:
@@ -83,6 +111,7 @@ class Services:
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
         """Check a job spec against the tenant's blobs and the settings, and queue it; with
         an idempotency key already used, the job it made (``created`` is then false)."""
+        self.check_accepting()
         check_submission(spec, tenant, self.blobs, self.settings)
         job, created = self.ledger.create(tenant, spec.model_dump(mode="json"), idempotency_key)
         if created:

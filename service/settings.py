@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     rerun_interrupted: bool = Field(
         default=True, description="Run a job a crash left `running` again (once); false: fail it."
     )
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM, how long running jobs may still finish (new uploads and jobs get 503) "
+        "before the rest go back to the queue.",
+    )
     embedded_cpus: int | None = Field(
         default=None, ge=1, description="Logical CPUs of the embedded Ray instance of `serve`; default: the machine's."
     )

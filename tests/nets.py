@@ -113,12 +113,14 @@ MARKER = 4242.0
 
 class MarkerNet(nn.Module):
     """BN1d on (N, 4) that dies (``exit``), dies the first time only (``exit_once``, which
-    needs ``signal_dir``) or hangs (``hang``) on a marked sample: a rank failing mid-job."""
+    needs ``signal_dir``) or hangs (``hang``, for ``hang_s`` seconds) on a marked sample: a
+    rank failing, or being slow, mid-job."""
 
-    def __init__(self, action: str = "exit", signal_dir: str | None = None) -> None:
+    def __init__(self, action: str = "exit", signal_dir: str | None = None, hang_s: float = 3600.0) -> None:
         super().__init__()
         self.action = action
         self.signal_dir = signal_dir
+        self.hang_s = hang_s
         self.bn = nn.BatchNorm1d(4)
         self.fc = nn.Linear(4, 2)
 
@@ -141,13 +143,13 @@ class MarkerNet(nn.Module):
 
             if self.signal_dir:
                 Path(self.signal_dir, f"hanging-{os.getpid()}").touch()
-            time.sleep(3600)
+            time.sleep(self.hang_s)
         return self.fc(self.bn(x))
 
 
-def marker_net(action: str = "exit", signal_dir: str | None = None) -> nn.Module:
+def marker_net(action: str = "exit", signal_dir: str | None = None, hang_s: float = 3600.0) -> nn.Module:
     """Factory for ``tests.nets:marker_net``; with ``signal_dir``, a hanging rank leaves a file there."""
-    return MarkerNet(action, signal_dir)
+    return MarkerNet(action, signal_dir, hang_s)
 
 
 class ActBatchNorm2d(nn.BatchNorm2d):

@@ -18,7 +18,7 @@ _HOMES = {
         "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
         "CheckpointError",
         "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError", "NotFoundError",
-        "PayloadTooLargeError", "RunError", "SpecError", "UnsupportedLayerError",
+        "PayloadTooLargeError", "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
     ),
     "group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models": ("build_model", "parse_allowed_modules"),

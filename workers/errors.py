@@ -18,6 +18,7 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── NotFoundError          unknown blob, job or artifact (HTTP 404)
     │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
     │   └── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
+    ├── ServiceUnavailableError    the server is shutting down (HTTP 503)
     ├── RunError                   the run itself failed: a rank died, a collective
     │   │                          timed out, the cluster is unreachable
     │   ├── CallOrderError         ranks reduced different BN layers in one
@@ -139,6 +140,13 @@ class PayloadTooLargeError(InputError):
 
     status = 413
     title = "Payload too large"
+
+
+class ServiceUnavailableError(BnrecalError):
+    """The server is shutting down and takes no new work; the request may be retried later."""
+
+    status = 503
+    title = "Service unavailable"
 
 
 class RunError(BnrecalError):

@@ -22,8 +22,11 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz", summary="Ray and the ledger are reachable", responses={503: {"description": "Not ready"}})
 def readyz(services: ServicesDep) -> Any:
-    """Ready when Ray answers with at least one live node and the ledger can be read."""
+    """Ready when Ray answers with at least one live node and the ledger can be read, and
+    not shutting down (so a load balancer stops sending it new work)."""
     try:
+        if services.draining.is_set():
+            raise RuntimeError("the server is shutting down (SIGTERM): it takes no new uploads or jobs")
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised")
         nodes = [node for node in ray.nodes() if node.get("Alive")]

@@ -9,87 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from service.jobs import JobStatus
 from service.ledger import Ledger, sqlite_url
-from tests.api.conftest import free_port, submit, upload, wait_for, write_samples
+from tests.api.conftest import submit, upload, wait_for, write_samples
+from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net
-
-REPO = Path(__file__).resolve().parents[2]
-KEY = "restart-test-key"
-
-
-class ServerProcess:
-    """``bnrecal serve`` in its own process group, on a data directory that outlives it."""
-
-    def __init__(self, data_dir: Path, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = os.environ | {
-            "PYTHONPATH": str(REPO),
-            "BNRECAL_MODEL_MODULES": "tests",
-            "BNRECAL_API_KEYS": KEY,
-            "BNRECAL_COLLECTIVE_TIMEOUT_S": "600",
-            "RAY_ADDRESS": "local",  # a fresh embedded Ray of its own, whatever else runs here
-        }
-        command = [str(Path(sys.executable).parent / "bnrecal"), "serve", "--data-dir", str(data_dir),
-                   "--port", str(self.port), "--log-level", "warning"]
-        self.log = log.open("ab")
-        self.process = subprocess.Popen(command, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.process.poll() is not None:
-                raise AssertionError(f"server exited {self.process.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server did not get ready: {log.read_text()[-3000:]}")
-            time.sleep(0.25)
-
-    def crash(self) -> None:
-        """SIGKILL the server process, as a crash would."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-        self.close()
-
-    def close(self) -> None:
-        self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        try:  # whatever the server started (its embedded Ray) goes with it
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-
-
-@pytest.fixture
-def servers(tmp_path) -> Iterator[list[ServerProcess]]:
-    started: list[ServerProcess] = []
-    yield started
-    for server in started:
-        server.close()
 
 
 def rss_bytes(pid: int) -> int:
@@ -141,7 +74,8 @@ def test_crash_while_running_then_restart(servers, tmp_path):
     assert rerun["attempts"] == 2 and rerun["started_at"] > interrupted["started_at"]
     server.crash()
 
-    server = ServerProcess(data_dir, log)
+    # No shutdown grace: SIGTERM puts a running job straight back (test_shutdown waits it out).
+    server = ServerProcess(data_dir, log, env={"BNRECAL_SHUTDOWN_GRACE_S": "0"})
     servers.append(server)
     failed = server.client.get(f"/v1/jobs/{interrupted['id']}").json()
     assert failed["status"] == "failed" and "interrupted by restart" in failed["error"]["detail"]

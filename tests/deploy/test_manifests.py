@@ -262,6 +262,15 @@ def test_api_settings_parse_and_place_the_data_on_the_claim(monkeypatch: pytest.
         assert not Path(settings.data_dir).is_relative_to(root) and not root.is_relative_to(settings.data_dir)
 
 
+def test_the_pod_outlives_the_shutdown_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM lets running jobs finish for the grace, then shuts down (Ray included): a pod
+    # killed before that loses the jobs' requeue, which only a crash recovery then repairs.
+    docs = manifests()
+    grace = api_settings(docs, monkeypatch).shutdown_grace_s
+    termination = api_deployment(docs)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > 0 and termination >= grace + 15, (grace, termination)
+
+
 def test_api_keys_come_from_a_secret_the_guide_creates() -> None:
     docs = manifests()
     assert all("BNRECAL_API_KEYS" not in d.get("data", {}) for d in of_kind(docs, "ConfigMap"))
