@@ -21,6 +21,7 @@ import uvicorn
 
 from api.app import create_app
 from service.blobs import BlobStore
+from service.cli.main import main
 from service.ledger import Ledger, sqlite_url
 from service.server import tenant_of_key
 from service.settings import Settings
@@ -105,7 +106,9 @@ def test_delete_jobs_and_blobs(quota_server, tmp_path):
         assert client.post(f"/v1/jobs/{running['id']}/cancel").status_code == 202
         assert wait_for(client, running["id"])["status"] == "cancelled"
         assert client.delete(f"/v1/blobs/{hanging['data']}").status_code == 204  # no live job uses it now
-        assert client.delete(f"/v1/jobs/{running['id']}").status_code == 204
+        assert bnrecal("delete", running["id"], "--server", quota_server.url, "--api-key", KEY) == 0
+        problem(client.get(f"/v1/jobs/{running['id']}"), 404)
+        assert bnrecal("delete", running["id"], "--server", quota_server.url, "--api-key", KEY) == 2  # gone
 
         assert client.delete(f"/v1/jobs/{done['id']}").status_code == 204
         problem(client.get(f"/v1/jobs/{done['id']}"), 404)
@@ -225,6 +228,15 @@ def test_collection_while_jobs_start_and_finish_never_takes_what_they_need(tmp_p
                     assert client.head(f"/v1/blobs/{artifact['digest']}").status_code == 404
             for digest in inputs:
                 assert client.head(f"/v1/blobs/{digest}").status_code == 404
+
+
+def bnrecal(*args: str) -> int:
+    """Run the command line in this process; its exit code."""
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
 
 
 def check_artifacts(client: httpx.Client, job: dict[str, Any]) -> None:
