@@ -33,6 +33,7 @@ from tests.nets import MARKER, marker_net, mixed_net, perturbed
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 KEY = "storage-key"
+OTHER_KEY = "storage-other-key"
 QUOTA = 3 * 1024 * 1024
 JOBS = 4
 
@@ -40,7 +41,7 @@ JOBS = 4
 @contextmanager
 def serve(root: Path, **overrides: Any) -> Iterator[LiveServer]:
     """A real uvicorn server of its own data dir, on the session's Ray."""
-    settings = Settings(data_dir=root / "data", model_modules=["tests"], api_keys=[KEY],
+    settings = Settings(data_dir=root / "data", model_modules=["tests"], api_keys=[KEY, OTHER_KEY],
                         collective_timeout_s=120, **overrides)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
@@ -57,8 +58,8 @@ def serve(root: Path, **overrides: Any) -> Iterator[LiveServer]:
         thread.join(60)
 
 
-def client_of(live: LiveServer) -> httpx.Client:
-    return httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+def client_of(live: LiveServer, key: str = KEY) -> httpx.Client:
+    return httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,9 @@ def test_delete_jobs_and_blobs(quota_server, tmp_path):
         assert done["status"] == "succeeded", done["error"]
         artifacts = {name: artifact["digest"] for name, artifact in done["artifacts"].items()}
         assert client.get(f"/v1/jobs/{done['id']}/artifacts/checkpoint").status_code == 200
+        with client_of(quota_server, OTHER_KEY) as other:  # another key's job and blobs are not found
+            problem(other.delete(f"/v1/jobs/{done['id']}"), 404)
+            problem(other.delete(f"/v1/blobs/{checkpoint}"), 404)
 
         samples = torch.randn(40, 4)
         samples[9, 0] = MARKER  # the third step hangs: the job stays running until cancelled
