@@ -146,9 +146,7 @@ class Services:
         """Delete a finished job and free its artifacts no other job references (409 while it is
         queued or running); the bytes freed."""
         assert self.collector is not None
-        freed = self.collector.delete_job(tenant, job_id)
-        self.feed.publish(job_id)
-        return freed
+        return self.collector.delete_job(tenant, job_id)
 
     def delete_blob(self, tenant: str, digest: str) -> int:
         """Delete a blob (409 while a queued or running job uses it); the bytes freed."""
