@@ -13,20 +13,21 @@ store written before names existed simply has none.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 import shutil
 import tempfile
 import unicodedata
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import anyio
 
-from workers.errors import NotFoundError, PayloadTooLargeError
+from workers.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
 from workers.files import atomic_write, sync_directory
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
@@ -34,6 +35,10 @@ _DIGEST = re.compile(DIGEST_PATTERN)
 _TENANT = re.compile(r"^[0-9a-z_-]{1,64}$")
 _WRITE_CHUNK = 1024 * 1024  # bytes gathered before one write (and one thread hop)
 MAX_FILENAME_CHARS = 255
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+WriteChunks = Callable[[BinaryIO, "hashlib._Hash", list[bytes]], None]
+"""The write layer of uploads: hash and write chunks to the staged file (replaceable in tests)."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,9 @@ def clean_filename(raw: str | None) -> str | None:
 class BlobStore:
     """Blobs on the local file system, one namespace per tenant."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, write_chunks: WriteChunks | None = None) -> None:
         self.root = Path(root)
+        self.write_chunks: WriteChunks = write_chunks or _write_hashed
         self._staging = self.root / ".staging"
         self._staging.mkdir(parents=True, exist_ok=True)
 
@@ -105,14 +111,21 @@ class BlobStore:
         return is_digest(digest) and self._location(tenant, digest.removeprefix("sha256:")).is_file()
 
     async def ingest(
-        self, tenant: str, chunks: AsyncIterator[bytes], max_bytes: int, filename: str | None = None
+        self,
+        tenant: str,
+        chunks: AsyncIterator[bytes],
+        max_bytes: int,
+        filename: str | None = None,
+        over_limit: Callable[[int], BnrecalError] | None = None,
     ) -> BlobInfo:
         """Store a streamed upload, hashing it as it arrives; memory use does not grow with its size.
 
         The byte cap is enforced on the bytes actually received: the upload stops with
-        ``PayloadTooLargeError`` at the first chunk past ``max_bytes`` and nothing of it
-        stays on disk. ``filename`` (cleaned by :func:`clean_filename`) is remembered for
-        messages; an upload without one keeps the name the bytes had.
+        ``PayloadTooLargeError`` (or ``over_limit(bytes received)``, e.g. a quota's error)
+        at the first chunk past ``max_bytes`` and nothing of it stays on disk. A disk that
+        fills up is an ``InsufficientStorageError``, again with nothing kept. ``filename``
+        (cleaned by :func:`clean_filename`) is remembered for messages; an upload without
+        one keeps the name the bytes had.
         """
         digest = hashlib.sha256()
         size = 0
@@ -126,15 +139,17 @@ class BlobStore:
                         continue
                     size += len(chunk)
                     if size > max_bytes:
+                        if over_limit is not None:
+                            raise over_limit(size)
                         raise PayloadTooLargeError(
                             f"upload exceeds the limit of {max_bytes} bytes (BNRECAL_MAX_UPLOAD_BYTES)"
                         )
                     pending.append(chunk)
                     pending_bytes += len(chunk)
                     if pending_bytes >= _WRITE_CHUNK:
-                        await anyio.to_thread.run_sync(_write_hashed, handle, digest, pending)
+                        await anyio.to_thread.run_sync(self.write_chunks, handle, digest, pending)
                         pending, pending_bytes = [], 0
-                await anyio.to_thread.run_sync(_write_hashed, handle, digest, pending)
+                await anyio.to_thread.run_sync(self.write_chunks, handle, digest, pending)
                 await anyio.to_thread.run_sync(_flush_and_sync, handle)
             info = BlobInfo(f"sha256:{digest.hexdigest()}", size)
             await anyio.to_thread.run_sync(self._place, tenant, staged, info)
@@ -142,6 +157,9 @@ class BlobStore:
             if name is not None:
                 await anyio.to_thread.run_sync(self._remember_name, tenant, info.hex, name)
             return BlobInfo(info.digest, size, name or self.filename(tenant, info.digest))
+        except OSError as exc:
+            _raise_if_disk_full(exc, f"upload of {size} bytes")
+            raise
         finally:
             staged.unlink(missing_ok=True)
 
@@ -160,8 +178,54 @@ class BlobStore:
             info = BlobInfo(f"sha256:{digest.hexdigest()}", size)
             self._place(tenant, staged, info)
             return info
+        except OSError as exc:
+            _raise_if_disk_full(exc, f"storing {file.name}")
+            raise
         finally:
             staged.unlink(missing_ok=True)
+
+    def touch(self, tenant: str, digest: str) -> None:
+        """Mark a blob as just used (its mtime), so the collector keeps it a full retention period."""
+        if self.exists(tenant, digest):
+            os.utime(self._location(tenant, digest.removeprefix("sha256:")))
+
+    def remove(self, tenant: str, digest: str) -> int:
+        """Delete a tenant's blob and its remembered name; the bytes freed (0 if it was absent)."""
+        if not is_digest(digest):
+            return 0
+        hex_digest = digest.removeprefix("sha256:")
+        file = self._location(tenant, hex_digest)
+        try:
+            size = file.stat().st_size
+            file.unlink()
+        except FileNotFoundError:
+            return 0
+        self._name_location(tenant, hex_digest).unlink(missing_ok=True)
+        return size
+
+    def tenants(self) -> list[str]:
+        """The tenants that have a folder in the store."""
+        if not self.root.is_dir():
+            return []
+        return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir() and _TENANT.match(entry.name))
+
+    def stored(self, tenant: str) -> Iterator[tuple[str, os.stat_result]]:
+        """Every blob of a tenant: its digest and its file's stat (size, mtime)."""
+        top = self.root / tenant / "sha256"
+        if not top.is_dir():
+            return
+        for shard in sorted(top.iterdir()):
+            for file in sorted(shard.iterdir()) if shard.is_dir() else ():
+                try:
+                    stat = file.stat()
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+                if _DIGEST.match("sha256:" + file.name):
+                    yield "sha256:" + file.name, stat
+
+    def staging_files(self) -> list[Path]:
+        """The files in the staging folder: uploads in progress, or ones a crash left behind."""
+        return sorted(self._staging.iterdir()) if self._staging.is_dir() else []
 
     def clear_staging(self) -> None:
         """Remove uploads a crash left half written (called at start-up)."""
@@ -189,6 +253,7 @@ class BlobStore:
         """Rename a complete, synced staging file to its content address (a no-op if present)."""
         target = self._location(tenant, info.hex)
         if target.is_file():
+            os.utime(target)  # stored again: fresh for the collector's retention
             return
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)
@@ -204,3 +269,12 @@ def _write_hashed(handle: BinaryIO, digest: hashlib._Hash, chunks: list[bytes]) 
 def _flush_and_sync(handle: BinaryIO) -> None:
     handle.flush()
     os.fsync(handle.fileno())
+
+
+def _raise_if_disk_full(exc: OSError, what: str) -> None:
+    """Turn a full disk (or file system quota) into the typed 507 error; other OS errors pass."""
+    if exc.errno in _DISK_FULL:
+        raise InsufficientStorageError(
+            f"the server's disk is full ({what} not stored, nothing kept); free space, or shorten "
+            "BNRECAL_BLOB_RETENTION_S / BNRECAL_JOB_RETENTION_S and run `bnrecal gc`"
+        ) from exc

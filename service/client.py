@@ -147,6 +147,14 @@ class BnrecalClient:
         """Ask the server to cancel a job."""
         return self._json("POST", f"/v1/jobs/{job_id}/cancel")
 
+    def delete_job(self, job_id: str) -> None:
+        """Delete a finished job and its artifacts (a queued or running one is a ``ConflictError``)."""
+        self._json("DELETE", f"/v1/jobs/{job_id}")
+
+    def delete_blob(self, digest: str) -> None:
+        """Delete a blob (a ``ConflictError`` while a queued or running job uses it)."""
+        self._json("DELETE", f"/v1/blobs/{digest}")
+
     def events(self, job_id: str, last_event_id: int | None = None) -> Iterator[ServerEvent]:
         """The job's events from after ``last_event_id``, until the server ends the stream."""
         headers = {"Accept": "text/event-stream"}
@@ -219,7 +227,7 @@ class BnrecalClient:
             raise RunError(f"cannot reach the bnrecal server at {self.server}: {exc}") from exc
         if response.is_error:
             raise self._error(response)
-        return response.json()
+        return response.json() if response.content else None
 
     def _error(self, response: httpx.Response) -> BnrecalError:
         try:

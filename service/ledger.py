@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, inspect
+from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, text
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
@@ -187,6 +188,24 @@ class Ledger:
             for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
                 counts[JobStatus(status)] = count
         return counts
+
+    def every_job(self) -> list[JobRecord]:
+        """Every job of every tenant, oldest first (for the storage collector)."""
+        with self._session() as session:
+            return [row.record() for row in session.scalars(select(JobRow).order_by(JobRow.seq))]
+
+    def delete_finished(self, tenant: str | None, job_id: str) -> JobRecord:
+        """Remove a job that has ended from the ledger (``tenant`` None: whoever owns it);
+        ``NotFoundError`` if unknown, ``ConflictError`` while it is queued or running."""
+        job = self.get(tenant, job_id) if tenant is not None else self.get_any(job_id)
+        terminal = [status.value for status in JobStatus if status.is_terminal]
+        statement = sql_delete(JobRow).where(JobRow.id == job_id, JobRow.status.in_(terminal))
+        with self._session() as session:
+            if session.execute(statement).rowcount == 1:
+                return job
+        raise ConflictError(
+            f"job {job_id} is {self.get_any(job_id).status.value}; cancel it first, only finished jobs can be deleted"
+        )
 
     def mark_running(self, job_id: str) -> JobRecord | None:
         """Start a queued job (counting the attempt); None if it is no longer queued."""

@@ -12,13 +12,15 @@ import hashlib
 import logging
 import shutil
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import ray
 
-from workers.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
+from workers.data.archive import mark_collected_root
+from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
@@ -28,6 +30,7 @@ from .ledger import Ledger, sqlite_url
 from .metrics import ServiceMetrics
 from .runner import JobRunner
 from .settings import Settings
+from .storage import StorageCollector
 
 log = logging.getLogger("bnrecal.server")
 
@@ -62,6 +65,7 @@ class Services:
     metrics: ServiceMetrics
     feed: ChangeFeed
     started_ray: bool = False
+    collector: StorageCollector | None = None
     draining: threading.Event = field(default_factory=threading.Event)
 
     def check_accepting(self) -> None:
@@ -92,8 +96,9 @@ class Services:
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
     ) -> BlobInfo:
-        """Store an upload within ``BNRECAL_MAX_UPLOAD_BYTES`` (refused early when its declared
-        size is already over), counting it in the metrics; ``filename`` is kept for messages."""
+        """Store an upload within ``BNRECAL_MAX_UPLOAD_BYTES`` and the tenant's room under
+        ``BNRECAL_TENANT_QUOTA_BYTES`` (refused early when its declared size is already over),
+        counting it in the metrics; ``filename`` is kept for messages."""
         self.check_accepting()
         cap = self.settings.max_upload_bytes
         try:
@@ -101,17 +106,40 @@ class Services:
                 raise PayloadTooLargeError(
                     f"upload of {declared_size} bytes exceeds the limit of {cap} bytes (BNRECAL_MAX_UPLOAD_BYTES)"
                 )
-            info = await self.blobs.ingest(tenant, chunks, cap, filename)
+            room, over_quota = await anyio.to_thread.run_sync(self._quota_room, tenant)
+            if room is None:
+                info = await self.blobs.ingest(tenant, chunks, cap, filename)
+            elif declared_size is not None and declared_size > room:
+                raise over_quota(declared_size)
+            else:
+                over_limit = over_quota if room < cap else None
+                info = await self.blobs.ingest(tenant, chunks, min(cap, room), filename, over_limit)
         except PayloadTooLargeError:
             self.metrics.uploads_rejected.inc()
             raise
         self.metrics.upload_bytes.inc(info.size)
         return info
 
+    def _quota_room(self, tenant: str) -> tuple[int | None, Callable[[int], QuotaExceededError]]:
+        """Bytes the tenant may still store under ``BNRECAL_TENANT_QUOTA_BYTES`` (None: no quota),
+        and the error for an upload past them."""
+        quota = self.settings.tenant_quota_bytes
+        used = self.collector.usage(tenant) if quota is not None and self.collector is not None else 0
+
+        def over_quota(size: int) -> QuotaExceededError:
+            return QuotaExceededError(
+                f"upload would exceed this API key's storage quota: {used} bytes stored + {size} bytes of this "
+                f"upload > {quota} bytes (BNRECAL_TENANT_QUOTA_BYTES); delete jobs or blobs you no longer need"
+            )
+
+        return (max(0, quota - used) if quota is not None else None), over_quota
+
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
         """Check a job spec against the tenant's blobs and the settings, and queue it; with
         an idempotency key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
+        for digest in _spec_digests(spec):
+            self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
         check_submission(spec, tenant, self.blobs, self.settings)
         job, created = self.ledger.create(tenant, spec.model_dump(mode="json"), idempotency_key)
         if created:
@@ -143,8 +171,21 @@ class Services:
             filename=f"{job_id[:12]}-{artifact['filename']}",
         )
 
+    def delete_job(self, tenant: str, job_id: str) -> int:
+        """Delete a finished job and free its artifacts no other job references (409 while it is
+        queued or running); the bytes freed."""
+        assert self.collector is not None
+        return self.collector.delete_job(tenant, job_id)
+
+    def delete_blob(self, tenant: str, digest: str) -> int:
+        """Delete a blob (409 while a queued or running job uses it); the bytes freed."""
+        assert self.collector is not None
+        return self.collector.delete_blob(tenant, digest)
+
     def close(self) -> None:
         """Interrupt running jobs (they go back to the queue), then release the database and Ray."""
+        if self.collector is not None:
+            self.collector.stop()
         self.runner.stop()
         self.ledger.close()
         if self.started_ray and ray.is_initialized():
@@ -159,6 +200,7 @@ def open_services(settings: Settings) -> Services:
     ledger = Ledger(settings.database_url or sqlite_url(data_dir))
     blobs = BlobStore(data_dir / "blobs")
     blobs.clear_staging()
+    mark_collected_root(settings.unpack_options()["unpack_root"])  # failed jobs' unpacks go via the collector
     shutil.rmtree(data_dir / "work", ignore_errors=True)  # interrupted jobs restart from scratch
     for job_id, outcome in ledger.recover_interrupted(settings.rerun_interrupted).items():
         log.warning("job %s was interrupted by a restart: now %s", job_id, outcome.value)
@@ -171,4 +213,12 @@ def open_services(settings: Settings) -> Services:
     feed = ChangeFeed()
     runner = JobRunner(settings, ledger, blobs, metrics, feed)
     runner.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray)
+    collector = StorageCollector(settings, ledger, blobs)
+    collector.start()
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector)
+
+
+def _spec_digests(spec: JobSpec) -> list[str]:
+    """The blobs a job spec names: checkpoint, data and evaluation data (server paths aside)."""
+    sources = [spec.checkpoint, spec.data, spec.eval.data if spec.eval is not None else None]
+    return [source for source in sources if isinstance(source, str)]

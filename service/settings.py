@@ -81,6 +81,25 @@ class Settings(BaseSettings):
     embedded_cpus: int | None = Field(
         default=None, ge=1, description="Logical CPUs of the embedded Ray instance of `serve`; default: the machine's."
     )
+    job_retention_s: float = Field(
+        default=7 * 86400.0, ge=0,
+        description="Finished jobs (and their artifacts) are deleted this long after they ended.",
+    )
+    blob_retention_s: float = Field(
+        default=86400.0, ge=0,
+        description="Blobs no retained or live job references are deleted once unused this long (by mtime).",
+    )
+    unpack_retention_s: float = Field(
+        default=6 * 3600.0, ge=0,
+        description="Unpacked archives no queued or running job uses are deleted once unused this long.",
+    )
+    gc_interval_s: float = Field(
+        default=600.0, ge=0, description="How often the server collects expired storage (0: never; `bnrecal gc`)."
+    )
+    tenant_quota_bytes: int | None = Field(
+        default=None, gt=0,
+        description="Bytes one tenant may store: blobs, artifacts and unpacked archives; default: unlimited.",
+    )
 
     def unpack_options(self) -> dict[str, Any]:
         """Where archives unpack and the bounds they unpack under (for ``describe_dataset``)."""

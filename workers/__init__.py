@@ -17,8 +17,8 @@ _HOMES = {
     "errors": (
         "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
         "CheckpointError",
-        "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError", "NotFoundError",
-        "PayloadTooLargeError", "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
+        "DatasetError", "ExportError", "InputError", "InsufficientStorageError", "ModelInputError", "NoBatchNormError", "NotFoundError",
+        "PayloadTooLargeError", "QuotaExceededError", "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
     ),
     "group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models": ("build_model", "parse_allowed_modules"),

@@ -18,13 +18,15 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── NotFoundError          unknown blob, job or artifact (HTTP 404)
     │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
     │   └── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
+    │       └── QuotaExceededError an upload past the tenant's byte quota (HTTP 413)
     ├── ServiceUnavailableError    the server is shutting down (HTTP 503)
     ├── RunError                   the run itself failed: a rank died, a collective
     │   │                          timed out, the cluster is unreachable
     │   ├── CallOrderError         ranks reduced different BN layers in one
     │   │                          collective (their BN call order differs)
     │   └── CancelledError         the run was cancelled
-    └── ExportError                the ONNX export could not be made or verified
+    ├── ExportError                the ONNX export could not be made or verified
+    └── InsufficientStorageError   the server's disk is full (HTTP 507)
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ class PayloadTooLargeError(InputError):
     title = "Payload too large"
 
 
+class QuotaExceededError(PayloadTooLargeError):
+    """An upload would take the tenant past its storage quota (``BNRECAL_TENANT_QUOTA_BYTES``)."""
+
+    title = "Storage quota exceeded"
+
+
 class ServiceUnavailableError(BnrecalError):
     """The server is shutting down and takes no new work; the request may be retried later."""
 
@@ -179,6 +187,13 @@ class ExportError(BnrecalError):
 
     status = 500
     title = "ONNX export failed"
+
+
+class InsufficientStorageError(BnrecalError):
+    """The server ran out of disk space while writing; nothing partial was kept."""
+
+    status = 507
+    title = "Insufficient storage"
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -42,7 +42,7 @@ _UPLOAD_BODY = {
     status_code=201,
     summary="Upload a blob (checkpoint or data)",
     openapi_extra=_UPLOAD_BODY,
-    responses=problem_responses(413),
+    responses=problem_responses(413, 507),
 )
 async def upload_blob(
     request: Request,
@@ -53,8 +53,9 @@ async def upload_blob(
 ) -> BlobOut:
     """Store the raw request body, streamed to disk while hashed; the same bytes give the same digest.
 
-    The size cap (``BNRECAL_MAX_UPLOAD_BYTES``) is enforced on the bytes received, so a
-    wrong or missing ``Content-Length`` changes nothing. ``filename`` is only a display
+    The size cap (``BNRECAL_MAX_UPLOAD_BYTES``) and the key's storage quota
+    (``BNRECAL_TENANT_QUOTA_BYTES``, 413) are enforced on the bytes received, so a wrong or
+    missing ``Content-Length`` changes nothing; a full disk is a 507 that keeps nothing. ``filename`` is only a display
     name for the errors of jobs that use the blob; it never names a file on the server.
     """
     declared = request.headers.get("content-length", "")
@@ -77,3 +78,14 @@ def download_blob(digest: str, request: Request, tenant: TenantDep, services: Se
 def head_blob(digest: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
     """Headers only: size (``Content-Length``) and ``ETag``; 404 if this key has no such blob."""
     return blob_response(request, services.blobs.path(tenant, digest), digest)
+
+
+@router.delete("/{digest}", status_code=204, summary="Delete a blob", responses=problem_responses(409))
+def delete_blob(digest: str, tenant: TenantDep, services: ServicesDep) -> Response:
+    """Delete the blob (and its unpacked archive); 409 while a queued or running job uses it.
+
+    A finished job that used it keeps its record; its artifact download answers 404 if the
+    blob was one of its artifacts.
+    """
+    services.delete_blob(tenant, digest)
+    return Response(status_code=204)

@@ -82,6 +82,14 @@ def cancel_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> JobView
     return services.cancel(tenant, job_id).view()
 
 
+@router.delete("/{job_id}", status_code=204, summary="Delete a finished job", responses=_CONFLICT)
+def delete_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> Response:
+    """Delete a job that has ended, and its artifacts (unless another job references the same
+    bytes); 409 while it is queued or running (cancel it first). Its input blobs stay."""
+    services.delete_job(tenant, job_id)
+    return Response(status_code=204)
+
+
 @router.get(
     "/{job_id}/artifacts/{name}",
     summary="Download an artifact (checkpoint, onnx, report)",

@@ -12,7 +12,7 @@ import typer
 
 from workers.errors import BnrecalError, first_line
 
-from . import jobs, local, remote
+from . import jobs, local, remote, storage
 from .console import fail
 
 app = typer.Typer(
@@ -37,6 +37,8 @@ app.command()(remote.submit)
 app.command("jobs")(jobs.list_jobs)
 app.command("status")(jobs.job_status)
 app.command("cancel")(jobs.cancel)
+app.command("delete")(storage.delete_job)
+app.command("gc")(storage.collect_garbage)
 
 
 def main(argv: list[str] | None = None) -> None:

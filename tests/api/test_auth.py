@@ -14,11 +14,13 @@ V1_CALLS = [
     ("POST", "/v1/blobs"),
     ("GET", "/v1/blobs/sha256:" + "0" * 64),
     ("HEAD", "/v1/blobs/sha256:" + "0" * 64),
+    ("DELETE", "/v1/blobs/sha256:" + "0" * 64),
     ("POST", "/v1/jobs"),
     ("GET", "/v1/jobs"),
     ("GET", "/v1/jobs/abc"),
     ("GET", "/v1/jobs/abc/events"),
     ("POST", "/v1/jobs/abc/cancel"),
+    ("DELETE", "/v1/jobs/abc"),
     ("GET", "/v1/jobs/abc/artifacts/checkpoint"),
 ]
 

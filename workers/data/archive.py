@@ -36,6 +36,8 @@ DEFAULT_MAX_UNPACKED_BYTES = 64 * 2**30
 DEFAULT_MAX_COMPRESSION_RATIO = 50.0
 RATIO_FREE_BYTES = 1 << 20  # below this, any ratio is harmless (tiny files compress well)
 _MARKER = ".bnrecal-unpacked.json"  # hidden, so never listed as data
+DISCARD_MARKER = ".bnrecal-discard"  # in an unpack: remove me once no job uses me
+COLLECTED_ROOT_MARKER = ".bnrecal-collected"  # in an unpack root: a collector owns removals here
 _COPY_CHUNK = 1 << 20
 
 
@@ -139,13 +141,39 @@ class _Limits:
 def discard_unpack(folder: str | os.PathLike[str]) -> bool:
     """Remove the unpack that ``folder`` lies in (its root holds the unpack marker), e.g.
     once a job failed on its content: a bad archive must not keep its bytes on disk.
-    Returns whether anything was removed; a folder that is not an unpack is left alone."""
+
+    Under an unpack root a collector owns (see :func:`mark_collected_root`: the service's,
+    where other jobs may be reading the same unpack right now) the unpack is only marked
+    discarded, and the collector removes it as soon as no queued or running job uses it.
+    Returns whether anything was removed or marked; a folder that is not an unpack is left alone.
+    """
     current = Path(folder).absolute()
     for candidate in (current, *current.parents[:4]):
         if (candidate / _MARKER).is_file():
-            shutil.rmtree(candidate, ignore_errors=True)
+            if (candidate.parent / COLLECTED_ROOT_MARKER).is_file():
+                (candidate / DISCARD_MARKER).touch()
+            else:
+                shutil.rmtree(candidate, ignore_errors=True)
             return True
     return False
+
+
+def mark_collected_root(unpack_root: str | os.PathLike[str]) -> None:
+    """Declare that a collector which knows every job removes the unpacks under ``unpack_root``,
+    so :func:`discard_unpack` only marks an unpack there instead of removing it under a running job."""
+    root = Path(unpack_root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / COLLECTED_ROOT_MARKER).touch()
+
+
+def is_discarded_unpack(folder: str | os.PathLike[str]) -> bool:
+    """Whether :func:`discard_unpack` marked this unpack folder for removal."""
+    return (Path(folder) / DISCARD_MARKER).is_file()
+
+
+def is_unpack_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a complete unpack (its marker is there)."""
+    return (Path(folder) / _MARKER).is_file()
 
 
 def _check_bound(value: int, name: str) -> None:
