@@ -16,9 +16,9 @@ _HOMES = {
     "collectives": ("Collective", "RayCollective", "SingleProcessCollective", "backend_for_device"),
     "errors": (
         "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
-        "CheckpointError",
-        "DatasetError", "ExportError", "InputError", "InsufficientStorageError", "ModelInputError", "NoBatchNormError", "NotFoundError",
-        "PayloadTooLargeError", "QuotaExceededError", "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
+        "CheckpointError", "DatasetError", "ExportError", "InputError", "InsufficientStorageError",
+        "ModelInputError", "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "QuotaExceededError",
+        "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
     ),
     "group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models": ("build_model", "parse_allowed_modules"),
