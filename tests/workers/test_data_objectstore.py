@@ -56,7 +56,7 @@ def test_unsafe_or_unsupported_uris_are_refused(uri: str, reason: str) -> None:
 
 
 def test_allowlist_matches_buckets_folders_and_prefixes() -> None:
-    allowed = ["s3://team/calib", "s3://open", "s3://shared/pre-"]
+    allowed = ["s3://team/calib", "s3://open", "s3://shared/pre-", "s3://slash/calib/"]
     assert uri_allowed("s3://team/calib", allowed)
     assert uri_allowed("s3://team/calib/x.npy", allowed)
     assert not uri_allowed("s3://team/calibration/x.npy", allowed)  # a folder, not a string prefix
@@ -65,6 +65,7 @@ def test_allowlist_matches_buckets_folders_and_prefixes() -> None:
     assert not uri_allowed("s3://pre-open/x.npy", allowed)
     assert not uri_allowed("s3://shared/x.npy", allowed)
     assert not uri_allowed("s3://team/calib/x.npy", [])
+    assert uri_allowed("s3://slash/calib/x.npy", allowed) and not uri_allowed("s3://slash/calibx", allowed)
 
 
 @pytest.mark.parametrize("kind", ["npy", "npz", "npz-compressed"])

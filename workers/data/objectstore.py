@@ -94,8 +94,8 @@ def parse_data_uri(uri: str, field: str = "data.uri") -> str:
 
 def uri_allowed(uri: str, allowed: Sequence[str]) -> bool:
     """Whether ``uri`` lies under one of the ``allowed`` prefixes: ``s3://bucket`` (the whole
-    bucket), ``s3://bucket/folder`` (that key and everything under ``folder/``) or
-    ``s3://bucket/pre`` ending in ``/`` (keys starting with it)."""
+    bucket) or ``s3://bucket/folder`` (that key and everything under ``folder/``, matched by
+    whole path components, with or without a trailing ``/``)."""
     normalised = parse_data_uri(uri)
     for prefix in allowed:
         scheme, _, rest = prefix.partition("://")
@@ -104,7 +104,8 @@ def uri_allowed(uri: str, allowed: Sequence[str]) -> bool:
         here_bucket, _, key = here_rest.partition("/")
         if scheme.lower() != here_scheme or bucket != here_bucket:
             continue
-        if not folder or key == folder.rstrip("/") or key.startswith(folder if folder.endswith("/") else folder + "/"):
+        folder = folder.strip("/")
+        if not folder or key.rstrip("/") == folder or key.startswith(folder + "/"):
             return True
     return False
 
