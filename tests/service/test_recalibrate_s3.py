@@ -98,3 +98,28 @@ def test_a_missing_key_fails_naming_the_uri(s3_server: S3Server, settings: Setti
     settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint})
     with pytest.raises(DatasetError, match=f"calibration data not found: s3://{BUCKET}/missing.npy"):
         run(settings, checkpoint, f"s3://{BUCKET}/missing.npy")
+
+
+def test_an_image_prefix_gives_the_statistics_of_the_local_folder(
+    s3_server: S3Server, settings: Settings, mixed, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    checkpoint, _, _ = mixed
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "images"
+    for index in range(13):
+        path = folder / ("cat" if index % 2 else "dog") / f"{index:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (9, 8, 3), dtype=np.uint8)).save(path)
+    uri = s3_server.put_tree(BUCKET, "images/set", folder)
+    settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint, "data_transport": "object_store"})
+    transform = {"resize": 8, "crop": 6}
+    expected = run(settings, checkpoint, folder, transform=transform)
+    before = len(s3_server.requests)
+    result = run(settings, checkpoint, uri, transform=transform)
+    for key, value in result.updates.items():
+        torch.testing.assert_close(value, expected.updates[key], rtol=1e-6, atol=1e-7)
+    assert result.report["data_transport"] == "remote" and expected.report["object_store_bytes"] > 0
+    image_gets = [r.path for r in s3_server.requests[before:] if r.method == "GET" and r.path.endswith(".png")]
+    assert len(image_gets) == 13 + 1  # each image once by its rank, and the driver's one-sample probe
