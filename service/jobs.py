@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
 from workers.models import check_architecture_exists as check_reference
 
@@ -63,6 +64,20 @@ class DataPath(BaseModel):
     path: str = Field(min_length=1, max_length=4096, description="A file or folder under BNRECAL_DATA_ROOTS.")
 
 
+class DataUri(BaseModel):
+    """Calibration data in object storage, under one of the operator's allowed prefixes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(
+        min_length=6, max_length=2048,
+        description="s3://bucket/key (.npy/.npz/.zip/.tar*) or s3://bucket/prefix (images) under BNRECAL_DATA_URIS.",
+    )
+
+
+DataSource = Digest | DataPath | DataUri
+
+
 class OnnxOptions(BaseModel):
     """How to export the folded ONNX model (with ``"onnx"`` in ``outputs``)."""
 
@@ -88,8 +103,8 @@ class EvalSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data: Digest | DataPath = Field(
-        description="Digest of an uploaded blob, or {'path': ...} on the server: an image folder or archive "
+    data: DataSource = Field(
+        description="Digest of an uploaded blob, {'path': ...} on the server or {'uri': 's3://...'}: an image folder or archive "
         "with class folders, or .npz with x and y (labelled); any calibration data format (unlabelled)."
     )
     max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
@@ -100,8 +115,9 @@ class JobSpec(RunOptions):
     artifacts to produce."""
 
     checkpoint: Digest = Field(description="Digest of an uploaded checkpoint blob.")
-    data: Digest | DataPath = Field(
-        description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), or {'path': ...} on the server."
+    data: DataSource = Field(
+        description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), {'path': ...} on the server, "
+        "or {'uri': 's3://bucket/key-or-prefix'} in object storage."
     )
     outputs: list[Literal["checkpoint", "onnx"]] = Field(
         default_factory=lambda: ["checkpoint"], max_length=8, description="Artifacts to produce besides the report."
@@ -212,6 +228,8 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
             raise SpecError(f"{name}: no blob {source} for this API key; upload it to /v1/blobs first", field=name)
         if isinstance(source, DataPath):
             resolve_data_path(source.path, settings, field=f"{name}.path")
+        if isinstance(source, DataUri):
+            check_data_uri(source.uri, settings, field=f"{name}.uri")
     if spec.transform is not None and len(repr(spec.transform)) > 4096:
         raise SpecError("transform is too large", field="transform")
 
@@ -245,6 +263,21 @@ def resolve_data_path(path: str, settings: Settings, field: str = "data.path") -
                 raise SpecError(f"{field} {path!r} does not exist", field=field)
             return resolved
     raise SpecError(f"{field} {path!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field=field)
+
+
+def check_data_uri(uri: str, settings: Settings, field: str = "data.uri") -> str:
+    """The normalised URI of object-storage data, which must lie under a prefix of
+    ``BNRECAL_DATA_URIS`` (an open server must not read the operator's whole storage)."""
+    normalised = parse_data_uri(uri, field)
+    if not settings.data_uris:
+        raise SpecError(
+            f"{field}: this server reads no object storage (the operator sets BNRECAL_DATA_URIS); "
+            "upload the data to /v1/blobs instead",
+            field=field,
+        )
+    if not uri_allowed(normalised, settings.data_uris):
+        raise SpecError(f"{field} {uri!r} is outside the server's allowed prefixes (BNRECAL_DATA_URIS)", field=field)
+    return normalised
 
 
 def problem_of(exc: BnrecalError) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
@@ -26,6 +26,7 @@ from workers.calibration import apply_statistics
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from workers.collectives import backend_for_device
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
+from workers.data.objectstore import is_data_uri
 from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError, SpecError
 from workers.evaluation import check_eval_output
 from workers.group import GroupOptions, run_rank_group
@@ -54,12 +55,20 @@ class RecalibrationRequest(RunOptions):
     """
 
     checkpoint: Path
-    data: Path
-    eval_data: Path | None = None
+    data: Path | str
+    eval_data: Path | str | None = None
     eval_max_samples: int | None = Field(default=None, ge=1, le=2**53)
     checkpoint_name: str | None = None
     data_name: str | None = None
     eval_data_name: str | None = None
+
+    @field_validator("data", "eval_data", mode="before")
+    @classmethod
+    def _path_unless_uri(cls, value: object) -> object:
+        """Data is a local path, or kept as written when it is a URI (``s3://...``)."""
+        if isinstance(value, str) and not is_data_uri(value):
+            return Path(value)
+        return value
 
 
 @dataclass
@@ -108,6 +117,7 @@ def recalibrate(
         max_samples=request.max_samples,
         **settings.unpack_options(),
         name=request.data_name,
+        endpoint_url=settings.s3_endpoint_url,
     )
     try:
         with dataset.open() as data:
@@ -164,9 +174,9 @@ def recalibrate(
 
     transport = _data_transport(settings.data_transport)
     shards = eval_shards = None
-    if transport == "object_store":
-        shards = _ship(dataset, request.batch_size, request.workers)
-        if evaluation is not None:
+    if transport == "object_store":  # data in object storage is fetched by each rank itself
+        shards = _ship(dataset, request.batch_size, request.workers) if dataset.remote is None else None
+        if evaluation is not None and evaluation.dataset.remote is None:
             eval_shards = _ship(evaluation.dataset, evaluation.batch_size, request.workers)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     failures: list[str] = []
@@ -209,7 +219,7 @@ def recalibrate(
         run={
             "backend": backend,
             "placement": options.placement_strategy,
-            "data_transport": transport,
+            "data_transport": "remote" if dataset.remote is not None else transport,
             "object_store_bytes": sum(shard.nbytes for shard in [*(shards or []), *(eval_shards or [])]),
             "attempts": len(failures) + 1,
             "retried_failures": failures,
@@ -229,7 +239,10 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
     assert request.eval_data is not None
     source = request.eval_data
     # The transform is for images: evaluation arrays beside calibration images are fed as they are.
-    arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
+    if isinstance(source, str):  # object storage: arrays by their extension
+        arrays = source.lower().endswith((".npy", ".npz"))
+    else:
+        arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
     dataset = describe_dataset(
         source,
         transform=None if arrays else request.transform,
@@ -237,6 +250,7 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
         **settings.unpack_options(),
         role="evaluation data",
         name=request.eval_data_name,
+        endpoint_url=settings.s3_endpoint_url,
     )
     try:
         labels = read_labels(dataset)

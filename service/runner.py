@@ -26,7 +26,7 @@ from workers.errors import BnrecalError, CancelledError
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
 from .exporting import export_recalibrated
-from .jobs import DataPath, JobRecord, JobSpec, JobStatus, problem_of, resolve_data_path
+from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 from .recalibrate import Recalibration, RecalibrationRequest, rank_resources, recalibrate
@@ -251,14 +251,17 @@ class JobRunner:
         )
         return request, self.settings
 
-    def _blob_name(self, job: JobRecord, source: str | DataPath) -> str | None:
-        """What messages call a spec's blob: its upload's file name, else its digest (None for a path)."""
-        if isinstance(source, DataPath):
+    def _blob_name(self, job: JobRecord, source: str | DataPath | DataUri) -> str | None:
+        """What messages call a spec's blob: its upload's file name, else its digest (None for a path or URI)."""
+        if isinstance(source, (DataPath, DataUri)):
             return None
         return self.blobs.filename(job.tenant, source) or source
 
-    def _data_path(self, job: JobRecord, data: str | DataPath) -> Path:
-        """Where a spec's data lies: an uploaded blob of the tenant, or a path under a data root."""
+    def _data_path(self, job: JobRecord, data: str | DataPath | DataUri) -> Path | str:
+        """Where a spec's data lies: an uploaded blob of the tenant, a path under a data root,
+        or a URI under an allowed prefix (checked again: the settings may have changed)."""
+        if isinstance(data, DataUri):
+            return check_data_uri(data.uri, self.settings)
         if isinstance(data, DataPath):
             return resolve_data_path(data.path, self.settings)
         return self.blobs.path(job.tenant, data)

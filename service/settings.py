@@ -63,6 +63,16 @@ class Settings(BaseSettings):
     data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Server folders a job may read `data: {path}` from; empty: none."
     )
+    data_uris: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Object-storage prefixes a job may read `data: {uri}` from (`s3://bucket/prefix`, "
+        "comma-separated); empty: none. Credentials come from the server's AWS environment.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint for `s3://` data (e.g. MinIO); default: the AWS environment's "
+        "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS itself).",
+    )
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL of the job ledger; default: SQLite `ledger.db` in data_dir."
     )
@@ -114,7 +124,7 @@ class Settings(BaseSettings):
     def _lowercase(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("model_modules", "api_keys", "data_roots", mode="before")
+    @field_validator("model_modules", "api_keys", "data_roots", "data_uris", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)

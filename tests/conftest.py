@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 from service.settings import Settings
+from tests.s3 import FAKE_CREDENTIALS, S3Server, start_s3_server
+
+os.environ.update(FAKE_CREDENTIALS)  # before Ray starts: its workers inherit them (see tests/s3.py)
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +26,14 @@ def ray_cluster() -> Iterator[None]:
     ensure_ray(None, min_cpus=8)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A local S3-compatible server (moto) on loopback, recording the requests it answers."""
+    state, httpd = start_s3_server()
+    yield state
+    httpd.shutdown()
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ def calibrate(
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
     )
     request = RecalibrationRequest(
-        **options.run_options(), checkpoint=checkpoint, data=data,
-        eval_data=eval_data, eval_max_samples=eval_max_samples,
+        **options.run_options(), checkpoint=checkpoint, data=opt.data_source(data, "--data"),
+        eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
     connected_before = _ray_connected()

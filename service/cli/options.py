@@ -17,6 +17,7 @@ from ..options import Device as DeviceChoice
 from ..options import Placement as PlacementChoice
 from ..options import DEFAULT_OPSET, RunOptions, default, description
 from .console import parse_json_object
+from workers.data.objectstore import is_data_uri, parse_data_uri
 from workers.modes import Mode as ModeChoice
 
 
@@ -37,7 +38,9 @@ class OnnxDtype(str, Enum):
 
 ArchOpt = Annotated[str, typer.Option(help=description("arch"))]
 CheckpointOpt = Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")]
-DataOpt = Annotated[Path, typer.Option(help="Calibration data: .npy/.npz, image dir or archive.")]
+DataOpt = Annotated[
+    str, typer.Option(help="Calibration data: .npy/.npz, image dir or archive, local or s3://bucket/key-or-prefix.")
+]
 OutOpt = Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")]
 ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwargs") + " (JSON object)")]
 WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help=description("workers"))]
@@ -53,10 +56,11 @@ OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
 EvalDataOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         help="Evaluate before and after on this data: image folder/archive with class folders or .npz "
-        "with x and y (accuracy), or any calibration data format (prediction change only)."
+        "with x and y (accuracy), or any calibration data format (prediction change only); "
+        "local or s3://bucket/key-or-prefix."
     ),
 ]
 EvalMaxSamplesOpt = Annotated[int | None, typer.Option(help="Evaluate on only the first M samples.", min=1)]
@@ -73,6 +77,16 @@ BATCH_SIZE = default("batch_size")
 MODE = Mode(default("mode"))
 DEVICE = Device(default("device"))
 OPSET = DEFAULT_OPSET
+
+
+def data_source(value: str | None, flag: str) -> Path | str | None:
+    """A data flag's value: a local path, or a checked ``s3://`` URI kept as written (read
+    with this machine's AWS credentials; no allowlist: the CLI is the operator's own tool)."""
+    if value is None:
+        return None
+    if is_data_uri(value):
+        return parse_data_uri(value, flag)
+    return Path(value)
 
 
 def run_options(

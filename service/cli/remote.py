@@ -77,8 +77,9 @@ def submit(
             "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
             field="--ray-address",
         )
-    for option, path in (("--checkpoint", checkpoint), ("--data", data), ("--eval-data", eval_data)):
-        if path is not None and not path.exists():
+    data_source, eval_source = opt.data_source(data, "--data"), opt.data_source(eval_data, "--eval-data")
+    for option, path in (("--checkpoint", checkpoint), ("--data", data_source), ("--eval-data", eval_source)):
+        if isinstance(path, Path) and not path.exists():
             raise InputError(f"{option} {path} does not exist")
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
@@ -91,9 +92,9 @@ def submit(
     }
     with BnrecalClient(server, api_key) as client:
         spec["checkpoint"] = client.upload(checkpoint)["digest"]
-        spec["data"] = client.upload(data)["digest"]
-        if eval_data is not None:
-            spec["eval"] = {"data": client.upload(eval_data)["digest"], "max_samples": eval_max_samples}
+        spec["data"] = _data_field(client, data_source)
+        if eval_source is not None:
+            spec["eval"] = {"data": _data_field(client, eval_source), "max_samples": eval_max_samples}
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
         print_line(f"job {job['id']} queued on {client.server}")
         with progress_bar("queued") as update:
@@ -110,6 +111,14 @@ def submit(
             update(len(wanted), len(wanted), "downloading")
     for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, report, report_html)):
         print_line(line)
+
+
+def _data_field(client: BnrecalClient, source: Path | str | None) -> str | dict[str, str]:
+    """A spec's data: an ``s3://`` URI as is (the server reads it), else the uploaded file's digest."""
+    if isinstance(source, str):
+        return {"uri": source}
+    assert source is not None
+    return client.upload(source)["digest"]
 
 
 def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:

@@ -99,25 +99,38 @@ def read_npy_header(stream: IO[bytes], name: str) -> tuple[np.dtype[Any], tuple[
 def describe_npy(path: Path) -> ArrayLayout:
     """The layout of a ``.npy`` file, checked against the file size (truncation is corruption)."""
     with open(path, "rb") as stream:
-        dtype, shape, fortran, header_len = read_npy_header(stream, path.name)
+        return describe_npy_stream(stream, path.name, path.stat().st_size)
+
+
+def describe_npy_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
+    """:func:`describe_npy` on an open stream of ``size`` bytes (a local file or a remote object)."""
+    dtype, shape, fortran, header_len = read_npy_header(stream, name)
     layout = ArrayLayout("npy", dtype.str, shape, fortran, header_len)
-    if header_len + layout.nbytes > path.stat().st_size:
-        raise DatasetError(f"{path.name} is truncated: shape {shape} needs {layout.nbytes} data bytes")
+    if header_len + layout.nbytes > size:
+        raise DatasetError(f"{name} is truncated: shape {shape} needs {layout.nbytes} data bytes")
     return layout
 
 
 def describe_npz(path: Path) -> ArrayLayout:
     """The layout of the chosen array of an ``.npz``: ``x``, else ``data``, else the only array."""
+    with open(path, "rb") as stream:
+        return describe_npz_stream(stream, path.name, path.stat().st_size)
+
+
+def describe_npz_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
+    """:func:`describe_npz` on an open seekable stream of ``size`` bytes (a local file or a
+    remote object: only the zip directory and the chosen member's headers are read)."""
+    path = Path(name)
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(stream) as archive:
             members = {info.filename: info for info in archive.infolist() if info.filename.endswith(".npy")}
             info = members[_choose_member(path, sorted(members))]
             if info.flag_bits & 0x1:
                 raise DatasetError(f"{path.name}: array {info.filename} is encrypted")
             if info.compress_type == zipfile.ZIP_STORED:
-                return _describe_stored_member(path, info)
-            with archive.open(info) as stream:
-                dtype, shape, fortran, header_len = read_npy_header(stream, f"{path.name}:{info.filename}")
+                return _describe_stored_member(stream, path, info, size)
+            with archive.open(info) as member:
+                dtype, shape, fortran, header_len = read_npy_header(member, f"{path.name}:{info.filename}")
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
         raise DatasetError(f"{path.name} is not a valid .npz file: {exc}") from exc
     layout = ArrayLayout("npz-compressed", dtype.str, shape, fortran, header_len, info.filename)
@@ -146,22 +159,22 @@ def _choose_member(path: Path, members: list[str]) -> str:
     )
 
 
-def _describe_stored_member(path: Path, info: zipfile.ZipInfo) -> ArrayLayout:
-    """Find the absolute file offset of an uncompressed member's array data, for a memory map."""
+def _describe_stored_member(stream: IO[bytes], path: Path, info: zipfile.ZipInfo, size: int) -> ArrayLayout:
+    """Find the absolute file offset of an uncompressed member's array data (from its zip
+    local header), for a memory map or a ranged read."""
     name = f"{path.name}:{info.filename}"
-    with open(path, "rb") as stream:
-        stream.seek(info.header_offset)
-        raw = stream.read(_ZIP_LOCAL_HEADER.size)
-        if len(raw) < _ZIP_LOCAL_HEADER.size:
-            raise DatasetError(f"{name}: truncated zip entry")
-        fields = _ZIP_LOCAL_HEADER.unpack(raw)
-        if fields[0] != b"PK\x03\x04":
-            raise DatasetError(f"{name}: corrupt zip entry (bad local header)")
-        data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + fields[9] + fields[10]
-        stream.seek(data_start)
-        dtype, shape, fortran, header_len = read_npy_header(stream, name)
+    stream.seek(info.header_offset)
+    raw = stream.read(_ZIP_LOCAL_HEADER.size)
+    if len(raw) < _ZIP_LOCAL_HEADER.size:
+        raise DatasetError(f"{name}: truncated zip entry")
+    fields = _ZIP_LOCAL_HEADER.unpack(raw)
+    if fields[0] != b"PK\x03\x04":
+        raise DatasetError(f"{name}: corrupt zip entry (bad local header)")
+    data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + fields[9] + fields[10]
+    stream.seek(data_start)
+    dtype, shape, fortran, header_len = read_npy_header(stream, name)
     layout = ArrayLayout("npz-stored", dtype.str, shape, fortran, data_start + header_len, info.filename)
-    if header_len + layout.nbytes != info.file_size or layout.data_offset + layout.nbytes > path.stat().st_size:
+    if header_len + layout.nbytes != info.file_size or layout.data_offset + layout.nbytes > size:
         raise DatasetError(f"{path.name}: array {layout.array_name} is corrupt (size does not match its shape)")
     return layout
 

@@ -64,11 +64,16 @@ def list_images(directory: Path, *, strip_wrappers: bool = True) -> ImageListing
         relative = Path(current).relative_to(root).as_posix()
         prefix = "" if relative == "." else relative + "/"
         files.extend(prefix + f for f in filenames if is_image_name(f) and not is_ignored_part(f))
+    return listing_of(root, files, directory.name or str(directory))
+
+
+def listing_of(root: Path, files: Sequence[str], shown: str) -> ImageListing:
+    """Apply the ordering and class-folder rules to the image files (relative POSIX paths)
+    found under ``root``; ``shown`` names the folder in errors. Shared by local folders
+    and object-storage prefixes, so both give the same samples in the same order."""
+    files = sorted(files)
     if not files:
-        raise DatasetError(
-            f"no images found in {directory.name or directory} (looked for {', '.join(IMAGE_EXTENSIONS)})"
-        )
-    files.sort()
+        raise DatasetError(f"no images found in {shown} (looked for {', '.join(IMAGE_EXTENSIONS)})")
     top_level = [f for f in files if "/" not in f]
     nested = [f for f in files if "/" in f]
     if top_level and nested:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from workers.data.images import list_images
+from workers.data.objectstore import list_remote_images, open_remote_file, remote_error
 from workers.data.spec import DatasetSpec
 from workers.errors import DatasetError
 
@@ -29,18 +30,28 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
     if spec.kind == "images":
         if not spec.classes:
             return None
-        listing = list_images(Path(spec.path), strip_wrappers=False)
+        if spec.remote is not None:
+            listing = list_remote_images(spec.remote, "evaluation data")
+        else:
+            listing = list_images(Path(spec.path), strip_wrappers=False)
         return np.asarray(listing.labels[: spec.num_samples], dtype=np.int64)
     layout = spec.layout
     if layout is None or not layout.storage.startswith("npz"):
         return None
     name = spec.display_name
     try:
-        with zipfile.ZipFile(spec.path) as archive:
+        stream = open_remote_file(spec.remote) if spec.remote is not None else open(spec.path, "rb")
+    except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+        raise remote_error(exc, spec.remote, "evaluation data") if spec.remote else DatasetError(
+            f"{name}: cannot read labels {LABEL_ARRAY!r}: {exc}"
+        ) from exc
+    try:
+        with stream, zipfile.ZipFile(stream) as archive:
             if f"{LABEL_ARRAY}.npy" not in archive.namelist():
                 return None
-        with np.load(spec.path, allow_pickle=False) as arrays:
-            labels = arrays[LABEL_ARRAY]
+            stream.seek(0)
+            with np.load(stream, allow_pickle=False) as arrays:
+                labels = arrays[LABEL_ARRAY]
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise DatasetError(f"{name}: cannot read labels {LABEL_ARRAY!r}: {exc}") from exc
     if labels.shape != (spec.total_samples,):

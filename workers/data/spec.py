@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -14,12 +15,24 @@ from workers.data.archive import (
     DEFAULT_MAX_COMPRESSION_RATIO,
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
+    default_unpack_root,
     discard_unpack,
     unpack_archive,
 )
 from workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.images import ImageData, files_digest, list_images
+from workers.data.objectstore import (
+    RemoteArrayData,
+    RemoteImageData,
+    RemoteSource,
+    describe_remote_array,
+    fetch_object,
+    is_data_uri,
+    list_remote_images,
+    parse_data_uri,
+    stat_object,
+)
 from workers.data.transform import ImageTransform, check_image_header, resolve_transform
 from workers.errors import DatasetError
 
@@ -53,6 +66,7 @@ class DatasetSpec:
     classes: tuple[str, ...] = ()  # images in class folders: class names, label = index
     files_digest: str | None = None  # images: digest of the sample file list
     name: str | None = None  # the name the user knows, where the file's is an internal one
+    remote: RemoteSource | None = None  # data in object storage: ranks fetch their own samples from it
 
     @property
     def display_name(self) -> str:
@@ -67,6 +81,8 @@ class DatasetSpec:
 
     def open(self) -> CalibrationData:
         """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
+        if self.remote is not None:
+            return self._open_remote(self.remote)
         if self.kind == "array":
             assert self.layout is not None
             return ArrayData(self.path, self.layout, self.num_samples)
@@ -77,6 +93,20 @@ class DatasetSpec:
             raise DatasetError(f"image folder {self.display_name} changed since it was described")
         return ImageData(
             self.path, files, self.transform,
+            classes=listing.classes, labels=listing.labels[: self.num_samples],
+        )
+
+    def _open_remote(self, remote: RemoteSource) -> CalibrationData:
+        if self.kind == "array":
+            assert self.layout is not None
+            return RemoteArrayData(remote, self.layout, self.num_samples)
+        assert self.transform is not None
+        listing = list_remote_images(remote, "calibration data")
+        files = listing.files[: self.num_samples]
+        if len(files) != self.num_samples or files_digest(files) != self.files_digest:
+            raise DatasetError(f"image prefix {remote.uri} changed since it was described")
+        return RemoteImageData(
+            remote, str(listing.root), files, self.transform,
             classes=listing.classes, labels=listing.labels[: self.num_samples],
         )
 
@@ -109,6 +139,7 @@ def describe_dataset(
     check_images: bool = True,
     role: str = "calibration data",
     name: str | None = None,
+    endpoint_url: str | None = None,
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
@@ -120,11 +151,20 @@ def describe_dataset(
     name an uploaded blob came with: only shown, never used to find or parse the file).
     Raises :class:`DatasetError` on any problem (bad options raise
     :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
+    A ``s3://`` URI is described from object storage (``endpoint_url`` overrides the AWS
+    environment's endpoint); see :mod:`workers.data.objectstore`.
     """
     if max_samples is not None and (
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
     ):
         raise DatasetOptionError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
+    if is_data_uri(path):
+        remote = RemoteSource(parse_data_uri(str(path), "data"), endpoint_url)
+        return _describe_remote(
+            remote, transform, max_samples, role,
+            unpack_dir=unpack_dir, unpack_root=unpack_root, max_members=max_members,
+            max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
+        )
     source = Path(path).expanduser()
     if not source.exists():
         raise DatasetError(f"{role} not found: {path}")
@@ -184,6 +224,52 @@ def _describe(
             raise
     except OSError as exc:
         raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
+
+
+def _describe_remote(
+    remote: RemoteSource,
+    transform: Mapping[str, Any] | None,
+    max_samples: int | None,
+    role: str,
+    **unpack: Any,
+) -> DatasetSpec:
+    """:func:`describe_dataset` for an object or prefix in object storage: arrays and image
+    prefixes stay there (each rank fetches its own samples), archives are fetched and unpacked."""
+    kind, size = stat_object(remote, role)
+    if kind == "directory":
+        resolved = resolve_transform(transform)
+        listing = list_remote_images(remote, role)
+        total = len(listing.files)
+        files = listing.files[: min(total, max_samples or total)]
+        return DatasetSpec(
+            kind="images", path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape,
+            total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
+            files_digest=files_digest(files), remote=remote,
+        )
+    data_format = next((f for suffix, f in _SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
+    if data_format is None:
+        raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {_EXPECTED}")
+    if data_format in ("npy", "npz"):
+        if transform:
+            raise DatasetOptionError(
+                f"transform applies to image data only; {remote.name} is an array file", field="transform"
+            )
+        layout = describe_remote_array(remote, data_format, size, role)
+        total = layout.shape[0]
+        if total == 0:
+            raise DatasetError(f"{remote.name} holds no samples (shape {layout.shape})")
+        return DatasetSpec(
+            kind="array", path=remote.uri, num_samples=min(total, max_samples or total),
+            sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri, layout=layout,
+            remote=remote,
+        )
+    resolve_transform(transform)  # bad options fail before a long download
+    root = Path(unpack["unpack_root"]) if unpack.get("unpack_root") is not None else default_unpack_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as staging:
+        archive = fetch_object(remote, Path(staging) / remote.name, unpack["max_unpacked_bytes"], role)
+        spec = describe_dataset(archive, transform=transform, max_samples=max_samples, role=role, **unpack)
+    return replace(spec, source=remote.uri)
 
 
 def detect_format(path: Path, role: str = "calibration data", name: str | None = None) -> str:
