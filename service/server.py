@@ -18,6 +18,7 @@ from pathlib import Path
 import ray
 
 from workers.errors import NotFoundError, PayloadTooLargeError
+from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
@@ -61,6 +62,7 @@ class Services:
     metrics: ServiceMetrics
     feed: ChangeFeed
     started_ray: bool = False
+    pool: WarmPool | None = None
 
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
@@ -117,6 +119,8 @@ class Services:
     def close(self) -> None:
         """Interrupt running jobs (they go back to the queue), then release the database and Ray."""
         self.runner.stop()
+        if self.pool is not None:  # after the runner: no job takes or returns warm actors any more
+            self.pool.close()
         self.ledger.close()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
@@ -140,6 +144,7 @@ def open_services(settings: Settings) -> Services:
         raise
     metrics = ServiceMetrics(ledger.count_by_status)
     feed = ChangeFeed()
-    runner = JobRunner(settings, ledger, blobs, metrics, feed)
+    pool = WarmPool(settings.warm_pool_idle_s)
+    runner = JobRunner(settings, ledger, blobs, metrics, feed, pool=pool)
     runner.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray)
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, pool=pool)
