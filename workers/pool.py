@@ -13,9 +13,10 @@ a subgroup of that world, so it is safe only when the same processes keep the sa
 ranks, which a gang guarantees. A gang is also placed as one group, so the job's
 placement strategy (``STRICT_SPREAD`` over nodes, say) holds for reused actors too.
 
-Only a healthy gang goes back: one whose job succeeded and whose every rank answers
-:meth:`CalibrationRank.reset` in time (no collective group left, state cleared). A
-cancelled or failed job's gang is killed. Idle gangs are killed after ``idle_s``
+Only a healthy gang serves again: one whose job succeeded and whose every rank answers
+:meth:`CalibrationRank.reset` in time (no collective group left, state cleared; the
+reset runs while the finished job is written out and is checked when the next job takes
+the gang). A cancelled or failed job's gang is killed. Idle gangs are killed after ``idle_s``
 (their CPUs go back to the cluster), and any of them is evicted, oldest first, when a
 new gang needs the resources it holds.
 """
@@ -75,6 +76,7 @@ class Gang:
     actors: list[Any] = field(default_factory=list)
     jobs: int = 0
     idle_since: float = 0.0
+    resetting: list[Any] = field(default_factory=list)
 
     @classmethod
     def start(cls, key: GangKey, placement_timeout_s: float, cancel: threading.Event | None) -> Gang:
@@ -114,12 +116,18 @@ class Gang:
         except Exception:  # noqa: BLE001 - already removed
             pass
 
-    def reset(self, timeout: float = RESET_TIMEOUT_S) -> bool:
-        """Ask every rank to clear what a job left and confirm it is clean; False if any cannot."""
+    def start_reset(self) -> None:
+        """Ask every rank to clear what its job left; the answers are awaited in :meth:`is_clean`,
+        so the reset runs in the ranks while the finished job is written out."""
+        self.resetting = [actor.reset.remote() for actor in self.actors]
+
+    def is_clean(self, timeout: float = RESET_TIMEOUT_S) -> bool:
+        """Whether every rank confirmed its reset (no collective group left) within ``timeout``."""
+        if not self.resetting:
+            return True
         try:
-            refs = [actor.reset.remote() for actor in self.actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            return len(ready) == len(refs) and all(ray.get(ready))
+            ready, _ = ray.wait(self.resetting, num_returns=len(self.resetting), timeout=timeout)
+            return len(ready) == len(self.resetting) and all(ray.get(ready))
         except Exception:  # noqa: BLE001 - a rank that cannot answer is not reusable
             log.warning("a warm rank failed its reset; its gang is killed", exc_info=True)
             return False
@@ -153,19 +161,25 @@ class WarmPool:
         return self.idle_s > 0 and not self._closed.is_set()
 
     def take(self, key: GangKey) -> Gang | None:
-        """An idle gang for ``key`` (the most recently used), or None: then the job starts one."""
-        with self._lock:
-            for gang in reversed(self._idle):
-                if gang.key == key:
-                    self._idle.remove(gang)
-                    return gang
-        return None
+        """An idle gang for ``key`` (the most recently used) whose ranks confirmed their
+        reset, or None: then the job starts one. A gang that failed its reset is killed."""
+        while True:
+            with self._lock:
+                gang = next((g for g in reversed(self._idle) if g.key == key), None)
+                if gang is None:
+                    return None
+                self._idle.remove(gang)
+            if gang.is_clean():
+                return gang
+            gang.kill()
 
     def give_back(self, gang: Gang) -> bool:
-        """Keep a gang whose job succeeded, once every rank confirms it is clean; else kill it."""
-        if not self.enabled or not gang.reset():
+        """Keep a gang whose job succeeded (its ranks reset themselves meanwhile, checked
+        before the next job takes it); with the pool off or closed, kill it."""
+        if not self.enabled:
             gang.kill()
             return False
+        gang.start_reset()
         gang.jobs += 1
         gang.idle_since = time.monotonic()
         with self._lock:

@@ -170,3 +170,17 @@ def test_a_disabled_pool_keeps_nothing(two_models, settings):
         assert pool.idle() == [] and not pool.enabled
     finally:
         pool.close()
+
+
+def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
+    from service.server import open_services
+
+    services = open_services(settings.model_copy(update={"cpus_per_worker": 1.0, "warm_pool_idle_s": 300}))
+    try:
+        assert services.pool is not None and services.runner.pool is services.pool
+        recalibrate(request_for(two_models["six"]), services.settings, pool=services.pool)
+        [ranks] = idle_states(services.pool)
+    finally:
+        services.close()
+    assert services.pool.idle() == [] and not services.pool.enabled
+    assert all(process_gone(s["pid"]) for s in ranks)
