@@ -130,7 +130,7 @@ def main() -> None:
     print(f"resnet18, {args.samples} samples 3x32x32, {args.workers} workers, batch {args.batch}, "
           f"warm pool idle {args.idle_s:g} s; submit -> succeeded over HTTP:")
     for i, (seconds, job) in enumerate(runs):
-        label = "cold" if i == 0 else f"warm {i}"
+        label = "cold" if i == 0 else f"{'warm' if args.idle_s > 0 else 'again'} {i}"
         queued, running = span(job, "created_at", "started_at"), span(job, "started_at", "finished_at")
         print(f"  {label:7s} {seconds:6.2f} s: queued {queued:.2f} s, running {running:.2f} s "
               f"(calibration pass {job['report']['seconds']:.2f} s)")
@@ -138,7 +138,7 @@ def main() -> None:
     warm = [seconds for seconds, _ in runs[1:]]
     if warm:
         median = statistics.median(warm)
-        print(f"cold {cold:.2f} s, warm median {median:.2f} s (min {min(warm):.2f}, max {max(warm):.2f}): "
+        print(f"cold {cold:.2f} s, {'warm' if args.idle_s > 0 else 'again (no pool)'} median {median:.2f} s (min {min(warm):.2f}, max {max(warm):.2f}): "
               f"cold/warm {cold / median:.1f}x")
         verdict = "met" if median <= TARGET_WARM_S else "NOT met"
         print(f"target warm <= {TARGET_WARM_S:g} s: {verdict}")
