@@ -82,7 +82,7 @@ def run_rank_group(
     key = GangKey(
         world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, plan.device
     )
-    gang = pool.take(key) if pool is not None and pool.enabled else None
+    gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
     if gang is None:
         gang = Gang.start(key, options.placement_timeout_s, cancel)
     succeeded = False

@@ -121,13 +121,20 @@ class Gang:
         so the reset runs in the ranks while the finished job is written out."""
         self.resetting = [actor.reset.remote() for actor in self.actors]
 
-    def is_clean(self, timeout: float = RESET_TIMEOUT_S) -> bool:
-        """Whether every rank confirmed its reset (no collective group left) within ``timeout``."""
-        if not self.resetting:
-            return True
+    def is_clean(self, timeout: float = RESET_TIMEOUT_S, cancel: threading.Event | None = None) -> bool:
+        """Whether every rank is alive and confirmed its reset (no collective group left)
+        within ``timeout``; False at once when ``cancel`` is set meanwhile."""
+        deadline = time.monotonic() + timeout
+        pings = [actor.node.remote() for actor in self.actors]  # and alive now: one may have died idle
+        refs = self.resetting + pings
         try:
-            ready, _ = ray.wait(self.resetting, num_returns=len(self.resetting), timeout=timeout)
-            return len(ready) == len(self.resetting) and all(ray.get(ready))
+            while True:
+                _, pending = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+                if not pending:
+                    ray.get(pings)  # raises for a rank that died
+                    return all(ray.get(self.resetting))
+                if (cancel is not None and cancel.is_set()) or time.monotonic() >= deadline:
+                    return False
         except Exception:  # noqa: BLE001 - a rank that cannot answer is not reusable
             log.warning("a warm rank failed its reset; its gang is killed", exc_info=True)
             return False
@@ -160,16 +167,17 @@ class WarmPool:
         """Whether finished gangs are kept at all."""
         return self.idle_s > 0 and not self._closed.is_set()
 
-    def take(self, key: GangKey) -> Gang | None:
+    def take(self, key: GangKey, cancel: threading.Event | None = None) -> Gang | None:
         """An idle gang for ``key`` (the most recently used) whose ranks confirmed their
-        reset, or None: then the job starts one. A gang that failed its reset is killed."""
+        reset, or None: then the job starts one. A gang that failed its reset (or whose
+        check a cancel interrupted) is killed."""
         while True:
             with self._lock:
                 gang = next((g for g in reversed(self._idle) if g.key == key), None)
                 if gang is None:
                     return None
                 self._idle.remove(gang)
-            if gang.is_clean():
+            if gang.is_clean(cancel=cancel):
                 return gang
             gang.kill()
 

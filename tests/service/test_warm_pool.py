@@ -87,13 +87,22 @@ def test_a_second_job_reuses_the_ranks_and_matches_fresh_actors(two_models, sett
         assert [s["jobs"] for s in second] == [2, 2]
         assert all(s["threads"] == 1 and s["groups"] == [] for s in second)
         assert [s["initial_seed"] for s in second] == [s["initial_seed"] for s in first]  # a fresh process's seed
+        [gang] = pool.idle()
+        ray.kill(gang.actors[1], no_restart=True)  # a warm rank dies while idle (say, the OOM killer)
+        assert process_gone(second[1]["pid"])
+        recalibrate(request_for(two_models["six"]), settings, pool=pool)  # not failed by it: a fresh gang
+        [third] = idle_states(pool)
+        assert [s["jobs"] for s in third] == [1, 1] and {s["pid"] for s in third}.isdisjoint(
+            s["pid"] for s in second
+        )
+        assert process_gone(second[0]["pid"])  # the dead rank's peer was killed with its gang
     finally:
         pool.close()
     fresh = recalibrate(request_for(two_models["four"]), settings)  # its own actors, killed after
     assert warm.updates.keys() == fresh.updates.keys()
     for key, value in fresh.updates.items():
         assert torch.equal(warm.updates[key], value), key  # nothing of the first job leaked into the second
-    assert all(process_gone(s["pid"]) for s in second)  # close killed the idle gang
+    assert all(process_gone(s["pid"]) for s in third)  # close killed the idle gang
 
 
 def test_idle_ranks_give_their_cpus_back(two_models, settings):
