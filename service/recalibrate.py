@@ -33,6 +33,7 @@ from workers.group import GroupOptions, run_rank_group
 from workers.models import build_model
 from workers.moments import MomentStats
 from workers.plan import EvalPlan, RankPlan
+from workers.pool import WarmPool
 from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
@@ -101,8 +102,13 @@ def recalibrate(
     *,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    pool: WarmPool | None = None,
 ) -> Recalibration:
-    """Recompute every BN layer's running statistics of a checkpoint on Ray actors."""
+    """Recompute every BN layer's running statistics of a checkpoint on Ray actors.
+
+    With a ``pool`` (the server's), the ranks are warm actors of an earlier job of the
+    same shape when there are some, and stay warm for the next one.
+    """
     model = build_model(request.arch, request.model_kwargs, allowed_modules=tuple(settings.model_modules))
     checkpoint = load_checkpoint(request.checkpoint, request.checkpoint_name)
     load_into_model(model, checkpoint)
@@ -187,7 +193,7 @@ def recalibrate(
         try:
             result = run_rank_group(
                 plan, model.state_dict(), options, on_progress=progress, cancel=cancel,
-                shards=shards, eval_shards=eval_shards,
+                shards=shards, eval_shards=eval_shards, pool=pool,
             )
             break
         except CancelledError:

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from workers.errors import BnrecalError, CancelledError
+from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
@@ -54,9 +55,16 @@ class JobRunner:
     """Runs the ledger's queued jobs, at most as many at once as the cluster holds."""
 
     def __init__(
-        self, settings: Settings, ledger: Ledger, blobs: BlobStore, metrics: ServiceMetrics, feed: ChangeFeed
+        self,
+        settings: Settings,
+        ledger: Ledger,
+        blobs: BlobStore,
+        metrics: ServiceMetrics,
+        feed: ChangeFeed,
+        pool: WarmPool | None = None,
     ) -> None:
         self.settings = settings
+        self.pool = pool  # warm rank actors the jobs share (idle ones hold CPUs but give way to any job)
         self.ledger = ledger
         self.blobs = blobs
         self.metrics = metrics
@@ -206,7 +214,9 @@ class JobRunner:
             raise CancelledError("the job was cancelled")
         workdir.mkdir(parents=True, exist_ok=True)
         request, settings = self._request(job, spec)
-        result = recalibrate(request, settings, on_progress=self._progress_writer(job.id), cancel=cancel)
+        result = recalibrate(
+            request, settings, on_progress=self._progress_writer(job.id), cancel=cancel, pool=self.pool
+        )
         report = result.report
         artifacts: dict[str, Any] = {}
         if "onnx" in spec.outputs:

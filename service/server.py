@@ -21,6 +21,7 @@ import ray
 
 from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
+from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
@@ -66,6 +67,7 @@ class Services:
     feed: ChangeFeed
     started_ray: bool = False
     collector: StorageCollector | None = None
+    pool: WarmPool | None = None
     draining: threading.Event = field(default_factory=threading.Event)
 
     def check_accepting(self) -> None:
@@ -187,6 +189,8 @@ class Services:
         if self.collector is not None:
             self.collector.stop()
         self.runner.stop()
+        if self.pool is not None:  # after the runner: no job takes or returns warm actors any more
+            self.pool.close()
         self.ledger.close()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
@@ -211,11 +215,12 @@ def open_services(settings: Settings) -> Services:
         raise
     metrics = ServiceMetrics(ledger.count_by_status)
     feed = ChangeFeed()
-    runner = JobRunner(settings, ledger, blobs, metrics, feed)
+    pool = WarmPool(settings.warm_pool_idle_s)
+    runner = JobRunner(settings, ledger, blobs, metrics, feed, pool=pool)
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
     collector.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector)
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, pool)
 
 
 def _spec_digests(spec: JobSpec) -> list[str]:

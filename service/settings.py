@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
+    warm_pool_idle_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds the server keeps a finished job's rank actors warm for the next job of the "
+        "same shape before giving their CPUs back; 0: no warm pool.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     max_upload_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest accepted upload, in bytes.")
     max_unpacked_bytes: int | None = Field(

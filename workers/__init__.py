@@ -1,7 +1,8 @@
 """Pure torch + Ray workers: BN discovery, calibration math, sharding, data, actors.
 
 The math (``BatchNormCalibrator``, ``calibration_pass``) runs in any process; the Ray
-side (``run_rank_group``) places one ``CalibrationRank`` actor per rank.
+side (``run_rank_group``) places one ``CalibrationRank`` actor per rank, or reuses a warm
+gang of them (``WarmPool``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _HOMES = {
     "models": ("build_model", "parse_allowed_modules"),
     "moments": ("MomentStats",),
     "plan": ("RankPlan",),
+    "pool": ("Gang", "GangKey", "WarmPool"),
     "sharding": ("num_steps", "rank_ranges"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -51,9 +52,42 @@ class CalibrationRank:
 
     def __init__(self, rank: int, num_threads: int) -> None:
         self.rank = rank
-        torch.set_num_threads(max(1, num_threads))
+        self.num_threads = max(1, num_threads)
+        torch.set_num_threads(self.num_threads)
         self.node_id = ray.get_runtime_context().get_node_id()
         self._collective: RayCollective | None = None
+        self._seed = torch.initial_seed()
+        self._groups: list[str] = []
+        self.jobs = 0
+
+    def reset(self) -> bool:
+        """Clear what a job left, so a warm rank starts the next job as a fresh one would;
+        True when it is clean (no collective group of a past job still joined).
+
+        A job's model, data and work thread are locals of :meth:`run`, gone once it ends;
+        the process-wide state is put back here: torch's thread count and RNG seed, grad
+        mode, and the job's collective group (left in ``run``, checked here).
+        """
+        from ray.util import collective
+
+        self._leave_group()
+        torch.set_num_threads(self.num_threads)
+        torch.manual_seed(self._seed)
+        torch.set_grad_enabled(True)
+        gc.collect()
+        return not any(collective.is_group_initialized(name) for name in self._groups)
+
+    def state(self) -> dict[str, Any]:
+        """What a job could leave behind in this process, for tests and diagnostics."""
+        from ray.util import collective
+
+        return {
+            "pid": os.getpid(),
+            "jobs": self.jobs,
+            "threads": torch.get_num_threads(),
+            "initial_seed": torch.initial_seed(),
+            "groups": [name for name in self._groups if collective.is_group_initialized(name)],
+        }
 
     def node(self) -> dict[str, Any]:
         """Where this rank runs: Ray node id, host and process id."""
@@ -73,6 +107,7 @@ class CalibrationRank:
         object store; without them the rank opens the datasets' paths itself (a shared
         filesystem).
         """
+        self.jobs += 1
         try:
             yield from self._run(plan, state_dict, shard, eval_shard)
         except BnrecalError:
@@ -102,6 +137,7 @@ class CalibrationRank:
         data = shard if shard is not None else plan.dataset.open()
         loader_workers = plan.loader_workers if shard is None else 0
         ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
+        self._groups = [plan.group_name]
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
         yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}

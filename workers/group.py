@@ -1,10 +1,12 @@
 """The driver's side of a job: K rank actors, their placement, progress and faults.
 
-``run_rank_group`` places K actors with a placement group, hands each the plan and the
-weights (put in the object store once), follows the progress they stream, and returns
+``run_rank_group`` places K actors with a placement group (or takes a warm gang of them
+from a :class:`~workers.pool.WarmPool`), hands each the plan and the weights (put in the
+object store once), follows the progress they stream, and returns
 rank 0's statistics. Any failure, a rank that dies, a rank that raises, or a job that
 makes no progress within the collective timeout, fails the job with an error naming
-the rank and its node; actors and the placement group are always released.
+the rank and its node; actors and the placement group are always released (or, after
+a success, handed back to the pool).
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group_table
 
-from .actor import CalibrationActor
 from .errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
 from .plan import RankPlan
+from .pool import Gang, GangKey, WarmPool
 
 ProgressCallback = Callable[[str, int], None]
 """Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
@@ -66,36 +67,27 @@ def run_rank_group(
     cancel: threading.Event | None = None,
     shards: Sequence[Any] | None = None,
     eval_shards: Sequence[Any] | None = None,
+    pool: WarmPool | None = None,
 ) -> GroupResult:
     """Run a job on ``plan.world_size`` rank actors and return their combined result.
 
     ``shards`` (one per rank) carry the data through the object store, and
     ``eval_shards`` the evaluation data; without them every rank opens the datasets
-    from their paths.
+    from their paths. With a ``pool`` the ranks are a warm gang of the same shape when
+    one is idle, and go back to it after a successful job; without, they are started
+    for this job and killed after it.
     """
     world_size = plan.world_size
     plan = replace(plan, group_name=plan.group_name or f"bnrecal-{uuid.uuid4().hex[:12]}")
-    bundle = {"CPU": options.cpus_per_worker}
-    if options.gpus_per_worker:
-        bundle["GPU"] = options.gpus_per_worker
-    group = placement_group([dict(bundle) for _ in range(world_size)], strategy=options.placement_strategy)
-    actors: list[Any] = []
+    key = GangKey(
+        world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, plan.device
+    )
+    gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
+    if gang is None:
+        gang = Gang.start(key, options.placement_timeout_s, cancel)
+    succeeded = False
     try:
-        _wait_for_placement(group, world_size, bundle, options, cancel)
         state_ref = ray.put(state_dict)
-        threads = max(1, int(options.cpus_per_worker))
-        for rank in range(world_size):
-            actors.append(
-                CalibrationActor.options(
-                    num_cpus=options.cpus_per_worker,
-                    num_gpus=options.gpus_per_worker,
-                    max_restarts=0,
-                    max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group, placement_group_bundle_index=rank
-                    ),
-                ).remote(rank, threads)
-            )
         streams = [
             actor.run.remote(
                 plan,
@@ -103,36 +95,18 @@ def run_rank_group(
                 shards[rank] if shards is not None else None,
                 eval_shards[rank] if eval_shards is not None else None,
             )
-            for rank, actor in enumerate(actors)
+            for rank, actor in enumerate(gang.actors)
         ]
-        return _follow(streams, group, plan, options, on_progress, cancel)
+        result = _follow(streams, gang.group, plan, options, on_progress, cancel)
+        succeeded = True
+        return result
     finally:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        remove_placement_group(group)
-
-
-def _wait_for_placement(
-    group: Any, world_size: int, bundle: dict[str, float], options: GroupOptions, cancel: threading.Event | None
-) -> None:
-    """Wait until the cluster holds the ranks' bundles; a cancel is noticed within a fraction of a second."""
-    ready = group.ready()
-    deadline = time.monotonic() + options.placement_timeout_s
-    while True:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("the job was cancelled while waiting for its workers' resources")
-        done, _ = ray.wait([ready], timeout=min(0.2, max(0.0, deadline - time.monotonic())))
-        if done:
-            ray.get(done[0])
-            return
-        if time.monotonic() >= deadline:
-            break
-    available = ray.available_resources()
-    raise RunError(
-        f"could not place {world_size} workers of {bundle} within {options.placement_timeout_s:.0f} s "
-        f"(cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g} free): "
-        "use fewer workers, lower BNRECAL_CPUS_PER_WORKER, or raise BNRECAL_PLACEMENT_TIMEOUT_S"
-    )
+        # Only a gang whose job succeeded may serve another; a cancelled or failed one is in
+        # an unknown state (a rank mid-step, a broken collective group) and is killed.
+        if succeeded and pool is not None:
+            pool.give_back(gang)
+        else:
+            gang.kill()
 
 
 def _bundle_nodes(group: Any) -> dict[int, str]:

@@ -44,6 +44,8 @@ def test_cancel_mid_run_stops_the_job_and_frees_its_actors(live_server, tmp_path
         }
         job = submit(client, spec)
         running = wait_for(client, job["id"], ("running",), progressed=True)
+        pool = live_server.services.pool
+        idle_before = set(pool.idle())
         assert 0 < running["progress"]["samples_done"] < 40
         assert ray.available_resources().get("CPU", 0.0) < total  # its actors hold CPUs
         assert client.get(f"/v1/jobs/{job['id']}/artifacts/report").status_code == 409
@@ -55,7 +57,9 @@ def test_cancel_mid_run_stops_the_job_and_frees_its_actors(live_server, tmp_path
         final = client.get(f"/v1/jobs/{job['id']}").json()
         assert final["status"] == "cancelled" and final["finished_at"] is not None
         assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202  # cancelling again: a no-op
-    assert free_cpus_settle(total) == total  # actors killed, placement group removed
+    assert set(pool.idle()) <= idle_before  # the cancelled job's ranks did not go back to the warm pool
+    pool.evict_for({"CPU": total})  # idle warm gangs of earlier jobs hold CPUs too: let them go
+    assert free_cpus_settle(total) == total  # the cancelled job's actors killed, placement group removed
 
 
 @pytest.mark.slow  # 20 jobs, each starting its actor: ~2 min on a busy 2-core machine
@@ -91,3 +95,21 @@ def test_twenty_concurrent_submissions_all_finish_fifo_within_the_bound(live_ser
 
 def _time(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def test_a_second_job_of_the_same_shape_runs_on_warm_ranks(live_server, tmp_path):
+    pool = live_server.services.pool
+    with live_server.client("load") as client:
+        spec = {
+            "arch": "tests.nets:mixed_net",
+            "checkpoint": upload(client, save_state(tmp_path / "w.pt", mixed_net())),
+            "data": upload(client, write_samples(tmp_path / "w.npy", 9, seed=3)[0]),
+            "workers": 3,  # a shape no other test of the session uses
+            "batch_size": 3,
+        }
+        first = wait_for(client, submit(client, spec)["id"])
+        [gang] = [g for g in pool.idle() if g.key.world_size == 3]
+        second = wait_for(client, submit(client, spec)["id"])
+    assert first["status"] == second["status"] == "succeeded"
+    assert first["report"]["samples"] == second["report"]["samples"] == 9
+    assert gang in pool.idle() and gang.jobs == 2  # the same actors served both

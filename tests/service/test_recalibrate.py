@@ -202,6 +202,7 @@ def test_cancel_is_honoured_while_the_job_waits_and_frees_everything(mixed, sett
         arch = "tests.nets:slow_start_net"
     request = RecalibrationRequest(arch=arch, checkpoint=checkpoint, data=data, workers=2, batch_size=4)
     cpus = ray.available_resources().get("CPU", 0)
+    groups_before = set(placement_group_table())  # a server of the session may keep warm gangs
     cancel = threading.Event()
     fired = cancel_after(cancel, 2.0)
     with pytest.raises(CancelledError):
@@ -211,4 +212,4 @@ def test_cancel_is_honoured_while_the_job_waits_and_frees_everything(mixed, sett
     while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) >= cpus  # actors and bundles given back
-    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
+    assert all(g["state"] == "REMOVED" for k, g in placement_group_table().items() if k not in groups_before)
