@@ -7,7 +7,11 @@ trained model after SWA would have. Input sizes and sample counts are the smalle
 which the model's own float32 forward stays well within the ONNX check's tolerance
 (inception_v3 needs more values per channel than the rest; fcn_resnet50 is left out:
 with random weights its float32 output differs from float64 by about the tolerance
-itself, so the export check refuses its folded model about as often as not.)"""
+itself, so the export check refuses its folded model about as often as not.) inception_v3's
+statistics are checked but not its export (``export=False``): its folded float32 output sits
+within a few percent of the tolerance (measured 0.9x to 1.0x of it at 107x107 and 48
+samples, 1.07x at 24), so the export check refuses it in some runs and not others; at
+139x139 the export had room but deep statistics crossed their own float32 bound.)"""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class ZooCase:
     size: int = 64
     samples: int = 12
     slow: bool = False
+    export: bool = True  # also export folded to ONNX and verify it (see the module docstring)
 
     @property
     def id(self) -> str:
@@ -55,7 +60,8 @@ TORCHVISION = [
     ZooCase("torchvision:shufflenet_v2_x0_5"),
     ZooCase("torchvision:densenet121"),
     ZooCase("torchvision:googlenet", {"aux_logits": False, "init_weights": False}),
-    ZooCase("torchvision:inception_v3", {"aux_logits": False, "init_weights": False}, size=107, samples=24),
+    ZooCase("torchvision:inception_v3", {"aux_logits": False, "init_weights": False}, size=107, samples=24,
+            export=False),
     ZooCase("torchvision:lraspp_mobilenet_v3_large", SEGMENTATION),
     ZooCase("torchvision:deeplabv3_mobilenet_v3_large", {**SEGMENTATION, "aux_loss": False}),
 ]
