@@ -31,7 +31,7 @@ from .ledger import Ledger, sqlite_url
 from .metrics import ServiceMetrics
 from .runner import JobRunner
 from .settings import Settings
-from .storage import StorageCollector
+from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
 
@@ -140,10 +140,11 @@ class Services:
         """Check a job spec against the tenant's blobs and the settings, and queue it; with
         an idempotency key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
-        for digest in _spec_digests(spec):
+        stored = spec.model_dump(mode="json")
+        for digest in spec_digests(stored):
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
         check_submission(spec, tenant, self.blobs, self.settings)
-        job, created = self.ledger.create(tenant, spec.model_dump(mode="json"), idempotency_key)
+        job, created = self.ledger.create(tenant, stored, idempotency_key)
         if created:
             self.runner.wake()
         return job, created
@@ -222,8 +223,3 @@ def open_services(settings: Settings) -> Services:
     collector.start()
     return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, pool)
 
-
-def _spec_digests(spec: JobSpec) -> list[str]:
-    """The blobs a job spec names: checkpoint, data and evaluation data (server paths aside)."""
-    sources = [spec.checkpoint, spec.data, spec.eval.data if spec.eval is not None else None]
-    return [source for source in sources if isinstance(source, str)]

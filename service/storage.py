@@ -94,13 +94,18 @@ class _Needs:
     expired: list[JobRecord]
 
 
-def job_digests(job: JobRecord, artifacts: bool = True) -> set[str]:
-    """The blob digests a job references: checkpoint, data, evaluation data and (if asked) artifacts."""
-    spec = job.spec
+def spec_digests(spec: dict[str, Any]) -> set[str]:
+    """The blob digests a stored job spec names: checkpoint, data and evaluation data."""
     found = [spec.get("checkpoint"), spec.get("data"), (spec.get("eval") or {}).get("data")]
-    if artifacts:
-        found += [artifact.get("digest") for artifact in job.artifacts.values()]
     return {value for value in found if isinstance(value, str) and is_digest(value)}
+
+
+def job_digests(job: JobRecord, artifacts: bool = True) -> set[str]:
+    """The blob digests a job references: those of its spec and (if asked) its artifacts."""
+    found = spec_digests(job.spec)
+    if artifacts:
+        found |= {artifact.get("digest") for artifact in job.artifacts.values() if is_digest(artifact.get("digest") or "")}
+    return found
 
 
 def _uses_server_path(job: JobRecord) -> bool:
