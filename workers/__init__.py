@@ -18,7 +18,7 @@ _HOMES = {
     "errors": (
         "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
         "CheckpointError", "DatasetError", "ExportError", "InputError", "InsufficientStorageError",
-        "ModelInputError", "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "QuotaExceededError",
+        "ModelInputError", "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "ProgramError", "QuotaExceededError",
         "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
     ),
     "group": ("GroupOptions", "GroupResult", "run_rank_group"),

@@ -14,13 +14,12 @@ from typing import Any
 import ray
 import torch
 
-from .batchnorm import BatchNormLayer
+from .batchnorm import layers_named
 from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
 from .data import CalibrationData, iter_batches
 from .errors import BnrecalError, RunError, first_line
 from .evaluation import evaluation_pass, with_statistics
-from .models import build_model
 from .plan import RankPlan
 from .sharding import rank_ranges
 
@@ -96,12 +95,13 @@ class CalibrationRank:
     def run(
         self,
         plan: RankPlan,
-        state_dict: dict[str, torch.Tensor],
+        weights: Any,
         shard: CalibrationData | None = None,
         eval_shard: CalibrationData | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Calibrate this rank's shard, then evaluate if the plan asks; yields progress
-        events and finally the result.
+        events and finally the result. ``weights`` are what the plan's model source
+        builds the model from (a state dict, or a program's archive bytes).
 
         ``shard`` and ``eval_shard`` are this rank's data when it travels through the
         object store; without them the rank opens the datasets' paths itself (a shared
@@ -109,7 +109,7 @@ class CalibrationRank:
         """
         self.jobs += 1
         try:
-            yield from self._run(plan, state_dict, shard, eval_shard)
+            yield from self._run(plan, weights, shard, eval_shard)
         except BnrecalError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
@@ -124,16 +124,14 @@ class CalibrationRank:
     def _run(
         self,
         plan: RankPlan,
-        state_dict: dict[str, torch.Tensor],
+        weights: Any,
         shard: CalibrationData | None,
         eval_shard: CalibrationData | None,
     ) -> Iterator[dict[str, Any]]:
         device = torch.device(plan.device)
-        model = build_model(plan.arch, plan.model_kwargs, allowed_modules=plan.allowed_modules)
-        model.load_state_dict(state_dict)
+        model = plan.model.build(weights)
         model.to(device).eval()
-        modules = dict(model.named_modules())
-        layers = [BatchNormLayer(name, modules[name]) for name in plan.layer_names]
+        layers = layers_named(model, plan.layer_names)
         data = shard if shard is not None else plan.dataset.open()
         loader_workers = plan.loader_workers if shard is None else 0
         ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)

@@ -100,13 +100,12 @@ def apply_statistics(layers: Sequence[BatchNormLayer], stats: Sequence[MomentSta
     """
     unreached: list[str] = []
     for layer, stat in zip(layers, stats):
-        module = layer.module
         if stat.count <= 0:
             unreached.append(layer.name)
             continue
         with torch.no_grad():
-            module.running_mean.copy_(stat.mean.to(module.running_mean.dtype))
-            module.running_var.copy_(stat.unbiased_var.to(module.running_var.dtype))
-            if module.num_batches_tracked is not None:
-                module.num_batches_tracked.add_(steps)
+            layer.running_mean.copy_(stat.mean.to(layer.running_mean.dtype))
+            layer.running_var.copy_(stat.unbiased_var.to(layer.running_var.dtype))
+            if layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.add_(steps)
     return unreached

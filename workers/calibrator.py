@@ -1,20 +1,23 @@
 """BatchNorm layers in calibration mode: each layer's own forward runs, only the
 statistics it normalises with are replaced.
 
-While a :class:`BatchNormCalibrator` is active, every call to
-``torch.nn.functional.batch_norm`` is seen by a ``TorchFunctionMode``. A call that
-passes one of the calibrated layers' running buffers is that layer normalising: its
-input's moments are measured (one statistics pass), in ``sync`` mode combined across
-ranks in one allreduce, and the call goes on in eval form with those statistics (one
-normalising pass). Everything else the layer's class does around that call (timm's
-activation and drop path, a subclass's arithmetic, a second call) still happens.
+While a :class:`BatchNormCalibrator` is active, every batch-norm call is seen by a
+``TorchFunctionMode``: ``torch.nn.functional.batch_norm``, ``torch.batch_norm`` and the
+``aten`` batch-norm ops a ``torch.export`` program calls (``workers.bn_calls`` lists the
+forms). A call that passes one of the calibrated layers' running buffers is that layer
+normalising: its input's moments are measured (one statistics pass), in ``sync`` mode
+combined across ranks in one allreduce, and the call goes on in eval form with those
+statistics (one normalising pass). Everything else the layer's class does around that
+call (timm's activation and drop path, a subclass's arithmetic, a second call) still
+happens.
 
-Calibrated layers run with their own ``training`` flag set, as in training; their
+Calibrated modules run with their own ``training`` flag set, as in training; their
 children (an activation, a drop path) stay in eval mode. ``SyncBatchNorm`` layers keep
 ``training`` off: their training forward would synchronise over ``torch.distributed``
 itself, and in eval form they reach ``F.batch_norm`` with their running buffers all the
-same, so the product's collective stays the only one. A layer whose forward finishes
-without normalising through ``F.batch_norm`` fails the pass, naming it.
+same, so the product's collective stays the only one. A module whose forward finishes
+without normalising through one of those calls fails the pass, naming it. (A program's
+layers are its batch-norm calls, found in its graph: there is no forward to watch.)
 
 ``probe_call_order`` runs the model once this way on a sample before any actor starts:
 it catches data the model rejects and layers that cannot be calibrated, and records the
@@ -32,6 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .batchnorm import MODES, BatchNormLayer, unsupported_layer
+from .bn_calls import BATCH_NORM_FORMS, BatchNormForm
 from .collectives import Collective, SingleProcessCollective
 from .errors import BnrecalError, CallOrderError, ModelInputError, RunError, first_line
 from .moments import BatchMoments, MomentStats, batch_moments, finalize, pack, packed_size
@@ -63,7 +67,7 @@ class BatchNormCalibrator:
         self.mode = mode
         self.collective = collective
         self.call_order = list(call_order)
-        self.shifts = [layer.module.running_mean.detach().double() for layer in self.layers]
+        self.shifts = [layer.running_mean.detach().double() for layer in self.layers]
         self.totals = [
             torch.zeros(packed_size(layer.channels), dtype=torch.float64, device=shift.device)
             for layer, shift in zip(self.layers, self.shifts)
@@ -71,7 +75,7 @@ class BatchNormCalibrator:
         self.calls = [0] * len(self.layers)
         self.order: list[int] = []
         self._record_order = record_order
-        self._by_buffer = {id(layer.module.running_mean): i for i, layer in enumerate(self.layers)}
+        self._by_buffer = {id(layer.running_mean): i for i, layer in enumerate(self.layers)}
         self._mode = _Interceptor(self)
         self._saved: list[tuple[bool, torch.Tensor | None]] = []
         self._hooks: list[Any] = []
@@ -81,8 +85,10 @@ class BatchNormCalibrator:
     def __enter__(self) -> BatchNormCalibrator:
         for i, layer in enumerate(self.layers):
             module = layer.module
-            tracked = module.num_batches_tracked
-            self._saved.append((module.training, None if tracked is None else tracked.detach().clone()))
+            tracked = layer.num_batches_tracked
+            self._saved.append((layer.owner.training, None if tracked is None else tracked.detach().clone()))
+            if module is None:  # a program's layer: its calls are known from the graph
+                continue
             module.training = not isinstance(module, nn.SyncBatchNorm)
             self._hooks.append(module.register_forward_pre_hook(self._entering(i)))
             self._hooks.append(module.register_forward_hook(self._leaving(i)))
@@ -96,9 +102,9 @@ class BatchNormCalibrator:
         self._hooks.clear()
         with torch.no_grad():
             for layer, (training, tracked) in zip(self.layers, self._saved):
-                layer.module.training = training
-                if tracked is not None and layer.module.num_batches_tracked is not None:
-                    layer.module.num_batches_tracked.copy_(tracked)
+                layer.owner.training = training
+                if tracked is not None and layer.num_batches_tracked is not None:
+                    layer.num_batches_tracked.copy_(tracked)
         self._saved.clear()
 
     def _entering(self, index: int) -> Any:
@@ -122,12 +128,14 @@ class BatchNormCalibrator:
                 return self.layers[index]
         return None
 
-    def intercept(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-        """Calibrate an ``F.batch_norm`` call made with a calibrated layer's buffers;
+    def intercept(
+        self, form: BatchNormForm, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Calibrate a batch-norm call (of any form) made with a calibrated layer's buffers;
         ``None`` for any other call, which then runs as it is."""
-        call = _bind(args, kwargs)
-        index = self._by_buffer.get(id(call["running_mean"]))
-        if index is None or self.layers[index].module.running_mean is not call["running_mean"]:
+        call = form.bind(args, kwargs)
+        index = self._by_buffer.get(id(call.get("running_mean")))
+        if index is None or self.layers[index].running_mean is not call["running_mean"]:
             return None
         x = call["input"]
         layer = self.layers[index]
@@ -138,7 +146,8 @@ class BatchNormCalibrator:
             )
         own = batch_moments(x)
         stats = self._combine(index, own)
-        return _normalise(x, own, stats, call, layer.module.running_mean.dtype)
+        out = _normalise(x, own, stats, call, layer.running_mean.dtype)
+        return form.results(out, stats.mean, stats.var, call)
 
     def _combine(self, index: int, own: BatchMoments) -> MomentStats:
         """This call's statistics over the global batch (sync) or the rank's slice (local)."""
@@ -227,7 +236,7 @@ def probe_call_order(model: nn.Module, layers: Sequence[BatchNormLayer], sample:
 
 
 class _Interceptor(TorchFunctionMode):
-    """Routes ``F.batch_norm`` calls to the calibrator; every other call runs unchanged."""
+    """Routes batch-norm calls to the calibrator; every other call runs unchanged."""
 
     def __init__(self, calibrator: BatchNormCalibrator) -> None:
         super().__init__()
@@ -235,22 +244,12 @@ class _Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.batch_norm:
-            result = self.calibrator.intercept(args, kwargs)
+        form = BATCH_NORM_FORMS.get(func)
+        if form is not None:
+            result = self.calibrator.intercept(form, args, kwargs)
             if result is not None:
                 return result
         return func(*args, **kwargs)
-
-
-_PARAMETERS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-_DEFAULTS: dict[str, Any] = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
-
-
-def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    call = dict(_DEFAULTS)
-    call.update(zip(_PARAMETERS, args))
-    call.update(kwargs)
-    return call
 
 
 def _normalise(
@@ -266,9 +265,9 @@ def _normalise(
         source,
         mean.to(dtype),
         stats.var.to(dtype),
-        call["weight"],
-        call["bias"],
+        call.get("weight"),
+        call.get("bias"),
         False,
         0.0,
-        call["eps"],
+        float(call.get("eps", 1e-5)),
     )

@@ -9,6 +9,8 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     ├── InputError                 bad input from the user: CLI exit 2, HTTP 4xx
     │   ├── ArchitectureError      unknown or disallowed ``arch``
     │   ├── CheckpointError        unreadable, unsafe or mismatching checkpoint
+    │   ├── ProgramError           a ``torch.export`` program that cannot be loaded
+    │   │                          safely or calibrated
     │   ├── DatasetError           unreadable, empty or unsafe calibration data
     │   ├── ModelInputError        the model rejects the data (shape, dtype)
     │   ├── NoBatchNormError       nothing to recalibrate
@@ -76,6 +78,15 @@ class CheckpointError(InputError):
 
     status = 422
     title = "Invalid checkpoint"
+
+
+class ProgramError(InputError):
+    """A ``torch.export`` program (``.pt2``) that is not a valid archive, would need code
+    run to load (a pickle, an arbitrary callable), or whose graph cannot be calibrated."""
+
+    status = 422
+    title = "Invalid program"
+    field = "program"  # the job spec field (and CLI flag --program) at fault
 
 
 class DatasetError(InputError):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batchnorm import BatchNormLayer
+from .batchnorm import layers_named
 from .calibration import apply_statistics
 from .collectives import Collective
 from .errors import InputError
@@ -226,6 +226,5 @@ def evaluation_pass(
 def with_statistics(model: nn.Module, layer_names: Sequence[str], stats: Sequence[Any], steps: int) -> nn.Module:
     """A copy of ``model`` whose named BN layers carry ``stats`` (the recalibrated model)."""
     after = copy.deepcopy(model)
-    modules = dict(after.named_modules())
-    apply_statistics([BatchNormLayer(name, modules[name]) for name in layer_names], stats, steps)
+    apply_statistics(layers_named(after, layer_names), stats, steps)
     return after

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
@@ -60,7 +59,7 @@ class GroupResult:
 
 def run_rank_group(
     plan: RankPlan,
-    state_dict: dict[str, torch.Tensor],
+    weights: Any,
     options: GroupOptions,
     *,
     on_progress: ProgressCallback | None = None,
@@ -70,6 +69,9 @@ def run_rank_group(
     pool: WarmPool | None = None,
 ) -> GroupResult:
     """Run a job on ``plan.world_size`` rank actors and return their combined result.
+
+    ``weights`` (a state dict, or a program's archive bytes: what the plan's model source
+    builds from) go into the object store once for every rank.
 
     ``shards`` (one per rank) carry the data through the object store, and
     ``eval_shards`` the evaluation data; without them every rank opens the datasets
@@ -87,7 +89,7 @@ def run_rank_group(
         gang = Gang.start(key, options.placement_timeout_s, cancel)
     succeeded = False
     try:
-        state_ref = ray.put(state_dict)
+        state_ref = ray.put(weights)
         streams = [
             actor.run.remote(
                 plan,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .data import DatasetSpec
 from .evaluation import EvalTarget
+from .sources import ModelSource
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,7 @@ class EvalPlan:
 class RankPlan:
     """The job as one rank sees it (identical for every rank but ``rank``-specific fields)."""
 
-    arch: str
-    model_kwargs: dict[str, Any]
-    allowed_modules: tuple[str, ...]
+    model: ModelSource
     dataset: DatasetSpec
     batch_size: int
     mode: str
