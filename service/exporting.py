@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +35,18 @@ def export_recalibrated(
     Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
     when the export cannot be verified.
     """
+    from workers.programs import ProgramModule
+
     from .export import export_folded_onnx
 
-    samples = result.calibration_samples(VERIFY_SAMPLES)
+    fixed = 1
+    if isinstance(result.model, ProgramModule) and result.model.batch.static:
+        # a program exported with a static batch exports at that batch, and only there
+        fixed, dynamic_batch = result.model.batch.low, False
+    samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     return export_folded_onnx(
-        result.model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape
+        result.model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape,
+        fixed_batch=fixed,
     )
 
 

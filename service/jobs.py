@@ -20,12 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
 from workers.models import check_architecture_exists as check_reference
+from workers.programs import check_program
 
 from .blobs import DIGEST_PATTERN, BlobStore
-from .options import DEFAULT_OPSET, RunOptions
+from .options import DEFAULT_OPSET, RunOptions, check_model_choice
 from .settings import Settings
 
-ARTIFACT_NAMES = ("checkpoint", "onnx", "report", "report.html")
+ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "report", "report.html")
 
 
 class ConflictError(InputError):
@@ -111,24 +112,38 @@ class EvalSpec(BaseModel):
 
 
 class JobSpec(RunOptions):
-    """What to recalibrate (the run options), on what checkpoint and data, and which
-    artifacts to produce."""
+    """What to recalibrate (the run options), on what checkpoint (or program) and data, and
+    which artifacts to produce."""
 
-    checkpoint: Digest = Field(description="Digest of an uploaded checkpoint blob.")
+    checkpoint: Digest | None = Field(default=None, description="Digest of an uploaded checkpoint blob (with arch).")
+    program: Digest | None = Field(
+        default=None,
+        description="Digest of an uploaded torch.export program (.pt2), instead of arch and checkpoint: "
+        "it carries its architecture.",
+    )
     data: DataSource = Field(
         description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), {'path': ...} on the server, "
         "or {'uri': 's3://bucket/key-or-prefix'} in object storage."
     )
-    outputs: list[Literal["checkpoint", "onnx"]] = Field(
-        default_factory=lambda: ["checkpoint"], max_length=8, description="Artifacts to produce besides the report."
+    outputs: list[Literal["checkpoint", "program", "onnx"]] | None = Field(
+        default=None,
+        max_length=8,
+        description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program).",
     )
     onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
     eval: EvalSpec | None = Field(default=None, description="Evaluate before and after on this data.")
 
     @field_validator("outputs")
     @classmethod
-    def _unique_outputs(cls, value: list[str]) -> list[str]:
-        return list(dict.fromkeys(value))
+    def _unique_outputs(cls, value: list[str] | None) -> list[str] | None:
+        return list(dict.fromkeys(value)) if value is not None else None
+
+    def with_outputs(self) -> JobSpec:
+        """This spec with its outputs spelled out: the model in the form it came in (the
+        checkpoint, or the program) unless the submitter chose."""
+        if self.outputs is not None:
+            return self
+        return self.model_copy(update={"outputs": ["program" if self.program else "checkpoint"]})
 
 
 class Progress(BaseModel):
@@ -218,9 +233,13 @@ class JobRecord:
 
 
 def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
-    """Refuse a spec whose blobs, data path or architecture cannot work, naming the field."""
-    check_architecture(spec.arch, settings)
-    named = [("checkpoint", spec.checkpoint), ("data", spec.data)]
+    """Refuse a spec whose model, blobs, data path or architecture cannot work, naming the field."""
+    check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
+    _check_outputs(spec)
+    if spec.arch is not None:
+        check_architecture(spec.arch, settings)
+    named = [(name, digest) for name, digest in (("checkpoint", spec.checkpoint), ("program", spec.program)) if digest]
+    named.append(("data", spec.data))
     if spec.eval is not None:
         named.append(("eval.data", spec.eval.data))
     for name, source in named:
@@ -232,6 +251,17 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
             check_data_uri(source.uri, settings, field=f"{name}.uri")
     if spec.transform is not None and len(repr(spec.transform)) > 4096:
         raise SpecError("transform is too large", field="transform")
+    if spec.program is not None:
+        check_program(blobs.path(tenant, spec.program), blobs.filename(tenant, spec.program) or spec.program)
+
+
+def _check_outputs(spec: JobSpec) -> None:
+    """The model artifact asked for is the one the model can give: a checkpoint for an
+    architecture, a program for a program."""
+    wrong = "checkpoint" if spec.program is not None else "program"
+    if spec.outputs is not None and wrong in spec.outputs:
+        have = "program" if spec.program is not None else "checkpoint"
+        raise SpecError(f"outputs: a job on a {have} gives a {have}, not a {wrong}", field="outputs")
 
 
 def check_architecture(arch: str, settings: Settings) -> None:

@@ -35,10 +35,12 @@ class RunOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: str = Field(
+    arch: str | None = Field(
+        default=None,
         min_length=3,
         max_length=256,
-        description="torchvision:<name>, timm:<name> or <module.path>:<callable> (allowlisted).",
+        description="torchvision:<name>, timm:<name> or <module.path>:<callable> (allowlisted); "
+        "not with a program, which carries its own architecture.",
         examples=["torchvision:resnet18"],
     )
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")
@@ -86,3 +88,32 @@ def default(name: str) -> Any:
 def description(name: str) -> str:
     """The help text of one run option."""
     return RunOptions.model_fields[name].description or ""
+
+
+def check_model_choice(
+    arch: str | None, checkpoint: object | None, program: object | None, model_kwargs: dict[str, Any] | None,
+    *, flags: bool = False,
+) -> None:
+    """Refuse a request that names no model, or both kinds: an architecture takes a
+    checkpoint, a program carries both. ``flags`` words the error for the command line."""
+    def name(field: str) -> str:
+        return f"--{field.replace('_', '-')}" if flags else field
+
+    if program is not None:
+        for field, value in (("arch", arch), ("checkpoint", checkpoint)):
+            if value is not None:
+                raise SpecError(
+                    f"{name(field)} does not go with {name('program')}: a program carries its architecture and weights",
+                    field=name(field),
+                )
+        if model_kwargs:
+            raise SpecError(f"{name('model_kwargs')} does not go with {name('program')}", field=name("model_kwargs"))
+        return
+    if arch is None and checkpoint is None:
+        raise SpecError(
+            f"give {name('program')} (a torch.export .pt2), or {name('arch')} with {name('checkpoint')}",
+            field=name("program"),
+        )
+    for field, value in (("arch", arch), ("checkpoint", checkpoint)):
+        if value is None:
+            raise SpecError(f"{name(field)} is required with an architecture (or give {name('program')})", field=name(field))

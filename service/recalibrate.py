@@ -1,9 +1,10 @@
 """One recalibration, end to end: the function the CLI and the job runner both call.
 
-It validates everything it can on the driver first (architecture, checkpoint, data,
-that the model accepts the data) so bad input fails in seconds with a clear error,
-then runs the ranks on Ray and writes the statistics back into the model's own BN
-modules, from where they go into the checkpoint in its uploaded format and layout.
+It validates everything it can on the driver first (architecture and checkpoint, or
+program; data; that the model accepts the data) so bad input fails in seconds with a
+clear error, then runs the ranks on Ray and writes the statistics back into the model's
+own BN buffers, from where they go into the checkpoint in its uploaded format and layout,
+or into the same program archive.
 """
 
 from __future__ import annotations
@@ -11,33 +12,33 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
 from workers.calibrator import probe_call_order
 from workers.calibration import apply_statistics
-from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
+from workers.checkpoints import Checkpoint
 from workers.collectives import backend_for_device
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.data.objectstore import is_data_uri
-from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError, SpecError
+from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
 from workers.evaluation import check_eval_output
 from workers.group import GroupOptions, run_rank_group
-from workers.models import build_model
 from workers.moments import MomentStats
 from workers.plan import EvalPlan, RankPlan
 from workers.pool import WarmPool
 from workers.sharding import rank_ranges
 
 from .cluster import ensure_ray, is_local_instance
-from .options import STARTING_PHASE, RunOptions
+from .model_source import LoadedModel, load_model
+from .options import STARTING_PHASE, RunOptions, check_model_choice
 from .report import build_report, write_report
 from .settings import Settings
 
@@ -47,7 +48,8 @@ phase is ``calibrating``, then ``evaluating`` when the request evaluates."""
 
 
 class RecalibrationRequest(RunOptions):
-    """The run options, with the checkpoint and data as local paths: what ``recalibrate`` takes.
+    """The run options, with the checkpoint (or program) and data as local paths: what
+    ``recalibrate`` takes. A program replaces ``arch``, ``model_kwargs`` and ``checkpoint``.
 
     With ``eval_data`` the model is evaluated before and after on it (report ``evaluation``).
     The ``*_name`` fields are what messages and the report call each file instead of its
@@ -55,11 +57,13 @@ class RecalibrationRequest(RunOptions):
     were uploaded with (only shown, never used as paths).
     """
 
-    checkpoint: Path
+    checkpoint: Path | None = None
+    program: Path | None = None
     data: Path | str
     eval_data: Path | str | None = None
     eval_max_samples: int | None = Field(default=None, ge=1, le=2**53)
     checkpoint_name: str | None = None
+    program_name: str | None = None
     data_name: str | None = None
     eval_data_name: str | None = None
 
@@ -71,20 +75,32 @@ class RecalibrationRequest(RunOptions):
             return Path(value)
         return value
 
+    @model_validator(mode="after")
+    def _one_model(self) -> RecalibrationRequest:
+        """An architecture with a checkpoint, or a program: exactly one model."""
+        check_model_choice(self.arch, self.checkpoint, self.program, self.model_kwargs)
+        return self
+
 
 @dataclass
 class Recalibration:
-    """A finished recalibration: the updated model, its checkpoint updates and the report."""
+    """A finished recalibration: the updated model, its buffer updates and the report."""
 
     model: nn.Module
-    checkpoint: Checkpoint
+    loaded: LoadedModel
     updates: dict[str, torch.Tensor]
     dataset: DatasetSpec
     report: dict[str, Any]
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write the recalibrated checkpoint in the uploaded format and layout."""
-        save_checkpoint(self.checkpoint, self.updates, path)
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint as uploaded (None for a program)."""
+        return self.loaded.checkpoint
+
+    def save_model(self, path: str | os.PathLike[str]) -> None:
+        """Write the recalibrated checkpoint in the uploaded format and layout, or the
+        recalibrated program (the same archive with new running buffers)."""
+        self.loaded.save(self.updates, path)
 
     def save_report(self, path: str | os.PathLike[str]) -> None:
         """Write ``report.json``."""
@@ -104,19 +120,20 @@ def recalibrate(
     cancel: threading.Event | None = None,
     pool: WarmPool | None = None,
 ) -> Recalibration:
-    """Recompute every BN layer's running statistics of a checkpoint on Ray actors.
+    """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
 
     With a ``pool`` (the server's), the ranks are warm actors of an earlier job of the
     same shape when there are some, and stay warm for the next one.
     """
-    model = build_model(request.arch, request.model_kwargs, allowed_modules=tuple(settings.model_modules))
-    checkpoint = load_checkpoint(request.checkpoint, request.checkpoint_name)
-    load_into_model(model, checkpoint)
-    model.eval()
+    loaded = load_model(
+        settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
+        checkpoint_name=request.checkpoint_name, program=request.program, program_name=request.program_name,
+    )
+    model = loaded.model
     layers, skipped = find_batchnorm_layers(model)
     if not layers:
         detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-        raise NoBatchNormError(f"{request.arch} has no BatchNorm layer to recalibrate{detail}")
+        raise NoBatchNormError(f"{loaded.label} has no BatchNorm layer to recalibrate{detail}")
     dataset = describe_dataset(
         request.data,
         transform=request.transform,
@@ -132,15 +149,13 @@ def recalibrate(
         dataset.name_in(exc)
         raise
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
-    old = [(layer.module.running_mean.clone(), layer.module.running_var.clone()) for layer in layers]
+    old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
     cpus, gpus = rank_resources(settings, request)
     backend = backend_for_device(request.device)
     plan = RankPlan(
-        arch=request.arch,
-        model_kwargs=dict(request.model_kwargs),
-        allowed_modules=tuple(settings.model_modules),
+        model=loaded.source,
         dataset=dataset,
         batch_size=request.batch_size,
         mode=request.mode,
@@ -192,7 +207,7 @@ def recalibrate(
             on_progress(0, totals["calibrating"], STARTING_PHASE)
         try:
             result = run_rank_group(
-                plan, model.state_dict(), options, on_progress=progress, cancel=cancel,
+                plan, loaded.weights, options, on_progress=progress, cancel=cancel,
                 shards=shards, eval_shards=eval_shards, pool=pool,
             )
             break
@@ -236,7 +251,9 @@ def recalibrate(
     )
     if evaluation is not None and result.evaluation is not None:
         report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
-    return Recalibration(model, checkpoint, _updates(calibrated), dataset, report)
+    if loaded.is_program:
+        report["program"] = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
+    return Recalibration(model, loaded, _updates(calibrated), dataset, report)
 
 
 def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
@@ -278,11 +295,8 @@ def _updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
     """The checkpoint entries a recalibration changes, keyed by model key."""
     updates: dict[str, torch.Tensor] = {}
     for layer in layers:
-        module = layer.module
-        updates[f"{layer.name}.running_mean"] = module.running_mean.detach().cpu()
-        updates[f"{layer.name}.running_var"] = module.running_var.detach().cpu()
-        if module.num_batches_tracked is not None:
-            updates[f"{layer.name}.num_batches_tracked"] = module.num_batches_tracked.detach().cpu()
+        for role, key in layer.buffer_names().items():
+            updates[key] = getattr(layer, role).detach().cpu()
     return updates
 
 

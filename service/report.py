@@ -73,11 +73,10 @@ def layer_entry(
     variance ratio over channels (null where an old variance was zero), so a channel that
     shrank is visible beside one that grew.
     """
-    module = layer.module
-    new_mean = module.running_mean.detach().double().cpu()
-    new_var = module.running_var.detach().double().cpu()
+    new_mean = layer.running_mean.detach().double().cpu()
+    new_var = layer.running_var.detach().double().cpu()
     old_mean, old_var = old_mean.double().cpu(), old_var.double().cpu()
-    shift = ((new_mean - old_mean).abs() / torch.sqrt(old_var + module.eps)).max().item()
+    shift = ((new_mean - old_mean).abs() / torch.sqrt(old_var + layer.epsilon)).max().item()
     ratio_max = ratio_min = None
     if bool((old_var > 0).all()):
         ratios = new_var / old_var

@@ -37,7 +37,6 @@ from .settings import Settings
 log = logging.getLogger("bnrecal.runner")
 
 PROGRESS_INTERVAL_S = 0.25  # at most this often a job's progress is written to the ledger
-CHECKPOINT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
 
 @dataclass
@@ -147,7 +146,7 @@ class JobRunner:
         limit = self.settings.max_concurrent_jobs
         for job in self.ledger.queued():
             try:
-                spec = JobSpec.model_validate(job.spec)
+                spec = JobSpec.model_validate(job.spec).with_outputs()
             except ValueError as exc:
                 problem = problem_of(BnrecalError(f"invalid stored spec: {exc}"))
                 self.ledger.finish(job.id, JobStatus.failed, error=problem)
@@ -231,8 +230,9 @@ class JobRunner:
             artifacts["onnx"] = self._store(job, onnx_file, "application/octet-stream")
         _check_cancel(cancel)
         self._enter_phase(job.id, "writing")
-        if "checkpoint" in spec.outputs:
-            artifacts["checkpoint"] = self._save_checkpoint(job, result, workdir)
+        for name in ("checkpoint", "program"):
+            if name in spec.outputs:
+                artifacts[name] = self._save_model(job, result, workdir)
         report_file = workdir / "report.json"
         result.save_report(report_file)
         artifacts["report"] = self._store(job, report_file, "application/json")
@@ -247,12 +247,13 @@ class JobRunner:
         Blobs are stored under their digest, so the request carries the names they were
         uploaded with for its messages (the digest, for a blob uploaded without one).
         """
-        checkpoint = self.blobs.path(job.tenant, spec.checkpoint)
         evaluation = spec.eval
         request = RecalibrationRequest(
             **spec.run_options(),
-            checkpoint=checkpoint,
-            checkpoint_name=self._blob_name(job, spec.checkpoint),
+            checkpoint=self.blobs.path(job.tenant, spec.checkpoint) if spec.checkpoint else None,
+            checkpoint_name=self._blob_name(job, spec.checkpoint) if spec.checkpoint else None,
+            program=self.blobs.path(job.tenant, spec.program) if spec.program else None,
+            program_name=self._blob_name(job, spec.program) if spec.program else None,
             data=self._data_path(job, spec.data),
             data_name=self._blob_name(job, spec.data),
             eval_data=self._data_path(job, evaluation.data) if evaluation is not None else None,
@@ -297,10 +298,10 @@ class JobRunner:
         self.ledger.set_phase(job_id, phase)
         self.feed.publish(job_id)
 
-    def _save_checkpoint(self, job: JobRecord, result: Recalibration, workdir: Path) -> dict[str, Any]:
-        suffix = CHECKPOINT_SUFFIX[result.checkpoint.format]
-        file = workdir / f"recalibrated{suffix}"
-        result.save_checkpoint(file)
+    def _save_model(self, job: JobRecord, result: Recalibration, workdir: Path) -> dict[str, Any]:
+        """The recalibrated checkpoint (as uploaded) or program, stored as an artifact."""
+        file = workdir / f"recalibrated{result.loaded.suffix}"
+        result.save_model(file)
         return self._store(job, file, "application/octet-stream")
 
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:

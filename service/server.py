@@ -140,6 +140,7 @@ class Services:
         """Check a job spec against the tenant's blobs and the settings, and queue it; with
         an idempotency key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
+        spec = spec.with_outputs()
         stored = spec.model_dump(mode="json")
         for digest in spec_digests(stored):
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period

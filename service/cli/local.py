@@ -9,15 +9,16 @@ from typing import Annotated
 
 import typer
 
-from ..options import STARTING_PHASE
+from ..options import STARTING_PHASE, check_model_choice
 from . import options as opt
 from .console import parse_json_object, parse_shape, print_line, progress_bar, summary_lines
 
 def calibrate(
-    arch: opt.ArchOpt,
-    checkpoint: opt.CheckpointOpt,
     data: opt.DataOpt,
     out: opt.OutOpt,
+    arch: opt.ArchOpt = None,
+    checkpoint: opt.CheckpointOpt = None,
+    program: opt.ProgramOpt = None,
     model_kwargs: opt.ModelKwargsOpt = None,
     workers: opt.WorkersOpt = opt.WORKERS,
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
@@ -36,11 +37,13 @@ def calibrate(
     eval_data: opt.EvalDataOpt = None,
     eval_max_samples: opt.EvalMaxSamplesOpt = None,
 ) -> None:
-    """Recalibrate a checkpoint's BatchNorm statistics on calibration data (and with
-    --eval-data, show what it changed)."""
+    """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
+    torch.export program (--program) on calibration data (and with --eval-data, show what
+    it changed)."""
     from ..recalibrate import RecalibrationRequest, recalibrate
     from ..settings import Settings
 
+    check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
@@ -49,7 +52,7 @@ def calibrate(
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
     )
     request = RecalibrationRequest(
-        **options.run_options(), checkpoint=checkpoint, data=opt.data_source(data, "--data"),
+        **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
@@ -67,7 +70,7 @@ def calibrate(
             result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
             update(1, 1, "exporting and verifying ONNX")
         update(0, 1, "writing")
-        result.save_checkpoint(out)
+        result.save_model(out)
         if report is not None:
             result.save_report(report)
         if report_html is not None:
@@ -99,7 +102,7 @@ def _stop_ray() -> None:
 
 
 def export_command(
-    arch: opt.ArchOpt,
+    arch: Annotated[str, typer.Option(help="torchvision:<name>, timm:<name> or <module.path>:<callable>.")],
     checkpoint: Annotated[Path, typer.Option(help="Checkpoint to fold and export as it is.")],
     out: Annotated[Path, typer.Option(help="Where to write the .onnx file.")],
     data: Annotated[Path | None, typer.Option(help="Samples to verify the export on (.npy/.npz, images).")] = None,

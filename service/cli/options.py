@@ -36,12 +36,18 @@ class OnnxDtype(str, Enum):
     float16 = "float16"
 
 
-ArchOpt = Annotated[str, typer.Option(help=description("arch"))]
-CheckpointOpt = Annotated[Path, typer.Option(help="Trained checkpoint (.safetensors or torch file).")]
+ArchOpt = Annotated[str | None, typer.Option(help=description("arch"))]
+CheckpointOpt = Annotated[
+    Path | None, typer.Option(help="Trained checkpoint (.safetensors or torch file), with --arch.")
+]
+ProgramOpt = Annotated[
+    Path | None,
+    typer.Option(help="A torch.export program (.pt2, from torch.export.save), instead of --arch and --checkpoint."),
+]
 DataOpt = Annotated[
     str, typer.Option(help="Calibration data: .npy/.npz, image dir or archive, local or s3://bucket/key-or-prefix.")
 ]
-OutOpt = Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint.")]
+OutOpt = Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint (or program, with --program).")]
 ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwargs") + " (JSON object)")]
 WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help=description("workers"))]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help=description("batch_size"))]
@@ -91,7 +97,7 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
 
 def run_options(
     *,
-    arch: str,
+    arch: str | None,
     model_kwargs: str | None,
     workers: int,
     batch_size: int,

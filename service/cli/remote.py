@@ -13,8 +13,9 @@ import typer
 from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 
 from ..client import BnrecalClient, error_from_problem
+from ..options import check_model_choice
 from . import options as opt
-from .console import fail, print_line, progress_bar, summary_lines
+from .console import fail, parse_json_object, print_line, progress_bar, summary_lines
 from .jobs import cancel_and_wait
 
 APP_FACTORY = "api.app:create_app"
@@ -47,11 +48,12 @@ def serve(
 
 
 def submit(
-    arch: opt.ArchOpt,
-    checkpoint: opt.CheckpointOpt,
     data: opt.DataOpt,
     out: opt.OutOpt,
     server: opt.ServerOpt,
+    arch: opt.ArchOpt = None,
+    checkpoint: opt.CheckpointOpt = None,
+    program: opt.ProgramOpt = None,
     api_key: opt.ApiKeyOpt = None,
     model_kwargs: opt.ModelKwargsOpt = None,
     workers: opt.WorkersOpt = opt.WORKERS,
@@ -77,21 +79,26 @@ def submit(
             "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
             field="--ray-address",
         )
+    check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
     data_source, eval_source = opt.data_source(data, "--data"), opt.data_source(eval_data, "--eval-data")
-    for option, path in (("--checkpoint", checkpoint), ("--data", data_source), ("--eval-data", eval_source)):
+    model_files = (("--checkpoint", checkpoint), ("--program", program))
+    for option, path in (*model_files, ("--data", data_source), ("--eval-data", eval_source)):
         if isinstance(path, Path) and not path.exists():
             raise InputError(f"{option} {path} does not exist")
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
     )
+    model_output = "program" if program is not None else "checkpoint"
     spec: dict[str, Any] = {
         **options.run_options(),
-        "outputs": ["checkpoint"] + (["onnx"] if onnx is not None else []),
+        "outputs": [model_output] + (["onnx"] if onnx is not None else []),
         "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
     }
     with BnrecalClient(server, api_key) as client:
-        spec["checkpoint"] = client.upload(checkpoint)["digest"]
+        for name, path in (("checkpoint", checkpoint), ("program", program)):
+            if path is not None:
+                spec[name] = client.upload(path)["digest"]
         spec["data"] = _data_field(client, data_source)
         if eval_source is not None:
             spec["eval"] = {"data": _data_field(client, eval_source), "max_samples": eval_max_samples}
@@ -103,7 +110,7 @@ def submit(
             except KeyboardInterrupt:
                 _cancel_on_interrupt(client, job["id"])
             _raise_unless_succeeded(job)
-            downloads = [("checkpoint", out), ("onnx", onnx), ("report", report), ("report.html", report_html)]
+            downloads = [(model_output, out), ("onnx", onnx), ("report", report), ("report.html", report_html)]
             wanted = [(name, path) for name, path in downloads if path is not None]
             for done, (name, path) in enumerate(wanted):
                 update(done, len(wanted), "downloading")

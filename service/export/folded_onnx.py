@@ -89,7 +89,7 @@ def _export_graph(
 ) -> tuple[ir.Model, TorchFoldResult, OnnxFoldResult, str]:
     """Fold in PyTorch, export, fold on the graph: the float32 graph and what each pass did."""
     torch_result = TorchFoldResult(method="none")
-    if torch_fold:
+    if torch_fold and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         model, torch_result = _fold_in_torch(model, example)
     raw = export_unfolded(model, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
                           exporter=exporter)
@@ -109,6 +109,7 @@ def export_folded_onnx(
     dtype: Literal["float32", "float16"] = "float32",
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
+    fixed_batch: int = 1,
     _exporter: str = "auto",
     _torch_fold: bool = True,
 ) -> dict:
@@ -118,8 +119,9 @@ def export_folded_onnx(
 
     ``model`` is left untouched (a deep copy is folded, in eval mode). ``samples`` (N >= 2)
     give the export shape and the verification inputs: onnxruntime, optimizations off,
-    against the unfolded PyTorch model at batch 1 and at batch min(N, 8) (batch 1 only
-    with ``dynamic_batch=False``, which exports a fixed batch of 1). ``input_shape`` is the
+    against the unfolded PyTorch model at batch 1 and at batch min(N, 8) (with
+    ``dynamic_batch=False``, only at ``fixed_batch``, the fixed batch it exports: 1, or a
+    program's static batch). ``input_shape`` is the
     per-sample shape to export at; samples of another spatial size are resized to it for
     verification. Any failure raises ExportError and leaves no file at ``path``: the
     model is written beside it and renamed into place only once verified. ``_exporter``
@@ -128,8 +130,10 @@ def export_folded_onnx(
     _validate(samples, opset, dtype, input_shape)
     shaped = _shaped_samples(samples, input_shape)
     reference = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
-    batches = [shaped[:1]] + ([shaped[:LARGE_VERIFY_BATCH]] if dynamic_batch else [])
-    example = shaped[:2] if dynamic_batch else shaped[:1]
+    if not dynamic_batch and not 1 <= fixed_batch <= len(shaped):
+        raise ExportError(f"a fixed batch of {fixed_batch} needs that many samples to export; got {len(shaped)}")
+    batches = [shaped[:1], shaped[:LARGE_VERIFY_BATCH]] if dynamic_batch else [shaped[:fixed_batch]]
+    example = shaped[:2] if dynamic_batch else shaped[:fixed_batch]
     try:
         references = [reference_outputs(reference, batch) for batch in batches]
         with torch.no_grad():
@@ -175,6 +179,7 @@ def export_folded_onnx(
     return {
         "opset": opset,
         "dtype": dtype,
+        "batch": "dynamic" if dynamic_batch else fixed_batch,
         "batchnorm_nodes": batchnorm_count(proto),
         "folded": len(torch_result.folded) + len(onnx_result.folded),
         "unfolded": [{"name": name, "reason": reason} for name, reason in onnx_result.unfolded],

@@ -69,7 +69,7 @@ def test_checkpoint_keeps_everything_but_bn_statistics(mixed, settings, tmp_path
     model, _, checkpoint, data = mixed
     result = run(settings, checkpoint, data, workers=2, batch_size=8)
     out = tmp_path / "out.pt"
-    result.save_checkpoint(out)
+    result.save_model(out)
     before, after = torch.load(checkpoint, weights_only=True), torch.load(out, weights_only=True)
     assert before.keys() == after.keys()
     for key in before:
@@ -133,7 +133,7 @@ def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout):
         save_file({k: v.contiguous() for k, v in state.items()}, source, metadata={"origin": "test"})
     result = run(settings, source, data, workers=2, batch_size=8)
     out = tmp_path / ("out.pt" if layout == "nested-ddp" else "out.safetensors")
-    result.save_checkpoint(out)
+    result.save_model(out)
     if layout == "nested-ddp":
         saved = torch.load(out, weights_only=True)
         assert saved["epoch"] == 7 and saved["note"] == "swa"
