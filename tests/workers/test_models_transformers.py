@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf import SIZE, TINY, save_pretrained, tiny_model
 from workers.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 from workers.errors import ArchitectureError, SpecError
 from workers.evaluation import model_logits
@@ -20,31 +21,13 @@ transformers = pytest.importorskip(
 )
 
 RESNET = "transformers:ResNetForImageClassification"
-TINY = {
-    "ResNetForImageClassification": {
-        "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "layer_type": "basic", "num_labels": 5,
-    },
-    "RegNetForImageClassification": {
-        "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "groups_width": 4, "num_labels": 5,
-    },
-    "MobileNetV2ForImageClassification": {
-        "depth_multiplier": 0.35, "min_depth": 4, "finegrained_output": False, "image_size": 32, "num_labels": 5,
-    },
-    "EfficientNetForImageClassification": {
-        # hidden_dim must be round_filters(1280) at this width, or top_bn gets the wrong channels
-        "width_coefficient": 0.25, "depth_coefficient": 0.3, "hidden_dim": 320, "image_size": 32, "num_labels": 5,
-    },
-}
 
 
 def saved(folder: Path, name: str) -> tuple[torch.nn.Module, dict, Path]:
-    """A tiny model of class ``name`` (random weights), saved with save_pretrained:
-    the model, the content of its config.json, and its model.safetensors."""
-    cls = getattr(transformers, name)
-    torch.manual_seed(0)
-    model = cls(cls.config_class(**TINY[name])).eval()
-    model.save_pretrained(folder)
-    return model, json.loads((folder / "config.json").read_text()), folder / "model.safetensors"
+    """A tiny model of class ``name``, saved with save_pretrained: the model, the content
+    of its config.json, and its model.safetensors."""
+    model = tiny_model(name)
+    return (model, *save_pretrained(model, folder))
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -58,7 +41,7 @@ def test_config_json_builds_the_class_and_save_pretrained_weights_load_strictly(
     load_into_model(model, checkpoint)
     for key, value in original.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, SIZE, SIZE)
     with torch.no_grad():
         torch.testing.assert_close(model_logits(model.eval()(x)), original(x).logits, rtol=0, atol=0)
 
