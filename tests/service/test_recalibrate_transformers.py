@@ -153,3 +153,26 @@ def test_job_submission_checks_the_class(settings):
         check_architecture("transformers:RegnetForImageClassification", settings)
     with pytest.raises(ArchitectureError, match="configuration class"):
         check_architecture("transformers:RegNetConfig", settings)
+
+
+@pytest.mark.slow
+def test_the_command_line_of_the_docs(tmp_path, capsys):
+    """docs/models.md's example: save_pretrained's two files in, a folder from_pretrained loads out."""
+    from tests.service.test_cli import run_cli
+
+    name = "ResNetForImageClassification"
+    model, config, weights, _, data = prepared(tmp_path / "my-model", name)
+    out, onnx, report = tmp_path / "recalibrated" / "model.safetensors", tmp_path / "model.onnx", tmp_path / "report.json"
+    out.parent.mkdir()
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", f"transformers:{name}",
+        "--model-kwargs", (tmp_path / "my-model" / "config.json").read_text(), "--checkpoint", str(weights),
+        "--data", str(data), "--workers", "2", "--out", str(out), "--onnx", str(onnx), "--report", str(report),
+    )
+    assert code == 0, err
+    (out.parent / "config.json").write_text(json.dumps(config))
+    reloaded = transformers.ResNetForImageClassification.from_pretrained(out.parent, local_files_only=True)
+    written = json.loads(report.read_text())
+    assert written["onnx"]["batchnorm_nodes"] == 0 and written["onnx"]["folded"] == len(written["layers"])
+    layer = written["layers"][0]["name"]
+    assert not torch.equal(reloaded.get_submodule(layer).running_mean, model.get_submodule(layer).running_mean)
