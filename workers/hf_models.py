@@ -73,6 +73,18 @@ def _model_class_names(transformers: ModuleType) -> tuple[str, ...]:
     )
 
 
+def is_model_class_name(name: str) -> bool:
+    """Whether ``name`` is a model class of the installed transformers (False without it),
+    read from its lazy-import table: a hint for an ``arch`` given without its source."""
+    if not _CLASS_NAME.fullmatch(name):
+        return False
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return name in _model_class_names(transformers)
+
+
 def model_class(name: str) -> type[nn.Module]:
     """The ``PreTrainedModel`` subclass that ``transformers`` exports as ``name``.
 
@@ -115,7 +127,12 @@ def _not_a_model(transformers: ModuleType, name: str, found: Any, candidates: tu
             f"transformers.{name} is a configuration class, not a model: name the model class and give "
             f"config.json's content as model_kwargs{did_you_mean(name, candidates)}"
         )
-    kind = "class" if inspect.isclass(found) else "module" if inspect.ismodule(found) else "function" if callable(found) else type(found).__name__
+    kind = (
+        "class" if inspect.isclass(found)
+        else "module" if inspect.ismodule(found)
+        else "function" if callable(found)
+        else type(found).__name__
+    )
     return (
         f"transformers.{name} is a {kind}, not a model class (a PreTrainedModel subclass)"
         f"{did_you_mean(name, candidates)}"

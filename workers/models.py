@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from workers.errors import ArchitectureError, SpecError, one_line
-from workers.hf_models import build_transformers_model, model_class
+from workers.hf_models import build_transformers_model, is_model_class_name, model_class
 from workers.suggestions import did_you_mean as _suggestion
 
 ALLOWED_MODULES_SETTING = "BNRECAL_MODEL_MODULES"
@@ -204,11 +204,14 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
 
 
 def _bare_name_hint(arch: str) -> str:
-    """' (did you mean torchvision:resnet18?)' for a bare torchvision model name, or ''."""
+    """' (did you mean torchvision:resnet18?)' for a bare torchvision model name, the same
+    with ``transformers:`` for a bare transformers model class name, or ''."""
     import torchvision
 
     name = arch.strip().strip(":")
-    return f" (did you mean torchvision:{name}?)" if name in torchvision.models.list_models() else ""
+    if name in torchvision.models.list_models():
+        return f" (did you mean torchvision:{name}?)"
+    return f" (did you mean transformers:{name}?)" if is_model_class_name(name) else ""
 
 
 def _is_allowed(module_path: str, allowed_modules: Sequence[str]) -> bool:

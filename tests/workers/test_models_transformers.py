@@ -72,6 +72,8 @@ def test_submission_check_accepts_model_classes_and_refuses_unknown_names_with_s
     assert info.value.field == "arch"
     with pytest.raises(ArchitectureError, match="did you mean ResNetForImageClassification"):
         build_model("transformers:resnetforimageclassification")
+    with pytest.raises(ArchitectureError, match=r"did you mean transformers:ResNetForImageClassification\?"):
+        check_architecture_exists("ResNetForImageClassification")  # the source left out
 
 
 @pytest.mark.parametrize(
