@@ -39,8 +39,10 @@ class RunOptions(BaseModel):
         default=None,
         min_length=3,
         max_length=256,
-        description="torchvision:<name>, timm:<name> or <module.path>:<callable> (allowlisted); "
-        "not with a program, which carries its own architecture.",
+        description=(
+            "torchvision:<name>, timm:<name>, transformers:<ModelClass> (model_kwargs: its config.json) "
+            "or <module.path>:<callable> (allowlisted); not with a program, which carries its own architecture."
+        ),
         examples=["torchvision:resnet18"],
     )
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")

@@ -64,19 +64,21 @@ class EvalTarget:
 
 def model_logits(output: Any) -> torch.Tensor:
     """The logits in a model's output: the tensor itself, the ``out`` entry of a mapping
-    (torchvision's segmentation models), or the first element of a tuple (auxiliary heads).
+    (torchvision's segmentation models), the ``logits`` entry of one (Hugging Face's
+    ``ModelOutput``, an ``OrderedDict``), or the first element of a tuple (auxiliary heads).
 
     Raises :class:`EvaluationError` for anything else, naming what the model returned.
     """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
-        value = output.get("out")
-        if isinstance(value, torch.Tensor):
-            return value
+        for key in ("out", "logits"):
+            value = output.get(key)
+            if isinstance(value, torch.Tensor):
+                return value
         raise EvaluationError(
             f"evaluation needs a tensor of logits; the model returns a mapping with keys {sorted(map(str, output))} "
-            "and no tensor 'out'"
+            "and no tensor 'out' or 'logits'"
         )
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]

@@ -1,9 +1,11 @@
 """Build untrained models from an architecture reference (contract section 2).
 
-Three forms are accepted:
+Four forms are accepted:
 
 - ``torchvision:<name>`` -> ``torchvision.models.get_model(name, weights=None, **kwargs)``
 - ``timm:<name>`` -> ``timm.create_model(name, pretrained=False, **kwargs)`` (optional extra)
+- ``transformers:<ModelClass>`` -> ``ModelClass(ModelClass.config_class.from_dict(kwargs))``,
+  kwargs being config.json's content (optional extra; see ``workers.hf_models``)
 - ``<module.path>:<callable>`` -> a factory in a module the operator allowed through the
   setting ``BNRECAL_MODEL_MODULES``.
 
@@ -13,7 +15,6 @@ loaded afterwards from the user's checkpoint. Nothing is ever ``exec``'d or ``ev
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import re
@@ -23,10 +24,14 @@ from typing import Any
 import torch
 
 from workers.errors import ArchitectureError, SpecError, one_line
+from workers.hf_models import build_transformers_model, is_model_class_name, model_class
+from workers.suggestions import did_you_mean as _suggestion
 
 ALLOWED_MODULES_SETTING = "BNRECAL_MODEL_MODULES"
 
-ACCEPTED_FORMS = "'torchvision:<name>', 'timm:<name>' or '<module.path>:<callable>'"
+ACCEPTED_FORMS = (
+    "'torchvision:<name>', 'timm:<name>', 'transformers:<ModelClass>' or '<module.path>:<callable>'"
+)
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED_NAME = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*")
@@ -87,6 +92,8 @@ def build_model(
         model = _build_torchvision(name, kwargs)
     elif source == "timm":
         model = _build_timm(name, kwargs)
+    elif source == "transformers":
+        model = build_transformers_model(name, kwargs)
     else:
         model = _build_from_module(arch, source, name, kwargs, allowed_modules)
     return model.to(device="cpu", dtype=torch.float32)
@@ -118,15 +125,6 @@ def _refuse_weight_kwargs(arch: str, kwargs: Mapping[str, Any], names: Sequence[
                 "uploaded checkpoint, never from a download",
                 field="model_kwargs",
             )
-
-
-def _suggestion(name: str, candidates: Sequence[str]) -> str:
-    """A ' (did you mean ...?)' hint listing close matches of ``name``, or ''."""
-    matches = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    if not matches:
-        lowered = {c.lower(): c for c in candidates}
-        matches = [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=3)]
-    return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
 def _torchvision_builder(name: str) -> Callable[..., Any]:
@@ -192,7 +190,7 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
     source, sep, name = arch.strip().partition(":")
     if not sep or not source or not name:
         raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}{_bare_name_hint(arch)}")
-    if source in ("torchvision", "timm"):
+    if source in ("torchvision", "timm", "transformers"):
         return source, name
     if not _DOTTED_NAME.fullmatch(source) or not _DOTTED_NAME.fullmatch(name):
         raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
@@ -206,11 +204,14 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
 
 
 def _bare_name_hint(arch: str) -> str:
-    """' (did you mean torchvision:resnet18?)' for a bare torchvision model name, or ''."""
+    """' (did you mean torchvision:resnet18?)' for a bare torchvision model name, the same
+    with ``transformers:`` for a bare transformers model class name, or ''."""
     import torchvision
 
     name = arch.strip().strip(":")
-    return f" (did you mean torchvision:{name}?)" if name in torchvision.models.list_models() else ""
+    if name in torchvision.models.list_models():
+        return f" (did you mean torchvision:{name}?)"
+    return f" (did you mean transformers:{name}?)" if is_model_class_name(name) else ""
 
 
 def _is_allowed(module_path: str, allowed_modules: Sequence[str]) -> bool:
@@ -251,13 +252,16 @@ def _module_factory(arch: str, module_path: str, attribute_path: str) -> Callabl
 
 def check_architecture_exists(arch: str, allowed_modules: Sequence[str] = ()) -> None:
     """Refuse a reference that cannot be built, before a job exists: a malformed or
-    disallowed one, an unknown torchvision or timm name, an allowed module without that
-    callable; errors suggest close names. Builds nothing, downloads nothing."""
+    disallowed one, an unknown torchvision or timm name, a ``transformers:`` name that is
+    not a model class of the package, an allowed module without that callable; errors
+    suggest close names. Builds nothing, downloads nothing."""
     source, name = check_architecture(arch, allowed_modules)
     if source == "torchvision":
         _torchvision_builder(name)
     elif source == "timm":
         _timm_module(name)
+    elif source == "transformers":
+        model_class(name)
     else:
         _module_factory(arch, source, name)
 
