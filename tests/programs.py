@@ -95,3 +95,23 @@ def rewrite_json(source: Path, target: Path, suffix: str, change: Any) -> Path:
         return json.dumps(document).encode()
 
     return rewrite(source, target, edit)
+
+
+def buffers_as_modules(program: nn.Module) -> nn.Module:
+    """A module tree holding a program's BN buffers at their layers' paths, so the
+    reference check (``tests/reference.py``, which looks layers up by module name) reads
+    a program's recalibrated statistics as it reads an eager model's."""
+    from workers.batchnorm import find_batchnorm_layers
+
+    root = nn.Module()
+    for layer in find_batchnorm_layers(program)[0]:
+        holder = nn.Module()
+        holder.running_mean, holder.running_var = layer.running_mean, layer.running_var
+        parent = root
+        *parents, last = layer.name.split(".")
+        for part in parents:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(last, holder)
+    return root

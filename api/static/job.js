@@ -7,7 +7,7 @@ import {
 const jobId = document.body.dataset.jobId;
 const jobPath = `/v1/jobs/${encodeURIComponent(jobId)}`;
 const SPEC_FIELDS = ["arch", "model_kwargs", "mode", "workers", "batch_size", "max_samples", "device", "outputs",
-  "checkpoint", "data", "eval", "transform", "onnx"];
+  "checkpoint", "program", "data", "eval", "transform", "onnx"];
 const MAX_REPORT_HEIGHT = 50_000; // px; the frame scrolls past this
 let following = false;
 let reportShown = false;

@@ -1,5 +1,5 @@
 // The jobs page: this key's jobs, newest first, with live progress, and the form that
-// uploads a checkpoint and data and submits a job.
+// uploads a checkpoint (or a torch.export program) and data and submits a job.
 
 import {
   api, apiJson, config, describeError, el, followJob, isTerminal, progressText, requireKey, setProgress, setStatus,
@@ -18,7 +18,7 @@ function jobRow(job) {
     "tr",
     { "data-job-id": job.id },
     el("td", {}, el("a", { href: jobHref }, el("code", {}, job.id.slice(0, 12)))),
-    el("td", {}, job.spec.arch || ""),
+    el("td", {}, job.spec.arch || (job.spec.program ? "program" : "")),
     el("td", {}, el("span", { className: "status" })),
     el("td", { className: "progress" }, bar, " ", el("span", { className: "progress-text muted" })),
     el("td", { className: "muted" }, new Date(job.created_at).toLocaleString()),
@@ -119,19 +119,26 @@ function modelKwargs() {
 
 /** The job spec the form describes, uploading its files first. */
 async function buildSpec(state) {
-  const checkpointFile = chosenFile("checkpoint", "checkpoint", true);
+  // a program carries its architecture and weights; otherwise an architecture and a checkpoint
+  const programFile = chosenFile("program", "program", false);
+  const checkpointFile = programFile ? undefined : chosenFile("checkpoint", "checkpoint (or a program)", true);
   const dataFile = chosenFile("data", "calibration data", true);
   const evalFile = chosenFile("eval-data", "evaluation data", false);
+  const model = programFile ? "program" : "checkpoint";
   const spec = {
-    arch: document.getElementById("arch").value.trim(),
-    model_kwargs: modelKwargs(),
     mode: document.getElementById("mode").value,
     workers: intField("workers"),
     batch_size: intField("batch-size"),
     max_samples: intField("max-samples"),
-    outputs: document.getElementById("onnx").checked ? ["checkpoint", "onnx"] : ["checkpoint"],
+    outputs: document.getElementById("onnx").checked ? [model, "onnx"] : [model],
   };
-  spec.checkpoint = await uploadBlob(checkpointFile, "checkpoint", state);
+  if (programFile) {
+    spec.program = await uploadBlob(programFile, "program", state);
+  } else {
+    spec.arch = document.getElementById("arch").value.trim();
+    spec.model_kwargs = modelKwargs();
+    spec.checkpoint = await uploadBlob(checkpointFile, "checkpoint", state);
+  }
   spec.data = await uploadBlob(dataFile, "data", state);
   if (evalFile) spec.eval = { data: await uploadBlob(evalFile, "evaluation data", state) };
   return spec;

@@ -195,6 +195,37 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     assert tab.problems == []
 
 
+def test_a_program_submitted_through_the_form_comes_back_recalibrated(live_server, tab, model_files, tmp_path):
+    """The form with a torch.export program instead of an architecture and checkpoint."""
+    from tests.programs import export_program
+
+    torch.manual_seed(0)
+    program = export_program(perturbed(mixed_net()), torch.randn(1, 3, 6, 5), tmp_path / "team.pt2")
+    page = tab.page
+    sign_in(page, f"{live_server.url}/")
+    page.set_input_files("#program", str(program))
+    page.set_input_files("#data", str(model_files["data"]))
+    page.fill("#batch-size", "8")
+    page.click("#onnx")
+    page.click("#submit-button")
+    row = page.locator("#jobs-body tr").first
+    expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    expect(row.locator("td").nth(1)).to_have_text("program")
+    job_id = row.get_attribute("data-job-id")
+    with live_server.client("web") as client:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+    assert "arch" not in job["spec"] or job["spec"]["arch"] is None
+    assert job["spec"]["outputs"] == ["program", "onnx"] and set(job["artifacts"]) >= {"program", "onnx"}
+    row.locator("a").click()
+    with page.expect_download() as download_info:
+        page.click("[data-artifact=program]")
+    download = download_info.value
+    digest = "sha256:" + hashlib.sha256(Path(download.path()).read_bytes()).hexdigest()
+    assert digest == job["artifacts"]["program"]["digest"]
+    assert torch.export.load(download.path()).state_dict["bn.num_batches_tracked"].item() > 0
+    assert tab.problems == []
+
+
 def test_the_key_lives_in_session_storage_only(live_server, tab):
     page = tab.page
     sign_in(page, f"{live_server.url}/")

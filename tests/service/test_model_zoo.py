@@ -1,7 +1,8 @@
 """The model zoos users bring (torchvision, timm), calibrated by two rank actors over the
 real GLOO collective in sync and local mode, each checked against the independent float64
 reference (each BN module's own forward in train mode), then exported folded to ONNX and
-verified in onnxruntime. Deep in these random-weight models a float32 forward rounds by
+verified in onnxruntime. Each model also goes through as a ``torch.export`` program (no
+architecture code on the ranks) and must give the eager model's statistics. Deep in these random-weight models a float32 forward rounds by
 more than 1e-4 on its own, so a layer there is held to a small multiple of what torch's
 own float32 training-mode BN is off by (``assert_matches_reference``).
 
@@ -25,12 +26,14 @@ import torch
 from service.export import export_folded_onnx
 from tests.reference import assert_matches_reference, reference_statistics
 from tests.service.export.helpers import assert_matches_torch
+from tests.programs import export_program
 from tests.zoo import TIMM, TORCHVISION, ZooCase, stale
 from workers.batchnorm import find_batchnorm_layers
 from workers.calibration import apply_statistics, calibration_pass
 from workers.collectives import RayCollective
 from workers.models import build_model
 from workers.moments import MomentStats
+from workers.programs import load_program
 from workers.sharding import rank_ranges
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -63,6 +66,16 @@ class ZooRank:
         )
         return [(s.count, s.mean, s.var) for s in result.stats], result.steps
 
+    def calibrate_program(self, archive: bytes, samples: torch.Tensor, mode: str) -> Any:
+        """This rank's share of a program's calibration; rank 0 returns each layer's name and statistics."""
+        program = load_program(archive, "zoo.pt2")
+        layers, _ = find_batchnorm_layers(program)
+        ranges = rank_ranges(len(samples), BATCH, WORLD, self.rank)
+        result = calibration_pass(
+            program, layers, [samples[a:b] for a, b in ranges], mode=mode, collective=self.collective
+        )
+        return {layer.name: (s.count, s.mean, s.var) for layer, s in zip(layers, result.stats)}, result.steps
+
     def leave(self) -> None:
         """Leave the group."""
         if self.collective is not None:
@@ -91,6 +104,32 @@ def calibrate_on_ranks(ranks: list[Any], case: ZooCase, model: torch.nn.Module, 
     return calibrated
 
 
+def program_on_ranks(ranks: list[Any], model: torch.nn.Module, samples: torch.Tensor, tmp_path: Path):
+    """The model exported with a dynamic batch, calibrated in sync mode by the ranks from
+    its archive alone; the program (with its statistics) and each layer's statistics."""
+    path = export_program(model, samples[:2], tmp_path / "zoo.pt2", dynamic=True)
+    archive = ray.put(path.read_bytes())
+    data = ray.put(samples)
+    (stats, steps), _ = ray.get([rank.calibrate_program.remote(archive, data, "sync") for rank in ranks])
+    program = load_program(path)
+    layers, _ = find_batchnorm_layers(program)
+    assert apply_statistics(layers, [MomentStats(*stats[layer.name]) for layer in layers], steps) == []
+    return program, stats
+
+
+def assert_same_statistics(program_stats: dict[str, Any], eager: torch.nn.Module, rel: float = 1e-5) -> None:
+    """The program's statistics are the eager model's, layer by layer, to ``rel``."""
+    modules = dict(eager.named_modules())
+    eager_layers = {layer.name for layer in find_batchnorm_layers(eager)[0]}
+    assert set(program_stats) == eager_layers
+    for name, (count, mean, var) in program_stats.items():
+        got = MomentStats(count, mean, var)
+        module = modules[name]
+        std = module.running_var.double().sqrt().clamp_min(1e-30)
+        assert ((got.mean - module.running_mean.double()).abs() / std).max() <= rel, name
+        assert ((got.unbiased_var - module.running_var.double()).abs() / std**2).max() <= rel, name
+
+
 def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = stale(build_model(case.arch, case.kwargs))
@@ -101,6 +140,13 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
         float32 = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode, dtype=torch.float32)
         results[mode] = calibrate_on_ranks(ranks, case, model, samples, mode)
         assert_matches_reference(results[mode], expected, float32_reference=float32)
+    program, program_stats = program_on_ranks(ranks, model, samples, tmp_path)
+    assert_same_statistics(program_stats, results["sync"])
+    if case.program_export:
+        out = tmp_path / "program.onnx"
+        report = export_folded_onnx(program, samples[:4], out)
+        assert report["folded"] > 0 and report["batch"] == "dynamic"
+        assert_matches_torch(out, results["sync"], samples[4:7])
     if not case.export:
         return
     calibrated = results["sync"]

@@ -16,10 +16,9 @@ from service.exporting import export_recalibrated
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array
 from tests.nets import perturbed
-from tests.programs import export_program
+from tests.programs import buffers_as_modules, export_program
 from tests.reference import assert_matches_reference, reference_statistics
 from tests.service.export.helpers import assert_matches_torch
-from workers.batchnorm import find_batchnorm_layers
 from workers.errors import NoBatchNormError, ProgramError, SpecError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -41,18 +40,6 @@ class OwnNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
-class Holder(nn.Module):
-    """The program's recalibrated buffers at their module paths, for the reference check."""
-
-    def __init__(self, program: nn.Module) -> None:
-        super().__init__()
-        self.features = nn.Module()
-        for layer in find_batchnorm_layers(program)[0]:
-            module = nn.Module()
-            module.running_mean, module.running_var = layer.running_mean, layer.running_var
-            self.features.add_module(layer.name.split(".")[1], module)
-
-
 @pytest.fixture(scope="module")
 def own(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, torch.Tensor, Path, Path]:
     torch.manual_seed(0)
@@ -72,7 +59,7 @@ def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, set
     model, samples, program, data = own
     expected = reference_statistics(model, samples, batch_size=8, world_size=2, mode=mode)
     result = run(settings, program, data, workers=2, batch_size=8, mode=mode)
-    assert_matches_reference(Holder(result.model), expected)
+    assert_matches_reference(buffers_as_modules(result.model), expected)
     report = result.report
     assert report["arch"] is None and report["program"] == {"name": "own.pt2", "batch": "a static batch of 1"}
     assert [layer["name"] for layer in report["layers"]] == ["features.1", "features.4"]

@@ -24,6 +24,7 @@ from service.jobs import check_architecture
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array
 from tests.hf import SIZE, TINY, save_pretrained, tiny_model
+from tests.programs import buffers_as_modules, export_program
 from tests.reference import assert_matches_reference, assert_metrics_match, reference_metrics, reference_statistics
 from tests.service.export.helpers import assert_matches_torch, run_onnx
 from tests.zoo import stale
@@ -83,7 +84,7 @@ def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings,
 
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()
-    result.save_checkpoint(out)
+    result.save_model(out)
     with safe_open(str(weights), "pt") as before, safe_open(str(out), "pt") as after:
         assert after.metadata() == before.metadata() and set(after.keys()) == set(before.keys())
         for key in before.keys():
@@ -104,6 +105,21 @@ def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings,
     onnx = export_recalibrated(result, tmp_path / "model.onnx")
     assert onnx["batchnorm_nodes"] == 0 and onnx["unfolded"] == [] and onnx["folded"] == layers
     assert_matches_torch(tmp_path / "model.onnx", result.model, x)  # a batch size the export never verified
+
+
+def test_a_transformers_model_goes_through_as_a_program(settings, pool, tmp_path):
+    """The same model exported with torch.export: no transformers code needed to calibrate it."""
+    name = "ResNetForImageClassification"
+    model, _, _, samples, data = prepared(tmp_path, name)
+    program = export_program(model, samples[:1], tmp_path / "resnet.pt2")
+    request = RecalibrationRequest(program=program, data=data, workers=2, batch_size=BATCH)
+    result = recalibrate(request, settings, pool=pool)
+    expected = reference_statistics(model, samples, BATCH)
+    float32 = reference_statistics(model, samples, BATCH, dtype=torch.float32)
+    assert_matches_reference(buffers_as_modules(result.model), expected, float32_reference=float32)
+    assert len(result.report["layers"]) == len(find_batchnorm_layers(model)[0])
+    onnx = export_recalibrated(result, tmp_path / "model.onnx")
+    assert onnx["batchnorm_nodes"] == 0 and onnx["batch"] == 1
 
 
 def test_labelled_evaluation_reads_the_logits(settings, pool, tmp_path):

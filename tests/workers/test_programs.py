@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.nets import perturbed
-from tests.programs import export_program
+from tests.programs import buffers_as_modules, export_program
 from tests.reference import assert_matches_reference, reference_statistics
 from workers.batchnorm import find_batchnorm_layers
 from workers.calibration import apply_statistics, calibration_pass
@@ -69,25 +69,6 @@ def calibrate_program(program: nn.Module, samples: torch.Tensor, batch: int, wor
     return result
 
 
-def by_name(program: nn.Module) -> nn.Module:
-    """A module tree with the program's buffers at their paths, for the reference check."""
-    holder = nn.Module()
-    for layer in find_batchnorm_layers(program)[0]:
-        module = nn.Module()
-        module.running_mean, module.running_var = layer.running_mean, layer.running_var
-        holder.add_module(layer.name, module) if "." not in layer.name else _nest(holder, layer.name, module)
-    return holder
-
-
-def _nest(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, last = path.split(".")
-    for part in parents:
-        if part not in root._modules:
-            root.add_module(part, nn.Module())
-        root = root._modules[part]
-    root.add_module(last, module)
-
-
 @pytest.mark.parametrize(
     ("export_batch", "dynamic", "decompose"),
     [(1, False, False), (3, False, False), (1, False, True), (2, True, False), (2, True, True)],
@@ -101,7 +82,7 @@ def test_a_program_gets_the_eager_models_statistics(tmp_path, export_batch, dyna
     assert program.batch.static is not dynamic
     result = calibrate_program(program, samples, 8)
     expected = reference_statistics(model, samples, batch_size=8)
-    assert_matches_reference(by_name(program), expected)
+    assert_matches_reference(buffers_as_modules(program), expected)
     layers = find_batchnorm_layers(program)[0]
     assert [layer.name for layer in layers] == ["bn", "twice", "bn1d"]
     assert result.calls == [3, 6, 3]  # "twice" normalises twice per step
@@ -127,7 +108,7 @@ def test_local_mode_uses_each_slice_alone(tmp_path):
     result = calibration_pass(program, layers, batches, mode="local", collective=SingleProcessCollective())
     apply_statistics(layers, result.stats, result.steps // 2)
     expected = reference_statistics(model, samples, batch_size=8, world_size=2, mode="local")
-    assert_matches_reference(by_name(program), expected)
+    assert_matches_reference(buffers_as_modules(program), expected)
 
 
 def test_the_recalibrated_program_is_the_same_archive_with_new_buffers(tmp_path):
@@ -258,3 +239,31 @@ def test_a_program_copies_with_its_own_buffers(tmp_path):
     clone = copy.deepcopy(program)
     find_batchnorm_layers(clone)[0][0].running_mean.add_(1.0)
     assert not torch.equal(find_batchnorm_layers(clone)[0][0].running_mean, find_batchnorm_layers(program)[0][0].running_mean)
+
+
+class TokenNet(nn.Module):
+    """BatchNorm1d over every token of every sample (LeViT's LinearNorm): its rows are not
+    the samples, so a padded chunk's rows cannot be told apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 2, stride=2)
+        self.linear = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x).flatten(2).transpose(1, 2)  # (N, L, C)
+        normed = self.bn(self.linear(tokens).flatten(0, 1)).reshape_as(tokens)
+        return normed.mean(1)
+
+
+def test_rows_that_are_not_samples_are_exact_without_padding_and_refused_with_it(tmp_path):
+    torch.manual_seed(0)
+    model = perturbed(TokenNet()).eval()
+    samples = torch.randn(12, 3, 4, 4) + 0.5
+    single = load_program(export_program(model, samples[:1], tmp_path / "one.pt2"))
+    calibrate_program(single, samples, 6)  # chunks of 1: every row is a real sample's
+    assert_matches_reference(buffers_as_modules(single), reference_statistics(model, samples, batch_size=6))
+    pair = load_program(export_program(model, samples[:2], tmp_path / "two.pt2"))
+    with pytest.raises(ModelInputError, match=r"normalises rows that are not its samples .* static batch \(2\)"):
+        calibrate_program(pair, samples, 5)  # steps of 5 leave a padded chunk of 2

@@ -112,7 +112,7 @@ class ProgramModule(nn.Module):
         if kind == "CONSTANT_TENSOR":
             target = "_program_constants." + "".join(c if c.isalnum() else "_" for c in target)
         parts = target.split(".")
-        if not all(part and all(c.isalnum() or c == "_" for c in part) for part in parts) or parts[0] in _KEEP:
+        if not all(part and part.isprintable() for part in parts) or parts[0] in _KEEP:
             raise ProgramError(f"program {self.label} has a tensor named {target[:120]!r}, which bnrecal cannot hold")
         owner: nn.Module = self
         for part in parts[:-1]:
@@ -153,9 +153,15 @@ class ProgramModule(nn.Module):
         skipped = [SkippedLayer(name, reason) for name, reason in self.sites.skipped]
         return layers, skipped
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
-        """Run the program on a batch of any size (chunked where the program needs it)."""
-        tensors = self._check_inputs(inputs)
+    def forward(self, x: torch.Tensor, *others: torch.Tensor) -> Any:
+        """Run the program on a batch of any size (chunked where the program needs it).
+
+        ``x`` is its first input (a named parameter, so exporters can give it a dynamic
+        batch dimension), ``others`` the rest of a program that takes several."""
+        if torch.compiler.is_exporting():  # an exporter traces it: one piece, its batch left symbolic
+            values = self._run([value.to(spec.dtype) for spec, value in zip(self.inputs, (x, *others))], None)
+            return values[0] if len(values) == 1 else tuple(values)
+        tensors = self._check_inputs((x, *others))
         n = int(tensors[0].shape[0])
         plan = self.batch.chunks(n)
         if len(plan) == 1 and plan[0][0] == plan[0][1]:
@@ -206,7 +212,7 @@ class ProgramModule(nn.Module):
         if plan is None or not _chunked(args, kwargs):
             return target(*args, **kwargs)
         if node in self.sites.batchwise:
-            return _batchwise(target, args, kwargs, plan)
+            return _batchwise(target, args, kwargs, plan, self.label)
         return _Chunks(target(*_pick(args, i), **_pick(kwargs, i)) for i in range(len(plan)))
 
 
@@ -324,14 +330,29 @@ def _pick(value: Any, index: int) -> Any:
     return value
 
 
-def _batchwise(target: Callable[..., Any], args: Any, kwargs: Any, plan: list[tuple[int, int]]) -> _Chunks:
-    """A batch-norm call once on the real samples of every chunk, split back per chunk."""
+def _batchwise(
+    target: Callable[..., Any], args: Any, kwargs: Any, plan: list[tuple[int, int]], label: str
+) -> _Chunks:
+    """A batch-norm call once on the real samples of every chunk, split back per chunk.
+
+    A call's input usually has the chunk's samples as its rows; where the program folded
+    more into them (LeViT's BatchNorm1d over every token), all rows of every chunk are
+    the real samples' rows as long as no chunk is padded, and the call is refused where
+    one is: which rows are padding is then unknowable.
+    """
     chunks = args[0]
-    reals = [real for real, _ in plan]
-    joined = torch.cat([chunk[:real] for chunk, (real, _) in zip(chunks, plan)])
+    padded = any(real != size for real, size in plan)
+    if padded and any(chunk.shape[0] != size for chunk, (_, size) in zip(chunks, plan)):
+        raise ModelInputError(
+            f"program {label} normalises rows that are not its samples (a batch folded into other dimensions), "
+            f"so a step that is not a multiple of its static batch ({plan[0][1]}) cannot be padded exactly; "
+            "choose a batch size whose every worker's share is a multiple of it, or export with a dynamic batch"
+        )
+    rows = [real for real, _ in plan] if padded else [chunk.shape[0] for chunk in chunks]
+    joined = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows)])
     result = target(joined, *args[1:], **kwargs)
     out = result[0] if isinstance(result, tuple) else result
-    parts = [_pad(part, size) for part, (_, size) in zip(torch.split(out, reals), plan)]
+    parts = [_pad(part, chunk.shape[0]) for part, chunk in zip(torch.split(out, rows), chunks)]
     if isinstance(result, tuple):
         return _Chunks((part, *result[1:]) for part in parts)
     return _Chunks(parts)
