@@ -25,7 +25,7 @@ _TEMPLATE = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
-<title>bnrecal report: {{ r.arch }}</title>
+<title>bnrecal report: {{ model }}</title>
 <style>
  body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }
  h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ddd; }
@@ -35,7 +35,7 @@ _TEMPLATE = """<!doctype html>
 </style>
 </head>
 <body>
-<h1>BatchNorm recalibration: {{ r.arch }}</h1>
+<h1>BatchNorm recalibration: {{ model }}</h1>
 <p class="muted">{{ r.layers|length }} BN layers recalibrated on {{ r.samples }} samples,
 {{ r.world_size }} worker(s), {{ r.mode }} mode, {{ "%.2f"|format(r.seconds) }} s.</p>
 
@@ -129,8 +129,10 @@ def render_html_report(report: dict[str, Any]) -> str:
         for rank, node in enumerate(nodes)
     ]
     dataset = report.get("dataset", {})
+    program = report.get("program")
+    model = report.get("arch") or (f"program {program['name']}" if program else "")
     job = [
-        ("architecture", report.get("arch")),
+        ("architecture", report.get("arch")) if not program else ("program", f"{program['name']} ({program['batch']})"),
         ("mode", report.get("mode")),
         ("workers", f"{report.get('world_size')} ({report.get('backend')}, {report.get('device')})"),
         ("batch size", report.get("batch_size")),
@@ -144,7 +146,7 @@ def render_html_report(report: dict[str, Any]) -> str:
     accuracy_chart = accuracy_chart_svg(evaluation) if evaluation and evaluation.get("before") else ""
     template = _ENVIRONMENT.from_string(_TEMPLATE)
     return template.render(
-        r=report, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format,
+        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format,
         ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
     )
 

@@ -29,7 +29,7 @@ def list_jobs(
         return
     for job in jobs:
         typer.echo(f"{job['id']}  {job['status']:<9}  {_progress_text(job):<28}  "
-                   f"{job['created_at'][:19].replace('T', ' ')}  {job['spec'].get('arch', '')}")
+                   f"{job['created_at'][:19].replace('T', ' ')}  {_model(job['spec'])}")
 
 
 def job_status(
@@ -77,7 +77,7 @@ def status_lines(job: dict[str, Any]) -> list[str]:
     spec = job["spec"]
     lines = [
         f"job {job['id']}: {job['status']}",
-        f"model {spec.get('arch')}, {spec.get('workers')} worker(s), {spec.get('mode')} mode, "
+        f"model {_model(spec)}, {spec.get('workers')} worker(s), {spec.get('mode')} mode, "
         f"batch {spec.get('batch_size')}",
         f"created {job['created_at']}" + (f", finished {job['finished_at']}" if job.get("finished_at") else ""),
     ]
@@ -106,3 +106,8 @@ def _progress_text(job: dict[str, Any]) -> str:
     phase = progress.get("phase") or job["status"]
     done, total = progress.get("samples_done") or 0, progress.get("samples_total")
     return f"{phase} {done}/{total}" if total else phase
+
+
+def _model(spec: dict[str, Any]) -> str:
+    """What a job recalibrates, as its spec names it: the architecture, or its program."""
+    return spec.get("arch") or ("program" if spec.get("program") else "")

@@ -208,7 +208,8 @@ def test_a_program_submitted_through_the_form_comes_back_recalibrated(live_serve
     page.fill("#batch-size", "8")
     page.click("#onnx")
     page.click("#submit-button")
-    row = page.locator("#jobs-body tr").first
+    expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=JOB_TIMEOUT_MS)
+    row = page.locator("#jobs-body tr").first  # the new job's row, now that it is prepended
     expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
     expect(row.locator("td").nth(1)).to_have_text("program")
     job_id = row.get_attribute("data-job-id")
