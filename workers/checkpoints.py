@@ -2,9 +2,13 @@
 
 A checkpoint is either a safetensors file or a torch file read with
 ``torch.load(weights_only=True)``. The state dict may be the whole file or sit one level
-down under ``state_dict``, ``model``, ``model_state_dict`` or ``module``, and may carry a
-DDP ``module.`` prefix. :func:`save_checkpoint` writes the recalibrated values back in
-exactly the uploaded format and layout, leaving every other byte of content alone.
+down under ``state_dict``, ``model``, ``model_state_dict`` or ``module`` (a Lightning
+checkpoint's ``state_dict``, beside its epoch, optimizer states and callbacks). Its keys
+may carry a wrapper's prefix (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, a
+Lightning module's ``model.``), which :func:`load_into_model` finds by comparing them with
+the model's (``workers.checkpoint_prefix``). :func:`save_checkpoint` writes the
+recalibrated values back in exactly the uploaded format and layout, prefix included,
+leaving every other byte of content alone.
 """
 
 from __future__ import annotations
@@ -24,19 +28,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from workers.checkpoint_prefix import choose_prefix, model_keys
 from workers.errors import CheckpointError, one_line
 from workers.files import atomic_write
 
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
-DDP_PREFIX = "module."
-_LISTED = 5  # how many keys of each kind an error message names
 
 log = logging.getLogger("bnrecal.checkpoints")
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: the container as read, and where its state dict sits in it."""
+    """A loaded checkpoint: the container as read, and where its state dict sits in it.
+
+    ``prefix`` is what every stored key carries and the model's keys lack: ``''`` as
+    read, set by :func:`load_into_model` once the model's keys tell it.
+    """
 
     format: Literal["safetensors", "torch"]
     container: Any
@@ -54,7 +61,7 @@ class Checkpoint:
 
     @property
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The state dict with model keys (the DDP prefix stripped)."""
+        """The state dict with model keys (the prefix stripped)."""
         cut = len(self.prefix)
         return {key[cut:]: value for key, value in self.stored_state_dict.items()}
 
@@ -66,7 +73,8 @@ def load_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     the weights-only unpickler, so a file that would need arbitrary code to load is
     refused instead of run. ``name`` is what error messages call the file (default: its
     own name); the service passes the name a blob was uploaded with, since the stored
-    file is named after its digest.
+    file is named after its digest. The key prefix is left for :func:`load_into_model`
+    to decide, since only the model's keys tell a wrapper's prefix from a model's own.
     """
     file = Path(path)
     name = repr(name or file.name)
@@ -88,12 +96,7 @@ def load_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         container = _read_torch(file, name)
         checkpoint_format, metadata = "torch", None
     location = _find_state_dict(container, name)
-    found: Any = container
-    for key in location:
-        found = found[key]
-    keys = list(found)
-    prefix = DDP_PREFIX if all(key.startswith(DDP_PREFIX) for key in keys) else ""
-    return Checkpoint(checkpoint_format, container, location, prefix, metadata)
+    return Checkpoint(checkpoint_format, container, location, "", metadata)
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
@@ -196,75 +199,33 @@ def _strip_metadata(stored: Any, prefix: str) -> dict[str, Any] | None:
     return stripped
 
 
-def _batchnorm_counter_keys(model: torch.nn.Module) -> set[str]:
-    """State dict keys of BN ``num_batches_tracked`` buffers (absent in legacy checkpoints)."""
-    keys = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
-            keys.add(f"{module_name}.num_batches_tracked" if module_name else "num_batches_tracked")
-    return keys
-
-
-def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    """For each state dict key, the other keys naming the very same tensor (tied weights)."""
-    groups: dict[int, list[str]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(value), []).append(key)
-    return {key: [k for k in group if k != key] for group in groups.values() for key in group}
-
-
-def _name_keys(kind: str, keys: list[str]) -> str:
-    """'2 missing: a, b' with at most a few names listed."""
-    shown = ", ".join(keys[:_LISTED]) + (", ..." if len(keys) > _LISTED else "")
-    return f"{len(keys)} {kind}: {shown}"
-
-
 def load_into_model(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
-    """Copy the checkpoint's weights into ``model``, strictly.
+    """Copy the checkpoint's weights into ``model``, strictly, and settle its key prefix.
 
-    Missing keys, unexpected keys and shape mismatches together make one error that
-    names them. Legacy BN checkpoints without ``num_batches_tracked`` and checkpoints
-    that store a tied tensor once are accepted. Values are converted to the model's
-    dtype (fp16/bf16 checkpoints load into a float32 model).
+    The keys are taken as stored when they match the model's, else without the one
+    prefix every key carries whose removal makes them match (``checkpoint.prefix`` is
+    set to it, so :func:`save_checkpoint` writes it back). Missing or unexpected keys,
+    and shape mismatches, are one error that names them. Legacy BN checkpoints without
+    ``num_batches_tracked`` and checkpoints that store a tied tensor once are accepted.
+    Values are converted to the model's dtype (fp16/bf16 checkpoints load into a float32
+    model).
     """
-    loaded = checkpoint.state_dict
+    stored = checkpoint.stored_state_dict
+    match = choose_prefix(model_keys(model), list(stored))
     expected = model.state_dict()
-    counters = _batchnorm_counter_keys(model)
-    aliases = _tied_aliases(model)
-    to_load: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for key, target in expected.items():
-        if key in loaded:
-            to_load[key] = loaded[key]
-            continue
-        present = [alias for alias in aliases.get(key, []) if alias in loaded]
-        if present:
-            to_load[key] = loaded[present[0]]
-        elif key in counters:
-            to_load[key] = target.clone()  # legacy checkpoint: keep the model's counter
-        else:
-            missing.append(key)
-    unexpected = [key for key in loaded if key not in expected]
+    to_load = {
+        key: stored[match.prefix + match.sources[key]] if key in match.sources else target.clone()
+        for key, target in expected.items()
+    }
     mismatched = [
-        f"{key} {tuple(value.shape)} vs model {tuple(expected[key].shape)}"
-        for key, value in to_load.items()
-        if value.shape != expected[key].shape
+        f"{key} {tuple(to_load[key].shape)} vs model {tuple(expected[key].shape)}"
+        for key in match.sources
+        if to_load[key].shape != expected[key].shape
     ]
-    if missing or unexpected or mismatched:
-        parts = [
-            _name_keys(kind, keys)
-            for kind, keys in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("shape mismatches", mismatched),
-            )
-            if keys
-        ]
-        raise CheckpointError(
-            f"checkpoint does not match the architecture: {'; '.join(parts)}"
-        )
+    if not match.fits or mismatched:
+        raise match.error(mismatched)
     ordered: Any = dict(to_load)
-    metadata = _strip_metadata(checkpoint.stored_state_dict, checkpoint.prefix)
+    metadata = _strip_metadata(stored, match.prefix)
     if metadata is not None:
         ordered = _with_metadata(to_load, metadata)
     try:
@@ -273,6 +234,7 @@ def load_into_model(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         raise CheckpointError(
             f"checkpoint does not load into the architecture: {one_line(exc)}"
         ) from exc
+    checkpoint.prefix = match.prefix  # save_checkpoint writes it back
 
 
 def _with_metadata(values: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Any:
