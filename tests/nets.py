@@ -295,3 +295,26 @@ def slow_start_net(seconds: float = 3600.0) -> nn.Module:
 
         time.sleep(seconds)
     return MixedNet()
+
+
+class UntrackedNet(nn.Module):
+    """A BN with momentum None, one that keeps no running statistics (it normalises with
+    batch statistics even in eval mode, as some GAN discriminators do), then a BN with
+    momentum 0.01: the last one sees values that depend on how the middle one normalises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn_cumulative = nn.BatchNorm2d(6, momentum=None)
+        self.bn_untracked = nn.BatchNorm2d(6, track_running_stats=False)
+        self.conv2 = nn.Conv2d(6, 5, 3)
+        self.bn_slow = nn.BatchNorm2d(5, momentum=0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn_untracked(self.bn_cumulative(self.conv(x))))
+        return self.bn_slow(self.conv2(x)).mean((2, 3))
+
+
+def untracked_net() -> nn.Module:
+    """Factory for ``tests.nets:untracked_net``."""
+    return UntrackedNet()

@@ -19,9 +19,16 @@ same, so the product's collective stays the only one. A module whose forward fin
 without normalising through one of those calls fails the pass, naming it. (A program's
 layers are its batch-norm calls, found in its graph: there is no forward to watch.)
 
+A BN layer without running statistics (``track_running_stats=False``) has nothing to
+recalibrate, but it normalises with batch statistics even in eval mode: in ``sync`` mode
+its calls are answered too, with the global batch's statistics (one more allreduce per
+call), so every layer after it sees the same values at any number of ranks. In ``local``
+mode such a call runs as it is, on the rank's own slice.
+
 ``probe_call_order`` runs the model once this way on a sample before any actor starts:
 it catches data the model rejects and layers that cannot be calibrated, and records the
-order in which the layers normalise (what a rank with an empty slice replays).
+order in which the layers normalise (what a rank with an empty slice replays): a layer's
+index, or ``-channels`` for a call without running statistics.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class BatchNormCalibrator:
             for layer, shift in zip(self.layers, self.shifts)
         ]
         self.calls = [0] * len(self.layers)
+        self.untracked_calls = 0
         self.order: list[int] = []
         self._record_order = record_order
         self._by_buffer = {id(layer.running_mean): i for i, layer in enumerate(self.layers)}
@@ -134,6 +142,8 @@ class BatchNormCalibrator:
         """Calibrate a batch-norm call (of any form) made with a calibrated layer's buffers;
         ``None`` for any other call, which then runs as it is."""
         call = form.bind(args, kwargs)
+        if call.get("running_mean") is None and call.get("running_var") is None:
+            return self._batch_statistics_call(form, call)
         index = self._by_buffer.get(id(call.get("running_mean")))
         if index is None or self.layers[index].running_mean is not call["running_mean"]:
             return None
@@ -149,13 +159,41 @@ class BatchNormCalibrator:
         out = _normalise(x, own, stats, call, layer.running_mean.dtype)
         return form.results(out, stats.mean, stats.var, call)
 
+    def _batch_statistics_call(
+        self, form: BatchNormForm, call: dict[str, Any]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """A call without running statistics (``track_running_stats=False``): in ``sync``
+        mode it normalises with the global batch's statistics, like every other call; in
+        ``local`` mode (or where it would not use batch statistics) it runs as it is."""
+        x = call["input"]
+        if self.mode != "sync" or not call.get("training", True) or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None
+        channels = int(x.shape[1])
+        own = batch_moments(x)
+        shift = torch.zeros(channels, dtype=torch.float64, device=x.device)
+        buffer = torch.empty(TAGS + packed_size(channels), dtype=torch.float64, device=x.device)
+        packed = pack(own, shift, buffer[TAGS:])
+        self._reduce_untracked(channels, buffer)
+        if self._record_order:
+            self.order.append(-channels)
+        stats = finalize(packed, shift)
+        return form.results(_normalise(x, own, stats, call, x.dtype), stats.mean, stats.var, call)
+
+    def _reduce_untracked(self, channels: int, buffer: torch.Tensor) -> None:
+        """The allreduce of the next call without running statistics, tagged by its place
+        among such calls (every rank makes them in the same order)."""
+        tag = len(self.layers) + 1 + self.untracked_calls
+        self.untracked_calls += 1
+        self._reduce_tagged(tag, buffer, f"a BN call without running statistics ({channels} channels)")
+
     def _combine(self, index: int, own: BatchMoments) -> MomentStats:
         """This call's statistics over the global batch (sync) or the rank's slice (local)."""
         shift = self.shifts[index]
         buffer = torch.empty(TAGS + packed_size(shift.numel()), dtype=torch.float64, device=shift.device)
         packed = pack(own, shift, buffer[TAGS:])
         if self.mode == "sync":
-            self._reduce_tagged(index, buffer)
+            layer = self.layers[index]
+            self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
         self.totals[index] += packed
         self.calls[index] += 1
         if self._record_order:
@@ -164,18 +202,18 @@ class BatchNormCalibrator:
             return MomentStats(float(own.count), own.mean, own.var)
         return finalize(packed, shift)
 
-    def _reduce_tagged(self, index: int, buffer: torch.Tensor) -> None:
-        tag = float(index + 1)
-        buffer[0] = tag
-        buffer[1] = tag * tag
+    def _reduce_tagged(self, tag: int, buffer: torch.Tensor, what: str) -> None:
+        """One allreduce of ``buffer`` whose first slots carry ``tag`` and its square: with
+        SUM, every rank reduced the same call exactly when they come back as K*t and K*t^2."""
+        buffer[0] = float(tag)
+        buffer[1] = float(tag) * float(tag)
         self.collective.allreduce(buffer)
         world = float(self.collective.world_size)
         tag_sum, square_sum = buffer[:TAGS].tolist()
-        if tag_sum != world * tag or square_sum != world * tag * tag:
-            layer = self.layers[index]
+        if tag_sum != world * tag or square_sum != world * float(tag) * float(tag):
             raise CallOrderError(
-                f"collective {self.collective.calls}: this rank reduced BN layer {layer.name!r} "
-                f"({layer.class_name}) while another rank reduced a different layer: the model calls its "
+                f"collective {self.collective.calls}: this rank reduced {what} while another rank "
+                "reduced a different layer: the model calls its "
                 "BN layers in a different order on different ranks (data-dependent control flow?); "
                 "sync mode needs the same order on every rank, --mode local does not"
             )
@@ -187,9 +225,14 @@ class BatchNormCalibrator:
         if not self.call_order:
             raise RunError("an empty slice needs the model's BN call order, which was not recorded")
         for index in self.call_order:
+            if index < 0:  # a call without running statistics, over -index channels
+                device = self.shifts[0].device if self.shifts else torch.device("cpu")
+                self._reduce_untracked(-index, torch.zeros(TAGS + packed_size(-index), dtype=torch.float64, device=device))
+                continue
             shift = self.shifts[index]
             buffer = torch.zeros(TAGS + packed_size(shift.numel()), dtype=torch.float64, device=shift.device)
-            self._reduce_tagged(index, buffer)
+            layer = self.layers[index]
+            self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
             self.totals[index] += buffer[TAGS:]
 
     def moments(self) -> list[MomentStats]:

@@ -9,7 +9,7 @@ import torch
 
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
-from tests.nets import branching_net, perturbed, self_stats_net, subclass_net, sync_bn_net
+from tests.nets import branching_net, perturbed, self_stats_net, subclass_net, sync_bn_net, untracked_net
 from tests.reference import assert_matches_reference, reference_statistics
 from workers.errors import CallOrderError, UnsupportedLayerError
 
@@ -31,6 +31,35 @@ def test_sync_batchnorm_model_on_two_gloo_actors_never_uses_its_own_sync(setting
     report = result.report
     assert {entry["class"] for entry in report["layers"]} == {"SyncBatchNorm"}
     assert report["collectives"] == 4 * 4  # bn, shared twice, bn_act: 4 calls a step, 4 steps
+
+
+def test_a_layer_without_running_statistics_normalises_with_the_global_batch(settings, tmp_path):
+    """A track_running_stats=False layer normalises with batch statistics: in sync mode the
+    global batch's (one more allreduce per call), so every layer after it sees the same
+    values at any K; in local mode each rank's own slice."""
+    torch.manual_seed(2)
+    model = perturbed(untracked_net())
+    samples = torch.randn(26, 3, 6, 6) * 1.4 + 0.3
+    checkpoint, data = save_state(tmp_path / "m.pt", model), save_array(tmp_path / "x.npy", samples)
+
+    def run(workers: int, mode: str = "sync"):
+        request = RecalibrationRequest(
+            arch="tests.nets:untracked_net", checkpoint=checkpoint, data=data, workers=workers, batch_size=8, mode=mode,
+        )
+        return recalibrate(request, settings)
+
+    expected = reference_statistics(model, samples, 8)
+    results = {k: run(k) for k in (1, 2, 4)}  # the last step of 2 samples leaves ranks 2 and 3 empty at K=4
+    for k, result in results.items():
+        assert_matches_reference(result.model, expected)
+        assert result.report["collectives"] == 3 * 4  # two layers and the untracked call, 4 steps
+        assert [s["name"] for s in result.report["skipped"]] == ["bn_untracked"]
+    for k in (2, 4):
+        for key, value in results[k].updates.items():
+            torch.testing.assert_close(value.double(), results[1].updates[key].double(), rtol=1e-5, atol=1e-7)
+    local = run(2, "local")
+    assert_matches_reference(local.model, reference_statistics(model, samples, 8, world_size=2, mode="local"))
+    assert local.report["collectives"] == 1
 
 
 def test_subclass_and_twice_called_layer_on_two_ranks(settings, tmp_path):
