@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,18 @@ def ray_cluster() -> Iterator[None]:
     ensure_ray(None, min_cpus=8)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def warm_pool(ray_cluster: None) -> Iterator[Any]:
+    """Warm rank actors shared by a test module's jobs, as the server shares them: a job
+    pays the ranks' start-up (a process importing torch, ~6 s here) once per shape, not
+    once per call. A failed or cancelled job's ranks are killed, never reused."""
+    from workers.pool import WarmPool
+
+    pool = WarmPool(idle_s=600)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -59,14 +59,16 @@ def expected_metrics(arch: str, checkpoint: Path, after: torch.nn.Module, x: tor
 @pytest.mark.parametrize(
     ("mode", "workers", "transport"), [("sync", 2, "shared"), ("local", 3, "object_store")]
 )
-def test_labelled_evaluation_matches_the_models_own_forward(stale, settings, mode, workers, transport):
+def test_labelled_evaluation_matches_the_models_own_forward(stale, settings, mode, workers, transport, warm_pool):
     settings = settings.model_copy(update={"data_transport": transport})
     phases: list[tuple[str, int, int]] = []
     request = RecalibrationRequest(
         arch="tests.nets:classifier_net", checkpoint=stale["checkpoint"], data=stale["data"],
         eval_data=stale["eval"], workers=workers, batch_size=8, mode=mode,
     )
-    result = recalibrate(request, settings, on_progress=lambda done, total, phase: phases.append((phase, done, total)))
+    result = recalibrate(
+        request, settings, on_progress=lambda done, total, phase: phases.append((phase, done, total)), pool=warm_pool
+    )
     evaluation = result.report["evaluation"]
     with np.load(stale["eval"]) as arrays:
         x, y = torch.from_numpy(arrays["x"]), arrays["y"]
@@ -86,13 +88,14 @@ def test_labelled_evaluation_matches_the_models_own_forward(stale, settings, mod
     assert ("calibrating", 40, 40) in phases and ("evaluating", 27, 27) in phases
 
 
-def test_unlabelled_and_per_position_evaluation(stale, settings, tmp_path):
+def test_unlabelled_and_per_position_evaluation(stale, settings, tmp_path, warm_pool):
     result = recalibrate(
         RecalibrationRequest(
             arch="tests.nets:classifier_net", checkpoint=stale["checkpoint"], data=stale["data"],
             eval_data=stale["eval_x"], eval_max_samples=20, workers=2, batch_size=8,
         ),
         settings,
+        pool=warm_pool,
     )
     evaluation = result.report["evaluation"]
     x = torch.from_numpy(np.load(stale["eval_x"]))[:20]
@@ -109,6 +112,7 @@ def test_unlabelled_and_per_position_evaluation(stale, settings, tmp_path):
             eval_data=stale["eval"], workers=2, batch_size=8,
         ),
         settings,
+        pool=warm_pool,
     )
     evaluation = seg.report["evaluation"]
     with np.load(stale["eval"]) as arrays:

@@ -137,9 +137,12 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
     results = {}
     for mode in ("sync", "local"):
         expected = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode)
-        float32 = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode, dtype=torch.float32)
         results[mode] = calibrate_on_ranks(ranks, case, model, samples, mode)
-        assert_matches_reference(results[mode], expected, float32_reference=float32)
+        try:
+            assert_matches_reference(results[mode], expected)
+        except AssertionError:  # deep in a random-weight net: held to torch's own float32 drift there
+            float32 = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode, dtype=torch.float32)
+            assert_matches_reference(results[mode], expected, float32_reference=float32)
     program, program_stats = program_on_ranks(ranks, model, samples, tmp_path)
     assert_same_statistics(program_stats, results["sync"])
     if case.program_export:

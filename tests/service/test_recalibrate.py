@@ -27,15 +27,15 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, to
     return model, samples, save_state(folder / "model.pt", model), save_array(folder / "x.npy", samples)
 
 
-def run(settings, checkpoint, data, **options):
+def run(settings, checkpoint, data, pool=None, **options):
     request = RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, **options)
-    return recalibrate(request, settings)
+    return recalibrate(request, settings, pool=pool)
 
 
-def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings):
+def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
     expected = reference_statistics(model, samples, batch_size=6)
-    results = {k: run(settings, checkpoint, data, workers=k, batch_size=6) for k in (1, 2, 3)}
+    results = {k: run(settings, checkpoint, data, warm_pool, workers=k, batch_size=6) for k in (1, 2, 3)}
     for k, result in results.items():
         assert_matches_reference(result.model, expected)
         report = result.report
@@ -48,26 +48,26 @@ def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings):
             torch.testing.assert_close(value.double(), base[key].double(), rtol=1e-5, atol=1e-7)
 
 
-def test_local_mode_matches_per_rank_reference(mixed, settings):
+def test_local_mode_matches_per_rank_reference(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
     expected = reference_statistics(model, samples, batch_size=12, world_size=2, mode="local")
-    result = run(settings, checkpoint, data, workers=2, batch_size=12, mode="local")
+    result = run(settings, checkpoint, data, warm_pool, workers=2, batch_size=12, mode="local")
     assert_matches_reference(result.model, expected)
     assert result.report["collectives"] == 1  # one allreduce per job
 
 
-def test_empty_slices_take_part_in_every_collective(mixed, settings):
+def test_empty_slices_take_part_in_every_collective(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
     # 10 samples, batch 4, 3 ranks: the last step has 2 samples, so rank 2's slice is empty.
     expected = reference_statistics(model, samples[:10], batch_size=4)
-    result = run(settings, checkpoint, data, workers=3, batch_size=4, max_samples=10)
+    result = run(settings, checkpoint, data, warm_pool, workers=3, batch_size=4, max_samples=10)
     assert_matches_reference(result.model, expected)
     assert result.report["collectives"] == 5 * 3
 
 
-def test_checkpoint_keeps_everything_but_bn_statistics(mixed, settings, tmp_path):
+def test_checkpoint_keeps_everything_but_bn_statistics(mixed, settings, tmp_path, warm_pool):
     model, _, checkpoint, data = mixed
-    result = run(settings, checkpoint, data, workers=2, batch_size=8)
+    result = run(settings, checkpoint, data, warm_pool, workers=2, batch_size=8)
     out = tmp_path / "out.pt"
     result.save_model(out)
     before, after = torch.load(checkpoint, weights_only=True), torch.load(out, weights_only=True)
@@ -120,7 +120,7 @@ def test_cancel_stops_the_job(mixed, settings):
 
 
 @pytest.mark.parametrize("layout", ["nested-ddp", "safetensors"])
-def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout):
+def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout, warm_pool):
     from safetensors.torch import load_file, save_file
 
     model, _, _, data = mixed
@@ -131,7 +131,7 @@ def test_uploaded_format_and_layout_survive(mixed, settings, tmp_path, layout):
     else:
         source = tmp_path / "in.safetensors"
         save_file({k: v.contiguous() for k, v in state.items()}, source, metadata={"origin": "test"})
-    result = run(settings, source, data, workers=2, batch_size=8)
+    result = run(settings, source, data, warm_pool, workers=2, batch_size=8)
     out = tmp_path / ("out.pt" if layout == "nested-ddp" else "out.safetensors")
     result.save_model(out)
     if layout == "nested-ddp":
@@ -171,10 +171,10 @@ def test_retry_policy_reruns_a_failed_pass_from_scratch(settings, tmp_path):
         recalibrate(request, settings)
 
 
-def test_object_store_transport_matches_shared_paths(mixed, settings):
+def test_object_store_transport_matches_shared_paths(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
     shipped = settings.model_copy(update={"data_transport": "object_store"})
-    result = run(shipped, checkpoint, data, workers=2, batch_size=6)
+    result = run(shipped, checkpoint, data, warm_pool, workers=2, batch_size=6)
     assert result.report["data_transport"] == "object_store"
     assert_matches_reference(result.model, reference_statistics(model, samples, 6))
 

@@ -30,7 +30,7 @@ def compiled(model: torch.nn.Module) -> tuple[Any, str]:
 
 
 @pytest.mark.parametrize("wrap", [lightning, compiled], ids=["lightning", "torch.compile"])
-def test_a_wrapped_checkpoint_calibrates_and_comes_back_in_its_own_layout(settings, tmp_path: Path, wrap) -> None:
+def test_a_wrapped_checkpoint_calibrates_and_comes_back_in_its_own_layout(settings, tmp_path: Path, wrap, warm_pool) -> None:
     torch.manual_seed(3)
     model = perturbed(mixed_net())
     samples = torch.randn(19, 3, 6, 5) * 1.3 - 0.2
@@ -41,7 +41,7 @@ def test_a_wrapped_checkpoint_calibrates_and_comes_back_in_its_own_layout(settin
         arch="tests.nets:mixed_net", checkpoint=path, data=save_array(tmp_path / "x.npy", samples),
         workers=2, batch_size=5,
     )
-    result = recalibrate(request, settings)
+    result = recalibrate(request, settings, pool=warm_pool)
     assert_matches_reference(result.model, reference_statistics(model, samples, 5))
 
     out = tmp_path / "out.ckpt"

@@ -50,15 +50,15 @@ def own(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, torch.Tens
     return model, samples, program, save_array(folder / "x.npy", samples)
 
 
-def run(settings, program, data, **options):
-    return recalibrate(RecalibrationRequest(program=program, data=data, **options), settings)
+def run(settings, program, data, pool=None, **options):
+    return recalibrate(RecalibrationRequest(program=program, data=data, **options), settings, pool=pool)
 
 
 @pytest.mark.parametrize("mode", ["sync", "local"])
-def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, settings, mode):
+def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, settings, mode, warm_pool):
     model, samples, program, data = own
     expected = reference_statistics(model, samples, batch_size=8, world_size=2, mode=mode)
-    result = run(settings, program, data, workers=2, batch_size=8, mode=mode)
+    result = run(settings, program, data, warm_pool, workers=2, batch_size=8, mode=mode)
     assert_matches_reference(buffers_as_modules(result.model), expected)
     report = result.report
     assert report["arch"] is None and report["program"] == {"name": "own.pt2", "batch": "a static batch of 1"}
@@ -66,16 +66,16 @@ def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, set
     assert report["collectives"] == (2 * 4 if mode == "sync" else 1)
 
 
-def test_sync_results_do_not_depend_on_the_world_size(own, settings):
+def test_sync_results_do_not_depend_on_the_world_size(own, settings, warm_pool):
     _, _, program, data = own
-    results = [run(settings, program, data, workers=k, batch_size=8) for k in (1, 2)]
+    results = [run(settings, program, data, warm_pool, workers=k, batch_size=8) for k in (1, 2)]
     for key, value in results[0].updates.items():
         torch.testing.assert_close(results[1].updates[key].double(), value.double(), rtol=1e-5, atol=1e-7)
 
 
-def test_the_recalibrated_program_and_its_folded_onnx(own, settings, tmp_path):
+def test_the_recalibrated_program_and_its_folded_onnx(own, settings, tmp_path, warm_pool):
     model, samples, program, data = own
-    result = run(settings, program, data, workers=2, batch_size=8)
+    result = run(settings, program, data, warm_pool, workers=2, batch_size=8)
     out = tmp_path / "out.pt2"
     result.save_model(out)
     loaded = torch.export.load(out)  # torch's own loader takes it, and it runs
@@ -92,11 +92,11 @@ def test_the_recalibrated_program_and_its_folded_onnx(own, settings, tmp_path):
     assert_matches_torch(tmp_path / "model.onnx", eager, samples[:1])
 
 
-def test_evaluation_runs_on_a_program(own, settings, tmp_path):
+def test_evaluation_runs_on_a_program(own, settings, tmp_path, warm_pool):
     model, samples, program, data = own
     labels = np.arange(len(samples)) % 5
     np.savez(tmp_path / "eval.npz", x=samples.numpy(), y=labels)
-    result = run(settings, program, data, workers=2, batch_size=8, eval_data=tmp_path / "eval.npz")
+    result = run(settings, program, data, warm_pool, workers=2, batch_size=8, eval_data=tmp_path / "eval.npz")
     evaluation = result.report["evaluation"]
     assert evaluation["samples"] == 27 and evaluation["labelled"] and "top1" in evaluation["after"]
 

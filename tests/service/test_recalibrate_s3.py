@@ -16,6 +16,7 @@ from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 from tests.s3 import S3Server
 from workers.errors import DatasetError
+from workers.pool import WarmPool
 from workers.sharding import rank_ranges
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -30,25 +31,25 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.T
     return save_state(folder / "model.pt", perturbed(mixed_net())), save_array(folder / "x.npy", samples), samples
 
 
-def run(settings: Settings, checkpoint: Path, data: Path | str, **options: object):
+def run(settings: Settings, checkpoint: Path, data: Path | str, pool: WarmPool | None = None, **options: object):
     request = RecalibrationRequest(
         arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, workers=2, batch_size=16, **options
     )
-    return recalibrate(request, settings)
+    return recalibrate(request, settings, pool=pool)
 
 
 @pytest.fixture(scope="module")
-def local_result(mixed, tmp_path_factory: pytest.TempPathFactory):
+def local_result(mixed, tmp_path_factory: pytest.TempPathFactory, warm_pool: WarmPool):
     checkpoint, local, _ = mixed
     settings = Settings(data_dir=tmp_path_factory.mktemp("local-data"), model_modules=["tests"])
-    return run(settings, checkpoint, local, max_samples=190)
+    return run(settings, checkpoint, local, warm_pool, max_samples=190)
 
 
 @pytest.mark.parametrize(
     "kind, transport", [("npy", "shared"), ("npz", "object_store"), ("npz-compressed", "shared")]
 )
 def test_same_statistics_as_the_local_copy(
-    s3_server: S3Server, settings: Settings, mixed, local_result, kind: str, transport: str
+    s3_server: S3Server, settings: Settings, mixed, local_result, kind: str, transport: str, warm_pool: WarmPool
 ) -> None:
     checkpoint, local, samples = mixed
     if kind == "npy":
@@ -60,7 +61,7 @@ def test_same_statistics_as_the_local_copy(
     uri = s3_server.put(BUCKET, f"{transport}/{kind}{suffix}", payload)
     settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint, "data_transport": transport})
     expected = local_result
-    result = run(settings, checkpoint, uri, max_samples=190)
+    result = run(settings, checkpoint, uri, warm_pool, max_samples=190)
     assert result.updates.keys() == expected.updates.keys()
     for key, value in result.updates.items():
         torch.testing.assert_close(value, expected.updates[key], rtol=1e-6, atol=1e-7)  # same rows, same order
@@ -69,13 +70,13 @@ def test_same_statistics_as_the_local_copy(
     assert report["data_transport"] == "remote" and report["object_store_bytes"] == 0
 
 
-def test_each_rank_fetches_only_its_own_rows(s3_server: S3Server, settings: Settings, mixed) -> None:
+def test_each_rank_fetches_only_its_own_rows(s3_server: S3Server, settings: Settings, mixed, warm_pool: WarmPool) -> None:
     checkpoint, local, samples = mixed
     key = "ranged/x.npy"
     uri = s3_server.put(BUCKET, key, local)
     settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint})
     before = len(s3_server.gets(f"/{BUCKET}/{key}"))
-    result = run(settings, checkpoint, uri)
+    result = run(settings, checkpoint, uri, warm_pool)
     fetched = s3_server.gets(f"/{BUCKET}/{key}")[before:]
     layout = result.dataset.layout
     assert layout is not None
@@ -101,7 +102,7 @@ def test_a_missing_key_fails_naming_the_uri(s3_server: S3Server, settings: Setti
 
 
 def test_an_image_prefix_gives_the_statistics_of_the_local_folder(
-    s3_server: S3Server, settings: Settings, mixed, tmp_path: Path
+    s3_server: S3Server, settings: Settings, mixed, tmp_path: Path, warm_pool: WarmPool
 ) -> None:
     from PIL import Image
 
@@ -115,9 +116,9 @@ def test_an_image_prefix_gives_the_statistics_of_the_local_folder(
     uri = s3_server.put_tree(BUCKET, "images/set", folder)
     settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint, "data_transport": "object_store"})
     transform = {"resize": 8, "crop": 6}
-    expected = run(settings, checkpoint, folder, transform=transform)
+    expected = run(settings, checkpoint, folder, warm_pool, transform=transform)
     before = len(s3_server.requests)
-    result = run(settings, checkpoint, uri, transform=transform)
+    result = run(settings, checkpoint, uri, warm_pool, transform=transform)
     for key, value in result.updates.items():
         torch.testing.assert_close(value, expected.updates[key], rtol=1e-6, atol=1e-7)
     assert result.report["data_transport"] == "remote" and expected.report["object_store_bytes"] > 0

@@ -16,7 +16,7 @@ from workers.errors import CallOrderError, UnsupportedLayerError
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_sync_batchnorm_model_on_two_gloo_actors_never_uses_its_own_sync(settings, tmp_path):
+def test_sync_batchnorm_model_on_two_gloo_actors_never_uses_its_own_sync(settings, tmp_path, warm_pool):
     """The actors' GLOO group initialises torch.distributed: a SyncBatchNorm in training
     mode would try to all-reduce over it (and refuse CPU tensors). Ours is the only collective."""
     torch.manual_seed(0)
@@ -26,14 +26,14 @@ def test_sync_batchnorm_model_on_two_gloo_actors_never_uses_its_own_sync(setting
         arch="tests.nets:sync_bn_net", checkpoint=save_state(tmp_path / "m.pt", model),
         data=save_array(tmp_path / "x.npy", samples), workers=2, batch_size=6,
     )
-    result = recalibrate(request, settings)
+    result = recalibrate(request, settings, pool=warm_pool)
     assert_matches_reference(result.model, reference_statistics(model, samples, 6))
     report = result.report
     assert {entry["class"] for entry in report["layers"]} == {"SyncBatchNorm"}
     assert report["collectives"] == 4 * 4  # bn, shared twice, bn_act: 4 calls a step, 4 steps
 
 
-def test_a_layer_without_running_statistics_normalises_with_the_global_batch(settings, tmp_path):
+def test_a_layer_without_running_statistics_normalises_with_the_global_batch(settings, tmp_path, warm_pool):
     """A track_running_stats=False layer normalises with batch statistics: in sync mode the
     global batch's (one more allreduce per call), so every layer after it sees the same
     values at any K; in local mode each rank's own slice."""
@@ -46,7 +46,7 @@ def test_a_layer_without_running_statistics_normalises_with_the_global_batch(set
         request = RecalibrationRequest(
             arch="tests.nets:untracked_net", checkpoint=checkpoint, data=data, workers=workers, batch_size=8, mode=mode,
         )
-        return recalibrate(request, settings)
+        return recalibrate(request, settings, pool=warm_pool)
 
     expected = reference_statistics(model, samples, 8)
     results = {k: run(k) for k in (1, 2, 4)}  # the last step of 2 samples leaves ranks 2 and 3 empty at K=4
@@ -62,7 +62,7 @@ def test_a_layer_without_running_statistics_normalises_with_the_global_batch(set
     assert local.report["collectives"] == 1
 
 
-def test_subclass_and_twice_called_layer_on_two_ranks(settings, tmp_path):
+def test_subclass_and_twice_called_layer_on_two_ranks(settings, tmp_path, warm_pool):
     torch.manual_seed(1)
     model = perturbed(subclass_net(timm_act=True))
     samples = torch.randn(17, 3, 7, 6) * 1.5
@@ -71,7 +71,7 @@ def test_subclass_and_twice_called_layer_on_two_ranks(settings, tmp_path):
         checkpoint=save_state(tmp_path / "m.pt", model), data=save_array(tmp_path / "x.npy", samples),
         workers=2, batch_size=5, mode="local",
     )
-    result = recalibrate(request, settings)
+    result = recalibrate(request, settings, pool=warm_pool)
     assert_matches_reference(result.model, reference_statistics(model, samples, 5, world_size=2, mode="local"))
     classes = {entry["name"]: entry["class"] for entry in result.report["layers"]}
     assert classes == {"bn": "ActBatchNorm2d", "shared": "BatchNorm2d", "bn_act": "BatchNormAct2d"}
