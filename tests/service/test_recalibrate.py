@@ -40,7 +40,7 @@ def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings, w
         assert_matches_reference(result.model, expected)
         report = result.report
         assert report["world_size"] == k and report["backend"] == "gloo" and report["steps"] == 4
-        assert report["collectives"] == 5 * 4  # one allreduce per BN layer per step
+        assert report["collectives"] == 5 * 4  # one allreduce per BN call per step (5 calls a step)
         assert report["samples"] == 23 and len(report["nodes"]) == k
     base = results[1].updates
     for k in (2, 3):
