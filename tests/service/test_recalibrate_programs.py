@@ -66,9 +66,12 @@ def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, set
     assert report["collectives"] == (2 * 4 if mode == "sync" else 1)
 
 
-def test_sync_results_do_not_depend_on_the_world_size(own, settings, warm_pool):
+def test_sync_results_do_not_depend_on_the_world_size_or_the_transport(own, settings, warm_pool):
     _, _, program, data = own
-    results = [run(settings, program, data, warm_pool, workers=k, batch_size=8) for k in (1, 2)]
+    shipped = settings.model_copy(update={"data_transport": "object_store"})
+    results = [run(settings, program, data, warm_pool, workers=1, batch_size=8),
+               run(shipped, program, data, warm_pool, workers=2, batch_size=8)]
+    assert results[1].report["data_transport"] == "object_store" and results[1].report["object_store_bytes"] > 0
     for key, value in results[0].updates.items():
         torch.testing.assert_close(results[1].updates[key].double(), value.double(), rtol=1e-5, atol=1e-7)
 

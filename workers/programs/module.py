@@ -293,17 +293,23 @@ def _pad(part: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([part, part[-1:].expand(size - part.shape[0], *part.shape[1:])])
 
 
+def _map(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` (a node argument: nested tuples, lists and dicts) with ``leaf`` applied to
+    everything else, ``_Chunks`` included (a value per chunk is a leaf, not a list)."""
+    if isinstance(value, (torch.fx.Node, _Chunks)):
+        return leaf(value)
+    if isinstance(value, tuple):
+        return tuple(_map(v, leaf) for v in value)
+    if isinstance(value, list):
+        return [_map(v, leaf) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
 def _load(value: Any, env: dict[Any, Any]) -> Any:
     """A node's argument with every node replaced by its value."""
-    if isinstance(value, torch.fx.Node):
-        return env[value]
-    if isinstance(value, tuple):
-        return tuple(_load(v, env) for v in value)
-    if isinstance(value, list):
-        return [_load(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: _load(v, env) for k, v in value.items()}
-    return value
+    return _map(value, lambda v: env[v] if isinstance(v, torch.fx.Node) else v)
 
 
 def _chunked(*values: Any) -> bool:
@@ -319,15 +325,8 @@ def _chunked(*values: Any) -> bool:
 
 
 def _pick(value: Any, index: int) -> Any:
-    if isinstance(value, _Chunks):
-        return value[index]
-    if isinstance(value, tuple):
-        return tuple(_pick(v, index) for v in value)
-    if isinstance(value, list):
-        return [_pick(v, index) for v in value]
-    if isinstance(value, dict):
-        return {k: _pick(v, index) for k, v in value.items()}
-    return value
+    """An argument as chunk ``index`` sees it: each value per chunk replaced by its own."""
+    return _map(value, lambda v: v[index] if isinstance(v, _Chunks) else v)
 
 
 def _batchwise(
