@@ -85,7 +85,12 @@ def test_ctrl_c_on_submit_cancels_the_job_and_exits_130(live_server, inputs, tmp
         "--workers", "1", "--batch-size", "4", "--out", str(tmp_path / "out.pt"),
     ]
     env = {**os.environ, "BNRECAL_DEBUG": "0"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # A suite started in the background (``make test &``) has SIGINT ignored, and a child
+    # inherits that: Ctrl-C would never reach the command. Give it the default, as a terminal does.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     with live_server.client("cli") as client:
         deadline = time.monotonic() + 60
         while not (running := client.get("/v1/jobs", params={"status": "running"}).json()["jobs"]):
