@@ -32,7 +32,10 @@ from ..files import atomic_write
 MAX_MEMBERS = 200_000
 MAX_EXPANSION = 200
 """A compressed member may expand at most this many times (weights are stored, not deflated)."""
-MAX_JSON_BYTES = 512 * 2**20
+MAX_JSON_BYTES = 128 * 2**20
+"""The largest graph document read (a vision model's is a few MB)."""
+MAX_SAMPLE_INPUTS_BYTES = 64 * 2**20
+"""The largest sample-inputs member read (one example batch; it is loaded, and checked at submission)."""
 
 _WEIGHTS = "data/weights/"
 _CONSTANTS = "data/constants/"
@@ -251,7 +254,7 @@ def _example_inputs(read: _Reader, member: str, label: str) -> tuple[tuple[Any, 
     """The archive's sample inputs, loaded weights-only (a pickle that needs more is refused)."""
     if member not in read.members:
         return None
-    data = read.bytes(member)
+    data = read.bytes(member, MAX_SAMPLE_INPUTS_BYTES)
     if not data:
         return None
     try:
