@@ -14,6 +14,7 @@ job path around it (placement, streaming, the CLI) is tested on small nets elsew
 from __future__ import annotations
 
 import copy
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 
 from service.export import export_folded_onnx
 from tests.reference import assert_matches_reference, reference_statistics
-from tests.service.export.helpers import assert_matches_torch
+from tests.service.export.helpers import assert_matches_torch, op_counts
 from tests.programs import export_program
 from tests.zoo import TIMM, TORCHVISION, ZooCase, stale
 from workers.batchnorm import find_batchnorm_layers
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 WORLD = 2
 BATCH = 6
+LAYOUTS = {"sync": "channels_last", "local": "contiguous"}
+"""The layout each mode computes in (the statistics do not depend on it; both are covered)."""
 
 
 @ray.remote(num_cpus=1)
@@ -56,13 +59,17 @@ class ZooRank:
         self.collective = RayCollective(WORLD, self.rank, "gloo", group)
 
     def calibrate(self, case: ZooCase, state: dict[str, torch.Tensor], samples: torch.Tensor, mode: str) -> Any:
-        """This rank's share of one calibration; rank 0 returns every layer's statistics."""
+        """This rank's share of one calibration; rank 0 returns every layer's statistics.
+
+        Each mode runs in one layout (``LAYOUTS``), so both are covered and a program replays
+        exactly the kernels of its model's sync pass: the same rounding, the same statistics."""
         model = build_model(case.arch, case.kwargs)
         model.load_state_dict(state)
         layers, _ = find_batchnorm_layers(model)
         ranges = rank_ranges(len(samples), BATCH, WORLD, self.rank)
         result = calibration_pass(
-            model, layers, [samples[a:b] for a, b in ranges], mode=mode, collective=self.collective
+            model, layers, [samples[a:b] for a, b in ranges], mode=mode, collective=self.collective,
+            memory_format=LAYOUTS[mode],
         )
         return [(s.count, s.mean, s.var) for s in result.stats], result.steps
 
@@ -72,7 +79,8 @@ class ZooRank:
         layers, _ = find_batchnorm_layers(program)
         ranges = rank_ranges(len(samples), BATCH, WORLD, self.rank)
         result = calibration_pass(
-            program, layers, [samples[a:b] for a, b in ranges], mode=mode, collective=self.collective
+            program, layers, [samples[a:b] for a, b in ranges], mode=mode, collective=self.collective,
+            memory_format=LAYOUTS[mode],
         )
         return {layer.name: (s.count, s.mean, s.var) for layer, s in zip(layers, result.stats)}, result.steps
 
@@ -106,7 +114,8 @@ def calibrate_on_ranks(ranks: list[Any], case: ZooCase, model: torch.nn.Module, 
 
 def program_on_ranks(ranks: list[Any], model: torch.nn.Module, samples: torch.Tensor, tmp_path: Path):
     """The model exported with a dynamic batch, calibrated in sync mode by the ranks from
-    its archive alone; the program (with its statistics) and each layer's statistics."""
+    its archive alone, in the layout of the model's own sync pass;
+    the program (with its statistics) and each layer's statistics."""
     path = export_program(model, samples[:2], tmp_path / "zoo.pt2", dynamic=True)
     archive = ray.put(path.read_bytes())
     data = ray.put(samples)
@@ -135,7 +144,7 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
     model = stale(build_model(case.arch, case.kwargs))
     samples = torch.randn(case.samples, 3, case.size, case.size) * 1.2 + 0.1
     results = {}
-    for mode in ("sync", "local"):
+    for mode in ("sync", "local") if case.local else ("sync",):
         expected = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode)
         results[mode] = calibrate_on_ranks(ranks, case, model, samples, mode)
         try:
@@ -157,7 +166,12 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
     report = export_folded_onnx(calibrated, samples[:4], out)
     batchnorms = len(find_batchnorm_layers(calibrated)[0])
     assert report["folded"] + report["batchnorm_nodes"] >= batchnorms
-    assert report["folded"] > 0
+    assert report["folded"] > 0 and report["verified_batches"] == [1, 4]
+    if case.unfolded is not None:  # every BN after a conv folds; the rest are named, with their reason
+        assert (report["folded"], report["batchnorm_nodes"]) == (batchnorms - case.unfolded, case.unfolded)
+        assert op_counts(out).get("BatchNormalization", 0) == case.unfolded
+        assert all(re.fullmatch(case.unfolded_names, u["name"]) for u in report["unfolded"]), report["unfolded"]
+        assert all("is not Conv" in u["reason"] for u in report["unfolded"])
     assert_matches_torch(out, calibrated, samples[4:7])
 
 
