@@ -279,7 +279,7 @@ def write_archive(
 
     Each update must keep its tensor's shape and dtype; the archive is written atomically.
     """
-    archive = read_archive(source)
+    archive = read_archive(source, decode=False)  # checked again; only the bytes to patch are read
     config = archive.weights_config["config"]
     patched: dict[str, bytearray] = {}
     with _open_zip(source, archive.name) as zin:
