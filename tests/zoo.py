@@ -16,9 +16,9 @@ exporter costs 5 to 20 s a model here, so the folded export is checked for one c
 kind of network and fold (``export``: plain, grouped, depthwise and SE blocks, channel
 shuffle, inception branches, DenseNet's pre-activation BN that stays unfolded, a
 segmentation head, CSP, DLA aggregation, HRNet's fuse layers, timm's BatchNormAct2d,
-LeViT's BatchNorm1d after a Linear), a program's export for four of them
-(``program_export``), and local mode for a few (``local``: its collectives differ, not the
-layers). inception_v3's export is not checked: its folded float32 output sits within a few
+LeViT's BatchNorm1d after a Linear), a program's export for two of them
+(``program_export``: a plain network, and LeViT's tokens), and local mode for a few
+(``local``: its collectives differ, not the layers). inception_v3's export is not checked: its folded float32 output sits within a few
 percent of the tolerance (measured 0.9x to 1.0x of it at 107x107 and 48 samples, 1.07x at
 24), so the check refuses it in some runs and not others; at 139x139 the export had room
 but deep statistics crossed their own float32 bound."""
@@ -69,7 +69,7 @@ TORCHVISION = [
     ZooCase("torchvision:resnet18", export=True, program_export=True, local=True, unfolded=0),
     ZooCase("torchvision:resnext50_32x4d", export=True),
     ZooCase("torchvision:wide_resnet50_2"),
-    ZooCase("torchvision:mobilenet_v2", {"width_mult": 0.5}, export=True, local=True),
+    ZooCase("torchvision:mobilenet_v2", {"width_mult": 0.5}, export=True),
     ZooCase("torchvision:mobilenet_v3_small", export=True, unfolded=0),
     ZooCase("torchvision:efficientnet_b0", export=True, local=True, unfolded=0),
     ZooCase("torchvision:efficientnet_v2_s"),
@@ -84,7 +84,7 @@ TORCHVISION = [
 ]
 
 TIMM = [
-    ZooCase("timm:efficientnet_b0", export=True, program_export=True, local=True),
+    ZooCase("timm:efficientnet_b0", export=True, local=True),
     ZooCase("timm:mobilenetv3_small_100"),
     ZooCase("timm:regnety_002"),
     ZooCase("timm:resnet18"),

@@ -58,8 +58,10 @@ def prepared(folder: Path, name: str, **overrides) -> tuple[torch.nn.Module, dic
     return model, config, weights, samples, save_array(folder / "calib.npy", samples)
 
 
-# MobileNetV2 (52 BN layers at its smallest) spends most of its ~20 s in the export: slow.
+# MobileNetV2 (52 BN layers at its smallest) spends most of its ~20 s in the export: its export
+# is left to the zoo's torchvision mobilenet_v2 (the same blocks), its statistics are checked here.
 CASES = [pytest.param(name, marks=[pytest.mark.slow] if name.startswith("MobileNetV2") else []) for name in TINY]
+EXPORTED = {name for name in TINY if not name.startswith("MobileNetV2")}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -102,6 +104,8 @@ def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings,
     with torch.no_grad():
         torch.testing.assert_close(reloaded(x).logits, result.model.eval()(x).logits, rtol=0, atol=0)
 
+    if name not in EXPORTED:
+        return
     onnx = export_recalibrated(result, tmp_path / "model.onnx")
     assert onnx["batchnorm_nodes"] == 0 and onnx["unfolded"] == [] and onnx["folded"] == layers
     assert_matches_torch(tmp_path / "model.onnx", result.model, x)  # a batch size the export never verified
