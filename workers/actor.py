@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from .allocator import RANK_ENV_VARS, release_free_memory
 from .batchnorm import layers_named
 from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
@@ -65,7 +66,8 @@ class CalibrationRank:
 
         A job's model, data and work thread are locals of :meth:`run`, gone once it ends;
         the process-wide state is put back here: torch's thread count and RNG seed, grad
-        mode, and the job's collective group (left in ``run``, checked here).
+        mode, and the job's collective group (left in ``run``, checked here); the memory
+        the job freed goes back to the system (``workers.allocator``).
         """
         from ray.util import collective
 
@@ -74,6 +76,7 @@ class CalibrationRank:
         torch.manual_seed(self._seed)
         torch.set_grad_enabled(True)
         gc.collect()
+        release_free_memory()
         return not any(collective.is_group_initialized(name) for name in self._groups)
 
     def state(self) -> dict[str, Any]:
@@ -86,6 +89,7 @@ class CalibrationRank:
             "threads": torch.get_num_threads(),
             "initial_seed": torch.initial_seed(),
             "groups": [name for name in self._groups if collective.is_group_initialized(name)],
+            "allocator": {name: os.environ.get(name) for name in RANK_ENV_VARS},
         }
 
     def node(self) -> dict[str, Any]:

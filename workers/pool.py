@@ -35,6 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .actor import CalibrationActor
+from .allocator import RANK_ENV_VARS
 from .errors import CancelledError, RunError
 
 log = logging.getLogger("bnrecal.pool")
@@ -93,6 +94,7 @@ class Gang:
                         num_gpus=key.gpus_per_worker,
                         max_restarts=0,
                         max_task_retries=0,
+                        runtime_env={"env_vars": RANK_ENV_VARS},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=group, placement_group_bundle_index=rank
                         ),

@@ -14,6 +14,7 @@ import torch
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
+from workers.allocator import RANK_ENV_VARS
 from workers.errors import CancelledError, RunError
 from workers.pool import WarmPool
 
@@ -74,13 +75,14 @@ def free_cpus_reach(expected: float, timeout: float = 20.0) -> float:
 
 
 def test_a_second_job_reuses_the_ranks_and_matches_fresh_actors(two_models, settings):
-    # One layout throughout: "auto" picks the faster by timing, and layouts differ in the last bits.
+    # Contiguous, so this job also covers the layout "auto" does not choose for images.
     settings = settings.model_copy(update={"cpus_per_worker": 1.0, "memory_format": "contiguous"})
     pool = WarmPool(idle_s=120)
     try:
         recalibrate(request_for(two_models["six"]), settings, pool=pool)
         [first] = idle_states(pool)
         assert [s["jobs"] for s in first] == [1, 1] and [s["groups"] for s in first] == [[], []]
+        assert all(s["allocator"] == RANK_ENV_VARS for s in first)  # ranks start with the malloc settings
         warm = recalibrate(request_for(two_models["four"]), settings, pool=pool)  # another model, same shape
         [second] = idle_states(pool)
         assert [s["pid"] for s in second] == [s["pid"] for s in first]  # the same processes
