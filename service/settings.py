@@ -46,8 +46,8 @@ class Settings(BaseSettings):
     )
     memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
         default="auto",
-        description="Layout ranks compute image models in; auto measures both on the first two steps "
-        "and keeps the faster.",
+        description="Layout ranks compute in; auto: channels-last for image batches (4-D/5-D), "
+        "the default layout otherwise.",
     )
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")

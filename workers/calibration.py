@@ -16,7 +16,7 @@ from torch import nn
 from .batchnorm import BatchNormLayer
 from .calibrator import BatchNormCalibrator
 from .collectives import Collective
-from .memory_format import MemoryFormatChooser
+from .memory_format import rank_layout, to_layout, torch_format
 from .moments import MomentStats
 
 StepCallback = Callable[[int, int], None]
@@ -54,29 +54,32 @@ def calibration_pass(
     empty). Every module other than BN runs in eval mode. Returns the statistics of
     every layer over everything every rank saw; in ``local`` mode that includes the
     job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
-    ``channels_last``) is the layout the rank computes in; ``auto`` measures both.
+    ``channels_last``) is the layout the rank computes in (``auto``: channels-last for
+    image batches, see ``workers.memory_format``).
     """
     model.eval()
     started = time.perf_counter()
     steps = samples = 0
-    chooser: MemoryFormatChooser | None = None
+    layout: str | None = None
+    dims = 0
     with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
         for batch in batches:
             if batch.shape[0] == 0:
                 calibrator.replay_empty_step()
             else:
-                if chooser is None:
-                    chooser = MemoryFormatChooser(memory_format, batch.dim(), device)
+                if layout is None:
+                    dims = batch.dim()
+                    layout = rank_layout(memory_format, dims)
+                    to_layout(model, layout, dims)
                 x = batch.to(device, dtype=torch.float32, non_blocking=True)
-                model(chooser.apply(model, x))
-                chooser.record(int(batch.shape[0]))
+                model(x.contiguous(memory_format=torch_format(layout, dims)))
             steps += 1
             samples += int(batch.shape[0])
             if on_step is not None:
                 on_step(steps - 1, int(batch.shape[0]))
         stats = calibrator.moments()
-    if chooser is not None:
-        chooser.restore(model)
+    if layout == "channels_last":
+        to_layout(model, "contiguous", dims)
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     return PassResult(
@@ -86,7 +89,7 @@ def calibration_pass(
         samples=samples,
         collectives=collective.calls,
         seconds=time.perf_counter() - started,
-        memory_format=chooser.chosen if chooser is not None else "contiguous",
+        memory_format=layout or "contiguous",
     )
 
 

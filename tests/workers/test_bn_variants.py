@@ -59,8 +59,7 @@ def test_channels_last_inputs_and_layouts_give_the_same_statistics(memory_format
     expected = reference_statistics(model, samples, batch_size=6)
     result = calibrate(model, samples, 6, memory_format=memory_format)
     assert_matches_reference(model, expected)
-    if memory_format != "auto":
-        assert result.memory_format == memory_format
+    assert result.memory_format == ("channels_last" if memory_format == "auto" else memory_format)
     assert all(p.is_contiguous() for p in model.parameters())
 
 
@@ -72,8 +71,10 @@ def test_auto_layout_on_1d_and_3d_layers(factory, shape):
     model = perturbed(factory())
     samples = torch.randn(18, *shape)
     expected = reference_statistics(model, samples, batch_size=5)
-    calibrate(model, samples, 5)
+    result = calibrate(model, samples, 5)
     assert_matches_reference(model, expected)
+    assert result.memory_format == "channels_last"  # 4-D and 5-D batches
+    assert all(p.is_contiguous() for p in model.parameters())
 
 
 def test_sync_batchnorm_converted_model_in_one_process():
