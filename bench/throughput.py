@@ -1,30 +1,38 @@
-"""Calibration throughput: bnrecal against what users do today, in one run.
+"""Calibration throughput as users meet it: each contender in a fresh process, in one run.
 
 For each model (torchvision resnet18 and, with the timm extra, timm efficientnet_b0;
-3x224x224, global batch 32) the same data goes through:
+3x224x224, global batch 32, 512 samples from a ``.npy`` file) every contender runs as
+its own new process, best of ``--repeats`` (two by default):
 
-- a plain eval forward in this process, in the default layout and in channels-last
-  (the limit: calibration cannot beat the model's fastest forward pass);
-- ``torch.optim.swa_utils.update_bn`` as users call it (default layout): today's tool;
-- bnrecal with 1 worker (sync, every thread), and for resnet18 2 workers (sync and
-  local, 1 thread each).
+- a plain eval forward (a script: build the model, load the checkpoint, loop over the
+  file's batches), in the default layout and in channels-last: the limit, since
+  calibration cannot beat the model's fastest forward pass;
+- ``torch.optim.swa_utils.update_bn`` as users call it (the same script, default
+  layout): today's tool;
+- ``bnrecal calibrate`` (the real command, embedded Ray) with 1 worker x every thread,
+  and for resnet18 2 workers x 1 thread in sync and local mode;
+- the floor: the channels-last eval forward again, in the environment bnrecal's ranks
+  run in (glibc malloc keeping freed memory mapped, ``workers.allocator``), to show
+  what that gives a plain forward and how close to it calibration comes.
 
-bnrecal's rate is over its calibration pass (the report's ``seconds``, on the rank,
-data loading and the layout measurement included); the wall time with actor start-up
-is printed beside it. The layout measurement runs one of the pass's steps in the
-slower layout, a cost that shrinks with the job's length: the default 512 samples (16
-steps) is a small real calibration set. Ratios are against baselines measured in this run, and each
-target of the README is printed as met or NOT met.
+A script's rate is over its loop (the first batch, reading the file and torch's kernel
+set-up included); bnrecal's is over its calibration pass (the report's ``seconds``, on
+the rank: the same things included). The whole command's wall time is printed beside
+each. Then, in this process, the warm figures: the same jobs run again on ranks kept
+warm by a first job, as the server's warm pool runs them. Ratios are against baselines
+measured in this run, and each README target is printed as met or NOT met.
 
-    .venv/bin/python bench/throughput.py [--samples 512] [--threads 2] [--models resnet18,efficientnet_b0]
+    .venv/bin/python bench/throughput.py [--samples 512] [--repeats 2] [--models resnet18,efficientnet_b0]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,98 +40,154 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.optim.swa_utils import update_bn
 
-MODELS = {
-    "resnet18": ("torchvision:resnet18", lambda: __import__("torchvision").models.resnet18(weights=None)),
-    "efficientnet_b0": ("timm:efficientnet_b0", lambda: __import__("timm").create_model("efficientnet_b0")),
-}
+from workers.allocator import RANK_ENV_VARS
+
+MODELS = {"resnet18": "torchvision:resnet18", "efficientnet_b0": "timm:efficientnet_b0"}
+BIN = Path(sys.executable).parent
+TUNED_EVAL = "eval forward, channels-last, ranks' allocator settings (floor)"
+"""The floor: the fastest eval forward with the environment bnrecal's ranks run in
+(``workers.allocator``), so the table shows what the allocator gives and what is left."""
+
+
+def build(arch: str) -> torch.nn.Module:
+    """The benchmark's model, as the user's script builds it."""
+    family, name = arch.split(":")
+    if family == "timm":
+        import timm
+
+        return timm.create_model(name)
+    import torchvision
+
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def script(args: argparse.Namespace) -> None:
+    """A user's script in a fresh process: eval forward or ``update_bn`` over the file."""
+    torch.set_num_threads(args.threads)
+    model = build(args.arch)
+    model.load_state_dict(torch.load(args.checkpoint, weights_only=True))
+    data = np.load(args.data, mmap_mode="r")
+    layout = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+
+    def loader():
+        for start in range(0, len(data), args.batch):
+            yield torch.from_numpy(np.array(data[start : start + args.batch])).contiguous(memory_format=layout)
+
+    started = time.perf_counter()
+    if args.script == "update_bn":
+        from torch.optim.swa_utils import update_bn
+
+        update_bn(loader(), model)
+    else:
+        model.eval().to(memory_format=layout)
+        with torch.inference_mode():
+            for x in loader():
+                model(x)
+    print(json.dumps({"seconds": time.perf_counter() - started}))
 
 
 @dataclass
 class Row:
-    """One contender's time over the data (and wall time with start-up, for bnrecal)."""
+    """One contender: its best rate's seconds, the wall time of that run, its layout."""
 
     name: str
     seconds: float
-    wall: float | None = None
+    wall: float
     layout: str = ""
 
 
-def batches(data: np.ndarray, batch: int) -> list[torch.Tensor]:
-    """The data as the list of batches a user's loader would yield."""
-    return [torch.from_numpy(np.array(data[s : s + batch])) for s in range(0, len(data), batch)]
-
-
-def eval_forward(model: torch.nn.Module, loader: list[torch.Tensor], layout: torch.memory_format) -> float:
-    """Seconds for a plain eval-mode forward over the data in ``layout`` (after one warm-up batch)."""
-    model = copy.deepcopy(model).eval().to(memory_format=layout)
-    with torch.inference_mode():
-        model(loader[0].contiguous(memory_format=layout))
+def fresh(name: str, command: list[str], report: Path | None, repeats: int, env: dict[str, str]) -> Row:
+    """Best of ``repeats`` fresh processes of ``command`` (seconds from its JSON line or report)."""
+    best: Row | None = None
+    for _ in range(repeats):
         started = time.perf_counter()
-        for x in loader:
-            model(x.contiguous(memory_format=layout))
-    return time.perf_counter() - started
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        wall = time.perf_counter() - started
+        if done.returncode != 0:
+            raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        if report is None:
+            row = Row(name, json.loads(done.stdout.strip().splitlines()[-1])["seconds"], wall)
+        else:
+            out = json.loads(report.read_text())
+            row = Row(name, out["seconds"], wall, "/".join(sorted(set(out["memory_formats"]))))
+        if best is None or row.seconds < best.seconds:
+            best = row
+    assert best is not None
+    return best
 
 
-def swa_update_bn(model: torch.nn.Module, loader: list[torch.Tensor]) -> float:
-    """Seconds for ``torch.optim.swa_utils.update_bn`` over the data (after one warm-up batch)."""
-    model = copy.deepcopy(model)
-    update_bn(loader[:1], model)
-    started = time.perf_counter()
-    update_bn(loader, model)
-    return time.perf_counter() - started
-
-
-def bnrecal(arch: str, checkpoint: Path, data: Path, workers: int, mode: str, cpus: float, batch: int) -> Row:
-    """One bnrecal run on the shared Ray instance: its calibration pass and its wall time."""
-    from service.recalibrate import RecalibrationRequest, recalibrate
-    from service.settings import Settings
-
-    settings = Settings(cpus_per_worker=cpus, data_dir=Path(tempfile.mkdtemp()))
-    request = RecalibrationRequest(
-        arch=arch, checkpoint=checkpoint, data=data, workers=workers, batch_size=batch, mode=mode
-    )
-    started = time.perf_counter()
-    report = recalibrate(request, settings).report
-    layouts = "/".join(sorted(set(report["memory_formats"])))
-    return Row("", report["seconds"], time.perf_counter() - started, layouts)
-
-
-def bench_model(key: str, data_path: Path, args: argparse.Namespace, folder: Path) -> dict[str, float]:
-    """Every contender on one model; prints its table and returns samples/s by contender."""
-    arch, factory = MODELS[key]
+def bench_model(key: str, data: Path, args: argparse.Namespace, folder: Path) -> dict[str, float]:
+    """Every contender on one model in fresh processes; prints its table, returns samples/s."""
+    arch = MODELS[key]
     torch.manual_seed(0)
-    model = factory().eval()
     checkpoint = folder / f"{key}.pt"
-    torch.save(model.state_dict(), checkpoint)
-    loader = batches(np.load(data_path, mmap_mode="r"), args.batch)
+    torch.save(build(arch).state_dict(), checkpoint)
+    env = dict(os.environ)
+    common = ["--arch", arch, "--checkpoint", str(checkpoint), "--data", str(data), "--batch", str(args.batch)]
+    python = [sys.executable, __file__, "script", *common, "--threads", str(args.threads)]
     rows = [
-        Row("eval forward, default layout", eval_forward(model, loader, torch.contiguous_format)),
-        Row("eval forward, channels-last", eval_forward(model, loader, torch.channels_last)),
-        Row("swa_utils.update_bn (as users call it)", swa_update_bn(model, loader)),
+        fresh("eval forward, default layout", [*python, "--script", "eval"], None, args.repeats, env),
+        fresh("eval forward, channels-last", [*python, "--script", "eval", "--layout", "channels_last"],
+              None, args.repeats, env),
+        fresh("swa_utils.update_bn (as users call it)", [*python, "--script", "update_bn"], None, args.repeats, env),
+        fresh(TUNED_EVAL, [*python, "--script", "eval", "--layout", "channels_last"], None, args.repeats,
+              {**env, **RANK_ENV_VARS}),
     ]
-    runs = [("bnrecal 1 worker sync", 1, "sync", float(args.threads))]
+    runs = [("bnrecal 1 worker sync", 1, "sync", args.threads)]
     if key == "resnet18":
-        runs += [("bnrecal 2 workers sync (1 thread each)", 2, "sync", 1.0),
-                 ("bnrecal 2 workers local (1 thread each)", 2, "local", 1.0)]
-    bnrecal(arch, checkpoint, data_path, 1, "sync", float(args.threads), args.batch)  # warm-up: workers, imports
-    for name, workers, mode, cpus in runs:
-        row = bnrecal(arch, checkpoint, data_path, workers, mode, cpus, args.batch)
-        row.name = name
-        rows.append(row)
+        runs += [("bnrecal 2 workers sync (1 thread each)", 2, "sync", 1),
+                 ("bnrecal 2 workers local (1 thread each)", 2, "local", 1)]
+    report = folder / "report.json"
+    for name, workers, mode, threads in runs:
+        command = [str(BIN / "bnrecal"), "calibrate", "--arch", arch, "--checkpoint", str(checkpoint),
+                   "--data", str(data), "--out", str(folder / "out.pt"), "--report", str(report),
+                   "-k", str(workers), "--mode", mode, "-b", str(args.batch)]
+        rows.append(fresh(name, command, report, args.repeats, {**env, "BNRECAL_CPUS_PER_WORKER": str(threads)}))
     rate = {row.name: args.samples / row.seconds for row in rows}
-    best_eval = max(rate[rows[0].name], rate[rows[1].name])
-    swa = rate[rows[2].name]
-    one = rate["bnrecal 1 worker sync"]
-    print(f"\n### {arch}: {args.samples} samples of 3x224x224, batch {args.batch}, {args.threads} threads\n")
-    print("| run | samples/s | vs fastest eval | vs update_bn | vs 1 worker | layout | wall s |")
+    print(f"\n### {arch}: {args.samples} samples of 3x224x224, batch {args.batch}, "
+          f"fresh processes, best of {args.repeats}\n")
+    table(rows, rate)
+    return {"best_eval": max(rate[rows[0].name], rate[rows[1].name]), "update_bn": rate[rows[2].name],
+            "floor": rate[TUNED_EVAL], **rate}
+
+
+def table(rows: list[Row], rate: dict[str, float]) -> None:
+    """One markdown table of rates and ratios against the baselines of the same run: the
+    fastest eval forward as users run it, ``update_bn``, and the floor (``TUNED_EVAL``)."""
+    best_eval = max(rate[n] for n in rate if n.startswith("eval forward") and n != TUNED_EVAL)
+    swa = rate["swa_utils.update_bn (as users call it)"]
+    floor = rate[TUNED_EVAL]
+    print("| run | samples/s | vs fastest eval | vs update_bn | vs floor | layout | wall s |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for row in rows:
         r = rate[row.name]
-        wall = f"{row.wall:.1f}" if row.wall is not None else f"{row.seconds:.1f}"
-        print(f"| {row.name} | {r:.1f} | {r / best_eval:.2f}x | {r / swa:.2f}x | {r / one:.2f}x | {row.layout} | {wall} |")
-    return {"best_eval": best_eval, "update_bn": swa, **rate}
+        print(f"| {row.name} | {r:.1f} | {r / best_eval:.2f}x | {r / swa:.2f}x | {r / floor:.2f}x "
+              f"| {row.layout} | {row.wall:.1f} |")
+
+
+def warm(key: str, data: Path, args: argparse.Namespace, folder: Path, cold: dict[str, float]) -> None:
+    """The same bnrecal jobs in this process on warm ranks (the server's warm pool)."""
+    from service.cluster import ensure_ray
+    from service.recalibrate import RecalibrationRequest, recalibrate
+    from service.settings import Settings
+
+    ensure_ray(None, min_cpus=args.threads)
+    print(f"\nwarm ({MODELS[key]}, in one process, ranks kept by a first job):\n")
+    print("| run | samples/s | vs fastest eval (cold) | vs update_bn (cold) | layout |")
+    print("|---|---:|---:|---:|---|")
+    runs = [("bnrecal 1 worker sync", 1, "sync", args.threads)]
+    if key == "resnet18":
+        runs += [("bnrecal 2 workers sync (1 thread each)", 2, "sync", 1)]
+    for name, workers, mode, threads in runs:
+        settings = Settings(cpus_per_worker=float(threads), data_dir=Path(tempfile.mkdtemp()), warm_pool_idle_s=600)
+        request = RecalibrationRequest(arch=MODELS[key], checkpoint=folder / f"{key}.pt", data=data,
+                                       workers=workers, batch_size=args.batch, mode=mode)
+        recalibrate(request, settings)
+        report = recalibrate(request, settings).report
+        r = args.samples / report["seconds"]
+        layout = "/".join(sorted(set(report["memory_formats"])))
+        print(f"| {name} | {r:.1f} | {r / cold['best_eval']:.2f}x | {r / cold['update_bn']:.2f}x | {layout} |")
 
 
 def check(name: str, value: float, target: float) -> None:
@@ -132,23 +196,31 @@ def check(name: str, value: float, target: float) -> None:
 
 
 def main() -> None:
-    """Run every contender once per model, print the tables and the targets."""
+    """Run every contender in fresh processes per model, then the warm runs; print the targets."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    one = sub.add_parser("script", help="one baseline script run (used by the bench itself)")
+    for flag in ("--arch", "--checkpoint", "--data"):
+        one.add_argument(flag, required=True)
+    one.add_argument("--script", choices=["eval", "update_bn"], required=True)
+    one.add_argument("--layout", choices=["contiguous", "channels_last"], default="contiguous")
+    one.add_argument("--batch", type=int, default=32)
+    one.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", default="resnet18,efficientnet_b0")
+    parser.add_argument("--no-warm", action="store_true", help="skip the warm in-process figures")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.command == "script":
+        script(args)
+        return
     folder = Path(tempfile.mkdtemp(prefix="bnrecal-bench-"))
-    data_path = folder / "x.npy"
-    rng = np.random.default_rng(0)
-    np.save(data_path, rng.standard_normal((args.samples, 3, 224, 224), dtype=np.float32))
-
-    from service.cluster import ensure_ray
-
-    ensure_ray(None, min_cpus=args.threads)
-    print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    data = folder / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((args.samples, 3, 224, 224), dtype=np.float32))
+    print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     results = {}
     for key in args.models.split(","):
         if key == "efficientnet_b0":
@@ -157,20 +229,18 @@ def main() -> None:
             except ImportError:
                 print("\n(timm not installed: efficientnet_b0 skipped; pip install -e '.[timm]')")
                 continue
-        results[key] = bench_model(key, data_path, args, folder)
-    print("\nTargets:")
+        results[key] = bench_model(key, data, args, folder)
+    if not args.no_warm:
+        for key, cold in results.items():
+            warm(key, data, args, folder, cold)
+    print("\nTargets (fresh processes):")
+    for key, r in results.items():
+        check(f"{key}, 1 worker vs update_bn", r["bnrecal 1 worker sync"] / r["update_bn"], 1.3)
+        check(f"{key}, 1 worker vs fastest eval forward", r["bnrecal 1 worker sync"] / r["best_eval"], 0.95)
     if "resnet18" in results:
         r = results["resnet18"]
-        check("resnet18, 1 worker vs update_bn", r["bnrecal 1 worker sync"] / r["update_bn"], 1.3)
-        check("resnet18, 1 worker vs fastest eval forward", r["bnrecal 1 worker sync"] / r["best_eval"], 0.95)
-        check(
-            "resnet18, 2 workers x 1 thread vs 1 worker x 2 threads (sync)",
-            r["bnrecal 2 workers sync (1 thread each)"] / r["bnrecal 1 worker sync"],
-            0.9,
-        )
-    if "efficientnet_b0" in results:
-        r = results["efficientnet_b0"]
-        check("efficientnet_b0, 1 worker vs update_bn", r["bnrecal 1 worker sync"] / r["update_bn"], 1.0)
+        check("resnet18, 2 workers x 1 thread vs 1 worker x 2 threads (sync)",
+              r["bnrecal 2 workers sync (1 thread each)"] / r["bnrecal 1 worker sync"], 0.9)
 
 
 if __name__ == "__main__":
