@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
 from workers.models import check_architecture_exists as check_reference
+from workers.model_check import check_checkpoint_fits
 from workers.programs import check_program
 
 from .blobs import DIGEST_PATTERN, BlobStore
@@ -238,6 +239,12 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
     _check_outputs(spec)
     if spec.arch is not None:
         check_architecture(spec.arch, settings)
+    if spec.arch is not None and isinstance(spec.checkpoint, str) and blobs.exists(tenant, spec.checkpoint):
+        check_checkpoint_fits(
+            spec.arch, spec.model_kwargs, blobs.path(tenant, spec.checkpoint),
+            allowed_modules=tuple(settings.model_modules), max_bytes=settings.max_model_bytes,
+            name=blobs.filename(tenant, spec.checkpoint) or spec.checkpoint,
+        )
     named = [(name, digest) for name, digest in (("checkpoint", spec.checkpoint), ("program", spec.program)) if digest]
     named.append(("data", spec.data))
     if spec.eval is not None:

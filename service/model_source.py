@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from workers.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
+from workers.model_check import check_checkpoint_fits
 from workers.models import build_model
 from workers.sources import ArchitectureSource, ModelSource, ProgramSource
 
@@ -87,6 +88,11 @@ def load_model(
         return LoadedModel(model.eval(), ProgramSource(name), data, f"program {name!r}", program=Path(program))
     assert arch is not None and checkpoint is not None
     allowed = tuple(settings.model_modules)
+    # Shapes and size first, on the meta device: nothing a spec asks for is allocated unchecked.
+    check_checkpoint_fits(
+        arch, model_kwargs or {}, checkpoint, allowed_modules=allowed, max_bytes=settings.max_model_bytes,
+        name=checkpoint_name,
+    )
     model = build_model(arch, model_kwargs or {}, allowed_modules=allowed)
     loaded = load_checkpoint(checkpoint, checkpoint_name)
     load_into_model(model, loaded)

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         description="How data reaches the ranks: the object store, or a path every node sees (shared); "
         "auto shares only on a single-node cluster that includes this process.",
     )
+    max_model_bytes: int = Field(
+        default=4 * 2**30,
+        gt=0,
+        description="Largest model (bytes of weights) a job may build: checked on the meta device at submission, "
+        "before anything is allocated.",
+    )
     memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
         default="auto",
         description="Layout ranks compute in; auto: channels-last for image batches (4-D/5-D), "

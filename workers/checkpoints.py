@@ -120,17 +120,18 @@ def _read_safetensors(file: Path, name: str) -> tuple[dict[str, torch.Tensor], d
     return tensors, (dict(metadata) if metadata is not None else None)
 
 
-def _read_torch(file: Path, name: str) -> Any:
+def _read_torch(file: Path, name: str, mmap: bool = False) -> Any:
     """The object in a torch file, read with the weights-only unpickler and nothing else.
 
     A file torch cannot even parse (cut short, or not a torch file at all) gets one plain
     sentence; torch's own words (miniz's paragraph about a corrupt zip, an EOF, a
-    ``KeyError`` from the unpickler) stay in the log and the exception chain.
+    ``KeyError`` from the unpickler) stay in the log and the exception chain. ``mmap``
+    maps the tensor data instead of reading it (to learn shapes without loading).
     """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         detail = str(exc.__context__ or exc.__cause__ or exc)
         if "Weights only load failed" not in str(exc):

@@ -80,11 +80,14 @@ def build_model(
     model_kwargs: Mapping[str, Any] | None = None,
     *,
     allowed_modules: Sequence[str] = (),
+    device: str = "cpu",
 ) -> torch.nn.Module:
     """Build an untrained model from an architecture reference (contract section 2).
 
-    The model comes back in float32 on the CPU, with random weights: the checkpoint is
-    loaded into it afterwards. Errors name the reference, the setting or the field to fix.
+    The model comes back in float32 on ``device`` (the CPU; ``meta`` to know its shapes
+    without memory, built under ``torch.device("meta")``), with random weights: the
+    checkpoint is loaded into it afterwards. Errors name the reference, the setting or the
+    field to fix.
     """
     source, name = check_architecture(arch, allowed_modules)
     kwargs = _clean_kwargs(model_kwargs)
@@ -96,7 +99,7 @@ def build_model(
         model = build_transformers_model(name, kwargs)
     else:
         model = _build_from_module(arch, source, name, kwargs, allowed_modules)
-    return model.to(device="cpu", dtype=torch.float32)
+    return model.to(device=device, dtype=torch.float32)
 
 
 def _clean_kwargs(model_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
