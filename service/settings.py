@@ -61,10 +61,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     max_upload_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest accepted upload, in bytes.")
     max_unpacked_bytes: int | None = Field(
-        default=None, gt=0, description="Largest total an archive may unpack to, in bytes; default: 2 x max_upload_bytes."
+        default=None, gt=0,
+        description="Largest total an archive (or a compressed .npz array) may unpack to, in bytes; "
+        "default: 2 x max_upload_bytes.",
     )
     max_compression_ratio: float = Field(
-        default=50.0, ge=1, description="An archive member (or archive) that expands more than this is refused as a bomb."
+        default=50.0, ge=1,
+        description="An archive member (or archive, or compressed .npz array) that expands more than this "
+        "is refused as a bomb.",
     )
     data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Server folders a job may read `data: {path}` from; empty: none."
