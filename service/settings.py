@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
+    capacity_check: bool = Field(
+        default=True,
+        description="Refuse (422) at submission a job the cluster as it is now could never place (more CPUs or "
+        "GPUs per job than it has, cuda without GPUs); false for a cluster that autoscales to fit.",
+    )
     warm_pool_idle_s: float = Field(
         default=60.0,
         ge=0,

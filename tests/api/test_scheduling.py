@@ -113,3 +113,29 @@ def test_a_second_job_of_the_same_shape_runs_on_warm_ranks(live_server, tmp_path
     assert first["status"] == second["status"] == "succeeded"
     assert first["report"]["samples"] == second["report"]["samples"] == 9
     assert gang in pool.idle() and gang.jobs == 2  # the same actors served both
+
+
+def problem(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    return response.json()
+
+
+def test_a_job_the_cluster_can_never_place_is_422_at_submission_naming_the_field(live_server, tmp_path):
+    cpus = ray.cluster_resources()["CPU"]
+    with live_server.client("load") as client:
+        spec = {
+            "arch": "tests.nets:mixed_net",
+            "checkpoint": upload(client, save_state(tmp_path / "c.pt", mixed_net())),
+            "data": upload(client, write_samples(tmp_path / "c.npy", 4)[0]),
+        }
+        too_many = problem(client.post("/v1/jobs", json=spec | {"workers": 1024}), 422)
+        strict = problem(client.post("/v1/jobs", json=spec | {"workers": 2, "placement": "strict_spread"}), 422)
+        cuda = client.post("/v1/jobs", json=spec | {"device": "cuda"})
+        queued = client.get("/v1/jobs", params={"status": "queued"}).json()["jobs"]
+    assert too_many["field"] == "workers" and too_many["detail"].startswith("workers: 1024 ranks")
+    assert f"the cluster has {cpus:g} CPUs" in too_many["detail"] and "BNRECAL_CAPACITY_CHECK" in too_many["detail"]
+    assert strict["field"] == "placement" and "1 node(s) have room" in strict["detail"]
+    if not ray.cluster_resources().get("GPU"):
+        assert problem(cuda, 422)["field"] == "device" and "no GPU" in cuda.json()["detail"]
+    assert queued == []  # nothing was queued to wait out a placement timeout
