@@ -94,6 +94,15 @@ class Settings(BaseSettings):
     max_concurrent_jobs: int | None = Field(
         default=None, ge=1, description="Jobs run at once; default: as many as the cluster's CPUs hold."
     )
+    tenant_max_running_jobs: int | None = Field(
+        default=None, ge=1,
+        description="Jobs one API key may run at once; the dispatcher skips a key at its limit and starts "
+        "others' jobs; default: no limit beyond the cluster.",
+    )
+    tenant_max_queued_jobs: int | None = Field(
+        default=100, ge=1,
+        description="Jobs one API key may have queued; a submission past it is 429; empty: no limit.",
+    )
     rerun_interrupted: bool = Field(
         default=True, description="Run a job a crash left `running` again (once); false: fail it."
     )
@@ -138,6 +147,11 @@ class Settings(BaseSettings):
     @classmethod
     def _lowercase(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("tenant_max_queued_jobs", mode="before")
+    @classmethod
+    def _empty_is_unlimited(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("model_modules", "api_keys", "data_roots", "data_uris", mode="before")
     @classmethod
