@@ -25,7 +25,7 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 VALIDATION_TYPE = "https://bnrecal.dev/problems/validation"
 _SHOWN_ERRORS = 5
 RETRY_AFTER_S = 5
-"""What a 503 (a server shutting down) tells clients to wait before they retry."""
+"""What a 503 (a server shutting down) or a 429 (a full queue) tells clients to wait before they retry."""
 
 log = logging.getLogger("bnrecal.api")
 
@@ -66,7 +66,7 @@ async def _bnrecal_error(request: Request, exc: Exception) -> JSONResponse:
     headers = None
     if exc.status == 401:
         headers = {"WWW-Authenticate": 'Bearer realm="bnrecal"'}
-    elif exc.status == 503:
+    elif exc.status in (429, 503):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     return problem_response(problem_of(exc), headers)
 

@@ -2,8 +2,9 @@
 
 A job spec (contract section 7) is checked completely when it is submitted: its fields
 by pydantic (a 422 names the field), the blobs it names against the tenant's store, a
-server-side data path against ``BNRECAL_DATA_ROOTS`` and the architecture against the
-allowlist, so a job that is accepted can only fail on what running it reveals.
+server-side data path against ``BNRECAL_DATA_ROOTS``, the architecture against the
+allowlist and its ranks against the cluster's nodes, so a job that is accepted can only
+fail on what running it reveals.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from workers.model_check import check_checkpoint_fits
 from workers.programs import check_program
 
 from .blobs import DIGEST_PATTERN, BlobStore
+from .capacity import check_fits_cluster
 from .options import DEFAULT_OPSET, RunOptions, check_model_choice
 from .settings import Settings
 
@@ -234,9 +236,11 @@ class JobRecord:
 
 
 def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
-    """Refuse a spec whose model, blobs, data path or architecture cannot work, naming the field."""
+    """Refuse a spec whose model, blobs, data path or architecture cannot work, or whose ranks
+    the cluster as it is could never place, naming the field."""
     check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
     _check_outputs(spec)
+    check_fits_cluster(spec, settings)
     if spec.arch is not None:
         check_architecture(spec.arch, settings)
     if spec.arch is not None and isinstance(spec.checkpoint, str) and blobs.exists(tenant, spec.checkpoint):

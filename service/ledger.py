@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-from workers.errors import NotFoundError
+from workers.errors import NotFoundError, TooManyJobsError
 
 from .jobs import ConflictError, JobRecord, JobStatus
 from .options import STARTING_PHASE
@@ -125,12 +125,14 @@ class Ledger:
             yield session
 
     def create(
-        self, tenant: str, spec: dict[str, Any], idempotency_key: str | None = None
+        self, tenant: str, spec: dict[str, Any], idempotency_key: str | None = None, max_queued: int | None = None
     ) -> tuple[JobRecord, bool]:
         """Queue a new job; with a known ``idempotency_key``, return that job instead.
 
         Returns the job and whether it was created now. Reusing a key with another spec
-        is a ``ConflictError``.
+        is a ``ConflictError``; a new job that would give the tenant more than ``max_queued``
+        queued jobs is a ``TooManyJobsError`` (counted after the insert, in its transaction:
+        on SQLite, whose writers take turns, the bound is exact).
         """
         if idempotency_key is not None:
             existing = self._by_idempotency_key(tenant, idempotency_key)
@@ -144,6 +146,9 @@ class Ledger:
         try:
             with self._session() as session:
                 session.add(row)
+                session.flush()
+                if max_queued is not None:
+                    self._check_queued(session, tenant, max_queued)
         except IntegrityError:  # a concurrent retry with the same key won the race
             existing = self._by_idempotency_key(tenant, idempotency_key) if idempotency_key else None
             if existing is None:
@@ -176,10 +181,25 @@ class Ledger:
             return [row.record() for row in session.scalars(query.order_by(JobRow.seq.desc()).limit(limit))]
 
     def queued(self, limit: int = 100) -> list[JobRecord]:
-        """Queued jobs of every tenant, oldest first (the FIFO queue)."""
+        """Queued jobs of every tenant, oldest first."""
         query = select(JobRow).where(JobRow.status == JobStatus.queued.value).order_by(JobRow.seq).limit(limit)
         with self._session() as session:
             return [row.record() for row in session.scalars(query)]
+
+    def queue_heads(self) -> list[JobRecord]:
+        """The oldest queued job of each tenant, oldest first: whom the dispatcher chooses between."""
+        heads = (
+            select(func.min(JobRow.seq)).where(JobRow.status == JobStatus.queued.value).group_by(JobRow.tenant)
+        )
+        query = select(JobRow).where(JobRow.seq.in_(heads.scalar_subquery())).order_by(JobRow.seq)
+        with self._session() as session:
+            return [row.record() for row in session.scalars(query)]
+
+    def count_by_tenant(self, status: JobStatus) -> dict[str, int]:
+        """How many jobs each tenant has in ``status`` (tenants with none are left out)."""
+        query = select(JobRow.tenant, func.count()).where(JobRow.status == status.value).group_by(JobRow.tenant)
+        with self._session() as session:
+            return {tenant: count for tenant, count in session.execute(query)}
 
     def count_by_status(self) -> dict[JobStatus, int]:
         """How many jobs are in each status."""
@@ -295,6 +315,18 @@ class Ledger:
         )
         with self._session() as session:
             return session.execute(statement).rowcount == 1
+
+    @staticmethod
+    def _check_queued(session: Session, tenant: str, max_queued: int) -> None:
+        """Refuse (rolling the insert back) a job that made the tenant's queue longer than allowed."""
+        query = select(func.count()).select_from(JobRow).where(
+            JobRow.tenant == tenant, JobRow.status == JobStatus.queued.value
+        )
+        if (session.scalar(query) or 0) > max_queued:
+            raise TooManyJobsError(
+                f"this API key already has {max_queued} queued jobs, the most it may have "
+                "(BNRECAL_TENANT_MAX_QUEUED_JOBS); retry once some have started, or cancel some"
+            )
 
     def _by_idempotency_key(self, tenant: str, key: str) -> JobRecord | None:
         with self._session() as session:

@@ -1,9 +1,13 @@
-"""The job runner: a FIFO queue drained onto Ray within the cluster's resources.
+"""The job runner: the queue drained onto Ray within the cluster's resources, fairly.
 
-One dispatcher thread starts queued jobs, oldest first, while their ranks' CPUs (and
-GPUs) fit in what the cluster has and running jobs do not already hold (a job too big
-for the cluster still runs when it is alone, to fail with Ray's placement error rather
-than wait forever). Each job runs :func:`recalibrate` and the export in its own thread
+One dispatcher thread starts queued jobs while their ranks' CPUs (and GPUs) fit in what
+the cluster has and running jobs do not already hold. Tenants (API keys) take turns: the
+next job is the oldest queued job of the tenant served longest ago, so one tenant's
+backlog delays another's job by at most the jobs already running, and a tenant at
+``BNRECAL_TENANT_MAX_RUNNING_JOBS`` is skipped while others go on. Within a tenant jobs
+start oldest first. (A job too big for the cluster, accepted with
+``BNRECAL_CAPACITY_CHECK`` off, still runs when it is alone, to fail with Ray's placement
+error rather than wait forever.) Each job runs :func:`recalibrate` and the export in its own thread
 of the server process; the ranks push progress to it, which goes to the ledger and to
 the event streams. Cancelling sets the event ``recalibrate`` watches, which kills the
 job's actors and frees their placement group.
@@ -11,6 +15,7 @@ job's actors and frees their placement group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import threading
@@ -74,6 +79,8 @@ class JobRunner:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._dispatcher: threading.Thread | None = None
+        self._turns = itertools.count(1)
+        self._served: dict[str, int] = {}  # tenant -> the turn its latest job started in (round robin)
 
     def start(self) -> None:
         """Start draining the queue (Ray must be initialised)."""
@@ -140,11 +147,16 @@ class JobRunner:
                 log.exception("dispatching queued jobs failed; retrying")
 
     def _dispatch(self) -> None:
-        """Start queued jobs in FIFO order while they fit; stop at the first that does not."""
+        """Start queued jobs while they fit, taking tenants in turn (see :meth:`_next_jobs`);
+        stop at the first job whose turn it is that does not fit, so a big job is not
+        overtaken for ever by small ones."""
         resources = ray.cluster_resources()
         cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
         limit = self.settings.max_concurrent_jobs
-        for job in self.ledger.queued():
+        while True:
+            job = next(iter(self._next_jobs()), None)
+            if job is None:
+                return
             try:
                 spec = JobSpec.model_validate(job.spec).with_outputs()
             except ValueError as exc:
@@ -163,6 +175,7 @@ class JobRunner:
                     return
                 entry = _Running(threading.Event(), cpus, gpus)
                 self._running[job.id] = entry
+                self._served[job.tenant] = next(self._turns)
             started = self.ledger.mark_running(job.id)
             if started is None:  # cancelled while queued
                 with self._lock:
@@ -173,6 +186,19 @@ class JobRunner:
                 target=self._execute, args=(started, spec, entry), name=f"bnrecal-job-{job.id[:8]}", daemon=True
             )
             entry.thread.start()
+
+    def _next_jobs(self) -> list[JobRecord]:
+        """Each tenant's oldest queued job, in the order they take their turn: the tenant
+        served longest ago (or never, since this server started) first, ties oldest job first.
+        A tenant at ``BNRECAL_TENANT_MAX_RUNNING_JOBS`` running jobs (counted in the ledger,
+        so across servers) is left out until one ends; the others go on."""
+        heads = self.ledger.queue_heads()
+        limit = self.settings.tenant_max_running_jobs
+        if limit is not None and heads:
+            running = self.ledger.count_by_tenant(JobStatus.running)
+            heads = [job for job in heads if running.get(job.tenant, 0) < limit]
+        with self._lock:
+            return sorted(heads, key=lambda job: self._served.get(job.tenant, 0))  # stable: ties stay oldest first
 
     def _execute(self, job: JobRecord, spec: JobSpec, entry: _Running) -> None:
         """Run one job to a terminal status (or back to the queue on shutdown)."""

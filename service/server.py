@@ -137,15 +137,16 @@ class Services:
         return (max(0, quota - used) if quota is not None else None), over_quota
 
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
-        """Check a job spec against the tenant's blobs and the settings, and queue it; with
-        an idempotency key already used, the job it made (``created`` is then false)."""
+        """Check a job spec against the tenant's blobs, the settings and the cluster, and queue
+        it within the tenant's ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` (else 429); with an idempotency
+        key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
         spec = spec.with_outputs()
         stored = spec.model_dump(mode="json")
         for digest in spec_digests(stored):
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
         check_submission(spec, tenant, self.blobs, self.settings)
-        job, created = self.ledger.create(tenant, stored, idempotency_key)
+        job, created = self.ledger.create(tenant, stored, idempotency_key, self.settings.tenant_max_queued_jobs)
         if created:
             self.runner.wake()
         return job, created

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
+    capacity_check: bool = Field(
+        default=True,
+        description="Refuse (422) at submission a job the cluster as it is now could never place (more CPUs or "
+        "GPUs per job than it has, cuda without GPUs); false for a cluster that autoscales to fit.",
+    )
     warm_pool_idle_s: float = Field(
         default=60.0,
         ge=0,
@@ -67,10 +72,14 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Bearer keys; empty: no auth.")
     max_upload_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest accepted upload, in bytes.")
     max_unpacked_bytes: int | None = Field(
-        default=None, gt=0, description="Largest total an archive may unpack to, in bytes; default: 2 x max_upload_bytes."
+        default=None, gt=0,
+        description="Largest total an archive (or a compressed .npz array) may unpack to, in bytes; "
+        "default: 2 x max_upload_bytes.",
     )
     max_compression_ratio: float = Field(
-        default=50.0, ge=1, description="An archive member (or archive) that expands more than this is refused as a bomb."
+        default=50.0, ge=1,
+        description="An archive member (or archive, or compressed .npz array) that expands more than this "
+        "is refused as a bomb.",
     )
     data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Server folders a job may read `data: {path}` from; empty: none."
@@ -90,6 +99,15 @@ class Settings(BaseSettings):
     )
     max_concurrent_jobs: int | None = Field(
         default=None, ge=1, description="Jobs run at once; default: as many as the cluster's CPUs hold."
+    )
+    tenant_max_running_jobs: int | None = Field(
+        default=None, ge=1,
+        description="Jobs one API key may run at once; the dispatcher skips a key at its limit and starts "
+        "others' jobs; default: no limit beyond the cluster.",
+    )
+    tenant_max_queued_jobs: int | None = Field(
+        default=100, ge=1,
+        description="Jobs one API key may have queued; a submission past it is 429; empty: no limit.",
     )
     rerun_interrupted: bool = Field(
         default=True, description="Run a job a crash left `running` again (once); false: fail it."
@@ -135,6 +153,11 @@ class Settings(BaseSettings):
     @classmethod
     def _lowercase(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("tenant_max_queued_jobs", mode="before")
+    @classmethod
+    def _empty_is_unlimited(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("model_modules", "api_keys", "data_roots", "data_uris", mode="before")
     @classmethod

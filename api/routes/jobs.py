@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES
 _CONFLICT = problem_responses(409)
 
 
-@router.post("", status_code=202, summary="Submit a recalibration job", responses=_CONFLICT)
+@router.post("", status_code=202, summary="Submit a recalibration job", responses=problem_responses(409, 429))
 def submit_job(
     spec: JobSpec,
     response: Response,
@@ -27,7 +27,9 @@ def submit_job(
     services: ServicesDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobView:
-    """Queue a job; ``Location`` names it. A retry with the same ``Idempotency-Key`` returns the same job."""
+    """Queue a job; ``Location`` names it. A retry with the same ``Idempotency-Key`` returns the same job.
+
+    429 when the key already has ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` queued jobs."""
     job, created = services.submit(tenant, spec, idempotency_key)
     if not created:
         response.headers["Idempotent-Replayed"] = "true"

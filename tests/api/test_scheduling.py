@@ -1,5 +1,7 @@
-"""The queue: cancel mid-run frees the actors, and 20 concurrent submissions all finish, FIFO,
-never more at once than the cluster's CPUs hold."""
+"""The queue: cancel mid-run frees the actors; 20 concurrent submissions all finish, in order,
+never more at once than the cluster's CPUs hold; a job the cluster can never place is 422 at
+submission; tenants take turns (one's backlog delays another's job by at most one job) within
+their running and queued limits."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from service.client import parse_events
 from service.jobs import JobSpec
 from tests.api.conftest import submit, upload, wait_for, write_samples
+from tests.api.test_storage import KEY, OTHER_KEY, client_of, serve
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net
 
@@ -113,3 +116,85 @@ def test_a_second_job_of_the_same_shape_runs_on_warm_ranks(live_server, tmp_path
     assert first["status"] == second["status"] == "succeeded"
     assert first["report"]["samples"] == second["report"]["samples"] == 9
     assert gang in pool.idle() and gang.jobs == 2  # the same actors served both
+
+
+def problem(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    return response.json()
+
+
+def test_a_job_the_cluster_can_never_place_is_422_at_submission_naming_the_field(live_server, tmp_path):
+    cpus = ray.cluster_resources()["CPU"]
+    with live_server.client("load") as client:
+        spec = {
+            "arch": "tests.nets:mixed_net",
+            "checkpoint": upload(client, save_state(tmp_path / "c.pt", mixed_net())),
+            "data": upload(client, write_samples(tmp_path / "c.npy", 4)[0]),
+        }
+        too_many = problem(client.post("/v1/jobs", json=spec | {"workers": 1024}), 422)
+        strict = problem(client.post("/v1/jobs", json=spec | {"workers": 2, "placement": "strict_spread"}), 422)
+        cuda = client.post("/v1/jobs", json=spec | {"device": "cuda"})
+        queued = client.get("/v1/jobs", params={"status": "queued"}).json()["jobs"]
+    assert too_many["field"] == "workers" and too_many["detail"].startswith("workers: 1024 ranks")
+    assert f"the cluster has {cpus:g} CPUs" in too_many["detail"] and "BNRECAL_CAPACITY_CHECK" in too_many["detail"]
+    assert strict["field"] == "placement" and "1 node(s) have room" in strict["detail"]
+    if not ray.cluster_resources().get("GPU"):
+        assert problem(cuda, 422)["field"] == "device" and "no GPU" in cuda.json()["detail"]
+    assert queued == []  # nothing was queued to wait out a placement timeout
+
+
+def hanging_spec(client, tmp_path, hang_s: float, marked: bool = True) -> dict:
+    """A marker_net job whose second step sleeps ``hang_s`` seconds (none without ``marked``)."""
+    samples = torch.randn(8, 4)
+    if marked:
+        samples[7, 0] = MARKER  # not sample 0: the driver's probe forward must not sleep
+    name = f"h{hang_s}-{marked}"
+    return {
+        "arch": "tests.nets:marker_net",
+        "model_kwargs": {"action": "hang", "hang_s": hang_s},
+        "checkpoint": upload(client, save_state(tmp_path / f"{name}.pt", marker_net())),
+        "data": upload(client, save_array(tmp_path / f"{name}.npy", samples)),
+        "batch_size": 4,
+    }
+
+
+def test_one_tenants_backlog_delays_anothers_job_by_at_most_one_job(tmp_path):
+    # One job at a time, so the order is plain: FIFO would run B's 10 jobs (~2 s each) before A's.
+    with serve(tmp_path, max_concurrent_jobs=1) as live, client_of(live, KEY) as a, client_of(live, OTHER_KEY) as b:
+        backlog = [submit(b, hanging_spec(b, tmp_path, hang_s=2.0)) for _ in range(10)]
+        wait_for(b, backlog[0]["id"], ("running",))
+        mine = submit(a, hanging_spec(a, tmp_path, hang_s=2.0, marked=False))
+        done = wait_for(a, mine["id"], timeout=60)
+        theirs = [b.get(f"/v1/jobs/{job['id']}").json() for job in backlog]
+        for job in backlog:
+            b.post(f"/v1/jobs/{job['id']}/cancel")
+    assert done["status"] == "succeeded", done["error"]
+    started = _time(done["started_at"])
+    ahead = [job for job in theirs if job["started_at"] and _time(job["started_at"]) < started]
+    assert [job["id"] for job in ahead] == [backlog[0]["id"]]  # only the job already running when A queued
+    one_job = _time(theirs[0]["finished_at"]) - _time(theirs[0]["started_at"])
+    waited = started - _time(done["created_at"])
+    print(f"A waited {waited.total_seconds():.2f} s behind B's backlog; B's running job took {one_job.total_seconds():.2f} s")
+    assert waited.total_seconds() <= one_job.total_seconds() + 1.0
+
+
+def test_tenant_limits_skip_a_tenant_at_its_running_limit_and_429_past_its_queue(tmp_path):
+    with (
+        serve(tmp_path, tenant_max_running_jobs=1, tenant_max_queued_jobs=2) as live,
+        client_of(live, KEY) as a, client_of(live, OTHER_KEY) as b,
+    ):
+        spec = hanging_spec(b, tmp_path, hang_s=600.0)
+        backlog = [submit(b, spec)]
+        wait_for(b, backlog[0]["id"], ("running",))
+        backlog += [submit(b, spec) for _ in range(2)]
+        refused = b.post("/v1/jobs", json=spec)
+        mine = wait_for(a, submit(a, hanging_spec(a, tmp_path, hang_s=0.0, marked=False))["id"], timeout=90)
+        statuses = [b.get(f"/v1/jobs/{job['id']}").json()["status"] for job in backlog]
+        for job in backlog:
+            assert b.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    assert mine["status"] == "succeeded", mine["error"]  # the cluster had room: A went on
+    assert statuses == ["running", "queued", "queued"]  # B at its limit of 1 running job
+    failure = problem(refused, 429)
+    assert refused.headers["retry-after"].isdigit()
+    assert "already has 2 queued jobs" in failure["detail"] and "BNRECAL_TENANT_MAX_QUEUED_JOBS" in failure["detail"]

@@ -8,7 +8,7 @@ import pytest
 
 from service.jobs import ConflictError, JobStatus
 from service.ledger import INTERRUPTED, Ledger, sqlite_url
-from workers.errors import NotFoundError
+from workers.errors import NotFoundError, TooManyJobsError
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 
@@ -46,6 +46,42 @@ def test_concurrent_retries_with_one_key_make_one_job(ledger):
         results = list(pool.map(lambda _: ledger.create("alice", SPEC, "same")[0].id, range(16)))
     assert len(set(results)) == 1
     assert len(ledger.list("alice")) == 1
+
+
+def test_queue_heads_are_each_tenants_oldest_queued_job(ledger):
+    ids = [ledger.create(tenant, SPEC)[0].id for tenant in ("bob", "bob", "alice", "bob", "carol")]
+    assert [job.id for job in ledger.queue_heads()] == [ids[0], ids[2], ids[4]]
+    ledger.mark_running(ids[0])
+    ledger.request_cancel("carol", ids[4])
+    assert [job.id for job in ledger.queue_heads()] == [ids[1], ids[2]]
+    assert ledger.count_by_tenant(JobStatus.running) == {"bob": 1}
+    assert ledger.count_by_tenant(JobStatus.queued) == {"bob": 2, "alice": 1}
+
+
+def test_a_tenant_past_its_queued_limit_is_refused_and_nothing_is_stored(ledger):
+    first = [ledger.create("alice", SPEC, max_queued=2)[0].id for _ in range(2)]
+    with pytest.raises(TooManyJobsError, match="already has 2 queued jobs.*BNRECAL_TENANT_MAX_QUEUED_JOBS") as caught:
+        ledger.create("alice", SPEC, max_queued=2)
+    assert caught.value.status == 429
+    assert [job.id for job in ledger.queued()] == first  # the refused job was rolled back
+    assert ledger.create("bob", SPEC, max_queued=2)[1]  # another tenant's queue is its own
+    assert ledger.create("alice", SPEC, "replayed", max_queued=3)[1]
+    assert not ledger.create("alice", SPEC, "replayed", max_queued=3)[1]  # a replay is no new job
+    ledger.mark_running(first[0])  # a started job leaves the queue: room again
+    assert ledger.create("alice", SPEC, max_queued=3)[1]
+
+
+def test_concurrent_submissions_never_pass_the_queued_limit(ledger):
+    def submit(_):
+        try:
+            return ledger.create("alice", SPEC, max_queued=5)[0].id
+        except TooManyJobsError:
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(submit, range(24)))
+    assert sum(1 for job_id in results if job_id) == 5
+    assert len(ledger.queued()) == 5
 
 
 def test_queue_is_fifo_and_a_job_starts_once(ledger):

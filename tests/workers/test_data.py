@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.data import DatasetOptionError, describe_dataset, iter_batches
+from workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
 from workers.errors import DatasetError, SpecError
 
 
@@ -94,6 +94,47 @@ def test_npz_compressed_member_is_streamed_by_rows(tmp_path: Path) -> None:
     np.testing.assert_array_equal(last.numpy(), values[1990:2000])
     np.testing.assert_array_equal(data.load(3, 9).numpy(), values[3:9])  # backwards: rewinds
     np.testing.assert_array_equal(data.load(9, 10).numpy(), values[9:10])
+
+
+def bomb_npz(path: Path, samples: int = 4000) -> Path:
+    """The issue's file: ``np.savez_compressed`` of zeros, ~50 KB expanding ~1000:1 (49 MB)."""
+    np.savez_compressed(path, x=np.zeros((samples, 3, 32, 32), dtype=np.float32))
+    return path
+
+
+def test_a_compressed_npz_member_over_the_compression_ratio_is_refused_as_a_bomb(tmp_path: Path) -> None:
+    bomb = bomb_npz(tmp_path / "bomb.npz")
+    with pytest.raises(DatasetError, match=r"bomb\.npz: compressed array x expands \d+:1.*decompression bomb"
+                       r".*BNRECAL_MAX_COMPRESSION_RATIO.*np\.savez"):
+        describe_dataset(bomb)
+    with pytest.raises(DatasetError, match="decompression bomb"):  # the operator's ratio is the one applied
+        describe_dataset(bomb, max_compression_ratio=200)
+    assert describe_dataset(bomb, max_compression_ratio=5000).num_samples == 4000
+
+
+def test_a_compressed_npz_member_over_the_unpacked_bound_is_refused(tmp_path: Path) -> None:
+    values = np.random.default_rng(3).standard_normal((300, 1000)).astype(np.float32)  # 1.2 MB, barely compresses
+    np.savez_compressed(tmp_path / "big.npz", x=values)
+    with pytest.raises(DatasetError, match=r"big\.npz: compressed array x decompresses to \d+ bytes, more than "
+                       r"the 1000000 allowed \(BNRECAL_MAX_UNPACKED_BYTES\)"):
+        describe_dataset(tmp_path / "big.npz", max_unpacked_bytes=1_000_000)
+    assert describe_dataset(tmp_path / "big.npz", max_unpacked_bytes=2_000_000).num_samples == 300
+    np.savez(tmp_path / "stored.npz", x=values)  # a stored member is mapped, its size is the file's own
+    assert describe_dataset(tmp_path / "stored.npz", max_unpacked_bytes=1_000_000).num_samples == 300
+
+
+def test_compressed_labels_larger_than_one_integer_per_sample_are_refused_unread(tmp_path: Path) -> None:
+    x = np.random.default_rng(4).standard_normal((10, 3)).astype(np.float32)
+    np.savez_compressed(tmp_path / "ok.npz", x=x, y=np.arange(10))
+    np.testing.assert_array_equal(read_labels(describe_dataset(tmp_path / "ok.npz")), np.arange(10))
+    np.savez_compressed(tmp_path / "y-bomb.npz", x=x, y=np.zeros(4_000_000, dtype=np.int64))  # 32 MB from ~30 KB
+    spec = describe_dataset(tmp_path / "y-bomb.npz")
+    tracemalloc.start()
+    with pytest.raises(DatasetError, match=r"labels 'y' take \d+ bytes, more than one integer for each of the 10"):
+        read_labels(spec)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4_000_000  # refused before decompressing it
 
 
 def test_opened_arrays_survive_pickling(tmp_path: Path) -> None:

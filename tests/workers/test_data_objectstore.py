@@ -86,6 +86,14 @@ def test_arrays_read_the_same_rows_as_the_local_file(
             np.testing.assert_array_equal(remote.load(start, stop).numpy(), here.load(start, stop).numpy())
 
 
+def test_a_compressed_npz_bomb_in_object_storage_is_refused_from_its_directory(s3_server: S3Server) -> None:
+    zeros = np.zeros((4000, 3, 32, 32), dtype=np.float32)  # ~50 KB expanding ~1000:1
+    uri = s3_server.put(BUCKET, "arrays/bomb.npz", npz_bytes(True, x=zeros))
+    with pytest.raises(DatasetError, match=r"bomb\.npz: compressed array x expands \d+:1.*BNRECAL_MAX_COMPRESSION_RATIO"):
+        describe_dataset(uri, endpoint_url=s3_server.endpoint)
+    assert describe_dataset(uri, endpoint_url=s3_server.endpoint, max_compression_ratio=5000).num_samples == 4000
+
+
 @pytest.mark.parametrize("kind", ["npy", "npz"])
 def test_a_row_range_fetches_only_its_own_bytes(s3_server: S3Server, kind: str) -> None:
     samples = np.random.default_rng(1).standard_normal((200, 3, 16, 16)).astype(np.float32)  # 0.8 MB

@@ -4,6 +4,11 @@ A ``.npy`` file and an uncompressed ``.npz`` member (``np.savez``) are memory-ma
 latter at its byte offset inside the zip. A compressed member (``np.savez_compressed``)
 cannot be mapped; it is streamed: the member is decompressed forward to the first
 requested row and only the requested rows are kept. Nothing is ever loaded whole.
+
+A compressed member is held to the bounds of an archive (``max_unpacked_bytes``,
+``max_compression_ratio``): it may decompress to gigabytes from a few kilobytes, and every
+rank would decompress it, so one that expands more than the ratio (past its first MiB) or
+to more than the byte bound is refused as a decompression bomb before anything reads it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import IO, Any, Literal
 import numpy as np
 import torch
 
+from workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from workers.data.base import CalibrationData
 from workers.errors import DatasetError
 
@@ -111,13 +117,29 @@ def describe_npy_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
     return layout
 
 
-def describe_npz(path: Path) -> ArrayLayout:
-    """The layout of the chosen array of an ``.npz``: ``x``, else ``data``, else the only array."""
+def describe_npz(
+    path: Path,
+    *,
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
+) -> ArrayLayout:
+    """The layout of the chosen array of an ``.npz``: ``x``, else ``data``, else the only array
+    (a compressed one within the bounds, see :func:`check_compressed_member`)."""
     with open(path, "rb") as stream:
-        return describe_npz_stream(stream, path.name, path.stat().st_size)
+        return describe_npz_stream(
+            stream, path.name, path.stat().st_size,
+            max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
+        )
 
 
-def describe_npz_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
+def describe_npz_stream(
+    stream: IO[bytes],
+    name: str,
+    size: int,
+    *,
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
+    max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
+) -> ArrayLayout:
     """:func:`describe_npz` on an open seekable stream of ``size`` bytes (a local file or a
     remote object: only the zip directory and the chosen member's headers are read)."""
     path = Path(name)
@@ -129,6 +151,7 @@ def describe_npz_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
                 raise DatasetError(f"{path.name}: array {info.filename} is encrypted")
             if info.compress_type == zipfile.ZIP_STORED:
                 return _describe_stored_member(stream, path, info, size)
+            check_compressed_member(path.name, info, size, max_unpacked_bytes, max_compression_ratio)
             with archive.open(info) as member:
                 dtype, shape, fortran, header_len = read_npy_header(member, f"{path.name}:{info.filename}")
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
@@ -142,6 +165,32 @@ def describe_npz_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
     if header_len + layout.nbytes != info.file_size:
         raise DatasetError(f"{path.name}: array {layout.array_name} is corrupt (size does not match its shape)")
     return layout
+
+
+def check_compressed_member(
+    name: str, info: zipfile.ZipInfo, size: int, max_unpacked_bytes: int, max_compression_ratio: float
+) -> None:
+    """Refuse a compressed ``.npz`` member that decompresses to more than ``max_unpacked_bytes``,
+    or more than ``max_compression_ratio`` times its compressed bytes (past the first MiB): the
+    limits an archive unpacks under (``BNRECAL_MAX_UNPACKED_BYTES``, ``BNRECAL_MAX_COMPRESSION_RATIO``).
+
+    The sizes are the zip directory's; reading never yields more than the declared size, and
+    the compressed size counts at most the whole file's ``size``.
+    """
+    array = info.filename.removesuffix(".npy")
+    if info.file_size > max_unpacked_bytes:
+        raise DatasetError(
+            f"{name}: compressed array {array} decompresses to {info.file_size} bytes, more than the "
+            f"{max_unpacked_bytes} allowed (BNRECAL_MAX_UNPACKED_BYTES); refusing it"
+        )
+    packed = max(1, min(info.compress_size, size))
+    if info.file_size > RATIO_FREE_BYTES and info.file_size > max_compression_ratio * packed:
+        raise DatasetError(
+            f"{name}: compressed array {array} expands {info.file_size / packed:.0f}:1 ({packed} bytes to "
+            f"{info.file_size}), more than calibration data compresses (limit {max_compression_ratio:g}:1); "
+            "refusing it as a decompression bomb (BNRECAL_MAX_COMPRESSION_RATIO); "
+            "save real data with np.savez (uncompressed)"
+        )
 
 
 def _choose_member(path: Path, members: list[str]) -> str:

@@ -49,6 +49,7 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
         with stream, zipfile.ZipFile(stream) as archive:
             if f"{LABEL_ARRAY}.npy" not in archive.namelist():
                 return None
+            _check_label_size(archive.getinfo(f"{LABEL_ARRAY}.npy"), spec.total_samples, name)
             stream.seek(0)
             with np.load(stream, allow_pickle=False) as arrays:
                 labels = arrays[LABEL_ARRAY]
@@ -65,3 +66,18 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
     if labels.size and int(labels.min()) < 0:
         raise DatasetError(f"{name}: labels {LABEL_ARRAY!r} must be class indices >= 0, found {int(labels.min())}")
     return labels
+
+
+_LABEL_HEADER_BYTES = 4096
+"""More than any ``.npy`` header of a 1-D array takes (numpy pads them to 64 or 128 bytes)."""
+
+
+def _check_label_size(info: zipfile.ZipInfo, samples: int, name: str) -> None:
+    """Refuse a ``y`` member larger than one 8-byte integer per sample before it is loaded:
+    ``y`` is read whole, and a compressed one could otherwise expand to any size."""
+    bound = _LABEL_HEADER_BYTES + 8 * samples
+    if info.file_size > bound:
+        raise DatasetError(
+            f"{name}: labels {LABEL_ARRAY!r} take {info.file_size} bytes, more than one integer for each of "
+            f"the {samples} samples; refusing them"
+        )

@@ -148,8 +148,11 @@ def stat_object(source: RemoteSource, role: str) -> tuple[str, int]:
     return "file", int(info.get("size") or 0)
 
 
-def describe_remote_array(source: RemoteSource, data_format: str, size: int, role: str) -> ArrayLayout:
-    """The layout of an ``.npy`` or ``.npz`` object, from its first bytes or its zip directory."""
+def describe_remote_array(
+    source: RemoteSource, data_format: str, size: int, role: str, **npz_limits: Any
+) -> ArrayLayout:
+    """The layout of an ``.npy`` or ``.npz`` object, from its first bytes or its zip directory
+    (``npz_limits``: the bounds of a compressed member, see :func:`describe_npz_stream`)."""
     fs = source.filesystem()
     try:
         if data_format == "npy":
@@ -157,7 +160,7 @@ def describe_remote_array(source: RemoteSource, data_format: str, size: int, rol
             layout = describe_npy_stream(io.BytesIO(head), source.name, size)
         else:
             with fs.open(source.key, "rb", block_size=_DIRECTORY_BLOCK, cache_type="readahead") as stream:
-                layout = describe_npz_stream(stream, source.name, size)
+                layout = describe_npz_stream(stream, source.name, size, **npz_limits)
     except Exception as exc:  # noqa: BLE001
         raise remote_error(exc, source, role) from exc
     if layout.fortran_order and layout.storage != "npz-compressed":

@@ -206,7 +206,13 @@ def _describe(
                 raise DatasetOptionError(
                     f"transform applies to image data only; {shown} is an array file", field="transform"
                 )
-            layout = describe_npy(source) if data_format == "npy" else describe_npz(source)
+            if data_format == "npy":
+                layout = describe_npy(source)
+            else:
+                layout = describe_npz(
+                    source, max_unpacked_bytes=unpack["max_unpacked_bytes"],
+                    max_compression_ratio=unpack["max_compression_ratio"],
+                )
             total = layout.shape[0]
             if total == 0:
                 raise DatasetError(f"{shown} holds no samples (shape {layout.shape})")
@@ -254,7 +260,10 @@ def _describe_remote(
             raise DatasetOptionError(
                 f"transform applies to image data only; {remote.name} is an array file", field="transform"
             )
-        layout = describe_remote_array(remote, data_format, size, role)
+        layout = describe_remote_array(
+            remote, data_format, size, role,
+            max_unpacked_bytes=unpack["max_unpacked_bytes"], max_compression_ratio=unpack["max_compression_ratio"],
+        )
         total = layout.shape[0]
         if total == 0:
             raise DatasetError(f"{remote.name} holds no samples (shape {layout.shape})")
