@@ -243,12 +243,6 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
     check_fits_cluster(spec, settings)
     if spec.arch is not None:
         check_architecture(spec.arch, settings)
-    if spec.arch is not None and isinstance(spec.checkpoint, str) and blobs.exists(tenant, spec.checkpoint):
-        check_checkpoint_fits(
-            spec.arch, spec.model_kwargs, blobs.path(tenant, spec.checkpoint),
-            allowed_modules=tuple(settings.model_modules), max_bytes=settings.max_model_bytes,
-            name=blobs.filename(tenant, spec.checkpoint) or spec.checkpoint,
-        )
     named = [(name, digest) for name, digest in (("checkpoint", spec.checkpoint), ("program", spec.program)) if digest]
     named.append(("data", spec.data))
     if spec.eval is not None:
@@ -264,6 +258,12 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
         raise SpecError("transform is too large", field="transform")
     if spec.program is not None:
         check_program(blobs.path(tenant, spec.program), blobs.filename(tenant, spec.program) or spec.program)
+    if spec.arch is not None and isinstance(spec.checkpoint, str):  # the costliest check last
+        check_checkpoint_fits(
+            spec.arch, spec.model_kwargs, blobs.path(tenant, spec.checkpoint),
+            allowed_modules=tuple(settings.model_modules), max_bytes=settings.max_model_bytes,
+            name=blobs.filename(tenant, spec.checkpoint) or spec.checkpoint,
+        )
 
 
 def _check_outputs(spec: JobSpec) -> None:
