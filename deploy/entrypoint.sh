@@ -16,6 +16,10 @@
 # Environment: RAY_ADDRESS (host:port of the head's GCS), API_PORT (default 8000), POD_IP
 # (this pod's IP, for the Ray node), WAIT_FOR_HEAD_S (default 600), ENTRYPOINT_DRY_RUN=1
 # (print the commands instead of running them). bnrecal's own settings: BNRECAL_*.
+# Ray token authentication: head, worker and api joining a cluster require RAY_AUTH_TOKEN
+# (or RAY_AUTH_TOKEN_PATH), the one token of the whole cluster, and run with
+# RAY_AUTH_MODE=token: an unauthenticated Ray port is remote code execution for anyone
+# who reaches it. The embedded instance of `api` without RAY_ADDRESS makes its own token.
 set -euo pipefail
 
 readonly API_PORT="${API_PORT:-8000}"
@@ -44,6 +48,14 @@ run_exec() {
         exit 0
     fi
     exec "$@"
+}
+
+# Ray nodes and drivers of a cluster run with token authentication, never without.
+require_ray_token() {
+    if [[ -z "${RAY_AUTH_TOKEN:-}" && -z "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+        die "$1 needs the cluster's Ray token: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH), the same on every node and the API (deploy/README.md, 'Ray is never open')"
+    fi
+    export RAY_AUTH_MODE=token
 }
 
 # Wait until the head's GCS answers, so a pod started before the head does not crash-loop.
@@ -81,6 +93,7 @@ serve_api() {
             ;;
     esac
 
+    require_ray_token "api mode with RAY_ADDRESS"
     wait_for_head "$address"
     local node=(ray start --address="$address" --num-cpus=0 --num-gpus=0)
     if [[ -n "${POD_IP:-}" ]]; then
@@ -126,10 +139,12 @@ main() {
             serve_api "$@"
             ;;
         head)
+            require_ray_token "head mode"
             run_exec ray start --head --block --port=6379 --dashboard-host=0.0.0.0 --num-cpus=0 --num-gpus=0 "$@"
             ;;
         worker)
             [[ -n "${RAY_ADDRESS:-}" ]] || die "worker mode needs RAY_ADDRESS (the head's host:6379)"
+            require_ray_token "worker mode"
             wait_for_head "$RAY_ADDRESS"
             run_exec ray start --address="$RAY_ADDRESS" --block "$@"
             ;;

@@ -1,43 +1,105 @@
-"""Connecting to Ray: an existing cluster by address, or an embedded local instance."""
+"""Connecting to Ray: an existing cluster by address, or an embedded local instance.
+
+An embedded instance is never open to the network: every Ray process of it listens on
+loopback only, and it runs with Ray's token authentication, its token a fresh random
+secret known only to its own processes (they inherit it through the environment).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
+from ray._private import ray_constants
 
 from workers.errors import RunError
+
+EMBEDDED_ADDRESSES = ("", "local")
+"""Addresses that mean "start an instance of our own" (``RAY_ADDRESS=local`` included)."""
+
+_LOOPBACK_SWITCH = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 
 
 def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
     """Make sure this process is connected to Ray; return True if it started a local instance.
 
-    With an address (or ``RAY_ADDRESS``) it joins that cluster. Without, it starts an
-    embedded local instance sized to at least ``min_cpus`` logical CPUs, whose workers
-    see the driver's ``sys.path`` so user model modules import there too.
+    With an address (or ``RAY_ADDRESS``) it joins that cluster, authenticating with the
+    token Ray finds in this process's environment (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN``).
+    Without one (or with ``local``), it starts an embedded local instance sized to at least
+    ``min_cpus`` logical CPUs, whose workers see the driver's ``sys.path`` so user model
+    modules import there too; that instance listens on loopback only and requires a fresh
+    token (see :func:`_embedded_auth`).
     """
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or ""
     try:
-        if address:
+        if address not in EMBEDDED_ADDRESSES:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
             return False
         num_cpus = max(float(os.cpu_count() or 1), float(min_cpus))
-        ray.init(
-            address="local",  # a new instance of our own, never one another process left running
-            num_cpus=int(num_cpus + 0.999),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",  # an embedded single-node instance listens on loopback only
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
-        )
+        _embedded_auth()
+        with _loopback_only():
+            ray.init(
+                address="local",  # a new instance of our own, never one another process left running
+                num_cpus=int(num_cpus + 0.999),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+            )
         return True
     except ConnectionError as exc:
         raise RunError(f"cannot reach the Ray cluster at {address!r}: {exc}; check --ray-address / RAY_ADDRESS") from exc
+
+
+def _embedded_auth() -> None:
+    """Require token authentication on the embedded instance, with a token of its own.
+
+    Ray 2.60 turns token auth on for a new ``ray.init()`` cluster unless ``RAY_AUTH_MODE``
+    says otherwise, but its token is then the one in ``~/.ray/auth_token``: shared by every
+    instance of this user, kept across runs, written world-readable. Here the mode is
+    forced to ``token`` (an operator's ``RAY_AUTH_MODE=disabled`` does not open the embedded
+    instance) and the token is a fresh random secret per instance, in ``RAY_AUTH_TOKEN``
+    (Ray's first token source): the GCS, raylet, agents and workers inherit it from this
+    process; it is never written to a file or logged.
+    """
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _enable_token_auth()  # RAY_AUTH_MODE=token, and this process's cached Ray config re-read
+    AuthenticationTokenLoader.instance().reset_cache()  # a token an earlier instance cached
+
+
+@contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Make the instance started inside bind every listening socket to 127.0.0.1.
+
+    Ray's C++ servers (GCS, raylet, object manager, workers) and its Python agents listen
+    on loopback only when the node's address is literally 127.0.0.1, but ``ray.init``
+    replaces a loopback ``_node_ip_address`` by the machine's routable address unless
+    Ray's "local only" switch (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default on
+    macOS and Windows) is set. It is set for the start only: the processes started then
+    inherit it, and this process afterwards joins clusters as usual.
+    """
+    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_LOOPBACK_SWITCH)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_LOOPBACK_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_LOOPBACK_SWITCH, None)
+        else:
+            os.environ[_LOOPBACK_SWITCH] = saved_env
 
 
 def is_local_instance() -> bool:

@@ -27,6 +27,8 @@ from tests.deploy.deployfiles import (
     read_dockerfile,
 )
 
+TOKEN = {"RAY_AUTH_TOKEN": "0123456789abcdef" * 4}  # the cluster's Ray token (deploy/README.md)
+
 
 def public_version(distribution: str) -> str:
     """The installed version without its local label (2.14.1+cpu -> 2.14.1)."""
@@ -119,7 +121,7 @@ def test_build_context_holds_exactly_what_the_image_copies() -> None:
 
 
 def test_api_mode_joins_the_cluster_as_a_zero_resource_node() -> None:
-    commands = dry_run(["api"], {"RAY_ADDRESS": "head-svc:6379", "POD_IP": "10.1.2.3"})
+    commands = dry_run(["api"], {"RAY_ADDRESS": "head-svc:6379", "POD_IP": "10.1.2.3", **TOKEN})
     programs = [c[:2] for c in commands]
     assert programs == [["ray", "health-check"], ["ray", "start"], ["bnrecal", "serve"], ["ray", "stop"]]
     start = commands[1]
@@ -145,11 +147,34 @@ def test_api_mode_refuses_ray_client_addresses() -> None:
 
 def test_other_modes() -> None:
     assert dry_run(["bnrecal", "calibrate", "--arch", "a b"], {}) == [["bnrecal", "calibrate", "--arch", "a b"]]
-    worker = dry_run(["worker", "--num-cpus=4"], {"RAY_ADDRESS": "h:6379"})
+    worker = dry_run(["worker", "--num-cpus=4"], {"RAY_ADDRESS": "h:6379", **TOKEN})
     assert worker == [["ray", "health-check", "--address", "h:6379"],
                       ["ray", "start", "--address=h:6379", "--block", "--num-cpus=4"]]
-    head = dry_run(["head"], {})[0]
+    head = dry_run(["head"], TOKEN)[0]
     assert head[:3] == ["ray", "start", "--head"] and "--num-cpus=0" in head
+
+
+@pytest.mark.parametrize("mode", ["head", "worker", "api"])
+def test_ray_modes_refuse_to_run_without_the_cluster_token(mode: str) -> None:
+    """A Ray node or driver of a cluster never runs open: without a token it stops at once
+    (exit 2, one line), even where RAY_AUTH_MODE says disabled."""
+    env = {"PATH": os.environ["PATH"], "RAY_ADDRESS": "h:6379", "RAY_AUTH_MODE": "disabled", "ENTRYPOINT_DRY_RUN": "1"}
+    done = subprocess.run(["bash", str(ENTRYPOINT), mode], env=env, capture_output=True, text=True, timeout=10)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1 and "RAY_AUTH_TOKEN" in done.stderr, done.stderr
+
+
+def test_ray_modes_run_ray_in_token_mode(tmp_path: Path) -> None:
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    write_program(bin_dir, "ray", f'echo "RAY_AUTH_MODE=$RAY_AUTH_MODE ray $*" >> {log}\n')
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled", **TOKEN}
+    for mode in ("head", "worker"):
+        done = subprocess.run(["bash", str(ENTRYPOINT), mode], env={**env, "RAY_ADDRESS": "h:6379"},
+                              capture_output=True, text=True, timeout=10)
+        assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3 and all(c.startswith("RAY_AUTH_MODE=token ray ") for c in calls), calls
 
 
 def write_program(folder: Path, name: str, body: str) -> None:
@@ -177,7 +202,7 @@ def start_api(bin_dir: Path, tmp_path: Path, **env: str) -> subprocess.Popen[str
     path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
     return subprocess.Popen(
         ["bash", str(ENTRYPOINT), "api"], text=True, stderr=subprocess.PIPE,
-        env={"PATH": path, "RAY_ADDRESS": "head-svc:6379", "TMPDIR": str(tmp_path), **env},
+        env={"PATH": path, "RAY_ADDRESS": "head-svc:6379", "TMPDIR": str(tmp_path), **TOKEN, **env},
     )
 
 
