@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
@@ -84,10 +84,10 @@ class OnnxOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    opset: int = Field(default=DEFAULT_OPSET, ge=13, le=23, description="ONNX opset of the export.")
+    opset: StrictInt = Field(default=DEFAULT_OPSET, ge=13, le=23, description="ONNX opset of the export.")
     dtype: Literal["float32", "float16"] = Field(default="float32", description="Float type of the graph.")
-    dynamic_batch: bool = Field(default=True, description="Export with a dynamic batch axis.")
-    input_shape: list[int] | None = Field(
+    dynamic_batch: StrictBool = Field(default=True, description="Export with a dynamic batch axis.")
+    input_shape: list[StrictInt] | None = Field(
         default=None, min_length=1, max_length=8, description="Example input shape; default: the data's."
     )
 
@@ -108,7 +108,7 @@ class EvalSpec(BaseModel):
         description="Digest of an uploaded blob, {'path': ...} on the server or {'uri': 's3://...'}: an image folder or archive "
         "with class folders, or .npz with x and y (labelled); any calibration data format (unlabelled)."
     )
-    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
 
 
 class JobSpec(RunOptions):

