@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
 from workers.models import check_architecture_exists as check_reference
+from workers.models import check_model_kwargs
 from workers.programs import check_program
 
 from .blobs import DIGEST_PATTERN, BlobStore
@@ -235,6 +236,7 @@ class JobRecord:
 def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
     """Refuse a spec whose model, blobs, data path or architecture cannot work, naming the field."""
     check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
+    check_model_kwargs(spec.model_kwargs)
     _check_outputs(spec)
     if spec.arch is not None:
         check_architecture(spec.arch, settings)

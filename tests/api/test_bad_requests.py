@@ -51,3 +51,18 @@ def test_json_integers_and_booleans_are_still_accepted(live_server):
     spec = UNKNOWN_BLOBS | {"workers": 2, "batch_size": 8, "max_retries": 0, "onnx": {"opset": 17, "dynamic_batch": False}}
     problem = post_spec(live_server, spec)
     assert problem["field"] == "checkpoint"  # every other field passed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "why"),
+    [
+        ({"__class__": "x"}, "model_kwargs.__class__", "a reserved (dunder) name"),
+        ({"channels": 6, "class": 3}, "model_kwargs.class", "a Python keyword"),
+        ({"num-classes": 3}, "model_kwargs.num-classes", "not an argument name"),
+        ({"config": {"a": [[[[[[[[1]]]]]]]]}}, "model_kwargs.config", "deeper than 8 levels"),
+    ],
+)
+def test_model_kwargs_no_factory_could_take_are_refused_at_submission(live_server, kwargs, field, why):
+    problem = post_spec(live_server, UNKNOWN_BLOBS | {"model_kwargs": kwargs})
+    assert problem["field"] == field and problem["type"].endswith("/spec")
+    assert why in problem["detail"]
