@@ -5,9 +5,14 @@ with NaN or inf in it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from fastapi.routing import APIRoute
+
+from api.json_body import JsonBodyRoute
+from api.routes import blobs, health, jobs, pages
 
 from tests.api.conftest import LiveServer
 
@@ -66,3 +71,38 @@ def test_model_kwargs_no_factory_could_take_are_refused_at_submission(live_serve
     problem = post_spec(live_server, UNKNOWN_BLOBS | {"model_kwargs": kwargs})
     assert problem["field"] == field and problem["type"].endswith("/spec")
     assert why in problem["detail"]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason", "where"),
+    [
+        (b'{"arch": "torchvision:resnet\xff"}', "byte 0xff is not UTF-8 (a JSON body must be UTF-8)", "line 1 column 29"),
+        (b'{\n  "arch": "caf\xc3\xa9",\n  "data": "\xe9t\xe9"\n}', "byte 0xe9 is not UTF-8", "line 3 column 12"),
+        (("[" * 5000 + "]" * 5000).encode(), "arrays and objects nest deeper than 32 levels", "line 1 column 33"),
+        (b'{"model_kwargs": {"a": "[[[[", "b": ' + b"[" * 40 + b"]" * 40 + b"}}",
+         "arrays and objects nest deeper than 32 levels", "line 1 column 67"),
+    ],
+)
+def test_a_body_not_utf8_or_nested_too_deep_is_422_saying_where(live_server, body, reason, where):
+    with live_server.client("errors") as client:
+        response = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["type"].endswith("/validation") and problem["field"] is None
+    assert problem["detail"].startswith(f"the request body is not valid JSON: {reason}")
+    assert problem["detail"].endswith(f" at {where}")
+
+
+def test_a_utf8_body_with_a_byte_order_mark_or_nested_to_the_limit_is_read(live_server):
+    nested = {"model_kwargs": {"config": {"a": [[[[[[1]]]]]]}}}  # 9 levels: within both limits
+    for body in (json.dumps(UNKNOWN_BLOBS).encode("utf-8-sig"), json.dumps(UNKNOWN_BLOBS | nested).encode()):
+        with live_server.client("errors") as client:
+            response = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422 and response.json()["field"] == "checkpoint", response.text
+
+
+def test_every_operation_that_takes_a_json_body_reads_it_strictly():
+    routes = [route for module in (blobs, health, jobs, pages) for route in module.router.routes]
+    with_body = [route for route in routes if isinstance(route, APIRoute) and route.body_field is not None]
+    assert {route.path for route in with_body} >= {"/v1/jobs"}
+    assert all(isinstance(route, JsonBodyRoute) for route in with_body), [r.path for r in with_body]
