@@ -19,8 +19,9 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── SpecError              an invalid option or job field
     │   ├── NotFoundError          unknown blob, job or artifact (HTTP 404)
     │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
-    │   └── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
-    │       └── QuotaExceededError an upload past the tenant's byte quota (HTTP 413)
+    │   ├── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
+    │   │   └── QuotaExceededError an upload past the tenant's byte quota (HTTP 413)
+    │   └── HeadersTooLargeError   request headers over the server's limit (HTTP 431)
     ├── ServiceUnavailableError    the server is shutting down (HTTP 503)
     ├── RunError                   the run itself failed: a rank died, a collective
     │   │                          timed out, the cluster is unreachable
@@ -159,6 +160,13 @@ class QuotaExceededError(PayloadTooLargeError):
     """An upload would take the tenant past its storage quota (``BNRECAL_TENANT_QUOTA_BYTES``)."""
 
     title = "Storage quota exceeded"
+
+
+class HeadersTooLargeError(InputError):
+    """A request whose header section is larger than the HTTP server reads."""
+
+    status = 431
+    title = "Request header fields too large"
 
 
 class ServiceUnavailableError(BnrecalError):

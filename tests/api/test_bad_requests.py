@@ -6,8 +6,10 @@ with NaN or inf in it."""
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.routing import APIRoute
 
@@ -15,6 +17,7 @@ from api.json_body import JsonBodyRoute
 from api.routes import blobs, health, jobs, pages
 
 from tests.api.conftest import LiveServer
+from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -106,3 +109,41 @@ def test_every_operation_that_takes_a_json_body_reads_it_strictly():
     with_body = [route for route in routes if isinstance(route, APIRoute) and route.body_field is not None]
     assert {route.path for route in with_body} >= {"/v1/jobs"}
     assert all(isinstance(route, JsonBodyRoute) for route in with_body), [r.path for r in with_body]
+
+
+def test_headers_over_the_server_limit_are_431_the_client_receives(live_server):
+    huge = "Bearer " + "k" * 1_000_000
+    for _ in range(5):  # the reset it replaces was a race the client lost nearly every time
+        with httpx.Client(base_url=live_server.url, timeout=30) as client:
+            response = client.get("/v1/jobs", headers={"Authorization": huge})
+        assert response.status_code == 431 and response.headers["content-type"] == "application/problem+json"
+        problem = response.json()
+        assert problem["type"].endswith("/headers-too-large") and problem["status"] == 431
+        assert problem["detail"].startswith("the request's headers are over the server's limit of 16384 bytes")
+        assert "(the Authorization header alone is at least " in problem["detail"]
+    with live_server.client("errors") as client:  # the server goes on serving
+        assert client.get("/v1/jobs").status_code == 200
+
+
+def test_a_request_that_is_not_http_is_400_problem_json(live_server):
+    host, port = live_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nthis is no header\r\n\r\n")
+        received = b""
+        while chunk := raw.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/problem+json" in head.lower()
+    problem = json.loads(body)
+    assert problem["status"] == 400 and problem["type"].endswith("/input")
+    assert problem["detail"].startswith("the request is not valid HTTP/1.1: ")
+
+
+def test_bnrecal_serve_answers_oversized_headers_and_bad_bodies_the_same_way(servers, tmp_path):
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    servers.append(server)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        too_large = client.get("/v1/jobs", headers={"Authorization": "Bearer " + "k" * 1_000_000})
+    assert too_large.status_code == 431 and too_large.headers["content-type"] == "application/problem+json"
+    not_utf8 = server.client.post("/v1/jobs", content=b'{"arch": "\xff"}', headers={"Content-Type": "application/json"})
+    assert not_utf8.status_code == 422 and not_utf8.json()["detail"].endswith(" at line 1 column 11")
