@@ -10,14 +10,18 @@ import socket
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import torch
 from fastapi.routing import APIRoute
 
 from api.json_body import JsonBodyRoute
 from api.routes import blobs, health, jobs, pages
 
-from tests.api.conftest import LiveServer
+from tests.api.conftest import LiveServer, submit, upload, wait_for
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
+from tests.conftest import save_state
+from tests.nets import mixed_net
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -147,3 +151,23 @@ def test_bnrecal_serve_answers_oversized_headers_and_bad_bodies_the_same_way(ser
     assert too_large.status_code == 431 and too_large.headers["content-type"] == "application/problem+json"
     not_utf8 = server.client.post("/v1/jobs", content=b'{"arch": "\xff"}', headers={"Content-Type": "application/json"})
     assert not_utf8.status_code == 422 and not_utf8.json()["detail"].endswith(" at line 1 column 11")
+
+
+def test_non_finite_calibration_data_fails_the_job_as_bad_data_naming_layer_and_samples(live_server, tmp_path):
+    samples = torch.randn(8, 3, 6, 5)
+    samples[6, 0, 1, 1] = float("nan")  # step 1 (samples 4-7) of batch 4; with 2 ranks, rank 1's slice 6-7
+    np.save(tmp_path / "x.npy", samples.numpy())
+    with live_server.client("errors") as client:
+        spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, save_state(tmp_path / "m.pt", mixed_net())),
+                "data": upload(client, tmp_path / "x.npy"), "workers": 2, "batch_size": 4}
+        job = wait_for(client, submit(client, spec)["id"])
+    assert job["status"] == "failed"
+    error = job["error"]
+    assert error["type"].endswith("/dataset") and error["status"] == 422 and error["title"] == "Invalid calibration data"
+    first = "BN layer 'bn' (BatchNorm2d) in step 1"
+    assert error["detail"] in (  # the rank holding the sample names it; its peer, whichever reports first, the step
+        f"calibration sample 6 has non-finite values (NaN or inf), first seen by {first} (samples 6-7): "
+        "fix or leave out that sample",
+        f"non-finite values (NaN or inf) first reached {first} (samples 4-7): check those samples of the "
+        "calibration data (values too large for float32?) and the checkpoint's weights",
+    ), error["detail"]
