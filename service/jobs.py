@@ -15,7 +15,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError

@@ -17,7 +17,6 @@ from fastapi.routing import APIRoute
 
 from api.json_body import JsonBodyRoute
 from api.routes import blobs, health, jobs, pages
-
 from tests.api.conftest import LiveServer, submit, upload, wait_for
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
 from tests.conftest import save_state
@@ -143,7 +142,7 @@ def test_a_request_that_is_not_http_is_400_problem_json(live_server):
     assert problem["detail"].startswith("the request is not valid HTTP/1.1: ")
 
 
-def test_bnrecal_serve_answers_oversized_headers_and_bad_bodies_the_same_way(servers, tmp_path):
+def test_bnrecal_serve_answers_oversized_headers_and_bad_bodies_the_same_way(servers, tmp_path):  # noqa: F811 - the imported fixture
     server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
     servers.append(server)
     with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -166,8 +165,8 @@ def test_non_finite_calibration_data_fails_the_job_as_bad_data_naming_layer_and_
     assert error["type"].endswith("/dataset") and error["status"] == 422 and error["title"] == "Invalid calibration data"
     first = "BN layer 'bn' (BatchNorm2d) in step 1"
     assert error["detail"] in (  # the rank holding the sample names it; its peer, whichever reports first, the step
-        f"calibration sample 6 has non-finite values (NaN or inf), first seen by {first} (samples 6-7): "
-        "fix or leave out that sample",
-        f"non-finite values (NaN or inf) first reached {first} (samples 4-7): check those samples of the "
-        "calibration data (values too large for float32?) and the checkpoint's weights",
+        (f"calibration sample 6 has non-finite values (NaN or inf), first seen by {first} (samples 6-7): "
+         "fix or leave out that sample"),
+        (f"non-finite values (NaN or inf) first reached {first} (samples 4-7): check those samples of the "
+         "calibration data (values too large for float32?) and the checkpoint's weights"),
     ), error["detail"]

@@ -10,7 +10,12 @@ from torch import nn
 
 from tests.workers import model_zoo
 from workers.errors import ArchitectureError, SpecError
-from workers.models import MAX_KWARGS_DEPTH, build_model, check_model_kwargs, parse_allowed_modules
+from workers.models import (
+    MAX_KWARGS_DEPTH,
+    build_model,
+    check_model_kwargs,
+    parse_allowed_modules,
+)
 
 ZOO = "tests.workers.model_zoo"
 
