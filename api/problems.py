@@ -76,10 +76,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     invalid_json = next((error for error in exc.errors() if error.get("type") == "json_invalid"), None)
     if invalid_json is not None:
         return problem_response(_invalid_json_problem(invalid_json, exc.body))
-    errors = [
-        {"field": field_name(error.get("loc", ())), "message": str(error.get("msg", "invalid"))}
-        for error in exc.errors()
-    ]
+    errors = [{"field": field_name(error.get("loc", ())), "message": _message(error)} for error in exc.errors()]
     shown = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:_SHOWN_ERRORS])
     more = f" (and {len(errors) - _SHOWN_ERRORS} more)" if len(errors) > _SHOWN_ERRORS else ""
     problem = {
@@ -91,6 +88,30 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         "errors": errors,
     }
     return problem_response(problem)
+
+
+_TYPE_ERRORS = frozenset({"int_type", "bool_type", "string_type", "float_type", "dict_type", "list_type"})
+
+
+def _message(error: dict[str, Any]) -> str:
+    """Pydantic's message, with what was sent where the type was wrong: ``Input should be a
+    valid integer, got the string "2"`` says why a value that looks right is refused."""
+    message = str(error.get("msg", "invalid"))
+    if error.get("type") in _TYPE_ERRORS and "input" in error:
+        message += f", got {_json_kind(error['input'])}"
+    return message
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value as a client would recognise it: ``true``, ``the string "2"``, ``an object``."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, str):
+        shown = json.dumps(value[:40] + ("..." if len(value) > 40 else ""))
+        return f"the string {shown}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    return "an object" if isinstance(value, dict) else "an array" if isinstance(value, list) else type(value).__name__
 
 
 def _invalid_json_problem(error: dict[str, Any], body: Any) -> dict[str, Any]:

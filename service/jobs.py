@@ -16,12 +16,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
 from workers.models import check_architecture_exists as check_reference
 from workers.model_check import check_checkpoint_fits
+from workers.models import check_model_kwargs
 from workers.programs import check_program
 
 from .blobs import DIGEST_PATTERN, BlobStore
@@ -87,10 +95,10 @@ class OnnxOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    opset: int = Field(default=DEFAULT_OPSET, ge=13, le=23, description="ONNX opset of the export.")
+    opset: StrictInt = Field(default=DEFAULT_OPSET, ge=13, le=23, description="ONNX opset of the export.")
     dtype: Literal["float32", "float16"] = Field(default="float32", description="Float type of the graph.")
-    dynamic_batch: bool = Field(default=True, description="Export with a dynamic batch axis.")
-    input_shape: list[int] | None = Field(
+    dynamic_batch: StrictBool = Field(default=True, description="Export with a dynamic batch axis.")
+    input_shape: list[StrictInt] | None = Field(
         default=None, min_length=1, max_length=8, description="Example input shape; default: the data's."
     )
 
@@ -111,7 +119,7 @@ class EvalSpec(BaseModel):
         description="Digest of an uploaded blob, {'path': ...} on the server or {'uri': 's3://...'}: an image folder or archive "
         "with class folders, or .npz with x and y (labelled); any calibration data format (unlabelled)."
     )
-    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
 
 
 class JobSpec(RunOptions):
@@ -239,6 +247,7 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
     """Refuse a spec whose model, blobs, data path or architecture cannot work, or whose ranks
     the cluster as it is could never place, naming the field."""
     check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
+    check_model_kwargs(spec.model_kwargs)
     _check_outputs(spec)
     check_fits_cluster(spec, settings)
     if spec.arch is not None:

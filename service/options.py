@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from workers.modes import Mode
 from workers.errors import SpecError
@@ -31,7 +31,11 @@ OptionsT = TypeVar("OptionsT", bound="RunOptions")
 
 
 class RunOptions(BaseModel):
-    """What to recalibrate and how, whatever the checkpoint and data are."""
+    """What to recalibrate and how, whatever the checkpoint and data are.
+
+    Counts are strict integers: ``true`` or ``"2"`` for ``workers`` is refused, naming the
+    field, rather than read as 1 or 2 (a JSON spec with a quoted number is a client bug).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -47,9 +51,9 @@ class RunOptions(BaseModel):
     )
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")
     mode: Mode = Field(default="sync", description="sync: SyncBN statistics across ranks; local: per-rank statistics.")
-    workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
-    batch_size: int = Field(default=32, ge=1, le=1_000_000, description="Global batch size B.")
-    max_samples: int | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    workers: StrictInt = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
+    batch_size: StrictInt = Field(default=32, ge=1, le=1_000_000, description="Global batch size B.")
+    max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
     device: Device = Field(default="cpu", description="Where the ranks compute.")
     transform: dict[str, Any] | None = Field(
         default=None, description='Image transform (image data only), e.g. {"resize": 256, "crop": 224}.'
@@ -57,7 +61,7 @@ class RunOptions(BaseModel):
     placement: Placement | None = Field(
         default=None, description="Spread ranks across nodes or pack them (default: BNRECAL_PLACEMENT_STRATEGY)."
     )
-    max_retries: int | None = Field(
+    max_retries: StrictInt | None = Field(
         default=None, ge=0, le=10, description="Re-run a failed pass from scratch (default: BNRECAL_MAX_RETRIES)."
     )
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
 from workers.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
@@ -61,7 +61,7 @@ class RecalibrationRequest(RunOptions):
     program: Path | None = None
     data: Path | str
     eval_data: Path | str | None = None
-    eval_max_samples: int | None = Field(default=None, ge=1, le=2**53)
+    eval_max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53)
     checkpoint_name: str | None = None
     program_name: str | None = None
     data_name: str | None = None

@@ -22,7 +22,7 @@ from .data import CalibrationData, iter_batches
 from .errors import BnrecalError, RunError, first_line
 from .evaluation import evaluation_pass, with_statistics
 from .plan import RankPlan
-from .sharding import rank_ranges
+from .sharding import rank_ranges, step_ranges
 
 
 HEARTBEAT_S = 1.0
@@ -165,6 +165,8 @@ class CalibrationRank:
                     device=device,
                     on_step=on_step,
                     memory_format=plan.memory_format,
+                    sample_ranges=ranges,
+                    step_ranges=step_ranges(plan.dataset.num_samples, plan.batch_size),
                 )
                 evaluation = None
                 if plan.evaluation is not None:

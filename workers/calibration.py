@@ -16,6 +16,7 @@ from torch import nn
 from .batchnorm import BatchNormLayer
 from .calibrator import BatchNormCalibrator
 from .collectives import Collective
+from .errors import DatasetError
 from .memory_format import rank_layout, to_layout, torch_format
 from .moments import MomentStats
 
@@ -47,6 +48,8 @@ def calibration_pass(
     device: torch.device | str = "cpu",
     on_step: StepCallback | None = None,
     memory_format: str = "auto",
+    sample_ranges: Sequence[tuple[int, int]] | None = None,
+    step_ranges: Sequence[tuple[int, int]] | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
@@ -56,6 +59,11 @@ def calibration_pass(
     job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
     ``channels_last``) is the layout the rank computes in (``auto``: channels-last for
     image batches, see ``workers.memory_format``).
+
+    A step in which a NaN or inf reaches a BN layer fails the pass at its end with a
+    ``DatasetError`` naming the first layer and the samples: ``sample_ranges`` are this
+    rank's ``[start, stop)`` per step and ``step_ranges`` the whole global batch's, as
+    global sample indices (default: counted from this rank's batches, right for a world of one).
     """
     model.eval()
     started = time.perf_counter()
@@ -73,6 +81,11 @@ def calibration_pass(
                     to_layout(model, layout, dims)
                 x = batch.to(device, dtype=torch.float32, non_blocking=True)
                 model(x.contiguous(memory_format=torch_format(layout, dims)))
+            where = calibrator.first_non_finite()
+            if where is not None:
+                own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + int(batch.shape[0]))
+                step = step_ranges[steps] if step_ranges is not None else own
+                raise non_finite_error(where, steps, batch, own, own if mode == "local" else step)
             steps += 1
             samples += int(batch.shape[0])
             if on_step is not None:
@@ -90,6 +103,27 @@ def calibration_pass(
         collectives=collective.calls,
         seconds=time.perf_counter() - started,
         memory_format=layout or "contiguous",
+    )
+
+
+def non_finite_error(
+    where: str, step: int, batch: torch.Tensor, own: tuple[int, int], seen: tuple[int, int]
+) -> DatasetError:
+    """The error of a step whose statistics went non-finite at ``where``: the first sample of
+    this rank's ``batch`` (global indices from ``own``) with a NaN or inf when there is one,
+    else the samples ``seen`` (the global batch in sync mode, where another rank's slice may
+    hold it; a finite batch can also overflow, or meet non-finite weights)."""
+    if batch.numel():
+        bad = (~torch.isfinite(batch.reshape(batch.shape[0], -1))).any(dim=1).nonzero()
+        if bad.numel():
+            sample = own[0] + int(bad[0])
+            return DatasetError(
+                f"calibration sample {sample} has non-finite values (NaN or inf), first seen by {where} "
+                f"in step {step} (samples {own[0]}-{own[1] - 1}): fix or leave out that sample"
+            )
+    return DatasetError(
+        f"non-finite values (NaN or inf) first reached {where} in step {step} (samples {seen[0]}-{seen[1] - 1}): "
+        "check those samples of the calibration data (values too large for float32?) and the checkpoint's weights"
     )
 
 

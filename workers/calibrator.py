@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from .batchnorm import MODES, BatchNormLayer, unsupported_layer
 from .bn_calls import BATCH_NORM_FORMS, BatchNormForm
 from .collectives import Collective, SingleProcessCollective
-from .errors import BnrecalError, CallOrderError, ModelInputError, RunError, first_line
+from .errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
 from .moments import BatchMoments, MomentStats, batch_moments, finalize, pack, packed_size
 
 TAGS = 2
@@ -89,6 +89,8 @@ class BatchNormCalibrator:
         self._hooks: list[Any] = []
         self._in_forward: list[tuple[int, int]] = []
         self._combined = False
+        self._step_sums: list[torch.Tensor] = []  # per call this step: the sum of its packed moments
+        self._step_calls: list[int] = []  # per call this step: the layer index, or -channels (untracked)
 
     def __enter__(self) -> BatchNormCalibrator:
         for i, layer in enumerate(self.layers):
@@ -174,6 +176,7 @@ class BatchNormCalibrator:
         buffer = torch.empty(TAGS + packed_size(channels), dtype=torch.float64, device=x.device)
         packed = pack(own, shift, buffer[TAGS:])
         self._reduce_untracked(channels, buffer)
+        self._note(-channels, packed)
         if self._record_order:
             self.order.append(-channels)
         stats = finalize(packed, shift)
@@ -195,6 +198,7 @@ class BatchNormCalibrator:
             layer = self.layers[index]
             self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
         self.totals[index] += packed
+        self._note(index, packed)
         self.calls[index] += 1
         if self._record_order:
             self.order.append(index)
@@ -227,13 +231,40 @@ class BatchNormCalibrator:
         for index in self.call_order:
             if index < 0:  # a call without running statistics, over -index channels
                 device = self.shifts[0].device if self.shifts else torch.device("cpu")
-                self._reduce_untracked(-index, torch.zeros(TAGS + packed_size(-index), dtype=torch.float64, device=device))
+                untracked = torch.zeros(TAGS + packed_size(-index), dtype=torch.float64, device=device)
+                self._reduce_untracked(-index, untracked)
+                self._note(index, untracked[TAGS:])
                 continue
             shift = self.shifts[index]
             buffer = torch.zeros(TAGS + packed_size(shift.numel()), dtype=torch.float64, device=shift.device)
             layer = self.layers[index]
             self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
             self.totals[index] += buffer[TAGS:]
+            self._note(index, buffer[TAGS:])
+
+    def _note(self, call: int, packed: torch.Tensor) -> None:
+        """Keep the sum of a call's packed float64 moments (after the allreduce in ``sync``
+        mode): non-finite exactly when a value it summed was, on any rank. A few numbers per
+        call, checked once per step by :meth:`first_non_finite`, so the pass is not slowed."""
+        self._step_sums.append(packed.sum())
+        self._step_calls.append(call)
+
+    def first_non_finite(self) -> str | None:
+        """The BN layer (or call without running statistics) that first saw a NaN or inf in
+        the step just finished, on any rank in ``sync`` mode (every rank then names the same
+        one), on this rank in ``local`` mode; None when the step was finite. Starts the next step."""
+        sums, calls = self._step_sums, self._step_calls
+        self._step_sums, self._step_calls = [], []
+        if not sums:
+            return None
+        finite = torch.isfinite(torch.stack(sums))
+        if bool(finite.all()):
+            return None
+        call = calls[int((~finite).nonzero()[0])]
+        if call < 0:
+            return f"a BN call without running statistics ({-call} channels)"
+        layer = self.layers[call]
+        return f"BN layer {layer.name!r} ({layer.class_name})"
 
     def moments(self) -> list[MomentStats]:
         """Combined statistics of every layer; in ``local`` mode this is the job's one allreduce."""
@@ -242,9 +273,9 @@ class BatchNormCalibrator:
             self.collective.allreduce(buffer)
             self.totals = list(torch.split(buffer, [t.numel() for t in self.totals]))
             self._combined = True
-        for layer, total in zip(self.layers, self.totals):
+        for layer, total in zip(self.layers, self.totals):  # each step was checked: only overflowing sums are left
             if not bool(torch.isfinite(total).all()):
-                raise RunError(
+                raise DatasetError(
                     f"BN layer {layer.name!r} ({layer.class_name}) saw non-finite values (NaN or inf): "
                     "check the calibration data and the checkpoint's weights"
                 )

@@ -21,7 +21,8 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── AuthenticationError    missing or wrong API key (HTTP 401)
     │   ├── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
     │   │   └── QuotaExceededError an upload past the tenant's byte quota (HTTP 413)
-    │   └── TooManyJobsError       a job past the tenant's queued-job limit (HTTP 429)
+    │   ├── TooManyJobsError       a job past the tenant's queued-job limit (HTTP 429)
+    │   └── HeadersTooLargeError   request headers over the server's limit (HTTP 431)
     ├── ServiceUnavailableError    the server is shutting down (HTTP 503)
     ├── RunError                   the run itself failed: a rank died, a collective
     │   │                          timed out, the cluster is unreachable
@@ -168,6 +169,13 @@ class TooManyJobsError(InputError):
 
     status = 429
     title = "Too many queued jobs"
+
+
+class HeadersTooLargeError(InputError):
+    """A request whose header section is larger than the HTTP server reads."""
+
+    status = 431
+    title = "Request header fields too large"
 
 
 class ServiceUnavailableError(BnrecalError):

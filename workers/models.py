@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import keyword
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -102,21 +103,63 @@ def build_model(
     return model.to(device=device, dtype=torch.float32)
 
 
+MAX_KWARGS_DEPTH = 8
+"""How deep a ``model_kwargs`` value may nest lists and objects (a transformers config's
+sub-configs nest 3 or 4): deeper is no model's configuration."""
+
+
 def _clean_kwargs(model_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validate ``model_kwargs`` as a JSON-like object with string keys and copy it."""
     if model_kwargs is None:
         return {}
+    check_model_kwargs(model_kwargs)
+    return dict(model_kwargs)
+
+
+def check_model_kwargs(model_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``model_kwargs`` that no factory could take, naming ``model_kwargs.<key>``: a key
+    that cannot be a Python argument name (not an identifier, a keyword such as ``class``, a
+    dunder such as ``__class__``) or a value nested deeper than ``MAX_KWARGS_DEPTH``.
+
+    Cheap and without the architecture, so submission runs it before anything is built.
+    """
     if not isinstance(model_kwargs, Mapping):
         raise SpecError(
-            f"model_kwargs must be a JSON object, got {type(model_kwargs).__name__}",
-            field="model_kwargs",
+            f"model_kwargs must be a JSON object, got {type(model_kwargs).__name__}", field="model_kwargs"
         )
-    for key in model_kwargs:
-        if not isinstance(key, str) or not key.isidentifier():
+    for key, value in model_kwargs.items():
+        why = _not_an_argument_name(key)
+        if why:
+            raise SpecError(f"model_kwargs key {key!r} is {why}", field=f"model_kwargs.{key}")
+        if _nests_deeper(value, MAX_KWARGS_DEPTH):
             raise SpecError(
-                f"model_kwargs key {key!r} is not a valid argument name", field="model_kwargs"
+                f"model_kwargs.{key} nests lists and objects deeper than {MAX_KWARGS_DEPTH} levels",
+                field=f"model_kwargs.{key}",
             )
-    return dict(model_kwargs)
+
+
+def _not_an_argument_name(key: object) -> str | None:
+    """Why ``key`` cannot be a keyword argument's name, or None when it can."""
+    if not isinstance(key, str):
+        return f"a {type(key).__name__}, not an argument name"
+    if not key.isidentifier():
+        return "not an argument name (letters, digits and _, not starting with a digit)"
+    if keyword.iskeyword(key):
+        return "a Python keyword, not an argument name"
+    if key.startswith("__") and key.endswith("__"):
+        return "a reserved (dunder) name, not an argument name"
+    return None
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists, tuples and mappings more than ``limit`` levels deep
+    (walking at most ``limit + 1`` levels down, however deep it goes)."""
+    if not isinstance(value, (Mapping, list, tuple)):
+        return False
+    if limit == 0:
+        return True
+    children = value.values() if isinstance(value, Mapping) else value
+    return any(_nests_deeper(child, limit - 1) for child in children)
 
 
 def _refuse_weight_kwargs(arch: str, kwargs: Mapping[str, Any], names: Sequence[str]) -> None:

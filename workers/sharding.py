@@ -31,3 +31,11 @@ def rank_ranges(num_samples: int, batch_size: int, world_size: int, rank: int) -
         part = np.array_split(np.arange(start, stop), world_size)[rank]
         ranges.append((int(part[0]), int(part[-1]) + 1) if part.size else (start, start))
     return ranges
+
+
+def step_ranges(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` sample range of every global step: ``[j*B, min((j+1)*B, N))``."""
+    return [
+        (step * batch_size, min((step + 1) * batch_size, num_samples))
+        for step in range(num_steps(num_samples, batch_size))
+    ]

@@ -20,6 +20,9 @@ from .jobs import cancel_and_wait
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
+HTTP_PROTOCOL = "api.http11:ProblemH11Protocol"
+"""uvicorn's h11 protocol answering unparseable requests (headers too large: 431) with
+problem+json the client receives, by name for the same reason."""
 
 
 def serve(
@@ -44,7 +47,10 @@ def serve(
     get_settings.cache_clear()
     data = Path(Settings().data_dir).absolute()
     print_line(f"bnrecal serving on http://{host}:{port} (data in {data})")
-    uvicorn.run(APP_FACTORY, factory=True, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    uvicorn.run(
+        APP_FACTORY, factory=True, http=HTTP_PROTOCOL, host=host, port=port, log_level=log_level,
+        timeout_graceful_shutdown=10,
+    )
 
 
 def submit(

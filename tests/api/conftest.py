@@ -22,11 +22,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import create_app
+from service.cli.remote import HTTP_PROTOCOL
 from service.server import Services
 from service.settings import Settings
 from tests.nets import mixed_net, perturbed
 
-KEYS = {name: f"test-key-{name}" for name in ("alice", "bob", "carol", "load", "fuzz", "web", "cli", "s3", "programs")}
+KEYS = {name: f"test-key-{name}" for name in ("alice", "bob", "carol", "load", "fuzz", "web", "cli", "s3", "programs", "errors")}
 MAX_UPLOAD_BYTES = 2 * 1024 * 1024
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -68,7 +69,7 @@ def live_server(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> 
     )
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=HTTP_PROTOCOL))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

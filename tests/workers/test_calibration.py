@@ -14,7 +14,7 @@ from workers.batchnorm import find_batchnorm_layers
 from workers.calibrator import BatchNormCalibrator, probe_call_order
 from workers.calibration import apply_statistics, calibration_pass
 from workers.collectives import SingleProcessCollective
-from workers.errors import ModelInputError
+from workers.errors import DatasetError, ModelInputError
 from workers.moments import batch_moments, finalize, pack, packed_size
 from workers.sharding import num_steps, rank_ranges
 
@@ -139,3 +139,40 @@ def test_rank_ranges_follow_array_split(n, b, k):
         for rank in range(k):
             start, stop = per_rank[rank][step]
             assert list(range(start, stop)) == parts[rank].tolist()
+
+
+@pytest.mark.parametrize("mode", ["sync", "local"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_sample_fails_its_step_naming_the_sample_and_the_first_layer(mode, bad):
+    torch.manual_seed(0)
+    model = perturbed(mixed_net())
+    samples = torch.randn(23, 3, 6, 5)
+    samples[13, 1, 2, 3] = bad  # step 2 of batch 6: samples 12-17
+    layers, _ = find_batchnorm_layers(model)
+    batches = [samples[s : s + 6] for s in range(0, 23, 6)]
+    steps_done = []
+    with pytest.raises(DatasetError) as info:
+        calibration_pass(model, layers, batches, mode=mode, collective=SingleProcessCollective(),
+                         on_step=lambda step, _: steps_done.append(step))
+    assert str(info.value) == (
+        "calibration sample 13 has non-finite values (NaN or inf), first seen by BN layer 'bn' (BatchNorm2d) "
+        "in step 2 (samples 12-17): fix or leave out that sample"
+    )
+    assert info.value.status == 422 and info.value.type.endswith("/dataset")
+    assert steps_done == [0, 1]  # found at the end of the step that saw it, not at the end of the pass
+
+
+def test_non_finite_values_from_the_model_name_the_layer_that_first_saw_them_and_the_samples():
+    torch.manual_seed(0)
+    model = perturbed(mixed_net())
+    with torch.no_grad():
+        model.depthwise.weight[2] = float("inf")
+    layers, _ = find_batchnorm_layers(model)
+    samples = torch.randn(10, 3, 6, 5)
+    with pytest.raises(DatasetError) as info:  # global indices: this rank's slices start at 100
+        calibration_pass(model, layers, [samples[:4], samples[4:]], mode="sync", collective=SingleProcessCollective(),
+                         sample_ranges=[(100, 104), (104, 110)], step_ranges=[(100, 104), (104, 110)])
+    assert str(info.value).startswith(
+        "non-finite values (NaN or inf) first reached BN layer 'bn_dw' (BatchNorm2d) in step 0 (samples 100-103): "
+    )
+

@@ -10,7 +10,12 @@ from torch import nn
 
 from tests.workers import model_zoo
 from workers.errors import ArchitectureError, SpecError
-from workers.models import build_model, parse_allowed_modules
+from workers.models import (
+    MAX_KWARGS_DEPTH,
+    build_model,
+    check_model_kwargs,
+    parse_allowed_modules,
+)
 
 ZOO = "tests.workers.model_zoo"
 
@@ -175,3 +180,42 @@ def test_parse_allowed_modules_cleans_the_setting() -> None:
         parse_allowed_modules("pkg,*")
     with pytest.raises(SpecError, match="BNRECAL_MODEL_MODULES"):
         parse_allowed_modules("../evil")
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("2layers", "not an argument name"),
+        ("num-classes", "not an argument name"),
+        ("", "not an argument name"),
+        ("class", "a Python keyword"),
+        ("lambda", "a Python keyword"),
+        ("__class__", "a reserved (dunder) name"),
+        ("__init__", "a reserved (dunder) name"),
+    ],
+)
+def test_model_kwargs_keys_that_cannot_be_argument_names_are_refused_naming_the_key(key: str, why: str) -> None:
+    kwargs = {"num_classes": 10, key: 1}
+    with pytest.raises(SpecError) as info:
+        check_model_kwargs(kwargs)
+    assert info.value.field == f"model_kwargs.{key}"
+    assert str(info.value).startswith(f"model_kwargs key {key!r} is {why}")
+    with pytest.raises(SpecError) as built:  # building refuses it the same way, before calling anything
+        build_model(f"{ZOO}:small_cnn", kwargs, allowed_modules=["tests"])
+    assert built.value.field == f"model_kwargs.{key}"
+
+
+def test_model_kwargs_values_may_nest_up_to_the_bound_and_no_deeper() -> None:
+    def nested(levels: int) -> object:
+        value: object = 1
+        for level in range(levels):
+            value = [value] if level % 2 else {"x": value}
+        return value
+
+    check_model_kwargs({"_private": 1, "config": nested(MAX_KWARGS_DEPTH), "flat": list(range(1000))})
+    with pytest.raises(SpecError) as info:
+        check_model_kwargs({"ok": 1, "config": nested(MAX_KWARGS_DEPTH + 1)})
+    assert info.value.field == "model_kwargs.config"
+    assert f"deeper than {MAX_KWARGS_DEPTH} levels" in str(info.value)
+    with pytest.raises(SpecError, match="model_kwargs.config"):  # any depth, without recursing through it
+        check_model_kwargs({"config": nested(100_000)})
