@@ -5,7 +5,14 @@ after a warm-up of a few jobs, runs:
 
 - ``--jobs`` small jobs (``tests.nets:mixed_net`` on 32 samples, one worker, checkpoint
   and report), ``--concurrency`` submitted at a time, each polled to its end;
-- meanwhile ``--uploads`` uploads of 1 MiB of random bytes, all at once.
+- meanwhile ``--uploads`` uploads of 1 MiB of random bytes, all at once;
+- with ``--probes``, meanwhile and until the jobs end, issue 21's abusive requests
+  (``tests/api/abuse.py``: a model of 10^7 classes, 1024 workers, non-UTF-8 and 5,000-deep
+  JSON, a 1 MB header, a compression bomb, NaN data, ...) from a second tenant, over and
+  over, each of which must get its 4xx (or fail its job fast as bad input).
+
+At the end every succeeded job's checkpoint is downloaded again and must be byte-identical
+to what it was when the job ended.
 
 Every second it samples the server process (RSS, open files, threads) and the Ray
 processes it started (its session: GCS, raylet, workers; summed, with their count).
@@ -22,6 +29,7 @@ fills up once at the start.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import os
 import shutil
@@ -43,9 +51,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tests.api.abuse import PROBES, check, upload_blobs  # noqa: E402 - issue 21's probes
 from tests.nets import mixed_net, perturbed  # noqa: E402 - the repo's own test nets
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+SOAK_KEY, PROBE_KEY = "soak-tenant", "probe-tenant"
 FD_THREAD_SLACK = 16
 
 
@@ -111,7 +121,7 @@ def free_port() -> int:
 def start_server(data_dir: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
     """``bnrecal serve`` in a session of its own, ready when ``/readyz`` says so."""
     env = os.environ | {"PYTHONPATH": str(REPO), "BNRECAL_MODEL_MODULES": "tests", "RAY_ADDRESS": "local",
-                        "BNRECAL_CPUS_PER_WORKER": "1"}
+                        "BNRECAL_CPUS_PER_WORKER": "1", "BNRECAL_API_KEYS": f"{SOAK_KEY},{PROBE_KEY}"}
     bnrecal = Path(sys.executable).parent / "bnrecal"
     process = subprocess.Popen(
         [str(bnrecal), "serve", "--data-dir", str(data_dir), "--port", str(port), "--log-level", "warning"],
@@ -141,7 +151,12 @@ class Soak:
         self._lock = threading.Lock()
         self._server_pid = server_pid
         self._http = httpx.Client(base_url=url, timeout=120, event_hooks={"response": [self._count]},
-                                  limits=httpx.Limits(max_connections=64))
+                                  limits=httpx.Limits(max_connections=64),
+                                  headers={"Authorization": f"Bearer {SOAK_KEY}"})
+        self._url = url
+        self.results: dict[str, str] = {}
+        self.probes_sent = 0
+        self.probes_failed: list[str] = []
         torch.manual_seed(0)
         model = perturbed(mixed_net())
         buffer = io.BytesIO()
@@ -171,7 +186,8 @@ class Soak:
                 time.sleep(0.1)
                 job = self._http.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
             if job["status"] == "succeeded":
-                self._http.get(f"/v1/jobs/{job['id']}/artifacts/checkpoint").raise_for_status()
+                body = self._http.get(f"/v1/jobs/{job['id']}/artifacts/checkpoint").raise_for_status().content
+                self.results[job["id"]] = hashlib.sha256(body).hexdigest()
             outcome = job["status"] if job["status"] in TERMINAL else "stuck"
         except httpx.HTTPError as exc:
             outcome = "error"
@@ -184,6 +200,35 @@ class Soak:
             self.upload(os.urandom(1024 * 1024))
         except httpx.HTTPError as exc:
             self.errors.append(f"upload {index}: {exc}")
+
+    def probe(self, stop: threading.Event) -> None:
+        """Replay the abusive probes as another tenant until ``stop``; count what misses."""
+        with httpx.Client(base_url=self._url, timeout=120, event_hooks={"response": [self._count]},
+                          headers={"Authorization": f"Bearer {PROBE_KEY}"}) as client:
+            checkpoint = io.BytesIO()
+            torch.save(perturbed(mixed_net()).state_dict(), checkpoint)
+            data = io.BytesIO()
+            np.save(data, np.random.default_rng(1).normal(size=(16, 3, 6, 5)).astype(np.float32))
+            blobs = upload_blobs(client, checkpoint.getvalue(), data.getvalue())
+            while not stop.is_set():
+                for probe in PROBES:
+                    if stop.is_set():
+                        return
+                    try:
+                        failure = check(probe, client, blobs)
+                    except httpx.HTTPError as exc:
+                        failure = f"{probe.name}: {exc}"
+                    with self._lock:
+                        self.probes_sent += 1
+                        if failure:
+                            self.probes_failed.append(failure)
+
+    def verify_results(self) -> None:
+        """Every succeeded job's checkpoint, downloaded again, as it was when the job ended."""
+        for job_id, digest in self.results.items():
+            body = self._http.get(f"/v1/jobs/{job_id}/artifacts/checkpoint").content
+            if hashlib.sha256(body).hexdigest() != digest:
+                self.errors.append(f"job {job_id}: its checkpoint changed")
 
     def watch(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -219,7 +264,9 @@ def report(soak: Soak, warm: list[Sample], seconds: float, jobs: int, max_growth
     server_errors = sum(count for code, count in soak.codes.items() if code >= 500)
     not_succeeded = sum(count for outcome, count in soak.outcomes.items() if outcome != "succeeded")
     print(f"5xx: {server_errors}; jobs not succeeded: {not_succeeded}; errors: {soak.errors[:3]}")
-    return passed and not server_errors and not not_succeeded and not soak.errors
+    print(f"probes: {soak.probes_sent} sent, {len(soak.probes_failed)} missed their answer {soak.probes_failed[:3]}; "
+          f"results re-read: {len(soak.results)}")
+    return passed and not server_errors and not not_succeeded and not soak.errors and not soak.probes_failed
 
 
 def main() -> None:
@@ -229,6 +276,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-growth", type=float, default=0.25, help="Largest RSS growth, as a fraction.")
+    parser.add_argument("--probes", action="store_true", help="Replay issue 21's abusive requests meanwhile.")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bnrecal-soak-"))
     port = free_port()
@@ -242,6 +290,10 @@ def main() -> None:
         stop = threading.Event()
         watcher = threading.Thread(target=soak.watch, args=(stop,), daemon=True)
         watcher.start()
+        probes_done = threading.Event()
+        prober = threading.Thread(target=soak.probe, args=(probes_done,), daemon=True)
+        if args.probes:
+            prober.start()
         started = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as job_pool, ThreadPoolExecutor(max(1, args.uploads)) as uploads:
             pending = [job_pool.submit(soak.job, index) for index in range(args.jobs)]
@@ -250,6 +302,10 @@ def main() -> None:
             for future in pending:
                 future.result()
         seconds = time.monotonic() - started
+        probes_done.set()
+        if args.probes:
+            prober.join()
+        soak.verify_results()
         stop.set()
         watcher.join()
         passed = report(soak, warm, seconds, args.jobs, args.max_growth)
