@@ -27,7 +27,8 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(
         default=None,
         validation_alias=AliasChoices("BNRECAL_RAY_ADDRESS", "RAY_ADDRESS"),
-        description="Existing Ray cluster to use; empty starts an embedded local instance.",
+        description="Existing Ray cluster to use (its RAY_AUTH_TOKEN in the environment); empty or 'local' "
+        "starts an embedded instance on loopback with a token of its own.",
     )
     model_modules: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Module prefixes allowed in `<module.path>:<callable>` architectures."
