@@ -40,7 +40,8 @@ CHILD_TIMEOUT_S = 120.0
 
 def checkpoint_shapes(path: str | os.PathLike[str], name: str | None = None) -> dict[str, tuple[int, ...]]:
     """The state dict's keys and shapes as stored (prefix included), read without loading
-    tensor data."""
+    tensor data (except from a legacy torch file, which cannot be mapped); the errors are
+    those of loading it."""
     file = Path(path)
     shown = repr(name or file.name)
     with file.open("rb") as handle:
@@ -51,7 +52,9 @@ def checkpoint_shapes(path: str | os.PathLike[str], name: str | None = None) -> 
                 return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise CheckpointError(f"checkpoint {shown} is a corrupt safetensors file: {exc}") from exc
-    container = _read_torch(file, shown, mmap=True)
+    # torch's zip format maps its tensor data; a legacy (pre-1.6) file or a plain pickle cannot
+    # be mapped and is read as loading would read it, weights only (bounded by the upload cap).
+    container = _read_torch(file, shown, mmap=head[:2] == b"PK")
     if isinstance(container, Mapping):
         for key in STATE_DICT_KEYS:
             if isinstance(container.get(key), Mapping):

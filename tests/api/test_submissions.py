@@ -73,12 +73,13 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_does_not_run(live_serve
     data, _ = write_samples(tmp_path / "x.npy", 4)
     with live_server.client("carol") as client:
         spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, checkpoint), "data": upload(client, data)}
-        job = wait_for(client, submit(client, spec)["id"])
-    assert job["status"] == "failed"
-    assert job["error"]["type"].endswith("/checkpoint") and job["error"]["status"] == 422
-    assert "unpickle" in job["error"]["detail"] or "weights only" in job["error"]["detail"]
+        jobs_before = client.get("/v1/jobs").json()["jobs"]
+        response = client.post("/v1/jobs", json=spec)  # refused at submission, by the model check
+        assert client.get("/v1/jobs").json()["jobs"] == jobs_before
+    problem = response.json()
+    assert response.status_code == 422 and problem["type"].endswith("/checkpoint")
+    assert "unpickle" in problem["detail"] or "weights only" in problem["detail"]
     assert not marker.exists()
-    assert job["artifacts"] == {}
 
 
 @pytest.mark.parametrize(
@@ -118,7 +119,7 @@ UNKNOWN_FORMAT = (
 )
 
 
-def test_a_failed_job_names_the_files_as_uploaded_not_their_digests(live_server, tmp_path):
+def test_errors_name_the_files_as_uploaded_not_their_digests(live_server, tmp_path):
     from service.client import BnrecalClient
 
     good = save_state(tmp_path / "good.pt", mixed_net())
@@ -138,9 +139,9 @@ def test_a_failed_job_names_the_files_as_uploaded_not_their_digests(live_server,
         assert named.status_code == 201 and named.json()["filename"] == "notes.md"  # only the last component
         too_long = client.post("/v1/blobs", params={"filename": "x" * 256}, content=b"notes")
         assert too_long.status_code == 422 and too_long.json()["field"] == "query filename"
+        cut = client.post("/v1/jobs", json=base | {"checkpoint": half})  # refused at submission
         specs = {
             "data": base | {"data": text["digest"]},
-            "checkpoint": base | {"checkpoint": half},
             "eval": base | {"eval": {"data": text["digest"]}},
             "unnamed": base | {"data": unnamed},
         }
@@ -150,8 +151,8 @@ def test_a_failed_job_names_the_files_as_uploaded_not_their_digests(live_server,
         role="calibration data", name="'calib.txt'", extension="extension .txt"
     )
     assert errors["data"]["type"].endswith("/dataset") and errors["data"]["status"] == 422
-    assert errors["checkpoint"]["detail"] == "checkpoint 'model.pt' is truncated or not a torch/safetensors file"
-    assert errors["checkpoint"]["type"].endswith("/checkpoint")
+    assert cut.status_code == 422 and cut.json()["type"].endswith("/checkpoint")
+    assert cut.json()["detail"] == "checkpoint 'model.pt' is truncated or not a torch/safetensors file"
     assert errors["eval"]["detail"].startswith("unknown evaluation data format 'calib.txt' (extension .txt)")
     # a blob uploaded without a name is called by the digest the spec gave, not the stored file's bare hex
     assert errors["unnamed"]["detail"] == UNKNOWN_FORMAT.format(

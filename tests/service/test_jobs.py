@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from service.blobs import BlobStore
 from service.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
 from service.settings import Settings
-from workers.errors import ArchitectureError, SpecError
+from tests.nets import mixed_net
+from workers.errors import ArchitectureError, CheckpointError, SpecError
 
 DIGEST = "sha256:" + "a" * 64
 
@@ -67,7 +70,9 @@ def _upload(store: BlobStore, tenant: str, payload: bytes) -> str:
 def test_submission_needs_the_tenants_own_blobs(tmp_path):
     store = BlobStore(tmp_path / "blobs")
     settings = Settings(data_dir=tmp_path, model_modules=["tests"])
-    checkpoint = _upload(store, "alice", b"weights")
+    buffer = io.BytesIO()
+    torch.save(mixed_net().state_dict(), buffer)
+    checkpoint = _upload(store, "alice", buffer.getvalue())
     data = _upload(store, "alice", b"samples")
     check_submission(spec(checkpoint=checkpoint, data=data), "alice", store, settings)
     with pytest.raises(SpecError, match="checkpoint: no blob") as info:
@@ -76,6 +81,23 @@ def test_submission_needs_the_tenants_own_blobs(tmp_path):
     with pytest.raises(SpecError) as info:
         check_submission(spec(checkpoint=checkpoint, data=DIGEST), "alice", store, settings)
     assert info.value.field == "data"
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_at_submission(tmp_path):
+    store = BlobStore(tmp_path / "blobs")
+    settings = Settings(data_dir=tmp_path, model_modules=["tests"])
+    data = _upload(store, "alice", b"samples")
+    for payload, message in ((b"weights", "is corrupt"), (_legacy_checkpoint(), "shape mismatches")):
+        checkpoint = _upload(store, "alice", payload)
+        with pytest.raises(CheckpointError, match=message):
+            check_submission(spec(checkpoint=checkpoint, data=data, model_kwargs={"channels": 7}), "alice", store, settings)
+
+
+def _legacy_checkpoint() -> bytes:
+    """A torch file in the pre-1.6 format, which cannot be memory-mapped."""
+    buffer = io.BytesIO()
+    torch.save(mixed_net().state_dict(), buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
 
 
 @pytest.mark.parametrize("arch", ["os:system", "subprocess:run", "testsuite.nets:x", "builtins:eval"])
