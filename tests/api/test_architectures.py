@@ -43,8 +43,13 @@ def test_an_architecture_that_cannot_be_built_is_refused_before_a_job_exists(liv
     assert len(after) == len(before)
 
 
-def test_a_known_architecture_is_accepted(live_server, blobs):
+def test_a_known_architecture_is_accepted(live_server, blobs, tmp_path):
+    import torchvision
+
+    kwargs = {"width_mult": 0.1, "num_classes": 10}  # small enough for the test server's upload cap
+    checkpoint = save_state(tmp_path / "mobilenet.pt", torchvision.models.mobilenet_v2(**kwargs))
     with live_server.client("carol") as client:
-        response = client.post("/v1/jobs", json={"arch": "torchvision:resnet18", **blobs, "workers": 1})
+        spec = {"arch": "torchvision:mobilenet_v2", "model_kwargs": kwargs, **blobs, "workers": 1}
+        response = client.post("/v1/jobs", json=spec | {"checkpoint": upload(client, checkpoint)})
         assert response.status_code == 202, response.text
         client.post(f"/v1/jobs/{response.json()['id']}/cancel")  # the data does not fit resnet18: no need to run it
