@@ -32,7 +32,7 @@ from safetensors import safe_open
 from .checkpoint_prefix import ModelKeys, choose_prefix, model_keys
 from .checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
 from .errors import ArchitectureError, CheckpointError, SpecError
-from .models import build_model
+from .models import build_model, check_architecture
 
 CHILD_TIMEOUT_S = 120.0
 """Longest a child process may take to build an architecture the meta device cannot."""
@@ -70,6 +70,7 @@ def model_layout(
 ) -> tuple[ModelKeys, dict[str, tuple[int, ...]]]:
     """The architecture's state dict keys and shapes, built on the meta device (or, where
     that cannot work, in a bounded child process); refuses a model over ``max_bytes``."""
+    check_architecture(arch, allowed_modules)  # an unknown or disallowed name needs no build
     try:
         with torch.device("meta"):
             model = build_model(arch, model_kwargs, allowed_modules=allowed_modules, device="meta")
@@ -120,15 +121,14 @@ def _check_size(arch: str, size: int, max_bytes: int) -> None:
 
 
 def _needs_real_tensors(exc: Exception) -> bool:
-    """Whether a build failed only because the meta device holds no values."""
-    text = f"{exc} {exc.__cause__}".lower()
-    return "meta" in text and ("copy out of meta" in text or "cannot be called on meta" in text
-                               or "not implemented" in text or "data-dependent" in text or "item()" in text)
+    """Whether a meta build's failure may be the meta device's (anything but arguments the
+    factory's signature refuses): the bounded child then builds it for real, and says."""
+    return not (isinstance(exc, SpecError) and "do not fit" in str(exc))
 
 
 def _layout_in_child(
     arch: str, model_kwargs: Mapping[str, Any], allowed_modules: Sequence[str], max_bytes: int
-) -> dict[str, tuple[int, ...]]:
+) -> tuple[ModelKeys, dict[str, tuple[int, ...]]]:
     """Build the model for real in a child process, killed once its memory passes the bound."""
     request = json.dumps({"arch": arch, "kwargs": dict(model_kwargs), "allowed": list(allowed_modules)})
     child = subprocess.Popen(
