@@ -96,6 +96,10 @@ def recalibrate(
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
     )
+    if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
+        skipped = find_batchnorm_layers(model)[1]
+        detail = f" ({len(skipped)} without running statistics)" if skipped else ""
+        raise NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
     sample = _probe_batch(spec, forward)
     shipped = ship_model(model, sample, forward)
     layers, skipped = find_batchnorm_layers(shipped.driver)
