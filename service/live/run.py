@@ -51,6 +51,8 @@ def recalibrate(
     device: str = "cpu",
     forward: Forward | None = None,
     ray_address: str | None = None,
+    server: str | None = None,
+    api_key: str | None = None,
     progress: bool = True,
     pool: WarmPool | None = None,
     settings: Settings | None = None,
@@ -80,6 +82,8 @@ def recalibrate(
         with it the model travels pickled (see below), never as a program.
     ray_address: the Ray cluster to run on (else ``RAY_ADDRESS``, else an embedded local
         instance, shut down again after the call; a cluster the caller joined stays).
+    server, api_key: run as a job of the bnrecal server at this URL instead: the model
+        goes as a program (it must export), the data as ``.npy`` (see ``docs/python.md``).
     progress: a progress bar on a terminal; ``False`` for none.
     pool: warm rank actors (``workers.pool.WarmPool``) reused across calls.
 
@@ -93,13 +97,20 @@ def recalibrate(
         workers=_count(workers, "workers"), mode=mode, device=device,
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
     )
-    spec = describe_python_data(
-        data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
-    )
     if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
         skipped = find_batchnorm_layers(model)[1]
         detail = f" ({len(skipped)} without running statistics)" if skipped else ""
         raise NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
+    if server is not None:
+        from .remote import recalibrate_on_server
+
+        return recalibrate_on_server(
+            model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
+            batch_size=batch_size, forward=forward, progress=lambda: _bar(progress),
+        )
+    spec = describe_python_data(
+        data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
+    )
     sample = _probe_batch(spec, forward)
     shipped = ship_model(model, sample, forward)
     layers, skipped = find_batchnorm_layers(shipped.driver)
