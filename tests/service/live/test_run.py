@@ -166,3 +166,13 @@ def test_an_exported_program_is_recalibrated_in_place(mixed, warm_pool):
         got_mean, got_var = program.state_dict[f"{name}.running_mean"], program.state_dict[f"{name}.running_var"]
         torch.testing.assert_close(got_mean.double(), mean, rtol=0, atol=1e-4 * float(var.sqrt().max()) + 1e-6)
         torch.testing.assert_close(got_var.double(), var, rtol=1e-4, atol=0)
+
+
+def test_what_data_takes_a_path_runs_on_the_same_engine(mixed, warm_pool):
+    model, samples, _, data = mixed
+    live = copy.deepcopy(model)
+    before = state(live)
+    report = bnrecal.recalibrate(live, data, batch_size=6, workers=2, max_samples=18, progress=False, pool=warm_pool)
+    assert_matches_reference(live, reference_statistics(model, samples[:18], 6))
+    assert_only_bn_buffers_changed(before, live, steps=3)
+    assert report["data"]["kind"] == "array" and report["model"]["transport"] == "program"
