@@ -61,9 +61,9 @@ def calibration_pass(
 
     ``batches`` yields one tensor per global step (empty where this rank's slice is
     empty), or one :class:`~workers.data.loader.Step` (a batch in the user's structure,
-    fed to the model by ``feed(model, batch)`` when given). Every module other than BN runs in eval mode. Returns the statistics of
-    every layer over everything every rank saw; in ``local`` mode that includes the
-    job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
+    fed to the model by ``feed(model, batch)`` when given). Every module other than BN
+    runs in eval mode. Returns the statistics of every layer over everything every rank
+    saw; in ``local`` mode that includes the job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
     ``channels_last``) is the layout the rank computes in (``auto``: channels-last for
     image batches, see ``workers.memory_format``).
 

@@ -58,7 +58,9 @@ def describe_python_data(
         data = TensorDataset(torch.as_tensor(data))
     if isinstance(data, DataLoader):
         if batch_size is not None:
-            raise SpecError("batch_size goes with a Dataset: a DataLoader's own batches are the steps", field="batch_size")
+            raise SpecError(
+                "batch_size goes with a Dataset: a DataLoader's own batches are the steps", field="batch_size"
+            )
         if isinstance(data.dataset, IterableDataset) or data.batch_sampler is None:
             return _materialised(data, max_samples, select_input, "DataLoader (read on the driver)")
         steps = [list(step) for step in data.batch_sampler]

@@ -13,6 +13,7 @@ Either way the driver writes the new statistics into the caller's own buffers, i
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,25 +52,39 @@ def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None) -> S
     if isinstance(model, torch.export.ExportedProgram):
         if forward is not None:
             raise SpecError("forward does not go with an ExportedProgram: it runs on its own inputs", field="forward")
-        return _program(_save(model), "ExportedProgram", lambda updates: _write_program_state(model, updates))
+        return _program(program_bytes(model), "ExportedProgram", lambda updates: _write_program_state(model, updates))
     if not isinstance(model, nn.Module):
-        raise SpecError(f"model must be a torch.nn.Module or ExportedProgram, got {type(model).__name__}", field="model")
+        raise SpecError(
+            f"model must be a torch.nn.Module or ExportedProgram, got {type(model).__name__}", field="model"
+        )
     name = type(model).__qualname__
     notes: list[str] = []
+    cpu_model = on_cpu(model)
     if forward is not None:
         notes.append("forward given: it runs on the live module")
     elif isinstance(sample, torch.Tensor):
         try:
-            shipped = _program(_save(_export(model, sample)), name, lambda updates: _write_module(model, updates))
-            _check_names(shipped.driver, model)
+            data = program_bytes(export_program(cpu_model, sample))
+            shipped = _program(data, name, lambda updates: _write_module(model, updates))
+            _check_names(shipped.driver, cpu_model)
             return shipped
         except Exception as exc:  # noqa: BLE001 - any export failure means: pickle it
             notes.append(f"not exported ({type(exc).__name__}: {first_line(exc)[:200]})")
-    return ShippedModel(LiveModuleSource(name), model, model, "pickle", None, notes)
+    write_back = None if cpu_model is model else (lambda updates: _write_module(model, updates))
+    return ShippedModel(LiveModuleSource(name), cpu_model, cpu_model, "pickle", write_back, notes)
 
 
-def _export(model: nn.Module, sample: torch.Tensor) -> Any:
-    """The model traced in eval mode on ``sample``, with a dynamic batch where torch allows."""
+def on_cpu(model: nn.Module) -> nn.Module:
+    """The model itself when it lives on the CPU, else a CPU copy (the driver's work and what
+    the ranks get happen on the CPU; updates go back into the original, on its device)."""
+    if all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()]):
+        return model
+    return copy.deepcopy(model).cpu()
+
+
+def export_program(model: nn.Module, sample: torch.Tensor) -> Any:
+    """The model traced in eval mode on ``sample``, with a dynamic batch where torch allows
+    (the caller's training flag is put back)."""
     was_training = model.training
     model.eval()
     try:
@@ -79,7 +94,8 @@ def _export(model: nn.Module, sample: torch.Tensor) -> Any:
         model.train(was_training)
 
 
-def _save(program: Any) -> bytes:
+def program_bytes(program: Any) -> bytes:
+    """A program as the bytes of its ``.pt2`` archive."""
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     return buffer.getvalue()

@@ -31,7 +31,7 @@ from ..client import BnrecalClient, error_from_problem
 from ..options import RunOptions
 from ..settings import Settings
 from .data import describe_python_data
-from .model import _export, _save
+from .model import export_program, on_cpu, program_bytes
 from .report import RecalibrationReport
 
 EXACT_FLOAT32_INTEGERS = 2**24
@@ -91,20 +91,21 @@ def recalibrate_on_server(
     )
     if isinstance(spec, DatasetSpec) and spec.remote is not None:
         raise SpecError("with server=, data in object storage is not sent: give a local path", field="data")
+    live = on_cpu(model)
     with tempfile.TemporaryDirectory(prefix="bnrecal-") as folder:
         if isinstance(spec, LoaderSpec):
-            rows, traced, prefix, step = _materialise(model, spec, forward)
+            rows, traced, prefix, step = _materialise(live, spec, forward)
             data_file = Path(folder) / "data.npy"
             np.save(data_file, rows)
             sample = torch.from_numpy(rows[: min(8, len(rows))])
         else:
             if forward is not None:
                 raise SpecError("with server=, forward goes with batches given as Python objects", field="forward")
-            traced, prefix, step, data_file = model, "", options.batch_size, Path(spec.path)
+            traced, prefix, step, data_file = live, "", options.batch_size, Path(spec.path)
             with spec.open() as opened:
                 sample = opened.load(0, min(8, spec.num_samples))
         program_file = Path(folder) / f"{type(model).__name__}.pt2"
-        program_file.write_bytes(_save(_export(traced, sample)))
+        program_file.write_bytes(program_bytes(export_program(traced, sample)))
         job_spec = {
             "workers": options.workers, "mode": options.mode, "batch_size": step, "device": options.device,
             "outputs": ["program"],
@@ -137,7 +138,8 @@ def _materialise(
     sizes = spec.sizes
     if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
         raise SpecError(
-            f"with server=, every batch but the last has the same size (the server's batch_size); got {list(sizes)[:8]}",
+            "with server=, every batch but the last has the same size (the server's batch_size); "
+            f"got {list(sizes)[:8]}",
             field="batch_size",
         )
     steps = [step.value for step in spec.rank_steps(0, 1)]
@@ -145,7 +147,7 @@ def _materialise(
         rows = np.concatenate([torch.as_tensor(value).detach().cpu().float().numpy() for value in steps])
         return rows, model, "", sizes[0]
     template, fields, packed = None, None, []
-    for value, size in zip(steps, sizes):
+    for value, size in zip(steps, sizes, strict=True):
         leaves: list[torch.Tensor] = []
         shape = _template(value, leaves)
         layout = [(tuple(leaf.shape[1:]), leaf.dtype) for leaf in leaves]

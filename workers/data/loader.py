@@ -11,7 +11,7 @@ its own DataLoader workers. Materialised batches travel whole; each rank slices 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,7 +93,7 @@ class LoaderSpec:
             yield from self._loaded_steps(rank, world_size)
 
     def _sliced_steps(self, rank: int, world_size: int) -> Iterator[Step]:
-        for batch, size in zip(self.batches, self.sizes):
+        for batch, size in zip(self.batches, self.sizes, strict=True):
             part = np.array_split(np.arange(size), world_size)[rank]
             if not part.size:
                 yield Step(None, 0)
