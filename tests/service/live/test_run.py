@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import bnrecal
 from service.recalibrate import RecalibrationRequest
@@ -176,3 +176,29 @@ def test_what_data_takes_a_path_runs_on_the_same_engine(mixed, warm_pool):
     assert_matches_reference(live, reference_statistics(model, samples[:18], 6))
     assert_only_bn_buffers_changed(before, live, steps=3)
     assert report["data"]["kind"] == "array" and report["model"]["transport"] == "program"
+
+
+class Stream(IterableDataset):
+    """An iterable-style dataset: it has no indices to shard, so its batches are read on the driver."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def __iter__(self):
+        yield from self.x
+
+
+def test_a_shuffled_loader_and_an_iterable_dataset(mixed, warm_pool):
+    model, samples, _, _ = mixed
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(5))  # what RandomSampler draws
+    expected = reference_statistics(model, samples[order], 6, world_size=2, mode="local")
+    shuffled = DataLoader(TensorDataset(samples), batch_size=6, shuffle=True,
+                          generator=torch.Generator().manual_seed(5))
+    live = copy.deepcopy(model)
+    bnrecal.recalibrate(live, shuffled, workers=2, mode="local", progress=False, pool=warm_pool)
+    assert_matches_reference(live, expected)
+    live = copy.deepcopy(model)
+    report = bnrecal.recalibrate(live, DataLoader(Stream(samples), batch_size=6), workers=2, mode="local",
+                                 progress=False, pool=warm_pool)
+    assert_matches_reference(live, reference_statistics(model, samples, 6, world_size=2, mode="local"))
+    assert report["data"]["kind"] == "batches"
