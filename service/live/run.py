@@ -106,7 +106,7 @@ def recalibrate(
 
         return recalibrate_on_server(
             model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
-            batch_size=batch_size, forward=forward, progress=lambda: _bar(progress),
+            batch_size=batch_size, forward=forward, progress=lambda: _bar(progress, "queued"),
         )
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
@@ -170,7 +170,6 @@ def _run(
             shards = _ship(spec, options.batch_size, options.workers)
     total = spec.num_samples
     with _bar(progress) as update:
-        update(0, total, STARTING_PHASE)
         result = run_rank_group(
             plan, shipped.weights, group, shards=shards, pool=pool,
             on_progress=lambda phase, done: update(done, total, phase),
@@ -183,10 +182,10 @@ def _run(
     return result, run
 
 
-def _bar(progress: bool) -> Any:
+def _bar(progress: bool, first_phase: str = STARTING_PHASE) -> Any:
     """The CLI's progress bar (a terminal only), or none at all."""
     if progress:
-        return progress_bar("calibrating")
+        return progress_bar(first_phase)
     from contextlib import nullcontext
 
     return nullcontext(lambda done, total, phase="": None)
