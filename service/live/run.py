@@ -21,7 +21,7 @@ from workers.calibrator import probe_call_order
 from workers.collectives import backend_for_device
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec, model_input
-from workers.errors import NoBatchNormError, SpecError
+from workers.errors import NoBatchNormError, SpecError, first_line
 from workers.group import GroupOptions, run_rank_group
 from workers.moments import MomentStats
 from workers.plan import RankPlan
@@ -170,16 +170,43 @@ def _run(
             shards = _ship(spec, options.batch_size, options.workers)
     total = spec.num_samples
     with _bar(progress) as update:
-        result = run_rank_group(
-            plan, shipped.weights, group, shards=shards, pool=pool,
-            on_progress=lambda phase, done: update(done, total, phase),
-        )
+        try:
+            result = run_rank_group(
+                plan, shipped.weights, group, shards=shards, pool=pool,
+                on_progress=lambda phase, done: update(done, total, phase),
+            )
+        except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
+            if "serialize" not in str(exc):
+                raise
+            raise _not_picklable(shipped, spec, forward, exc) from None
     run = {
         "backend": backend, "placement": group.placement_strategy, "data_transport": transport,
         "object_store_bytes": sum(shard.nbytes for shard in shards or []), "attempts": 1, "retried_failures": [],
         "cpus_per_worker": cpus, "dataset": spec,
     }
     return result, run
+
+
+def _not_picklable(
+    shipped: ShippedModel, spec: DatasetSpec | LoaderSpec, forward: Forward | None, exc: TypeError
+) -> SpecError:
+    """Which of what goes to the ranks cannot be pickled, named in one line."""
+    from ray import cloudpickle
+
+    parts: list[tuple[str, Any]] = [("model", shipped.weights), ("forward", forward)]
+    if isinstance(spec, LoaderSpec):
+        parts += [("data", spec.dataset), ("data", spec.collate_fn), ("data", spec.batches)]
+    for name, value in parts:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as problem:  # noqa: BLE001 - any pickling failure is the answer
+            what = {"model": "the model", "forward": "forward", "data": "the dataset (or its collate_fn)"}[name]
+            return SpecError(
+                f"{what} cannot be sent to the Ray workers: {type(problem).__name__}: {first_line(problem)} "
+                "(it must pickle: see docs/python.md)",
+                field=name,
+            )
+    return SpecError(f"what goes to the Ray workers cannot be pickled: {first_line(exc)}", field="data")
 
 
 def _bar(progress: bool, first_phase: str = STARTING_PHASE) -> Any:

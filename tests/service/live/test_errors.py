@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 
 import pytest
 import torch
@@ -98,3 +99,28 @@ def test_a_forward_that_fails_on_a_rank_fails_the_call_with_its_line(model):
     data = DataLoader(TensorDataset(samples(16), torch.arange(16)), batch_size=4)
     message = refused(bnrecal.RunError, live, data, workers=2, forward=forward)
     assert re.match(r"rank [01] on node \w+ failed: RuntimeError: sample 1[35] is corrupt$", message), message
+
+
+class Locked(torch.utils.data.Dataset):
+    """A dataset holding a lock: it cannot be pickled for the ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.x = torch.randn(8, 3, 6, 6)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index]
+
+
+def test_what_cannot_be_pickled_is_named(model):
+    message = refused(bnrecal.SpecError, model, DataLoader(Locked(), batch_size=4))
+    assert message.startswith(
+        "the dataset (or its collate_fn) cannot be sent to the Ray workers: TypeError: cannot pickle"
+    )
+    locked = copy.deepcopy(model)
+    locked.lock = threading.Lock()
+    message = refused(bnrecal.SpecError, locked, [samples()], forward=lambda net, batch: net(batch))
+    assert message.startswith("the model cannot be sent to the Ray workers: TypeError: cannot pickle")
