@@ -98,9 +98,7 @@ def recalibrate(
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
     )
     if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
-        skipped = find_batchnorm_layers(model)[1]
-        detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-        raise NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
+        raise _no_batchnorm(model, find_batchnorm_layers(model)[1])
     if server is not None:
         from .remote import recalibrate_on_server
 
@@ -115,8 +113,7 @@ def recalibrate(
     shipped = ship_model(model, sample, forward)
     layers, skipped = find_batchnorm_layers(shipped.driver)
     if not layers:
-        detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-        raise NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
+        raise _no_batchnorm(model, skipped)
     call_order = probe_call_order(shipped.driver, layers, sample, forward)
     old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
     if isinstance(spec, LoaderSpec):
@@ -185,6 +182,11 @@ def _run(
         "cpus_per_worker": cpus, "dataset": spec,
     }
     return result, run
+
+
+def _no_batchnorm(model: Any, skipped: list[SkippedLayer]) -> NoBatchNormError:
+    detail = f" ({len(skipped)} without running statistics)" if skipped else ""
+    return NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
 
 
 def _not_picklable(
