@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ray
 import torch
 from torch import nn
 
@@ -28,7 +27,7 @@ from workers.plan import RankPlan
 from workers.pool import WarmPool
 
 from ..cli.console import progress_bar
-from ..cluster import ensure_ray, is_local_instance
+from ..cluster import ensure_ray, is_local_instance, shutdown_embedded
 from ..options import STARTING_PHASE, RunOptions, default
 from ..recalibrate import _data_transport, _ship, _updates, cpus_per_worker
 from ..report import build_report
@@ -125,7 +124,7 @@ def recalibrate(
         run["embedded_cluster"] = started_local or is_local_instance()
     finally:
         if started_local:
-            ray.shutdown()
+            shutdown_embedded()
     stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]

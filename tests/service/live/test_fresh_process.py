@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = '''
-import copy, json, sys
+import copy, json, os, sys
 import ray, torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -59,7 +59,9 @@ assert_matches_reference(model, expected)
 after = model.state_dict()
 unchanged = [k for k, v in before.items() if k.split(".")[-1] not in ("running_mean", "running_var",
              "num_batches_tracked") and torch.equal(v, after[k])]
+auth_env = {name: os.environ.get(name) for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
 json.dump({"report": dict(report), "unchanged": unchanged, "ray_left_running": ray.is_initialized(),
+           "auth_env": auth_env,
            "tracked": int(after["bn.num_batches_tracked"])}, sys.stdout)
 '''
 
@@ -69,6 +71,8 @@ def test_a_main_module_class_on_two_ray_workers(tmp_path):
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)
+    env["RAY_AUTH_MODE"] = "disabled"  # the caller's own setting, given back after the call
     done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,6 +80,9 @@ def test_a_main_module_class_on_two_ray_workers(tmp_path):
     assert sorted(result["unchanged"]) == sorted(["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight",
                                                   "fc.bias", "bn_fc.weight", "bn_fc.bias"])
     assert result["tracked"] == 5 and not result["ray_left_running"]
+    # The embedded instance's token dies with it: a later ray.init(address=...) of the
+    # script must not send its own cluster that token.
+    assert result["auth_env"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": "disabled"}
     report = result["report"]
     assert report["world_size"] == 2 and report["samples"] == 26 and len(set(report["nodes"])) == 1
     assert report["model"]["transport"] == "pickle" and report["embedded_cluster"] is True
