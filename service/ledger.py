@@ -1,4 +1,5 @@
-"""The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default).
+"""The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default,
+PostgreSQL for a replicated service: ``service/ledger_backends.py``).
 
 The ledger, not Ray, is the source of truth: it survives restarts, and every state
 change goes through a conditional update here, so a cancel racing a start, or two
@@ -15,9 +16,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, inspect
+from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint, func
 from sqlalchemy import delete as sql_delete
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -26,6 +27,7 @@ from sqlalchemy.types import TypeDecorator
 from workers.errors import NotFoundError, TooManyJobsError
 
 from .jobs import ConflictError, JobRecord, JobStatus
+from .ledger_backends import lock_tenant, make_engine, prepare_schema
 from .options import STARTING_PHASE
 
 INTERRUPTED = "interrupted by restart"
@@ -110,9 +112,8 @@ class Ledger:
     """The repository of jobs: the only code that reads or writes the jobs table."""
 
     def __init__(self, url: str) -> None:
-        self.engine = _make_engine(url)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        self.engine = make_engine(url)
+        prepare_schema(self.engine, Base.metadata)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -132,7 +133,7 @@ class Ledger:
         Returns the job and whether it was created now. Reusing a key with another spec
         is a ``ConflictError``; a new job that would give the tenant more than ``max_queued``
         queued jobs is a ``TooManyJobsError`` (counted after the insert, in its transaction:
-        on SQLite, whose writers take turns, the bound is exact).
+        the tenant's transactions take turns, so the bound is exact).
         """
         if idempotency_key is not None:
             existing = self._by_idempotency_key(tenant, idempotency_key)
@@ -145,6 +146,7 @@ class Ledger:
         )
         try:
             with self._session() as session:
+                lock_tenant(session, tenant)
                 session.add(row)
                 session.flush()
                 if max_queued is not None:
@@ -341,33 +343,3 @@ class Ledger:
             )
         return job
 
-
-def _add_missing_columns(engine: Engine) -> None:
-    """Add the nullable columns a newer release declares to a ledger an older one created,
-    so upgrading keeps every stored job."""
-    present = {column["name"] for column in inspect(engine).get_columns(JobRow.__tablename__)}
-    with engine.begin() as connection:
-        for column in JobRow.__table__.columns:
-            if column.name not in present and column.nullable:
-                kind = column.type.compile(dialect=engine.dialect)
-                connection.execute(text(f"ALTER TABLE {JobRow.__tablename__} ADD COLUMN {column.name} {kind}"))
-
-
-def _make_engine(url: str) -> Engine:
-    """An engine; for SQLite: WAL journal, a busy timeout, and connections usable from any thread."""
-    if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    database = url.split("///", 1)[-1]
-    if database and database != ":memory:":
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-    @event.listens_for(engine, "connect")
-    def _configure(connection: Any, _record: Any) -> None:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    return engine

@@ -96,7 +96,10 @@ class Settings(BaseSettings):
         "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS itself).",
     )
     database_url: str | None = Field(
-        default=None, description="SQLAlchemy URL of the job ledger; default: SQLite `ledger.db` in data_dir."
+        default=None,
+        description="SQLAlchemy URL of the job ledger: `sqlite:///path` or, shared by the replicas of a replicated "
+        "service, `postgresql+psycopg://user:password@host/db` (the `postgres` extra); default: SQLite "
+        "`ledger.db` in data_dir.",
     )
     max_concurrent_jobs: int | None = Field(
         default=None, ge=1, description="Jobs run at once; default: as many as the cluster's CPUs hold."
