@@ -23,6 +23,7 @@ from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 from workers.pool import WarmPool
 
+from .blob_backends import open_blob_store
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
 from .events import ChangeFeed
@@ -205,7 +206,7 @@ def open_services(settings: Settings) -> Services:
     data_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"data_dir": data_dir})
     ledger = Ledger(settings.database_url or sqlite_url(data_dir))
-    blobs = BlobStore(data_dir / "blobs")
+    blobs = open_blob_store(settings.blob_store, data_dir / "blobs", settings.s3_endpoint_url)
     blobs.clear_staging()
     mark_collected_root(settings.unpack_options()["unpack_root"])  # failed jobs' unpacks go via the collector
     shutil.rmtree(data_dir / "work", ignore_errors=True)  # interrupted jobs restart from scratch

@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         description="S3-compatible endpoint for `s3://` data (e.g. MinIO); default: the AWS environment's "
         "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS itself).",
     )
+    blob_store: str | None = Field(
+        default=None,
+        description="Where blobs and artifacts are kept: empty, files under data_dir; `s3://bucket/prefix`, "
+        "S3-compatible object storage shared by the replicas of a replicated service (reached with "
+        "s3_endpoint_url and the AWS environment), each replica caching what it reads under data_dir.",
+    )
     database_url: str | None = Field(
         default=None,
         description="SQLAlchemy URL of the job ledger: `sqlite:///path` or, shared by the replicas of a replicated "

@@ -241,7 +241,7 @@ class StorageCollector:
     def _refreshed(self, tenant: str, digest: str, cutoff: float) -> bool:
         """Right before deleting: whether the blob was just uploaded again or submitted (or is gone)."""
         try:
-            return self.blobs.path(tenant, digest).stat().st_mtime >= cutoff
+            return self.blobs.last_used(tenant, digest) >= cutoff
         except (OSError, NotFoundError):
             return True
 
