@@ -75,6 +75,8 @@ class JobRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the replica running it
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     def record(self) -> JobRecord:
         """A detached snapshot of this row."""
@@ -281,22 +283,33 @@ class Ledger:
         return self._update(
             job_id, {JobStatus.running},
             status=JobStatus.queued.value, started_at=None, attempts=JobRow.attempts - 1, samples_done=0,
+            lease_owner=None, lease_expires_at=None,
         )
 
-    def recover_interrupted(self, rerun: bool) -> dict[str, JobStatus]:
-        """After a crash: queue each job left ``running`` again once, or fail it; returns the outcomes."""
+    def recover_interrupted(self, rerun: bool, expired_before: datetime | None = None) -> dict[str, JobStatus]:
+        """After a crash: queue each job left ``running`` again once, or fail it; returns the outcomes.
+
+        With ``expired_before`` (a ledger shared by replicas) only the jobs whose replica let
+        their lease run out before then, checked again in each update, so a job another
+        replica has just claimed or renewed is left alone.
+        """
         outcomes: dict[str, JobStatus] = {}
+        expired = [] if expired_before is None else [
+            JobRow.lease_owner.is_(None) | (JobRow.lease_expires_at < expired_before)
+        ]
         with self._session() as session:
-            rows = session.scalars(select(JobRow).where(JobRow.status == JobStatus.running.value)).all()
+            rows = session.scalars(select(JobRow).where(JobRow.status == JobStatus.running.value, *expired)).all()
             stuck = [(row.id, row.attempts, row.cancel_requested) for row in rows]
         for job_id, attempts, cancel_requested in stuck:
+            running = {JobStatus.running}
             if cancel_requested:
-                self.finish(job_id, JobStatus.cancelled)
-                outcomes[job_id] = JobStatus.cancelled
+                outcome = JobStatus.cancelled
+                values: dict[str, Any] = {"finished_at": _now(), "error": None}
             elif rerun and attempts < MAX_ATTEMPTS:
-                self._update(job_id, {JobStatus.running}, status=JobStatus.queued.value, samples_done=0)
-                outcomes[job_id] = JobStatus.queued
+                outcome = JobStatus.queued
+                values = {"samples_done": 0, "lease_owner": None, "lease_expires_at": None}
             else:
+                outcome = JobStatus.failed
                 detail = INTERRUPTED + (f" (after {attempts} attempts)" if rerun else "")
                 problem = {
                     "type": "https://bnrecal.dev/problems/interrupted",
@@ -304,15 +317,17 @@ class Ledger:
                     "status": 500,
                     "detail": detail,
                 }
-                self.finish(job_id, JobStatus.failed, error=problem)
-                outcomes[job_id] = JobStatus.failed
+                values = {"finished_at": _now(), "error": problem}
+            if self._update(job_id, running, *expired, status=outcome.value, **values):
+                outcomes[job_id] = outcome
         return outcomes
 
-    def _update(self, job_id: str, allowed: set[JobStatus], **values: Any) -> bool:
-        """Change a job only while it is in one of the ``allowed`` statuses; bump its revision."""
+    def _update(self, job_id: str, allowed: set[JobStatus], *conditions: Any, **values: Any) -> bool:
+        """Change a job only while it is in one of the ``allowed`` statuses (and meets any further
+        ``conditions``); bump its revision."""
         statement = (
             sql_update(JobRow)
-            .where(JobRow.id == job_id, JobRow.status.in_([status.value for status in allowed]))
+            .where(JobRow.id == job_id, JobRow.status.in_([status.value for status in allowed]), *conditions)
             .values(revision=JobRow.revision + 1, **values)
         )
         with self._session() as session:

@@ -10,6 +10,8 @@ turns; Postgres takes a transaction-scoped advisory lock).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,25 @@ def lock_tenant(session: Session, tenant: str) -> None:
     if session.get_bind().dialect.name == "postgresql":
         key = zlib.crc32(tenant.encode()) - 2**31  # a signed 32-bit key of its own per tenant
         session.execute(text("SELECT pg_advisory_xact_lock(:space, :key)"), {"space": SCHEMA_LOCK, "key": key})
+
+
+@contextmanager
+def exclusive_turn(engine: Engine, name: str) -> Iterator[bool]:
+    """Whether this process may do ``name``'s periodic work now, held until the context ends:
+    on Postgres a session advisory lock that only one replica gets at a time (the others are
+    told False and skip their turn; a replica that dies lets go with its connection); on
+    SQLite, one process, always True."""
+    if not is_postgres(engine):
+        yield True
+        return
+    key = zlib.crc32(name.encode()) - 2**31
+    with engine.connect() as connection:
+        got = bool(connection.execute(text("SELECT pg_try_advisory_lock(:space, :key)"),
+                                      {"space": SCHEMA_LOCK, "key": key}).scalar())
+        connection.commit()
+        try:
+            yield got
+        finally:
+            if got:
+                connection.execute(text("SELECT pg_advisory_unlock(:space, :key)"), {"space": SCHEMA_LOCK, "key": key})
+                connection.commit()

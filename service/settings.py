@@ -119,6 +119,16 @@ class Settings(BaseSettings):
         default=100, ge=1,
         description="Jobs one API key may have queued; a submission past it is 429; empty: no limit.",
     )
+    job_lease_s: float = Field(
+        default=30.0, gt=0,
+        description="A running job's lease in the ledger, renewed every third of it by the replica running it; "
+        "a job whose replica died is taken over by another replica once its lease has run out.",
+    )
+    ledger_poll_s: float = Field(
+        default=0.5, gt=0,
+        description="With a Postgres ledger shared by replicas: how often each replica reads the ledger for "
+        "other replicas' job changes, for its event streams.",
+    )
     rerun_interrupted: bool = Field(
         default=True, description="Run a job a crash left `running` again (once); false: fail it."
     )
