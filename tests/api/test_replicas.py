@@ -143,6 +143,16 @@ def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
         "data": upload(b.client, save_array(tmp_path / "k.npy", samples)),
         "batch_size": 4,
     }
+    # A cancel sent to the replica that is not running the job stops it (read at a lease renewal).
+    stuck = submit(a.client, slow | {"model_kwargs": {"action": "hang", "hang_s": 600.0}})["id"]
+    wait_for(a.client, stuck, ("running",), progressed=True)
+    runner = owner_pid(runs(database_url)[stuck][1])
+    other = b if runner == a.process.pid else a
+    assert other.client.post(f"/v1/jobs/{stuck}/cancel").status_code == 202
+    asked = time.monotonic()
+    assert wait_for(other.client, stuck, ("cancelled",), timeout=60)["status"] == "cancelled"
+    assert time.monotonic() - asked < LEASE_S + 10
+
     victim_job = submit(a.client, slow)["id"]
     wait_for(a.client, victim_job, ("running",), progressed=True)
     holder = owner_pid(runs(database_url)[victim_job][1])
@@ -162,3 +172,5 @@ def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
     again = survivor.client.get(f"/v1/jobs/{first['id']}/artifacts/checkpoint")
     assert again.content == artifact.content and again.headers["etag"] == artifact.headers["etag"]
     assert survivor.client.get(f"/v1/blobs/{spec['data']}").content == (tmp_path / "x.npy").read_bytes()
+    assert survivor.client.delete(f"/v1/jobs/{first['id']}").status_code == 204
+    assert survivor.client.get(f"/v1/jobs/{first['id']}/artifacts/checkpoint").status_code == 404
