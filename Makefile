@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # `playwright install` is not used (it downloads from a CDN).
 CHROMIUM := /usr/bin/chromium
 # The ledger tests and the replicated-service tests start a throwaway cluster of Debian's PostgreSQL.
-POSTGRES := /usr/lib/postgresql/15/bin/initdb
+POSTGRES := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) /usr/lib/postgresql/15/bin/initdb)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install browser postgres serve demo test bench clean

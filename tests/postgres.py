@@ -20,8 +20,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psycopg
-
 BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
 
@@ -38,6 +36,8 @@ class PostgresServer:
 
     def create_database(self) -> str:
         """A new empty database; returns its SQLAlchemy URL."""
+        import psycopg
+
         name = "t_" + uuid.uuid4().hex[:16]
         with psycopg.connect(f"host=127.0.0.1 port={self.port} user={self.user} dbname=postgres", autocommit=True) as c:
             c.execute(f'CREATE DATABASE "{name}"')
@@ -45,6 +45,8 @@ class PostgresServer:
 
     def execute(self, url: str, sql: str) -> None:
         """Run one statement on the database of ``url`` (a test reaching under the ledger)."""
+        import psycopg
+
         dbname = url.rsplit("/", 1)[-1]
         with psycopg.connect(f"host=127.0.0.1 port={self.port} user={self.user} dbname={dbname}", autocommit=True) as c:
             c.execute(sql)

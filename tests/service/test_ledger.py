@@ -192,18 +192,20 @@ def _drop_column(url, postgres_fixture, column):
         postgres_fixture.execute(url, f"ALTER TABLE jobs DROP COLUMN {column}")
 
 
-def test_a_ledger_from_before_the_phase_column_is_upgraded_in_place(database_url, request):
+def test_a_ledger_from_before_the_phase_and_lease_columns_is_upgraded_in_place(database_url, request):
     old = Ledger(database_url)
     job, _ = old.create("alice", SPEC)
     old.close()
     postgres = request.getfixturevalue("postgres") if database_url.startswith("postgres") else None
-    _drop_column(database_url, postgres, "phase")
+    for column in ("phase", "lease_owner", "lease_expires_at"):  # as releases before them made the table
+        _drop_column(database_url, postgres, column)
     upgraded = Ledger(database_url)
     try:
         kept = upgraded.get("alice", job.id)
         assert kept.spec == SPEC and kept.phase is None
         upgraded.mark_running(job.id)
         assert upgraded.get_any(job.id).phase == "starting workers"
+        assert upgraded.recover_interrupted(rerun=True, expired_before=kept.created_at) == {job.id: JobStatus.queued}
     finally:
         upgraded.close()
 
