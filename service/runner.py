@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from workers.errors import BnrecalError, CancelledError
+from workers.errors import BnrecalError, CancelledError, NotFoundError
 from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
@@ -213,12 +213,20 @@ class JobRunner:
             running = list(self._running.items())
         for job_id, entry in running:
             renewal = self.leases.renew(job_id)
-            if not renewal.held and entry.thread is not None and entry.thread.is_alive():
+            if renewal.held or entry.thread is None or not entry.thread.is_alive():
+                if renewal.cancel_requested:
+                    entry.cancel.set()
+                continue
+            if not self._ended(job_id):  # not merely finished here a moment ago
                 log.warning("job %s: its lease was taken over by another replica; stopping this run", job_id)
                 entry.lost = True
                 entry.cancel.set()
-            elif renewal.cancel_requested:
-                entry.cancel.set()
+
+    def _ended(self, job_id: str) -> bool:
+        try:
+            return self.ledger.get_any(job_id).status.is_terminal
+        except NotFoundError:  # finished and already deleted
+            return True
 
     def _next_jobs(self) -> list[JobRecord]:
         """Each tenant's oldest queued job, in the order they take their turn: the tenant
