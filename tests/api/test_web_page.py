@@ -180,7 +180,7 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     chart_source = chart.evaluate("node => node.innerHTML")
     for layer in job["report"]["layers"]:
         assert layer["name"] in chart_source
-        expect(report.locator("table").nth(2)).to_contain_text(layer["name"])
+        expect(report.locator("#drift-table")).to_contain_text(layer["name"])
     read_storage = "() => { try { return sessionStorage.length; } catch (e) { return 'denied'; } }"
     frame_sees = report.locator("body").evaluate(read_storage)
     assert frame_sees == "denied"  # the sandboxed report cannot read the page's storage
