@@ -172,6 +172,9 @@ def test_a_known_file_is_not_uploaded_again_and_edit_and_rerun_uploads_nothing(l
     assert again["spec"]["eval"]["data"] == evaluated["spec"]["eval"]["data"]
     assert uploaded_bytes(live_server) == received
     screenshot(page, "edit-and-rerun.png")
+    expect(page.locator(f"#jobs-body tr[data-job-id='{new_id}'] .status")).to_have_text("succeeded",
+                                                                                     timeout=JOB_TIMEOUT_MS)
+    page.locator("section.panel", has=page.locator("#jobs")).screenshot(path=str(ARTIFACTS / "jobs-table.png"))
     assert tab.problems == []
 
 
