@@ -212,6 +212,9 @@ class JobView(BaseModel):
         description="The uploaded blobs the spec names (checkpoint, program, data, eval.data), with their file names.",
     )
     phases: list[PhaseTime] = Field(default_factory=list, description="The phases of the job's last run, in order.")
+    revision: int = Field(
+        default=1, description="Grows with every change of the job: of two views, the higher is the newer."
+    )
 
 
 class JobList(BaseModel):
@@ -290,6 +293,7 @@ class JobRecord:
                 for name, digest in self.input_digests().items()
             },
             phases=self.phase_times(),
+            revision=self.revision,
         )
 
 

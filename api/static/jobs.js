@@ -47,6 +47,7 @@ function jobRow(job) {
 }
 
 function updateRow(row, job) {
+  if (row.job && row.job.revision > job.revision) return; // an older view (a list read before an event)
   row.job = job;
   row.dataset.status = job.status;
   row.dataset.created = job.created_at;
@@ -105,11 +106,21 @@ async function loadJobs(append = false) {
   if (filter.value) params.set("status", filter.value);
   if (append && nextCursor) params.set("cursor", nextCursor);
   const page = await apiJson(`/v1/jobs?${params}`);
-  if (!append) body.replaceChildren();
-  for (const job of page.jobs) {
-    const row = rowOf(job.id);
-    if (row) updateRow(row, job);
-    else body.append(jobRow(job));
+  const existing = new Map([...body.rows].map((row) => [row.dataset.jobId, row]));
+  const rows = page.jobs.map((job) => {
+    const row = existing.get(job.id);
+    if (!row) return jobRow(job);
+    updateRow(row, job); // kept if an event already showed a newer state
+    return row;
+  });
+  if (append) {
+    body.append(...rows.filter((row) => !row.isConnected));
+  } else { // jobs the stream showed that were created after this list was read stay on top
+    const listed = new Set(page.jobs.map((job) => job.id));
+    const newest = page.jobs.length ? page.jobs[0].created_at : "";
+    const newer = [...body.rows].filter((row) => !listed.has(row.dataset.jobId) && row.dataset.created > newest
+      && matchesFilter(row.job));
+    body.replaceChildren(...newer, ...rows);
   }
   nextCursor = page.next_cursor;
   moreButton.hidden = !nextCursor;

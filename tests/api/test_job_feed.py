@@ -204,6 +204,7 @@ def test_a_job_view_names_its_inputs_and_times_its_phases(live_server, files):
         spec = spec_of(client, files, eval={"data": named_upload(client, files["eval"])})
         job = wait_for(client, submit(client, spec)["id"])
     assert job["status"] == "succeeded", job["error"]
+    assert job["revision"] > len(job["phases"])  # each phase change was a change of the job
     inputs = {name: entry["filename"] for name, entry in job["inputs"].items()}
     assert inputs == {"checkpoint": "team-model.pt", "data": "calib-16.npy", "eval.data": "eval-8.npy"}
     assert job["inputs"]["data"]["digest"] == spec["data"]
