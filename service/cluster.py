@@ -23,6 +23,8 @@ EMBEDDED_ADDRESSES = ("", "local")
 """Addresses that mean "start an instance of our own" (``RAY_ADDRESS=local`` included)."""
 
 _LOOPBACK_SWITCH = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+_AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
+_caller_auth_env: dict[str, str | None] | None = None  # what the embedded instance replaced
 
 
 def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
@@ -73,6 +75,9 @@ def _embedded_auth() -> None:
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
     from ray._raylet import AuthenticationTokenLoader
 
+    global _caller_auth_env
+    if _caller_auth_env is None:
+        _caller_auth_env = {name: os.environ.get(name) for name in _AUTH_ENV}
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     _enable_token_auth()  # RAY_AUTH_MODE=token, and this process's cached Ray config re-read
     AuthenticationTokenLoader.instance().reset_cache()  # a token an earlier instance cached
@@ -100,6 +105,27 @@ def _loopback_only() -> Iterator[None]:
             os.environ.pop(_LOOPBACK_SWITCH, None)
         else:
             os.environ[_LOOPBACK_SWITCH] = saved_env
+
+
+def shutdown_embedded() -> None:
+    """Shut down the embedded instance this process started, and give the caller's Ray
+    authentication settings back: a training script that recalibrates on an embedded
+    instance and then joins its own cluster must not send that cluster the dead
+    instance's token."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    global _caller_auth_env
+    ray.shutdown()
+    if _caller_auth_env is None:
+        return
+    for name, value in _caller_auth_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _caller_auth_env = None
+    Config.initialize("")  # this process's cached Ray config re-read from the environment
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def is_local_instance() -> bool:

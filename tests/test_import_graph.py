@@ -1,5 +1,7 @@
-"""The house rules of the code: imports run one way (api -> service -> workers) and no
-module imports, directly or through others, a module that imports it back.
+"""The house rules of the code: imports run one way (api -> service -> workers, and
+bnrecal -> service -> workers: the ``bnrecal`` package is only a public face that
+re-exports from ``service``) and no module imports, directly or through others, a module
+that imports it back.
 
 Every import statement counts, also one inside a function: a lazy import is still a
 dependency. The graph is read from the source with ``ast``; nothing is imported.
@@ -11,8 +13,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("api", "service", "workers")
-LAYER = {"api": 2, "service": 1, "workers": 0}
+PACKAGES = ("api", "bnrecal", "service", "workers")
+LAYER = {"api": 2, "bnrecal": 2, "service": 1, "workers": 0}
 
 
 def module_name(path: Path) -> str:
@@ -64,6 +66,23 @@ def test_imports_run_one_way():
         if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]
     ]
     assert upward == [], "imports must run api -> service -> workers:\n" + "\n".join(sorted(upward))
+
+
+def test_bnrecal_only_reexports_from_service():
+    """``bnrecal`` imports ``service`` and nothing else of the project, and nothing imports it."""
+    edges = graph()
+    wrong = [
+        f"{source} imports {target}"
+        for source, targets in edges.items()
+        for target in targets
+        if (source.startswith("bnrecal") and not target.startswith("service"))
+        or (target.startswith("bnrecal") and not source.startswith("bnrecal"))
+    ]
+    assert wrong == [], "bnrecal -> service -> workers:\n" + "\n".join(sorted(wrong))
+    assert "service.live" in edges["bnrecal"]
+    tree = ast.parse((ROOT / "bnrecal" / "__init__.py").read_text())
+    logic = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+    assert logic == [], "bnrecal holds no logic: define it in service"
 
 
 def test_no_import_cycles():

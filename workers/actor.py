@@ -19,6 +19,7 @@ from .batchnorm import layers_named
 from .calibration import PassResult, calibration_pass
 from .collectives import RayCollective
 from .data import CalibrationData, iter_batches
+from .data.loader import LoaderSpec
 from .errors import BnrecalError, RunError, first_line
 from .evaluation import evaluation_pass, with_statistics
 from .plan import RankPlan
@@ -136,9 +137,16 @@ class CalibrationRank:
         model = plan.model.build(weights)
         model.to(device).eval()
         layers = layers_named(model, plan.layer_names)
-        data = shard if shard is not None else plan.dataset.open()
-        loader_workers = plan.loader_workers if shard is None else 0
-        ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
+        if isinstance(plan.dataset, LoaderSpec):
+            ranges = plan.dataset.rank_ranges(self.rank, plan.world_size)
+            steps = plan.dataset.step_ranges()
+            batches: Iterator[Any] = plan.dataset.rank_steps(self.rank, plan.world_size)
+        else:
+            data = shard if shard is not None else plan.dataset.open()
+            loader_workers = plan.loader_workers if shard is None else 0
+            ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
+            steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
+            batches = iter_batches(data, ranges, num_workers=loader_workers)
         self._groups = [plan.group_name]
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
@@ -158,7 +166,7 @@ class CalibrationRank:
                 result = calibration_pass(
                     model,
                     layers,
-                    iter_batches(data, ranges, num_workers=loader_workers),
+                    batches,
                     mode=plan.mode,
                     collective=collective,
                     call_order=plan.call_order,
@@ -166,7 +174,8 @@ class CalibrationRank:
                     on_step=on_step,
                     memory_format=plan.memory_format,
                     sample_ranges=ranges,
-                    step_ranges=step_ranges(plan.dataset.num_samples, plan.batch_size),
+                    step_ranges=steps,
+                    feed=plan.feed,
                 )
                 evaluation = None
                 if plan.evaluation is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,9 +17,13 @@ from torch import nn
 from .batchnorm import BatchNormLayer
 from .calibrator import BatchNormCalibrator
 from .collectives import Collective
+from .data.loader import Step, move_to
 from .errors import DatasetError
 from .memory_format import rank_layout, to_layout, torch_format
 from .moments import MomentStats
+
+Feed = Callable[[nn.Module, Any], Any]
+"""``forward(model, batch)``: how a user's batches reach the model (``bnrecal.recalibrate``)."""
 
 StepCallback = Callable[[int, int], None]
 """Called after each step with (step index, samples this rank processed in it)."""
@@ -40,7 +45,7 @@ class PassResult:
 def calibration_pass(
     model: nn.Module,
     layers: Sequence[BatchNormLayer],
-    batches: Iterable[torch.Tensor],
+    batches: Iterable[torch.Tensor | Step],
     *,
     mode: str,
     collective: Collective,
@@ -50,13 +55,15 @@ def calibration_pass(
     memory_format: str = "auto",
     sample_ranges: Sequence[tuple[int, int]] | None = None,
     step_ranges: Sequence[tuple[int, int]] | None = None,
+    feed: Feed | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
     ``batches`` yields one tensor per global step (empty where this rank's slice is
-    empty). Every module other than BN runs in eval mode. Returns the statistics of
-    every layer over everything every rank saw; in ``local`` mode that includes the
-    job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
+    empty), or one :class:`~workers.data.loader.Step` (a batch in the user's structure,
+    fed to the model by ``feed(model, batch)`` when given). Every module other than BN
+    runs in eval mode. Returns the statistics of every layer over everything every rank
+    saw; in ``local`` mode that includes the job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
     ``channels_last``) is the layout the rank computes in (``auto``: channels-last for
     image batches, see ``workers.memory_format``).
 
@@ -71,9 +78,12 @@ def calibration_pass(
     layout: str | None = None
     dims = 0
     with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
-        for batch in batches:
-            if batch.shape[0] == 0:
+        for item in batches:
+            batch, size = _unpack(item)
+            if size == 0:
                 calibrator.replay_empty_step()
+            elif feed is not None:
+                feed(model, move_to(batch, device))
             else:
                 if layout is None:
                     dims = batch.dim()
@@ -83,13 +93,14 @@ def calibration_pass(
                 model(x.contiguous(memory_format=torch_format(layout, dims)))
             where = calibrator.first_non_finite()
             if where is not None:
-                own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + int(batch.shape[0]))
+                own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + size)
                 step = step_ranges[steps] if step_ranges is not None else own
-                raise non_finite_error(where, steps, batch, own, own if mode == "local" else step)
+                shown = batch if isinstance(batch, torch.Tensor) else torch.empty(0)
+                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step)
             steps += 1
-            samples += int(batch.shape[0])
+            samples += size
             if on_step is not None:
-                on_step(steps - 1, int(batch.shape[0]))
+                on_step(steps - 1, size)
         stats = calibrator.moments()
     if layout == "channels_last":
         to_layout(model, "contiguous", dims)
@@ -104,6 +115,13 @@ def calibration_pass(
         seconds=time.perf_counter() - started,
         memory_format=layout or "contiguous",
     )
+
+
+def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
+    """A step's batch and its number of samples."""
+    if isinstance(item, Step):
+        return item.value, item.size
+    return item, int(item.shape[0])
 
 
 def non_finite_error(

@@ -33,7 +33,7 @@ index, or ``-channels`` for a call without running statistics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -282,25 +282,36 @@ class BatchNormCalibrator:
         return [finalize(total, shift) for total, shift in zip(self.totals, self.shifts)]
 
 
-def probe_call_order(model: nn.Module, layers: Sequence[BatchNormLayer], sample: torch.Tensor) -> list[int]:
+def probe_call_order(
+    model: nn.Module,
+    layers: Sequence[BatchNormLayer],
+    sample: Any,
+    feed: Callable[[nn.Module, Any], Any] | None = None,
+) -> list[int]:
     """The indices of ``layers`` in the order one calibrating forward normalises with them.
 
-    Runs the model once on ``sample`` with the layers in calibration mode (a world of
-    one, nothing written to the model). Raises ``UnsupportedLayerError`` for a layer that
-    cannot be calibrated and ``ModelInputError`` when the model rejects the data.
+    Runs the model once on ``sample`` (through ``feed(model, sample)`` when given) with
+    the layers in calibration mode (a world of one, nothing written to the model). Raises
+    ``UnsupportedLayerError`` for a layer that cannot be calibrated and ``ModelInputError``
+    when the model rejects the data (or ``feed`` fails: its message, one line).
     """
     was_training = model.training
     model.eval()
     calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective(), record_order=True)
     try:
         with torch.inference_mode(), calibrator:
-            model(sample)
+            if feed is None:
+                model(sample)
+            else:
+                feed(model, sample)
     except BnrecalError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means the model or data do not fit
         culprit = calibrator.layer_in_progress()
         if culprit is not None:
             raise unsupported_layer(culprit, f"it failed: {first_line(exc)}") from exc
+        if feed is not None:
+            raise ModelInputError(f"forward(model, batch) failed: {type(exc).__name__}: {first_line(exc)}") from exc
         raise ModelInputError(
             f"the model rejects samples of shape {tuple(sample.shape[1:])}: {first_line(exc)}"
         ) from exc

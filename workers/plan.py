@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .data import DatasetSpec
+from .data.loader import LoaderSpec
 from .evaluation import EvalTarget
 from .sources import ModelSource
 
@@ -23,10 +26,14 @@ class EvalPlan:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """The job as one rank sees it (identical for every rank but ``rank``-specific fields)."""
+    """The job as one rank sees it (identical for every rank but ``rank``-specific fields).
+
+    ``dataset`` is a described file or prefix, or (``bnrecal.recalibrate``) a
+    :class:`~workers.data.loader.LoaderSpec` whose batches ``feed`` gives the model.
+    """
 
     model: ModelSource
-    dataset: DatasetSpec
+    dataset: DatasetSpec | LoaderSpec
     batch_size: int
     mode: str
     world_size: int
@@ -38,3 +45,4 @@ class RankPlan:
     loader_workers: int = 0
     memory_format: str = "auto"
     evaluation: EvalPlan | None = None
+    feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches

@@ -1,8 +1,8 @@
 """Where a rank's model comes from: an architecture reference plus the checkpoint's
 weights, or a ``torch.export`` program that carries its own architecture.
 
-The driver puts the weights in the object store once (a state dict, or the program's
-archive bytes); each rank builds its model from the source and those weights.
+The driver puts the weights in the object store once (a state dict, the program's
+archive bytes, or a caller's live module); each rank builds its model from the source and those weights.
 """
 
 from __future__ import annotations
@@ -51,4 +51,21 @@ class ProgramSource:
         return f"program {self.name}"
 
 
-ModelSource = ArchitectureSource | ProgramSource
+@dataclass(frozen=True)
+class LiveModuleSource:
+    """A caller's live module (``bnrecal.recalibrate``); its weights are the module itself,
+    pickled by Ray with its class by reference, so the class's code must be importable on
+    every node (a class defined in the caller's ``__main__`` travels by value)."""
+
+    name: str
+
+    def build(self, weights: nn.Module) -> nn.Module:
+        """The module as it arrived: the object store already rebuilt it."""
+        return weights
+
+    def describe(self) -> str:
+        """What messages call the model."""
+        return f"model {self.name}"
+
+
+ModelSource = ArchitectureSource | ProgramSource | LiveModuleSource
