@@ -78,7 +78,7 @@ _TEMPLATE = """<!doctype html>
 <h2>Ranks</h2>
 <table>
 <tr><th>rank</th><th>node</th><th>layout</th><th>collectives</th></tr>
-{% for rank in ranks %}<tr><td class="num">{{ rank.rank }}</td><td>{{ rank.node }}</td><td>{{ rank.layout }}</td>
+{% for rank in ranks %}<tr><td class="num">{{ rank.rank }}</td><td>{% if rank.host %}{{ rank.host }} <code class="muted" title="{{ rank.node }}">{{ rank.node[:8] }}</code>{% else %}{{ rank.node }}{% endif %}</td><td>{{ rank.layout }}</td>
 <td class="num">{{ rank.collectives }}</td></tr>
 {% endfor %}</table>
 
@@ -134,6 +134,7 @@ def render_html_report(report: dict[str, Any]) -> str:
         {
             "rank": rank,
             "node": node,
+            "host": ((report.get("job") or {}).get("hosts") or {}).get(node),
             "layout": formats[rank] if rank < len(formats) else "",
             "collectives": collectives[rank] if rank < len(collectives) else "",
         }
@@ -176,15 +177,34 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def job_section(job_id: str, submitted_at: datetime, inputs: dict[str, dict[str, str | None]]) -> dict[str, Any]:
+def job_section(
+    job_id: str, submitted_at: datetime, inputs: dict[str, dict[str, str | None]], nodes: list[str] | None = None
+) -> dict[str, Any]:
     """What names the job in its report: its id, when it was submitted and the report
-    written, its inputs (file name and digest by spec field) and the software versions."""
+    written, its inputs (file name and digest by spec field), the software versions, and
+    the host name of each Ray node its ranks ran on (``nodes``: their ids)."""
     return {
         "id": job_id,
         "submitted_at": submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
         "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "inputs": inputs,
         "versions": software_versions(),
+        "hosts": node_hosts(nodes or []),
+    }
+
+
+def node_hosts(nodes: list[str]) -> dict[str, str]:
+    """The host name of each of these Ray node ids, as the connected cluster knows it (a
+    node id alone is 56 characters that say nothing to a reader); empty without Ray."""
+    import ray
+
+    if not nodes or not ray.is_initialized():
+        return {}
+    wanted = set(nodes)
+    return {
+        node["NodeID"]: str(node.get("NodeManagerHostname") or node.get("NodeManagerAddress"))
+        for node in ray.nodes()
+        if node.get("NodeID") in wanted and (node.get("NodeManagerHostname") or node.get("NodeManagerAddress"))
     }
 
 

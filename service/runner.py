@@ -263,7 +263,7 @@ class JobRunner:
         report["job"] = job_section(job.id, job.created_at, {  # the report names its job
             field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
             for field, digest in job.input_digests().items()
-        })
+        }, report.get("nodes"))
         result.save_report(report_file)
         artifacts["report"] = self._store(job, report_file, "application/json")
         html_file = workdir / "report.html"

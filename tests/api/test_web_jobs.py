@@ -213,6 +213,10 @@ def test_the_job_page_names_its_files_downloads_after_the_job_reruns_and_deletes
     expect(report.locator("#job-context")).to_contain_text(job_id)
     expect(report.locator("#job-context")).to_contain_text("labelled-24.npz")
     expect(report.locator("#job-context")).to_contain_text("torch")
+    node = evaluated["report"]["nodes"][0]
+    host = evaluated["report"]["job"]["hosts"][node]
+    assert host and host != node
+    expect(report.locator("table", has_text="collectives").first).to_contain_text(host)  # ranks by host name
     names = {}
     for artifact in ("checkpoint", "onnx", "report", "report.html"):
         with page.expect_download() as download:
