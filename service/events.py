@@ -12,24 +12,52 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from .jobs import JobRecord
+from workers.errors import InputError
+
+from .jobs import JobRecord, JobView
 from .ledger import Ledger
 
 KEEPALIVE_S = 15.0
+DISCONNECT_CHECK_S = 1.0
+
+
+MAX_TENANT_STREAMS = 8
+"""Change streams (``GET /v1/jobs/events``) one tenant may hold open at once: a page open in
+a few tabs needs one each; past it a new one is refused (429) rather than the server held."""
+
+
+class TooManyStreamsError(InputError):
+    """A tenant already holds as many change streams open as it may."""
+
+    status = 429
+    title = "Too many open streams"
+
+
+class TenantListener:
+    """One open change stream of a tenant: the ids of jobs changed since it last looked."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.changed = asyncio.Event()
+        self.pending: set[str] = set()
+        self.removed: set[str] = set()
 
 
 class ChangeFeed:
     """Wakes event streams (on any event loop) when a job changes (in any thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tenant_streams: int = MAX_TENANT_STREAMS) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._tenants: dict[str, set[TenantListener]] = {}
+        self._max_tenant_streams = max_tenant_streams
         self._closed = False
 
     @property
@@ -43,18 +71,69 @@ class ChangeFeed:
         with self._lock:
             self._closed = True
             job_ids = list(self._waiters)
+            listeners = [listener for group in self._tenants.values() for listener in group]
         for job_id in job_ids:
             self.publish(job_id)
+        for listener in listeners:
+            _wake(listener.loop, listener.changed)
 
     def publish(self, job_id: str) -> None:
-        """Tell the job's listeners it changed; safe from any thread."""
+        """Tell the job's listeners it changed, and every tenant stream (each keeps only its
+        tenant's jobs: it looks them up with its tenant); safe from any thread."""
         with self._lock:
             waiters = list(self._waiters.get(job_id, ()))
+            listeners = [listener for group in self._tenants.values() for listener in group]
+            for listener in listeners:
+                listener.pending.add(job_id)
         for loop, changed in waiters:
-            try:
-                loop.call_soon_threadsafe(changed.set)
-            except RuntimeError:  # that loop has closed: its stream is gone
-                pass
+            _wake(loop, changed)
+        for listener in listeners:
+            _wake(listener.loop, listener.changed)
+
+    def publish_removed(self, tenant: str, job_id: str) -> None:
+        """Tell the tenant's change streams that its job was deleted."""
+        with self._lock:
+            listeners = list(self._tenants.get(tenant, ()))
+            for listener in listeners:
+                listener.removed.add(job_id)
+        for listener in listeners:
+            _wake(listener.loop, listener.changed)
+
+    def take(self, listener: TenantListener) -> tuple[set[str], set[str]]:
+        """The ids changed and removed since the listener last took them (and clears its event)."""
+        with self._lock:
+            listener.changed.clear()
+            changed, removed = listener.pending, listener.removed
+            listener.pending, listener.removed = set(), set()
+        return changed - removed, removed
+
+    def open_tenant(self, tenant: str) -> TenantListener:
+        """A listener told of every job change until :meth:`close_tenant` (call on the loop);
+        ``TooManyStreamsError`` past ``MAX_TENANT_STREAMS`` open for the tenant."""
+        listener = TenantListener(asyncio.get_running_loop())
+        with self._lock:
+            group = self._tenants.setdefault(tenant, set())
+            if len(group) >= self._max_tenant_streams:
+                raise TooManyStreamsError(
+                    f"this API key already has {self._max_tenant_streams} change streams open, the most it may; "
+                    "close a page or a client that follows its jobs, then retry"
+                )
+            group.add(listener)
+        return listener
+
+    def close_tenant(self, tenant: str, listener: TenantListener) -> None:
+        """Stop telling the listener (its stream ended)."""
+        with self._lock:
+            group = self._tenants.get(tenant)
+            if group is not None:
+                group.discard(listener)
+                if not group:
+                    del self._tenants[tenant]
+
+    def open_tenant_streams(self, tenant: str) -> int:
+        """How many change streams the tenant holds open."""
+        with self._lock:
+            return len(self._tenants.get(tenant, ()))
 
     @contextmanager
     def subscribe(self, job_id: str) -> Iterator[asyncio.Event]:
@@ -73,6 +152,13 @@ class ChangeFeed:
                         del self._waiters[job_id]
 
 
+def _wake(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> None:
+    try:
+        loop.call_soon_threadsafe(changed.set)
+    except RuntimeError:  # that loop has closed: its stream is gone
+        pass
+
+
 def event_payload(job: JobRecord) -> dict[str, Any]:
     """What one event says about the job."""
     return {
@@ -83,9 +169,10 @@ def event_payload(job: JobRecord) -> dict[str, Any]:
     }
 
 
-def format_event(event_id: int, kind: str, data: dict[str, Any]) -> str:
-    """One Server-Sent Event."""
-    return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def format_event(event_id: int | None, kind: str, data: dict[str, Any]) -> str:
+    """One Server-Sent Event (without an ``id`` line when ``event_id`` is None)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 async def job_event_stream(
@@ -116,3 +203,52 @@ async def job_event_stream(
                 if await is_disconnected():
                     return
                 yield ": keep-alive\n\n"
+
+
+async def tenant_event_stream(
+    tenant: str,
+    listener: TenantListener,
+    ledger: Ledger,
+    feed: ChangeFeed,
+    view: Callable[[JobRecord], JobView],
+    is_disconnected: Callable[[], Any],
+) -> AsyncIterator[str]:
+    """Every change of the tenant's jobs, as it happens: first a ``ready`` event (a client
+    lists the jobs after it, so nothing falls between its list and the stream), then a ``job``
+    event with the job's resource (``view``) whenever one is created or changes, and a
+    ``deleted`` event when one is deleted. Until the client goes or the server shuts down;
+    the listener (opened by the caller, so a refusal is an HTTP error) is closed here."""
+    try:
+        async for event in _tenant_events(tenant, listener, ledger, feed, view, is_disconnected):
+            yield event
+    finally:
+        feed.close_tenant(tenant, listener)
+
+
+async def _tenant_events(
+    tenant: str,
+    listener: TenantListener,
+    ledger: Ledger,
+    feed: ChangeFeed,
+    view: Callable[[JobRecord], JobView],
+    is_disconnected: Callable[[], Any],
+) -> AsyncIterator[str]:
+    yield format_event(None, "ready", {"max_streams": MAX_TENANT_STREAMS})
+    quiet_since = time.monotonic()
+    while not feed.closed:
+        try:  # a closed connection is noticed within a second: it frees its place in the bound
+            await asyncio.wait_for(listener.changed.wait(), timeout=DISCONNECT_CHECK_S)
+        except TimeoutError:
+            if await is_disconnected():
+                return
+            if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keep-alive\n\n"
+            continue
+        quiet_since = time.monotonic()
+        changed, removed = feed.take(listener)
+        for job in await run_in_threadpool(ledger.get_many, tenant, changed):
+            payload = (await run_in_threadpool(view, job)).model_dump(mode="json")
+            yield format_event(job.revision, "job", payload)
+        for job_id in sorted(removed):
+            yield format_event(None, "deleted", {"id": job_id})

@@ -26,9 +26,8 @@ from sqlalchemy import select
 from sqlalchemy import update as sql_update
 
 from .jobs import JobRecord, JobStatus
-from .ledger import JobRow, Ledger
+from .ledger import JobRow, Ledger, start_values
 from .ledger_backends import is_postgres
-from .options import STARTING_PHASE
 
 
 def replica_id() -> str:
@@ -60,10 +59,8 @@ class JobLeases:
     def claim(self, job_id: str) -> JobRecord | None:
         """Start a queued job under this replica's lease (counting the attempt); None if it is no
         longer queued, or another replica is claiming it right now."""
-        values: dict[str, Any] = {
-            "status": JobStatus.running.value, "started_at": datetime.now(UTC), "attempts": JobRow.attempts + 1,
-            "samples_done": 0, "samples_total": None, "phase": STARTING_PHASE, "revision": JobRow.revision + 1,
-            "lease_owner": self.owner, "lease_expires_at": self._expiry(),
+        values = start_values() | {
+            "revision": JobRow.revision + 1, "lease_owner": self.owner, "lease_expires_at": self._expiry(),
         }
         queued = (JobRow.id == job_id, JobRow.status == JobStatus.queued.value)
         with self.ledger._sessions.begin() as session:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -178,6 +178,21 @@ class Artifact(BaseModel):
     media_type: str
 
 
+class InputFile(BaseModel):
+    """A blob the spec names, with the file name it was uploaded with (null without one)."""
+
+    digest: str
+    filename: str | None
+
+
+class PhaseTime(BaseModel):
+    """A phase the job went through: when it began, and how long it took (null while it lasts)."""
+
+    phase: str
+    started_at: datetime
+    seconds: float | None
+
+
 class JobView(BaseModel):
     """The job resource (``GET /v1/jobs/{id}``)."""
 
@@ -192,12 +207,22 @@ class JobView(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    inputs: dict[str, InputFile] = Field(
+        default_factory=dict,
+        description="The uploaded blobs the spec names (checkpoint, program, data, eval.data), with their file names.",
+    )
+    phases: list[PhaseTime] = Field(default_factory=list, description="The phases of the job's last run, in order.")
+    revision: int = Field(
+        default=1, description="Grows with every change of the job: of two views, the higher is the newer."
+    )
 
 
 class JobList(BaseModel):
-    """A page of the tenant's jobs, newest first."""
+    """A page of the tenant's jobs, newest first; ``next_cursor`` (null on the last page)
+    is passed as ``cursor`` to get the next, older page."""
 
     jobs: list[JobView]
+    next_cursor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,13 +246,36 @@ class JobRecord:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    phases: list[dict[str, Any]] = field(default_factory=list)
 
     def progress(self) -> Progress:
         """The job's progress as the API shows it."""
         return Progress(samples_done=self.samples_done, samples_total=self.samples_total, phase=self.phase)
 
-    def view(self) -> JobView:
-        """The public resource (no tenant, no idempotency key)."""
+    def input_digests(self) -> dict[str, str]:
+        """The uploaded blobs the spec names, by field (``checkpoint``, ``program``, ``data``, ``eval.data``)."""
+        named = {name: self.spec.get(name) for name in ("checkpoint", "program", "data")}
+        evaluation = self.spec.get("eval")
+        named["eval.data"] = evaluation.get("data") if isinstance(evaluation, dict) else None
+        return {name: value for name, value in named.items() if isinstance(value, str)}
+
+    def phase_times(self) -> list[PhaseTime]:
+        """Each phase of the last run with its duration: until the next phase began, the last
+        one until the job finished (null while the job is still in it)."""
+        times: list[PhaseTime] = []
+        for index, entry in enumerate(self.phases):
+            began = datetime.fromisoformat(entry["at"])
+            ended = datetime.fromisoformat(self.phases[index + 1]["at"]) if index + 1 < len(self.phases) else None
+            if ended is None and self.status.is_terminal:
+                ended = self.finished_at
+            seconds = round(max(0.0, (ended - began).total_seconds()), 3) if ended is not None else None
+            times.append(PhaseTime(phase=entry["phase"], started_at=began, seconds=seconds))
+        return times
+
+    def view(self, filenames: dict[str, str | None] | None = None) -> JobView:
+        """The public resource (no tenant, no idempotency key); ``filenames`` maps the input
+        digests to the names they were uploaded with."""
+        names = filenames or {}
         return JobView(
             id=self.id,
             status=self.status,
@@ -240,6 +288,12 @@ class JobRecord:
             created_at=self.created_at,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            inputs={
+                name: InputFile(digest=digest, filename=names.get(digest))
+                for name, digest in self.input_digests().items()
+            },
+            phases=self.phase_times(),
+            revision=self.revision,
         )
 
 

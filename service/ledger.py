@@ -10,7 +10,7 @@ the job's ``revision``, which numbers the job's Server-Sent Events.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-from workers.errors import NotFoundError, TooManyJobsError
+from workers.errors import InputError, NotFoundError, TooManyJobsError
 
 from .jobs import ConflictError, JobRecord, JobStatus
 from .ledger_backends import lock_tenant, make_engine, prepare_schema
@@ -75,6 +75,7 @@ class JobRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    phases: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     lease_owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the replica running it
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
@@ -98,6 +99,7 @@ class JobRow(Base):
             created_at=self.created_at,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            phases=list(self.phases or []),
         )
 
 
@@ -108,6 +110,16 @@ def sqlite_url(data_dir: Path) -> str:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def start_values() -> dict[str, Any]:
+    """What starting a queued job writes: the attempt counted, progress reset, the first phase."""
+    now = _now()
+    return {
+        "status": JobStatus.running.value, "started_at": now, "attempts": JobRow.attempts + 1,
+        "samples_done": 0, "samples_total": None, "phase": STARTING_PHASE,
+        "phases": [{"phase": STARTING_PHASE, "at": now.isoformat()}],
+    }
 
 
 class Ledger:
@@ -176,13 +188,33 @@ class Ledger:
                 raise NotFoundError(f"no job {job_id!r}")
             return row.record()
 
-    def list(self, tenant: str, status: JobStatus | None = None, limit: int = 50) -> list[JobRecord]:
-        """A tenant's jobs, newest first."""
+    def list(
+        self, tenant: str, status: JobStatus | None = None, limit: int = 50, before: str | None = None
+    ) -> list[JobRecord]:
+        """A tenant's jobs, newest first; with ``before`` (a job id of the tenant's: the cursor
+        a previous page ended with) only the jobs submitted before that one."""
         query = select(JobRow).where(JobRow.tenant == tenant)
         if status is not None:
             query = query.where(JobRow.status == status.value)
         with self._session() as session:
+            if before is not None:
+                seq = session.scalar(select(JobRow.seq).where(JobRow.id == before, JobRow.tenant == tenant))
+                if seq is None:
+                    raise InputError(
+                        f"cursor {before!r} is no job of this API key (it was deleted, or is not a cursor "
+                        "this server gave); list again from the newest"
+                    )
+                query = query.where(JobRow.seq < seq)
             return [row.record() for row in session.scalars(query.order_by(JobRow.seq.desc()).limit(limit))]
+
+    def get_many(self, tenant: str, job_ids: Iterable[str]) -> list[JobRecord]:
+        """Those of ``job_ids`` that are the tenant's jobs (others' and unknown ids are left out)."""
+        wanted = list(job_ids)
+        if not wanted:
+            return []
+        query = select(JobRow).where(JobRow.tenant == tenant, JobRow.id.in_(wanted)).order_by(JobRow.seq)
+        with self._session() as session:
+            return [row.record() for row in session.scalars(query)]
 
     def queued(self, limit: int = 100) -> list[JobRecord]:
         """Queued jobs of every tenant, oldest first."""
@@ -233,20 +265,29 @@ class Ledger:
 
     def mark_running(self, job_id: str) -> JobRecord | None:
         """Start a queued job (counting the attempt); None if it is no longer queued."""
-        changed = self._update(
-            job_id, {JobStatus.queued},
-            status=JobStatus.running.value, started_at=_now(), attempts=JobRow.attempts + 1,
-            samples_done=0, samples_total=None, phase=STARTING_PHASE,
-        )
+        changed = self._update(job_id, {JobStatus.queued}, **start_values())
         return self.get_any(job_id) if changed else None
 
     def set_progress(self, job_id: str, done: int, total: int, phase: str) -> bool:
         """Record a running job's phase and the samples done of the phase's total."""
-        return self._update(job_id, {JobStatus.running}, samples_done=done, samples_total=total, phase=phase)
+        return self._update(
+            job_id, {JobStatus.running}, samples_done=done, samples_total=total, phase=phase,
+            **self._phase_entered(job_id, phase),
+        )
 
     def set_phase(self, job_id: str, phase: str) -> bool:
         """Record that a running job entered a phase that does not count samples (exporting, writing)."""
-        return self._update(job_id, {JobStatus.running}, phase=phase)
+        return self._update(job_id, {JobStatus.running}, phase=phase, **self._phase_entered(job_id, phase))
+
+    def _phase_entered(self, job_id: str, phase: str) -> dict[str, Any]:
+        """The ``phases`` column with ``phase`` appended (and when it began) if the job was in
+        another phase; nothing to change while it stays in the same one. A job's progress is
+        written by one thread, so reading then writing cannot interleave with another writer."""
+        with self._session() as session:
+            row = session.execute(select(JobRow.phase, JobRow.phases).where(JobRow.id == job_id)).first()
+        if row is None or row.phase == phase:
+            return {}
+        return {"phases": [*(row.phases or []), {"phase": phase, "at": _now().isoformat()}]}
 
     def finish(
         self,
@@ -283,7 +324,7 @@ class Ledger:
         return self._update(
             job_id, {JobStatus.running},
             status=JobStatus.queued.value, started_at=None, attempts=JobRow.attempts - 1, samples_done=0,
-            lease_owner=None, lease_expires_at=None,
+            phases=None, lease_owner=None, lease_expires_at=None,
         )
 
     def recover_interrupted(self, rerun: bool, expired_before: datetime | None = None) -> dict[str, JobStatus]:
@@ -307,7 +348,7 @@ class Ledger:
                 values: dict[str, Any] = {"finished_at": _now(), "error": None}
             elif rerun and attempts < MAX_ATTEMPTS:
                 outcome = JobStatus.queued
-                values = {"samples_done": 0, "lease_owner": None, "lease_expires_at": None}
+                values = {"samples_done": 0, "phases": None, "lease_owner": None, "lease_expires_at": None}
             else:
                 outcome = JobStatus.failed
                 detail = INTERRUPTED + (f" (after {attempts} attempts)" if rerun else "")

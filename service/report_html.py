@@ -9,11 +9,13 @@ refers to the network (no script, font or stylesheet is fetched).
 
 from __future__ import annotations
 
-import math
-
 import io
+import math
 import os
+import platform
 import re
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,21 @@ _TEMPLATE = """<!doctype html>
  table { border-collapse: collapse; } td, th { padding: .2em .8em; border-bottom: 1px solid #eee; text-align: left; }
  td.num { text-align: right; font-variant-numeric: tabular-nums; } .muted { color: #777; }
  figure { margin: 1em 0; } svg { max-width: 100%; height: auto; }
+ table { display: block; max-width: 100%; overflow-x: auto; } code { overflow-wrap: anywhere; }
 </style>
 </head>
 <body>
 <h1>BatchNorm recalibration: {{ model }}</h1>
 <p class="muted">{{ r.layers|length }} BN layers recalibrated on {{ r.samples }} samples,
 {{ r.world_size }} worker(s), {{ r.mode }} mode, {{ "%.2f"|format(r.seconds) }} s.</p>
+<table id="job-context">
+{% if context.id %}<tr><th>job</th><td><code>{{ context.id }}</code></td></tr>{% endif %}
+{% if context.submitted_at %}<tr><th>submitted</th><td>{{ context.submitted_at }}</td></tr>{% endif %}
+{% if context.written_at %}<tr><th>report written</th><td>{{ context.written_at }}</td></tr>{% endif %}
+{% for field, entry in (context.inputs or {}).items() %}<tr><th>{{ field }}</th>
+<td>{{ entry.filename or "(no file name)" }} <code class="muted">{{ entry.digest }}</code></td></tr>
+{% endfor %}<tr><th>versions</th><td>{% for name, version in versions.items() %}{{ name }} {{ version }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
+</table>
 
 {% if ev %}
 <h2 id="evaluation">Evaluation: before and after</h2>
@@ -67,7 +78,7 @@ _TEMPLATE = """<!doctype html>
 <h2>Ranks</h2>
 <table>
 <tr><th>rank</th><th>node</th><th>layout</th><th>collectives</th></tr>
-{% for rank in ranks %}<tr><td class="num">{{ rank.rank }}</td><td>{{ rank.node }}</td><td>{{ rank.layout }}</td>
+{% for rank in ranks %}<tr><td class="num">{{ rank.rank }}</td><td>{% if rank.host %}{{ rank.host }} <code class="muted" title="{{ rank.node }}">{{ rank.node[:8] }}</code>{% else %}{{ rank.node }}{% endif %}</td><td>{{ rank.layout }}</td>
 <td class="num">{{ rank.collectives }}</td></tr>
 {% endfor %}</table>
 
@@ -76,7 +87,7 @@ _TEMPLATE = """<!doctype html>
 variance ratio: largest and smallest new / old variance of a channel (1 = unchanged). Values far
 from 0 and 1 are statistics that were stale.</p>
 <figure id="drift-chart">{{ chart|safe }}</figure>
-<table>
+<table id="drift-table">
 <tr><th>#</th><th>layer</th><th>class</th><th>channels</th><th>calls</th><th>mean shift</th><th>variance ratio (min)</th><th>variance ratio (max)</th></tr>
 {% for layer in r.layers %}<tr><td class="num">{{ loop.index0 }}</td><td>{{ layer.name }}</td><td>{{ layer["class"] }}</td>
 <td class="num">{{ layer.channels }}</td><td class="num">{{ layer.calls }}</td>
@@ -123,6 +134,7 @@ def render_html_report(report: dict[str, Any]) -> str:
         {
             "rank": rank,
             "node": node,
+            "host": ((report.get("job") or {}).get("hosts") or {}).get(node),
             "layout": formats[rank] if rank < len(formats) else "",
             "collectives": collectives[rank] if rank < len(collectives) else "",
         }
@@ -145,10 +157,55 @@ def render_html_report(report: dict[str, Any]) -> str:
     evaluation = report.get("evaluation")
     accuracy_chart = accuracy_chart_svg(evaluation) if evaluation and evaluation.get("before") else ""
     template = _ENVIRONMENT.from_string(_TEMPLATE)
+    context = report.get("job") or {}
     return template.render(
         r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format,
         ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
+        context=context, versions=context.get("versions") or software_versions(),
     )
+
+
+def software_versions() -> dict[str, str]:
+    """The versions of bnrecal and torch (and Python) that wrote a report."""
+    versions = {}
+    for name in ("bnrecal", "torch"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def job_section(
+    job_id: str, submitted_at: datetime, inputs: dict[str, dict[str, str | None]], nodes: list[str] | None = None
+) -> dict[str, Any]:
+    """What names the job in its report: its id, when it was submitted and the report
+    written, its inputs (file name and digest by spec field), the software versions, and
+    the host name of each Ray node its ranks ran on (``nodes``: their ids)."""
+    return {
+        "id": job_id,
+        "submitted_at": submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "inputs": inputs,
+        "versions": software_versions(),
+        "hosts": node_hosts(nodes or []),
+    }
+
+
+def node_hosts(nodes: list[str]) -> dict[str, str]:
+    """The host name of each of these Ray node ids, as the connected cluster knows it (a
+    node id alone is 56 characters that say nothing to a reader); empty without Ray."""
+    import ray
+
+    if not nodes or not ray.is_initialized():
+        return {}
+    wanted = set(nodes)
+    return {
+        node["NodeID"]: str(node.get("NodeManagerHostname") or node.get("NodeManagerAddress"))
+        for node in ray.nodes()
+        if node.get("NodeID") in wanted and (node.get("NodeManagerHostname") or node.get("NodeManagerAddress"))
+    }
 
 
 def write_html_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -161,6 +218,11 @@ def write_html_report(report: dict[str, Any], path: str | os.PathLike[str]) -> N
 
 def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
     """Mean shift and variance ratio of each layer against its depth, as inline SVG."""
+    return _inline_svg(drift_figure(layers))
+
+
+def drift_figure(layers: list[dict[str, Any]]) -> Any:
+    """The drift chart as a matplotlib figure (its legend right of the axes, over no point)."""
     from matplotlib.figure import Figure
 
     depth = list(range(len(layers)))
@@ -179,16 +241,21 @@ def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
     bottom.axhline(1.0, color="#555", linewidth=0.8)
     bottom.set_yscale("log")
     bottom.set_ylabel("variance ratio (new / old)")
-    bottom.legend(loc="best", fontsize=7)
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)  # outside: never over a point
     bottom.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
     bottom.set_xlabel("BN layer, in module order")
     for axes in (top, bottom):
         axes.grid(axis="y", alpha=0.3)
-    return _inline_svg(figure)
+    return figure
 
 
 def accuracy_chart_svg(evaluation: dict[str, Any]) -> str:
     """Accuracy before and after recalibration, side by side per metric, as inline SVG."""
+    return _inline_svg(accuracy_figure(evaluation))
+
+
+def accuracy_figure(evaluation: dict[str, Any]) -> Any:
+    """The accuracy chart as a matplotlib figure (its legend right of the axes, over no bar)."""
     from matplotlib.figure import Figure
 
     names = [name for name in ("top1", "top5") if name in evaluation["before"]]
@@ -202,9 +269,9 @@ def accuracy_chart_svg(evaluation: dict[str, Any]) -> str:
     axes.set_xticks(list(positions), [name.replace("top", "top-") for name in names])
     axes.set_ylim(0, 1.1)
     axes.set_ylabel("accuracy")
-    axes.legend(loc="lower right", fontsize=8)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: never over a bar
     axes.grid(axis="y", alpha=0.3)
-    return _inline_svg(figure)
+    return figure
 
 
 def _inline_svg(figure: Any) -> str:

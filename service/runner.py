@@ -41,7 +41,7 @@ from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_u
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 from .recalibrate import Recalibration, RecalibrationRequest, rank_resources, recalibrate
-from .report_html import write_html_report
+from .report_html import job_section, write_html_report
 from .settings import Settings
 
 log = logging.getLogger("bnrecal.runner")
@@ -303,6 +303,10 @@ class JobRunner:
             if name in spec.outputs:
                 artifacts[name] = self._save_model(job, result, workdir)
         report_file = workdir / "report.json"
+        report["job"] = job_section(job.id, job.created_at, {  # the report names its job
+            field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
+            for field, digest in job.input_digests().items()
+        }, report.get("nodes"))
         result.save_report(report_file)
         artifacts["report"] = self._store(job, report_file, "application/json")
         html_file = workdir / "report.html"

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import anyio
 import ray
@@ -29,7 +30,7 @@ from .blob_backends import open_blob_store
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
 from .events import ChangeFeed
-from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, check_submission
+from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
 from .ledger import Ledger, sqlite_url
 from .ledger_backends import is_postgres
 from .ledger_watch import LedgerWatcher
@@ -142,6 +143,19 @@ class Services:
 
         return (max(0, quota - used) if quota is not None else None), over_quota
 
+    def view(self, job: JobRecord) -> JobView:
+        """The job resource, its input blobs named with the file names they were uploaded with."""
+        digests = job.input_digests().values()
+        return job.view({digest: self.blobs.filename(job.tenant, digest) for digest in digests})
+
+    def check(self, tenant: str, spec: JobSpec) -> dict[str, Any]:
+        """A dry run of :meth:`submit`: every check a submission gets, nothing created or queued;
+        the spec as it would be stored (every default filled in)."""
+        self.check_accepting()
+        spec = spec.with_outputs()
+        check_submission(spec, tenant, self.blobs, self.settings)
+        return spec.model_dump(mode="json")
+
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
         """Check a job spec against the tenant's blobs, the settings and the cluster, and queue
         it within the tenant's ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` (else 429); with an idempotency
@@ -154,6 +168,7 @@ class Services:
         check_submission(spec, tenant, self.blobs, self.settings)
         job, created = self.ledger.create(tenant, stored, idempotency_key, self.settings.tenant_max_queued_jobs)
         if created:
+            self.feed.publish(job.id)  # the tenant's change streams show it at once
             self.runner.wake()
         return job, created
 
@@ -186,7 +201,9 @@ class Services:
         """Delete a finished job and free its artifacts no other job references (409 while it is
         queued or running); the bytes freed."""
         assert self.collector is not None
-        return self.collector.delete_job(tenant, job_id)
+        freed = self.collector.delete_job(tenant, job_id)
+        self.feed.publish_removed(tenant, job_id)
+        return freed
 
     def delete_blob(self, tenant: str, digest: str) -> int:
         """Delete a blob (409 while a queued or running job uses it); the bytes freed."""

@@ -240,3 +240,80 @@ export function setStatus(element, status) {
   element.textContent = status;
   element.className = `status status-${status}`;
 }
+
+// --- the key's change stream --------------------------------------------------------------
+
+/**
+ * Follow every change of this key's jobs (``GET /v1/jobs/events``) for as long as the page is
+ * open: ``onEvent(kind, data)`` gets ``ready`` (list the jobs then: after it nothing is
+ * missed), ``job`` (a job resource) and ``deleted`` ({id}); a dropped stream is reopened and
+ * says ``ready`` again. Rejects only on an API error (401, 429).
+ */
+export async function followChanges(onEvent) {
+  for (let attempt = 0; ; attempt++) {
+    try {
+      const response = await api("/v1/jobs/events");
+      for await (const event of readEvents(response.body)) {
+        attempt = 0;
+        onEvent(event.event, JSON.parse(event.data));
+      }
+    } catch (error) {
+      if (error instanceof ApiError) throw error;
+      // the connection dropped: open it again below
+    }
+    const delay = RECONNECT_MS[Math.min(attempt, RECONNECT_MS.length - 1)];
+    await new Promise((resolve) => setTimeout(resolve, delay));
+  }
+}
+
+// --- uploads that do not repeat themselves ------------------------------------------------
+
+/** The file's "sha256:<hex>" digest, as the server names blobs (null where the browser has no
+ * SubtleCrypto: a page served over plain HTTP to another host). */
+export async function fileDigest(file) {
+  if (!globalThis.crypto || !crypto.subtle) return null;
+  const hash = await crypto.subtle.digest("SHA-256", await file.arrayBuffer());
+  return `sha256:${[...new Uint8Array(hash)].map((byte) => byte.toString(16).padStart(2, "0")).join("")}`;
+}
+
+/** Whether this key already has the blob (``HEAD /v1/blobs/{digest}``: 200 or 404). */
+export async function hasBlob(digest) {
+  const response = await fetch(`${config.root}/v1/blobs/${digest}`, { // a digest this page computed
+    method: "HEAD",
+    headers: authHeaders({}),
+    credentials: "same-origin",
+    cache: "no-store",
+  });
+  if (response.status === 404) return false;
+  if (!response.ok) throw await problemOf(response);
+  return true;
+}
+
+/** Upload a file as a blob with its name, calling ``onProgress(sent, total)``; resolves with
+ * the blob ({digest, size, filename}). XMLHttpRequest, since fetch() reports no upload progress. */
+export function uploadFile(file, onProgress) {
+  return new Promise((resolve, reject) => {
+    const request = new XMLHttpRequest();
+    request.open("POST", `${config.root}/v1/blobs?filename=${encodeURIComponent(file.name.slice(0, 255))}`);
+    authHeaders({ "Content-Type": "application/octet-stream" }).forEach((value, name) => {
+      request.setRequestHeader(name, value);
+    });
+    request.upload.addEventListener("progress", (event) => onProgress(event.loaded, event.total || file.size));
+    request.addEventListener("load", () => {
+      let body = {};
+      try {
+        body = JSON.parse(request.responseText);
+      } catch {
+        body = { title: request.statusText, detail: request.responseText.slice(0, 300) };
+      }
+      if (request.status >= 200 && request.status < 300) {
+        onProgress(file.size, file.size);
+        resolve(body);
+      } else {
+        reject(new ApiError(request.status, body));
+      }
+    });
+    request.addEventListener("error", () => reject(new Error(`upload of ${file.name} failed: the connection dropped`)));
+    request.send(file);
+  });
+}

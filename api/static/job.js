@@ -1,14 +1,19 @@
-// A job's page: spec, live status and progress, cancel, downloads, and the HTML report.
+// A job's page: what it ran on (file names, the spec in words), its times and phases, live
+// status and progress, the failure, cancel / re-run / edit / delete, downloads named after
+// the job, and the HTML report.
 
 import {
   api, apiJson, config, describeError, el, followJob, isTerminal, progressText, requireKey, setProgress, setStatus,
 } from "./api.js";
+import {
+  durationSeconds, formatSeconds, formatTime, inputDetail, inputFields, inputName, shortId,
+} from "./format.js";
 
 const jobId = document.body.dataset.jobId;
 const jobPath = `/v1/jobs/${encodeURIComponent(jobId)}`;
-const SPEC_FIELDS = ["arch", "model_kwargs", "mode", "workers", "batch_size", "max_samples", "device", "outputs",
-  "checkpoint", "program", "data", "eval", "transform", "onnx"];
 const MAX_REPORT_HEIGHT = 50_000; // px; the frame scrolls past this
+const INPUT_LABELS = { program: "program", checkpoint: "checkpoint", data: "calibration data", "eval.data": "evaluation data" };
+let job = null;
 let following = false;
 let reportShown = false;
 
@@ -19,27 +24,94 @@ function showProblem(message) {
 }
 
 function showState(state) {
+  job = { ...(job || {}), ...state };
   setStatus(document.getElementById("job-status"), state.status);
-  setProgress(document.getElementById("job-progress"), state.progress, state.status);
-  document.getElementById("job-progress-text").textContent = progressText(state.progress, state.status);
+  const bar = document.getElementById("job-progress");
+  bar.hidden = isTerminal(state.status);
+  setProgress(bar, state.progress, state.status);
+  document.getElementById("job-progress-text").textContent = isTerminal(state.status) ? "" : progressText(state.progress, state.status);
+  document.getElementById("job-actions").hidden = false;
   document.getElementById("cancel-button").hidden = isTerminal(state.status);
-  const errorBox = document.getElementById("job-error");
-  errorBox.hidden = !state.error;
-  errorBox.textContent = state.error ? `${state.error.title}: ${state.error.detail}` : "";
+  document.getElementById("delete-button").hidden = !isTerminal(state.status);
+  showError(state);
+  showDuration();
   document.body.dataset.status = state.status;
 }
 
-function specValue(value) {
-  return typeof value === "object" && value !== null ? JSON.stringify(value) : `${value}`;
+/** A failure in red with its field; a cancellation in grey: it is what the user asked for. */
+function showError(state) {
+  const box = document.getElementById("job-error");
+  box.hidden = !state.error;
+  box.className = state.status === "cancelled" ? "muted" : "error";
+  if (!state.error) return;
+  const { title, detail, field, rank, node } = state.error;
+  const where = [field ? `field ${field}` : "", rank !== undefined ? `rank ${rank}` : "", node ? `node ${node}` : ""]
+    .filter(Boolean).join(", ");
+  box.textContent = `${title}: ${detail}${where ? `\n(${where})` : ""}`;
 }
 
+function showDuration() {
+  const seconds = job && durationSeconds(job);
+  document.getElementById("job-duration").textContent = seconds === null || seconds === undefined
+    ? "" : `${job.finished_at ? "took" : "running for"} ${formatSeconds(seconds)}`;
+}
+
+function rows(list, entries) {
+  list.replaceChildren(...entries.flatMap(([name, value, title]) => [
+    el("dt", {}, name), el("dd", title ? { title } : {}, value),
+  ]));
+}
+
+function showInputs(current) {
+  rows(document.getElementById("job-inputs"), inputFields(current).map((field) => [
+    INPUT_LABELS[field], inputName(current, field), inputDetail(current, field),
+  ]));
+}
+
+/** The spec in words: only what was asked for (no ONNX options without an ONNX export). */
 function showSpec(spec) {
-  const list = document.getElementById("job-spec");
-  list.replaceChildren();
-  for (const name of SPEC_FIELDS) {
-    if (spec[name] === undefined || spec[name] === null) continue;
-    list.append(el("dt", {}, name), el("dd", {}, specValue(spec[name])));
+  const entries = [];
+  if (spec.arch) entries.push(["architecture", spec.arch]);
+  if (spec.model_kwargs && Object.keys(spec.model_kwargs).length) {
+    entries.push(["model kwargs", Object.entries(spec.model_kwargs).map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join(", ")]);
   }
+  entries.push(["mode", spec.mode === "sync" ? "sync (global-batch statistics)" : "local (per-worker statistics)"]);
+  entries.push(["workers", `${spec.workers}${spec.device ? ` on ${spec.device}` : ""}`]);
+  entries.push(["batch size", `${spec.batch_size}`]);
+  entries.push(["samples", spec.max_samples ? `the first ${spec.max_samples}` : "all"]);
+  if (spec.eval) entries.push(["evaluation", spec.eval.max_samples ? `the first ${spec.eval.max_samples} samples` : "all samples"]);
+  const outputs = spec.outputs || [];
+  entries.push(["outputs", [...outputs, "report"].join(", ")]);
+  if (outputs.includes("onnx") && spec.onnx) {
+    const onnx = spec.onnx;
+    entries.push(["ONNX", `opset ${onnx.opset}, ${onnx.dtype}, ${onnx.dynamic_batch ? "dynamic" : "fixed"} batch`
+      + (onnx.input_shape ? `, input ${onnx.input_shape.join("×")}` : "")]);
+  }
+  if (spec.transform) entries.push(["transform", JSON.stringify(spec.transform)]);
+  rows(document.getElementById("job-spec"), entries);
+}
+
+function showTimes(current) {
+  const seconds = durationSeconds(current);
+  rows(document.getElementById("job-times"), [
+    ["created", formatTime(current.created_at), current.created_at],
+    ["started", current.started_at ? formatTime(current.started_at) : "not yet", current.started_at],
+    ["finished", current.finished_at ? formatTime(current.finished_at) : "not yet", current.finished_at],
+    ["duration", seconds === null ? "" : formatSeconds(seconds)],
+  ]);
+  const table = document.getElementById("job-phases");
+  table.hidden = !(current.phases && current.phases.length);
+  table.tBodies[0].replaceChildren(...(current.phases || []).map((phase) => el(
+    "tr", {},
+    el("td", {}, phase.phase),
+    el("td", { className: "muted" }, formatTime(phase.started_at)),
+    el("td", {}, phase.seconds === null ? "…" : formatSeconds(phase.seconds)),
+  )));
+}
+
+/** The name a download gets: the job's short id, then the artifact's file name. */
+function downloadName(artifact) {
+  return `${shortId(jobId)}-${artifact.filename}`;
 }
 
 /** Fetch an artifact with the key and hand it to the browser as a download from a blob: URL. */
@@ -47,7 +119,7 @@ async function download(name, artifact) {
   try {
     const response = await api(`${jobPath}/artifacts/${encodeURIComponent(name)}`);
     const url = URL.createObjectURL(await response.blob());
-    const link = el("a", { href: url, download: artifact.filename });
+    const link = el("a", { href: url, download: downloadName(artifact) });
     document.body.append(link);
     link.click();
     link.remove();
@@ -63,7 +135,7 @@ function showArtifacts(artifacts) {
   list.replaceChildren(
     ...names.map((name) => {
       const artifact = artifacts[name];
-      const button = el("button", { type: "button", className: "link", "data-artifact": name }, artifact.filename);
+      const button = el("button", { type: "button", className: "link", "data-artifact": name }, downloadName(artifact));
       button.addEventListener("click", () => download(name, artifact));
       return el("li", {}, button, " ", el("span", { className: "muted" }, `${name}, ${artifact.size} bytes`));
     }),
@@ -95,34 +167,50 @@ async function showReport() {
   document.getElementById("report-panel").hidden = false;
 }
 
-function showJob(job) {
-  showState(job);
-  showSpec(job.spec);
-  showArtifacts(job.artifacts);
-  if (job.status === "succeeded" && job.artifacts["report.html"]) {
+function showJob(current) {
+  job = current;
+  showState(current);
+  showInputs(current);
+  showSpec(current.spec);
+  showTimes(current);
+  showArtifacts(current.artifacts);
+  if (current.status === "succeeded" && current.artifacts["report.html"]) {
     showReport().catch((error) => showProblem(describeError(error)));
   }
 }
 
 async function load() {
-  const job = await apiJson(jobPath);
-  showJob(job);
-  if (!isTerminal(job.status) && !following) {
+  let current;
+  try {
+    current = await apiJson(jobPath);
+  } catch (error) {
+    const badge = document.getElementById("job-status");
+    badge.textContent = error.status === 404 ? "not found" : "error";
+    badge.className = "status status-missing";
+    document.getElementById("job-progress").hidden = true;
+    throw error;
+  }
+  showJob(current);
+  if (!isTerminal(current.status) && !following) {
     following = true;
     try {
-      await followJob(jobId, showState);
+      await followJob(jobId, (state) => {
+        const startedNow = state.status !== job.status;
+        showState(state);
+        if (startedNow) apiJson(jobPath).then(showTimes, () => {});
+      });
     } finally {
       following = false;
     }
-    showJob(await apiJson(jobPath)); // the final resource: artifacts, error, report
+    showJob(await apiJson(jobPath)); // the final resource: artifacts, error, report, times
   }
 }
 
-async function cancel() {
-  const button = document.getElementById("cancel-button");
+async function act(button, run) {
+  const state = document.getElementById("action-state");
   button.disabled = true;
   try {
-    showState(await apiJson(`${jobPath}/cancel`, { method: "POST" }));
+    await run(state);
   } catch (error) {
     showProblem(describeError(error));
   } finally {
@@ -130,7 +218,39 @@ async function cancel() {
   }
 }
 
+function cancel() {
+  if (!window.confirm(`Cancel job ${shortId(jobId)}? Its workers are stopped; it cannot be resumed.`)) return;
+  act(document.getElementById("cancel-button"), async (state) => {
+    state.textContent = "cancelling…";
+    showState(await apiJson(`${jobPath}/cancel`, { method: "POST" }));
+    state.textContent = "";
+  });
+}
+
+function rerun() {
+  act(document.getElementById("rerun-button"), async (state) => {
+    state.textContent = "submitting…";
+    const again = await apiJson("/v1/jobs", {
+      method: "POST", body: JSON.stringify(job.spec), headers: { "Content-Type": "application/json" },
+    });
+    location.assign(`${config.root}/jobs/${encodeURIComponent(again.id)}`);
+  });
+}
+
+function remove() {
+  if (!window.confirm(`Delete job ${shortId(jobId)} and its downloads? Its input files stay on the server.`)) return;
+  act(document.getElementById("delete-button"), async (state) => {
+    await api(jobPath, { method: "DELETE" });
+    state.textContent = "deleted";
+    location.assign(`${config.root}/`);
+  });
+}
+
 requireKey(() => {
   document.getElementById("cancel-button").addEventListener("click", cancel);
+  document.getElementById("rerun-button").addEventListener("click", rerun);
+  document.getElementById("delete-button").addEventListener("click", remove);
+  document.getElementById("edit-link").href = `${config.root}/?edit=${encodeURIComponent(jobId)}`;
+  setInterval(() => { if (job && job.status === "running") showDuration(); }, 1000);
   load().catch((error) => showProblem(describeError(error)));
 });

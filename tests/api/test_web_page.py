@@ -141,16 +141,18 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
 
     row = page.locator("#jobs-body tr").first
     expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
-    expect(row.locator(".progress-text")).to_have_text("48 / 48 samples")
+    expect(row.locator(".progress-text")).to_have_text("48 samples calibrated")
     job_id = row.get_attribute("data-job-id")
-    # What the row showed came from the event stream: the page was not reloaded and never
-    # asked for the job list or the job again after submitting.
+    # What the row showed came from the key's change stream: the page was not reloaded and
+    # never asked for the job list or the job again after submitting.
     assert page.evaluate("window.__pageMarker") == "not reloaded"
     after_submit = [url.removeprefix(live_server.url) for url in tab.requested[submitted_at:]]
+    asked = [url for url in after_submit if url.startswith("/v1/blobs/sha256:")]
     blobs = ["/v1/blobs?filename=stale.pt", "/v1/blobs?filename=calib.npy"]
-    assert after_submit == [*blobs, "/v1/jobs", f"/v1/jobs/{job_id}/events"], after_submit
+    assert after_submit == [*asked, "/v1/jobs?dry_run=true", *blobs, "/v1/jobs"], after_submit
+    assert len(asked) == 2  # HEAD: does the server have them? (it does not: both uploaded)
     seen = [(status, text) for seen_id, status, text in page.evaluate("window.__rows") if seen_id == job_id]
-    assert seen[0][0] in ("queued", "running") and seen[-1] == ("succeeded", "48 / 48 samples"), seen
+    assert seen[0][0] in ("queued", "running") and seen[-1] == ("succeeded", "48 samples calibrated"), seen
     screenshot(page, "jobs.png")
 
     with live_server.client("web") as client:
@@ -162,6 +164,8 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     expect(page.locator("#job-status")).to_have_text("succeeded")
     expect(page.locator("#cancel-button")).to_be_hidden()
     expect(page.locator("#job-spec")).to_contain_text("tests.nets:mixed_net")
+    expect(page.locator("#job-inputs")).to_contain_text("stale.pt")
+    expect(page.locator("#job-spec")).not_to_contain_text("opset")  # no ONNX asked for: no ONNX options
     report = page.frame_locator("#report-frame")
     chart = report.locator("#drift-chart svg")
     expect(chart).to_be_visible()
@@ -176,7 +180,7 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     chart_source = chart.evaluate("node => node.innerHTML")
     for layer in job["report"]["layers"]:
         assert layer["name"] in chart_source
-        expect(report.locator("table").nth(2)).to_contain_text(layer["name"])
+        expect(report.locator("#drift-table")).to_contain_text(layer["name"])
     read_storage = "() => { try { return sessionStorage.length; } catch (e) { return 'denied'; } }"
     frame_sees = report.locator("body").evaluate(read_storage)
     assert frame_sees == "denied"  # the sandboxed report cannot read the page's storage
@@ -185,10 +189,12 @@ def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_r
     with page.expect_download() as download_info:
         page.click("[data-artifact=checkpoint]")
     download = download_info.value
-    assert download.suggested_filename == job["artifacts"]["checkpoint"]["filename"]
+    assert download.suggested_filename == f"{job_id[:12]}-recalibrated.pt"
     digest = "sha256:" + hashlib.sha256(Path(download.path()).read_bytes()).hexdigest()
     assert digest == job["artifacts"]["checkpoint"]["digest"]
     screenshot(page, "job-report.png")
+    # Chromium does not animate an offscreen cross-origin frame: bring it into view first.
+    page.locator("#report-frame").scroll_into_view_if_needed()
     chart.screenshot(path=str(ARTIFACTS / "drift-chart.png"))
 
     assert tab.foreign_requests(live_server.url) == []
@@ -211,7 +217,7 @@ def test_a_program_submitted_through_the_form_comes_back_recalibrated(live_serve
     expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=JOB_TIMEOUT_MS)
     row = page.locator("#jobs-body tr").first  # the new job's row, now that it is prepended
     expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
-    expect(row.locator("td").nth(1)).to_have_text("program")
+    expect(row.locator("td.model")).to_have_text("program team.pt2")
     job_id = row.get_attribute("data-job-id")
     with live_server.client("web") as client:
         job = client.get(f"/v1/jobs/{job_id}").json()
@@ -285,7 +291,7 @@ def test_a_job_of_no_one_or_another_key_shows_the_404_detail(live_server, tab, m
     page = tab.page
     sign_in(page, f"{live_server.url}/jobs/{others}")
     expect(page.locator("#job-problem")).to_contain_text("404 Not found: no job")
-    expect(page.locator("#job-status")).to_have_text("loading")
+    expect(page.locator("#job-status")).to_have_text("not found")
     page.goto(f"{live_server.url}/jobs/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E")
     expect(page.locator("#job-problem")).to_contain_text("404 Not found: no job '<img src=x onerror=alert(1)>'")
     expect(page.locator("#job-id")).to_have_text("<img src=x onerror=alert(1)>")  # shown as text, not markup
@@ -310,10 +316,15 @@ def test_cancel_from_the_job_page_ends_the_job_cancelled(live_server, tab, tmp_p
     expect(page.locator("#job-status")).to_have_text("running", timeout=JOB_TIMEOUT_MS)
     expect(page.locator("#job-progress-text")).to_have_text(re.compile(r"^[1-9]\d* / 40 samples"), timeout=60_000)
     expect(page.locator("#cancel-button")).to_be_visible()
+    page.once("dialog", lambda dialog: dialog.dismiss())  # asked to confirm: "no" leaves it running
+    page.click("#cancel-button")
+    expect(page.locator("#job-status")).to_have_text("running")
+    page.once("dialog", lambda dialog: dialog.accept())
     page.click("#cancel-button")
     expect(page.locator("#job-status")).to_have_text("cancelled", timeout=60_000)
     expect(page.locator("#cancel-button")).to_be_hidden()
     expect(page.locator("#job-error")).to_contain_text("cancel")
+    expect(page.locator("#job-error")).to_have_class("muted")  # grey: what was asked for, not an error
     with live_server.client("web") as client:
         assert wait_for(client, job["id"], timeout=30)["status"] == "cancelled"
     screenshot(page, "cancelled.png")

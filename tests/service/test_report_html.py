@@ -67,3 +67,38 @@ def test_names_are_escaped_and_missing_values_shown():
     assert "<script" not in page and "&lt;script&gt;" in page and "&lt;b&gt;net" in page
     assert "n/a" in page
     assert_offline(page)
+
+
+def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
+    from datetime import UTC, datetime
+
+    from service.report_html import accuracy_figure, drift_figure, job_section
+
+    digest = "sha256:" + "ab" * 32
+    report = {
+        "arch": "tests.nets:mixed_net", "samples": 8, "world_size": 1, "mode": "sync", "seconds": 0.5,
+        "layers": [{"name": "bn", "class": "BatchNorm2d", "channels": 6, "calls": 2, "mean_shift": 1.5,
+                    "var_ratio_max": 2.0, "var_ratio_min": 0.5}],
+        "evaluation": {"samples": 8, "before": {"top1": 0.25, "top5": 1.0}, "after": {"top1": 0.75, "top5": 1.0},
+                       "prediction_change": 0.5, "kl_divergence": 0.1},
+        "job": job_section("0123abcd" * 4, datetime(2026, 11, 24, 21, 0, tzinfo=UTC),
+                           {"checkpoint": {"filename": "team<model>.pt", "digest": digest}}),
+    }
+    page = render_html_report(report)
+    context = page[page.index('id="job-context"'):page.index("</table>", page.index('id="job-context"'))]
+    assert "0123abcd" * 4 in context and "2026-11-24T21:00:00+00:00" in context
+    assert "team&lt;model&gt;.pt" in context and digest in context  # escaped, with its digest
+    assert "bnrecal 0.1.0" in context and f"torch {torch.__version__.split('+')[0]}" in context
+    assert_offline(page)
+    # Each legend sits right of its axes (so it covers no bar or point) and inside the figure.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for figure in (drift_figure(report["layers"]), accuracy_figure(report["evaluation"])):
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        legends = [(axes, axes.get_legend()) for axes in figure.axes if axes.get_legend() is not None]
+        assert legends
+        for axes, legend in legends:
+            box, plot = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+            assert box.x0 >= plot.x1 - 1 and box.x1 <= figure.bbox.x1 + 1, (box, plot)

@@ -1,0 +1,85 @@
+// What the pages say about a job, in words: its inputs, model, run shape, duration and result.
+// Shared by the jobs list and the job page (plain functions of the job resource).
+
+/** "1.2 s", "3 min 12 s", "1 h 04 min". */
+export function formatSeconds(seconds) {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "";
+  if (seconds < 10) return `${seconds.toFixed(1)} s`;
+  if (seconds < 60) return `${Math.round(seconds)} s`;
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) return `${minutes} min ${String(Math.round(seconds % 60)).padStart(2, "0")} s`;
+  return `${Math.floor(minutes / 60)} h ${String(minutes % 60).padStart(2, "0")} min`;
+}
+
+/** How long the job ran (until now while it runs); null before it started. */
+export function durationSeconds(job, now = Date.now()) {
+  if (!job.started_at) return null;
+  const end = job.finished_at ? Date.parse(job.finished_at) : now;
+  return Math.max(0, (end - Date.parse(job.started_at)) / 1000);
+}
+
+/** A date and time in the reader's locale, short. */
+export function formatTime(iso) {
+  if (!iso) return "";
+  return new Date(iso).toLocaleString(undefined, { dateStyle: "short", timeStyle: "medium" });
+}
+
+/** The short id the pages and download names use. */
+export function shortId(id) {
+  return id.slice(0, 12);
+}
+
+/** The name of an input: the file name it was uploaded with, else a short digest. */
+export function inputName(job, field) {
+  const input = job.inputs && job.inputs[field];
+  if (input) return input.filename || `${input.digest.slice(0, 19)}…`;
+  const source = field === "eval.data" ? job.spec.eval && job.spec.eval.data : job.spec[field];
+  if (source && typeof source === "object") return source.path || source.uri || "";
+  return source ? `${String(source).slice(0, 19)}…` : "";
+}
+
+/** The digest behind an input (for a tooltip), or its path or URI. */
+export function inputDetail(job, field) {
+  const input = job.inputs && job.inputs[field];
+  if (input) return input.digest;
+  const source = field === "eval.data" ? job.spec.eval && job.spec.eval.data : job.spec[field];
+  return source && typeof source === "object" ? source.path || source.uri || "" : `${source || ""}`;
+}
+
+/** The spec fields that name the model and data, in the order a reader wants them. */
+export function inputFields(job) {
+  const fields = ["program", "checkpoint", "data"];
+  if (job.spec.eval) fields.push("eval.data");
+  return fields.filter((field) => (field === "eval.data" ? job.spec.eval : job.spec[field]));
+}
+
+/** "tests.nets:mixed_net" or "program model.pt2". */
+export function modelName(job) {
+  if (job.spec.arch) return job.spec.arch;
+  return job.spec.program ? `program ${inputName(job, "program")}` : "";
+}
+
+/** "2 workers × batch 32, sync". */
+export function runShape(spec) {
+  const workers = `${spec.workers} worker${spec.workers === 1 ? "" : "s"}`;
+  return `${workers} × batch ${spec.batch_size}, ${spec.mode}`;
+}
+
+/** Top-1 accuracy before and after, when the job was evaluated on labelled data. */
+export function top1(job) {
+  const evaluation = job.report && job.report.evaluation;
+  if (!evaluation || !evaluation.before || evaluation.before.top1 === undefined) return null;
+  return { before: evaluation.before.top1, after: evaluation.after.top1 };
+}
+
+/** What a finished job came to, in one line: samples calibrated and accuracy, or why it failed. */
+export function resultText(job) {
+  if (job.status === "failed") return job.error ? job.error.title : "failed";
+  if (job.status === "cancelled") return "cancelled";
+  if (job.status !== "succeeded") return "";
+  const samples = job.report && job.report.samples;
+  const parts = [samples !== undefined ? `${samples} samples calibrated` : "calibrated"];
+  const accuracy = top1(job);
+  if (accuracy) parts.push(`top-1 ${accuracy.before.toFixed(3)} → ${accuracy.after.toFixed(3)}`);
+  return parts.join(" · ");
+}
