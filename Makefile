@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 # The browser tests (tests/api/test_web_page.py) drive Debian's Chromium through Playwright;
 # `playwright install` is not used (it downloads from a CDN).
 CHROMIUM := /usr/bin/chromium
+# The ledger tests and the replicated-service tests start a throwaway cluster of Debian's PostgreSQL.
+POSTGRES := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) /usr/lib/postgresql/15/bin/initdb)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser serve demo test bench clean
+.PHONY: install browser postgres serve demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +28,12 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
+$(POSTGRES):
+	$(SUDO) apt-get update
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql
+
+postgres: $(POSTGRES)
+
 serve: $(STAMP)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
@@ -36,7 +44,7 @@ demo: $(STAMP)
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
 		--report demo/report.json --report-html demo/report.html
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -184,6 +184,10 @@ class BlobStore:
         finally:
             staged.unlink(missing_ok=True)
 
+    def last_used(self, tenant: str, digest: str) -> float:
+        """When the blob was stored or last used (its mtime); ``NotFoundError`` if absent."""
+        return self.path(tenant, digest).stat().st_mtime
+
     def touch(self, tenant: str, digest: str) -> None:
         """Mark a blob as just used (its mtime), so the collector keeps it a full retention period."""
         if self.exists(tenant, digest):

@@ -1,4 +1,5 @@
-"""The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default).
+"""The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default,
+PostgreSQL for a replicated service: ``service/ledger_backends.py``).
 
 The ledger, not Ray, is the source of truth: it survives restarts, and every state
 change goes through a conditional update here, so a cancel racing a start, or two
@@ -15,9 +16,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, event, func, inspect
+from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint, func
 from sqlalchemy import delete as sql_delete
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -26,6 +27,7 @@ from sqlalchemy.types import TypeDecorator
 from workers.errors import InputError, NotFoundError, TooManyJobsError
 
 from .jobs import ConflictError, JobRecord, JobStatus
+from .ledger_backends import lock_tenant, make_engine, prepare_schema
 from .options import STARTING_PHASE
 
 INTERRUPTED = "interrupted by restart"
@@ -74,6 +76,8 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     phases: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the replica running it
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     def record(self) -> JobRecord:
         """A detached snapshot of this row."""
@@ -108,13 +112,22 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def start_values() -> dict[str, Any]:
+    """What starting a queued job writes: the attempt counted, progress reset, the first phase."""
+    now = _now()
+    return {
+        "status": JobStatus.running.value, "started_at": now, "attempts": JobRow.attempts + 1,
+        "samples_done": 0, "samples_total": None, "phase": STARTING_PHASE,
+        "phases": [{"phase": STARTING_PHASE, "at": now.isoformat()}],
+    }
+
+
 class Ledger:
     """The repository of jobs: the only code that reads or writes the jobs table."""
 
     def __init__(self, url: str) -> None:
-        self.engine = _make_engine(url)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        self.engine = make_engine(url)
+        prepare_schema(self.engine, Base.metadata)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -134,7 +147,7 @@ class Ledger:
         Returns the job and whether it was created now. Reusing a key with another spec
         is a ``ConflictError``; a new job that would give the tenant more than ``max_queued``
         queued jobs is a ``TooManyJobsError`` (counted after the insert, in its transaction:
-        on SQLite, whose writers take turns, the bound is exact).
+        the tenant's transactions take turns, so the bound is exact).
         """
         if idempotency_key is not None:
             existing = self._by_idempotency_key(tenant, idempotency_key)
@@ -147,6 +160,7 @@ class Ledger:
         )
         try:
             with self._session() as session:
+                lock_tenant(session, tenant)
                 session.add(row)
                 session.flush()
                 if max_queued is not None:
@@ -251,12 +265,7 @@ class Ledger:
 
     def mark_running(self, job_id: str) -> JobRecord | None:
         """Start a queued job (counting the attempt); None if it is no longer queued."""
-        changed = self._update(
-            job_id, {JobStatus.queued},
-            status=JobStatus.running.value, started_at=_now(), attempts=JobRow.attempts + 1,
-            samples_done=0, samples_total=None, phase=STARTING_PHASE,
-            phases=[{"phase": STARTING_PHASE, "at": _now().isoformat()}],
-        )
+        changed = self._update(job_id, {JobStatus.queued}, **start_values())
         return self.get_any(job_id) if changed else None
 
     def set_progress(self, job_id: str, done: int, total: int, phase: str) -> bool:
@@ -315,23 +324,33 @@ class Ledger:
         return self._update(
             job_id, {JobStatus.running},
             status=JobStatus.queued.value, started_at=None, attempts=JobRow.attempts - 1, samples_done=0,
-            phases=None,
+            phases=None, lease_owner=None, lease_expires_at=None,
         )
 
-    def recover_interrupted(self, rerun: bool) -> dict[str, JobStatus]:
-        """After a crash: queue each job left ``running`` again once, or fail it; returns the outcomes."""
+    def recover_interrupted(self, rerun: bool, expired_before: datetime | None = None) -> dict[str, JobStatus]:
+        """After a crash: queue each job left ``running`` again once, or fail it; returns the outcomes.
+
+        With ``expired_before`` (a ledger shared by replicas) only the jobs whose replica let
+        their lease run out before then, checked again in each update, so a job another
+        replica has just claimed or renewed is left alone.
+        """
         outcomes: dict[str, JobStatus] = {}
+        expired = [] if expired_before is None else [
+            JobRow.lease_owner.is_(None) | (JobRow.lease_expires_at < expired_before)
+        ]
         with self._session() as session:
-            rows = session.scalars(select(JobRow).where(JobRow.status == JobStatus.running.value)).all()
+            rows = session.scalars(select(JobRow).where(JobRow.status == JobStatus.running.value, *expired)).all()
             stuck = [(row.id, row.attempts, row.cancel_requested) for row in rows]
         for job_id, attempts, cancel_requested in stuck:
+            running = {JobStatus.running}
             if cancel_requested:
-                self.finish(job_id, JobStatus.cancelled)
-                outcomes[job_id] = JobStatus.cancelled
+                outcome = JobStatus.cancelled
+                values: dict[str, Any] = {"finished_at": _now(), "error": None}
             elif rerun and attempts < MAX_ATTEMPTS:
-                self._update(job_id, {JobStatus.running}, status=JobStatus.queued.value, samples_done=0, phases=None)
-                outcomes[job_id] = JobStatus.queued
+                outcome = JobStatus.queued
+                values = {"samples_done": 0, "phases": None, "lease_owner": None, "lease_expires_at": None}
             else:
+                outcome = JobStatus.failed
                 detail = INTERRUPTED + (f" (after {attempts} attempts)" if rerun else "")
                 problem = {
                     "type": "https://bnrecal.dev/problems/interrupted",
@@ -339,15 +358,17 @@ class Ledger:
                     "status": 500,
                     "detail": detail,
                 }
-                self.finish(job_id, JobStatus.failed, error=problem)
-                outcomes[job_id] = JobStatus.failed
+                values = {"finished_at": _now(), "error": problem}
+            if self._update(job_id, running, *expired, status=outcome.value, **values):
+                outcomes[job_id] = outcome
         return outcomes
 
-    def _update(self, job_id: str, allowed: set[JobStatus], **values: Any) -> bool:
-        """Change a job only while it is in one of the ``allowed`` statuses; bump its revision."""
+    def _update(self, job_id: str, allowed: set[JobStatus], *conditions: Any, **values: Any) -> bool:
+        """Change a job only while it is in one of the ``allowed`` statuses (and meets any further
+        ``conditions``); bump its revision."""
         statement = (
             sql_update(JobRow)
-            .where(JobRow.id == job_id, JobRow.status.in_([status.value for status in allowed]))
+            .where(JobRow.id == job_id, JobRow.status.in_([status.value for status in allowed]), *conditions)
             .values(revision=JobRow.revision + 1, **values)
         )
         with self._session() as session:
@@ -378,33 +399,3 @@ class Ledger:
             )
         return job
 
-
-def _add_missing_columns(engine: Engine) -> None:
-    """Add the nullable columns a newer release declares to a ledger an older one created,
-    so upgrading keeps every stored job."""
-    present = {column["name"] for column in inspect(engine).get_columns(JobRow.__tablename__)}
-    with engine.begin() as connection:
-        for column in JobRow.__table__.columns:
-            if column.name not in present and column.nullable:
-                kind = column.type.compile(dialect=engine.dialect)
-                connection.execute(text(f"ALTER TABLE {JobRow.__tablename__} ADD COLUMN {column.name} {kind}"))
-
-
-def _make_engine(url: str) -> Engine:
-    """An engine; for SQLite: WAL journal, a busy timeout, and connections usable from any thread."""
-    if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    database = url.split("///", 1)[-1]
-    if database and database != ":memory:":
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-    @event.listens_for(engine, "connect")
-    def _configure(connection: Any, _record: Any) -> None:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    return engine

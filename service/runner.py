@@ -11,6 +11,10 @@ error rather than wait forever.) Each job runs :func:`recalibrate` and the expor
 of the server process; the ranks push progress to it, which goes to the ledger and to
 the event streams. Cancelling sets the event ``recalibrate`` watches, which kills the
 job's actors and frees their placement group.
+
+Replicas sharing one ledger run each job once: a job is claimed under a lease that a
+keeper thread renews while it runs, and taken over by any replica once a dead replica's
+lease runs out (``service/job_leases.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from typing import Any
 
 import ray
 
-from workers.errors import BnrecalError, CancelledError
+from workers.errors import BnrecalError, CancelledError, NotFoundError
 from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
 from .exporting import export_recalibrated
+from .job_leases import JobLeases, replica_id
 from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
@@ -52,6 +57,7 @@ class _Running:
     cpus: float
     gpus: float
     shutdown: bool = False
+    lost: bool = False  # another replica took the job over: nothing of this run is written
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -66,8 +72,10 @@ class JobRunner:
         metrics: ServiceMetrics,
         feed: ChangeFeed,
         pool: WarmPool | None = None,
+        leases: JobLeases | None = None,
     ) -> None:
         self.settings = settings
+        self.leases = leases or JobLeases(ledger, replica_id(), settings.job_lease_s)
         self.pool = pool  # warm rank actors the jobs share (idle ones hold CPUs but give way to any job)
         self.ledger = ledger
         self.blobs = blobs
@@ -86,6 +94,7 @@ class JobRunner:
         """Start draining the queue (Ray must be initialised)."""
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="bnrecal-dispatcher", daemon=True)
         self._dispatcher.start()
+        threading.Thread(target=self._lease_loop, name="bnrecal-leases", daemon=True).start()
         self.wake()
 
     def wake(self) -> None:
@@ -176,8 +185,8 @@ class JobRunner:
                 entry = _Running(threading.Event(), cpus, gpus)
                 self._running[job.id] = entry
                 self._served[job.tenant] = next(self._turns)
-            started = self.ledger.mark_running(job.id)
-            if started is None:  # cancelled while queued
+            started = self.leases.claim(job.id)
+            if started is None:  # cancelled while queued, or claimed by another replica
                 with self._lock:
                     self._running.pop(job.id, None)
                 continue
@@ -186,6 +195,38 @@ class JobRunner:
                 target=self._execute, args=(started, spec, entry), name=f"bnrecal-job-{job.id[:8]}", daemon=True
             )
             entry.thread.start()
+
+    def _lease_loop(self) -> None:
+        """Every third of ``BNRECAL_JOB_LEASE_S``: renew the leases of this replica's running jobs
+        (stopping a job cancelled on another replica, or taken over by one), and queue again the
+        jobs of replicas that let theirs run out."""
+        while not self._stopping.wait(self.settings.job_lease_s / 3):
+            try:
+                self._renew_leases()
+                if self.leases.take_over_expired(self.settings.rerun_interrupted):
+                    self.wake()
+            except Exception:  # noqa: BLE001 - a bad moment (the database restarting) must not end renewals
+                log.exception("renewing job leases failed; retrying")
+
+    def _renew_leases(self) -> None:
+        with self._lock:
+            running = list(self._running.items())
+        for job_id, entry in running:
+            renewal = self.leases.renew(job_id)
+            if renewal.held or entry.thread is None or not entry.thread.is_alive():
+                if renewal.cancel_requested:
+                    entry.cancel.set()
+                continue
+            if not self._ended(job_id):  # not merely finished here a moment ago
+                log.warning("job %s: its lease was taken over by another replica; stopping this run", job_id)
+                entry.lost = True
+                entry.cancel.set()
+
+    def _ended(self, job_id: str) -> bool:
+        try:
+            return self.ledger.get_any(job_id).status.is_terminal
+        except NotFoundError:  # finished and already deleted
+            return True
 
     def _next_jobs(self) -> list[JobRecord]:
         """Each tenant's oldest queued job, in the order they take their turn: the tenant
@@ -208,20 +249,22 @@ class JobRunner:
         try:
             artifacts, report = self._run(job, spec, entry.cancel, workdir)
             final = JobStatus.succeeded
-            self.ledger.finish(job.id, final, artifacts=artifacts, report=report)
+            self.leases.finish(job.id, final, artifacts=artifacts, report=report)
         except CancelledError as exc:
-            if entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
+            if entry.lost:
+                final = JobStatus.queued  # the replica that took it over runs it and writes its outcome
+            elif entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
                 self.ledger.requeue(job.id)
                 final = JobStatus.queued
             else:
                 final = JobStatus.cancelled
-                self.ledger.finish(job.id, final, error=problem_of(exc))
+                self.leases.finish(job.id, final, error=problem_of(exc))
         except BnrecalError as exc:
-            self.ledger.finish(job.id, final, error=problem_of(exc))
+            self.leases.finish(job.id, final, error=problem_of(exc))
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
             log.exception("job %s failed unexpectedly", job.id)
             problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
-            self.ledger.finish(job.id, final, error=problem)
+            self.leases.finish(job.id, final, error=problem)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:

@@ -2,7 +2,8 @@
 
 Start-up makes the ledger the source of truth again before anything runs: uploads a
 crash left half written are dropped, jobs it left ``running`` are queued again (once)
-or failed with "interrupted by restart", and only then is Ray joined (or an embedded
+or failed with "interrupted by restart" (with a ledger shared by replicas, only those
+whose lease ran out: ``service/job_leases.py``), and only then is Ray joined (or an embedded
 instance started) and the runner let loose on the queue.
 """
 
@@ -14,6 +15,7 @@ import shutil
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,14 @@ from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 from workers.pool import WarmPool
 
+from .blob_backends import open_blob_store
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
 from .events import ChangeFeed
 from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
 from .ledger import Ledger, sqlite_url
+from .ledger_backends import is_postgres
+from .ledger_watch import LedgerWatcher
 from .metrics import ServiceMetrics
 from .runner import JobRunner
 from .settings import Settings
@@ -69,6 +74,7 @@ class Services:
     started_ray: bool = False
     collector: StorageCollector | None = None
     pool: WarmPool | None = None
+    watcher: LedgerWatcher | None = None  # other replicas' changes, when the ledger is shared
     draining: threading.Event = field(default_factory=threading.Event)
 
     def check_accepting(self) -> None:
@@ -208,6 +214,8 @@ class Services:
         """Interrupt running jobs (they go back to the queue), then release the database and Ray."""
         if self.collector is not None:
             self.collector.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
         self.runner.stop()
         if self.pool is not None:  # after the runner: no job takes or returns warm actors any more
             self.pool.close()
@@ -222,11 +230,13 @@ def open_services(settings: Settings) -> Services:
     data_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"data_dir": data_dir})
     ledger = Ledger(settings.database_url or sqlite_url(data_dir))
-    blobs = BlobStore(data_dir / "blobs")
+    blobs = open_blob_store(settings.blob_store, data_dir / "blobs", settings.s3_endpoint_url)
     blobs.clear_staging()
     mark_collected_root(settings.unpack_options()["unpack_root"])  # failed jobs' unpacks go via the collector
     shutil.rmtree(data_dir / "work", ignore_errors=True)  # interrupted jobs restart from scratch
-    for job_id, outcome in ledger.recover_interrupted(settings.rerun_interrupted).items():
+    shared = is_postgres(ledger.engine)  # other replicas may be running jobs: only expired leases are ours to recover
+    expired_before = datetime.now(UTC) if shared else None
+    for job_id, outcome in ledger.recover_interrupted(settings.rerun_interrupted, expired_before).items():
         log.warning("job %s was interrupted by a restart: now %s", job_id, outcome.value)
     try:
         started_ray = ensure_ray(settings.ray_address, min_cpus=settings.embedded_cpus or 0)
@@ -240,5 +250,8 @@ def open_services(settings: Settings) -> Services:
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
     collector.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, pool)
+    watcher = LedgerWatcher(ledger, feed, settings.ledger_poll_s) if shared else None
+    if watcher is not None:
+        watcher.start()
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, pool, watcher)
 

@@ -95,8 +95,17 @@ class Settings(BaseSettings):
         description="S3-compatible endpoint for `s3://` data (e.g. MinIO); default: the AWS environment's "
         "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS itself).",
     )
+    blob_store: str | None = Field(
+        default=None,
+        description="Where blobs and artifacts are kept: empty, files under data_dir; `s3://bucket/prefix`, "
+        "S3-compatible object storage shared by the replicas of a replicated service (reached with "
+        "s3_endpoint_url and the AWS environment), each replica caching what it reads under data_dir.",
+    )
     database_url: str | None = Field(
-        default=None, description="SQLAlchemy URL of the job ledger; default: SQLite `ledger.db` in data_dir."
+        default=None,
+        description="SQLAlchemy URL of the job ledger: `sqlite:///path` or, shared by the replicas of a replicated "
+        "service, `postgresql+psycopg://user:password@host/db` (the `postgres` extra); default: SQLite "
+        "`ledger.db` in data_dir.",
     )
     max_concurrent_jobs: int | None = Field(
         default=None, ge=1, description="Jobs run at once; default: as many as the cluster's CPUs hold."
@@ -109,6 +118,16 @@ class Settings(BaseSettings):
     tenant_max_queued_jobs: int | None = Field(
         default=100, ge=1,
         description="Jobs one API key may have queued; a submission past it is 429; empty: no limit.",
+    )
+    job_lease_s: float = Field(
+        default=30.0, gt=0,
+        description="A running job's lease in the ledger, renewed every third of it by the replica running it; "
+        "a job whose replica died is taken over by another replica once its lease has run out.",
+    )
+    ledger_poll_s: float = Field(
+        default=0.5, gt=0,
+        description="With a Postgres ledger shared by replicas: how often each replica reads the ledger for "
+        "other replicas' job changes, for its event streams.",
     )
     rerun_interrupted: bool = Field(
         default=True, description="Run a job a crash left `running` again (once); false: fail it."

@@ -38,6 +38,7 @@ from workers.errors import NotFoundError
 
 from .jobs import ConflictError, JobRecord, JobStatus
 from .ledger import Ledger
+from .ledger_backends import exclusive_turn
 from .settings import Settings
 
 log = logging.getLogger("bnrecal.storage")
@@ -154,7 +155,10 @@ class StorageCollector:
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.gc_interval_s):
             try:
-                report = self.collect()
+                with exclusive_turn(self.ledger.engine, "storage collector") as mine:
+                    if not mine:  # another replica is collecting the shared store right now
+                        continue
+                    report = self.collect()
                 if report.removals:
                     log.info("storage collection %s", report.summary())
             except Exception:  # noqa: BLE001 - a bad moment (a locked db) must not end collection
@@ -241,7 +245,7 @@ class StorageCollector:
     def _refreshed(self, tenant: str, digest: str, cutoff: float) -> bool:
         """Right before deleting: whether the blob was just uploaded again or submitted (or is gone)."""
         try:
-            return self.blobs.path(tenant, digest).stat().st_mtime >= cutoff
+            return self.blobs.last_used(tenant, digest) >= cutoff
         except (OSError, NotFoundError):
             return True
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from service.settings import Settings
+from tests.postgres import PostgresServer, postgres_server
 from tests.s3 import FAKE_CREDENTIALS, S3Server, start_s3_server
 
 os.environ.update(FAKE_CREDENTIALS)  # before Ray starts: its workers inherit them (see tests/s3.py)
@@ -47,6 +48,22 @@ def s3_server() -> Iterator[S3Server]:
     state, httpd = start_s3_server()
     yield state
     httpd.shutdown()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL cluster on loopback (as its own user), started once; each test
+    that needs a database makes an empty one with ``create_database()``."""
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty ledger database: an SQLite file, and then a Postgres database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    return request.getfixturevalue("postgres").create_database()
 
 
 @pytest.fixture

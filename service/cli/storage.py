@@ -26,7 +26,7 @@ def collect_garbage(
     job ledger, and nothing a queued, running or retained job needs is deleted. Retention
     comes from BNRECAL_JOB_RETENTION_S, BNRECAL_BLOB_RETENTION_S and BNRECAL_UNPACK_RETENTION_S.
     """
-    from ..blobs import BlobStore
+    from ..blob_backends import open_blob_store
     from ..ledger import Ledger, sqlite_url
     from ..settings import Settings
     from ..storage import StorageCollector
@@ -39,7 +39,8 @@ def collect_garbage(
     settings = settings.model_copy(update={"data_dir": directory})
     ledger = Ledger(settings.database_url or sqlite_url(directory))
     try:
-        report = StorageCollector(settings, ledger, BlobStore(directory / "blobs")).collect(dry_run=dry_run)
+        blobs = open_blob_store(settings.blob_store, directory / "blobs", settings.s3_endpoint_url)
+        report = StorageCollector(settings, ledger, blobs).collect(dry_run=dry_run)
     finally:
         ledger.close()
     verb = "would delete" if dry_run else "deleted"

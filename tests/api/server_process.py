@@ -48,6 +48,7 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
+                self.close()  # not left running when it never got ready (no fixture knows it yet)
                 raise AssertionError(f"server did not get ready: {log.read_text()[-3000:]}")
             time.sleep(0.25)
 

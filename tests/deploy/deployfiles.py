@@ -26,6 +26,8 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 GUIDE = DEPLOY / "README.md"
+BASE = DEPLOY / "kuberay"  # the single-replica SQLite variant
+REPLICATED = DEPLOY / "kuberay-replicated"  # its overlay: N replicas on Postgres and object storage
 VARIANTS = ("cpu", "cuda")
 # KubeRay names the head's Service after the RayCluster: <metadata.name>-head-svc.
 HEAD_SERVICE_SUFFIX = "-head-svc"
@@ -195,7 +197,53 @@ def dockerignore_patterns(path: Path = DOCKERIGNORE) -> list[str]:
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+    """The base variant's manifests (``kubectl apply -k deploy/kuberay``)."""
+    return sorted(p for p in BASE.rglob("*") if p.suffix in (".yaml", ".yml"))
+
+
+def overlay_kustomization() -> Doc:
+    """The replicated overlay's kustomization."""
+    return _load(REPLICATED / "kustomization.yaml")[0]
+
+
+def _json_patch(document: Doc, operation: Doc) -> None:
+    """Apply one JSON 6902 ``add`` or ``replace`` (the ops the overlay uses) to ``document``."""
+    *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+    node: Any = document
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    op = operation["op"]
+    assert op in ("add", "replace"), f"the overlay uses a {op!r} op this reader does not apply"
+    if isinstance(node, list):
+        if last == "-":
+            assert op == "add"
+            node.append(operation["value"])
+        elif op == "add":
+            node.insert(int(last), operation["value"])
+        else:
+            node[int(last)] = operation["value"]
+    else:
+        assert op == "add" or last in node, f"replace of a missing {operation['path']}"
+        node[last] = operation["value"]
+
+
+def replicated_manifests() -> list[Doc]:
+    """The base manifests with the overlay's patches applied as kustomize applies them: JSON 6902
+    operations on their target, and a strategic-merge ``$patch: delete`` of a whole object."""
+    kustomization = overlay_kustomization()
+    assert kustomization["resources"] == ["../kuberay"], kustomization["resources"]
+    docs = manifests()
+    for entry in kustomization["patches"]:
+        patch = yaml.safe_load(entry["patch"])
+        if isinstance(patch, dict):
+            assert patch.get("$patch") == "delete", "only whole-object deletion is read from strategic patches"
+            name = patch["metadata"]["name"]
+            docs = [d for d in docs if (d["kind"], d.get("metadata", {}).get("name")) != (patch["kind"], name)]
+            continue
+        target = one(docs, entry["target"]["kind"], entry["target"]["name"])
+        for operation in patch:
+            _json_patch(target, operation)
+    return docs
 
 
 @cache

@@ -1,21 +1,23 @@
-"""The job ledger (SQLite): tenancy, idempotency, the FIFO queue, state changes, crash recovery."""
+"""The job ledger, on SQLite and on PostgreSQL: tenancy, idempotency, the FIFO queue, state changes, crash recovery."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from service.jobs import ConflictError, JobStatus
 from service.ledger import INTERRUPTED, Ledger, sqlite_url
-from workers.errors import NotFoundError, TooManyJobsError
+from service.ledger_backends import normalise_url
+from workers.errors import NotFoundError, SpecError, TooManyJobsError
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 
 
 @pytest.fixture
-def ledger(tmp_path):
-    opened = Ledger(sqlite_url(tmp_path))
+def ledger(database_url):
+    opened = Ledger(database_url)
     yield opened
     opened.close()
 
@@ -131,8 +133,8 @@ def test_cancel_queued_at_once_running_by_flag_finished_conflicts(ledger):
         ledger.request_cancel("alice", running.id)
 
 
-def test_recovery_reruns_once_then_fails_and_survives_reopening(tmp_path):
-    ledger = Ledger(sqlite_url(tmp_path))
+def test_recovery_reruns_once_then_fails_and_survives_reopening(database_url):
+    ledger = Ledger(database_url)
     first, _ = ledger.create("alice", SPEC)
     cancelled, _ = ledger.create("alice", SPEC)
     finished, _ = ledger.create("alice", SPEC)
@@ -142,7 +144,7 @@ def test_recovery_reruns_once_then_fails_and_survives_reopening(tmp_path):
     ledger.finish(finished.id, JobStatus.succeeded, report={"ok": True})
     ledger.close()
 
-    reopened = Ledger(sqlite_url(tmp_path))  # as after a crash: no runner ever finished them
+    reopened = Ledger(database_url)  # as after a crash: no runner ever finished them
     outcomes = reopened.recover_interrupted(rerun=True)
     assert outcomes == {first.id: JobStatus.queued, cancelled.id: JobStatus.cancelled}
     assert reopened.get_any(finished.id).report == {"ok": True}
@@ -179,19 +181,51 @@ def test_counts_by_status(ledger):
     assert counts[JobStatus.running] == 1 and counts[JobStatus.queued] == 1 and counts[JobStatus.failed] == 0
 
 
-def test_a_ledger_from_before_the_phase_column_is_upgraded_in_place(tmp_path):
-    import sqlite3
+def _drop_column(url, postgres_fixture, column):
+    """Make the jobs table as an earlier release did: without ``column``."""
+    if url.startswith("sqlite"):
+        import sqlite3
 
-    old = Ledger(sqlite_url(tmp_path))
+        with sqlite3.connect(url.split("///", 1)[1]) as connection:
+            connection.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+    else:
+        postgres_fixture.execute(url, f"ALTER TABLE jobs DROP COLUMN {column}")
+
+
+def test_a_ledger_from_before_the_phase_and_lease_columns_is_upgraded_in_place(database_url, request):
+    old = Ledger(database_url)
     job, _ = old.create("alice", SPEC)
     old.close()
-    with sqlite3.connect(tmp_path / "ledger.db") as connection:  # the table as the previous release made it
-        connection.execute("ALTER TABLE jobs DROP COLUMN phase")
-    upgraded = Ledger(sqlite_url(tmp_path))
+    postgres = request.getfixturevalue("postgres") if database_url.startswith("postgres") else None
+    for column in ("phase", "lease_owner", "lease_expires_at"):  # as releases before them made the table
+        _drop_column(database_url, postgres, column)
+    upgraded = Ledger(database_url)
     try:
         kept = upgraded.get("alice", job.id)
         assert kept.spec == SPEC and kept.phase is None
         upgraded.mark_running(job.id)
         assert upgraded.get_any(job.id).phase == "starting workers"
+        assert upgraded.recover_interrupted(rerun=True, expired_before=kept.created_at) == {job.id: JobStatus.queued}
     finally:
         upgraded.close()
+
+
+def test_replicas_opening_one_new_database_together_create_the_schema_once(database_url):
+    with ThreadPoolExecutor(6) as pool:
+        opened = list(pool.map(lambda _: Ledger(database_url), range(6)))
+    try:
+        job, _ = opened[0].create("alice", SPEC)
+        assert all(ledger.get("alice", job.id).spec == SPEC for ledger in opened)
+    finally:
+        for ledger in opened:
+            ledger.close()
+
+
+def test_the_database_url_names_a_supported_database():
+    assert normalise_url("postgresql://u:p@db/bnrecal") == "postgresql+psycopg://u:p@db/bnrecal"
+    assert normalise_url("postgres://db/x") == "postgresql+psycopg://db/x"
+    assert sqlite_url(Path("/d")) == normalise_url("sqlite:////d/ledger.db")
+    with pytest.raises(SpecError, match="BNRECAL_DATABASE_URL.*'mysql'"):
+        normalise_url("mysql://db/x")
+    with pytest.raises(SpecError, match="BNRECAL_DATABASE_URL.*psycopg 3"):
+        normalise_url("postgresql+psycopg2://db/x")

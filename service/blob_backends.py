@@ -1,0 +1,214 @@
+"""The blob store's second backend: S3-compatible object storage, for a replicated service.
+
+``BNRECAL_BLOB_STORE=s3://bucket/prefix`` keeps every tenant's blobs at
+``<prefix>/<tenant>/sha256/<hex[:2]>/<hex>``, content-addressed as on disk, with the
+upload's file name at ``<prefix>/<tenant>/names/<hex>`` and the time it was last used
+(an upload of the same bytes, a submission) as an empty marker object
+``<prefix>/<tenant>/used/<hex>`` (an object's own ``LastModified`` cannot be refreshed
+without rewriting it). The interface is :class:`service.blobs.BlobStore`'s: an upload is
+still hashed into a local staging file as it streams in (memory does not grow with its
+size), then put (multipart, by s3fs, when large) under its digest, so an object is
+complete or absent. Each replica keeps a local cache of the blobs it reads (its data
+dir's ``blobs`` folder): ``path()`` checks the object still exists (a blob another replica
+deleted is gone here too), fetches it once if it is not cached, and returns the cached
+file, which the job driver reads and downloads are served from, with ``ETag`` and
+``Range``, like a local blob.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as stat_module
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from workers.data.objectstore import s3_filesystem
+from workers.errors import NotFoundError, SpecError
+
+from .blobs import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, is_digest
+
+
+def parse_blob_store(uri: str) -> tuple[str, str]:
+    """The bucket and key prefix of ``s3://bucket/prefix``; a ``SpecError`` naming the setting otherwise."""
+    if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
+        raise SpecError(f"BNRECAL_BLOB_STORE must look like s3://bucket/prefix, not {uri!r}")
+    bucket, _, prefix = uri[5:].partition("/")
+    return bucket, prefix.strip("/")
+
+
+class S3BlobStore(BlobStore):
+    """Blobs in a bucket under a prefix, one namespace per tenant, cached locally under ``cache_root``."""
+
+    def __init__(
+        self, uri: str, cache_root: Path, endpoint_url: str | None = None, write_chunks: WriteChunks | None = None
+    ) -> None:
+        super().__init__(cache_root, write_chunks)
+        self.uri = uri
+        bucket, prefix = parse_blob_store(uri)
+        self._base = f"{bucket}/{prefix}" if prefix else bucket
+        self.fs: Any = s3_filesystem(endpoint_url)
+        if not self.fs.exists(bucket):
+            raise SpecError(f"BNRECAL_BLOB_STORE: bucket {bucket!r} does not exist or is not reachable")
+
+    # -- reading -------------------------------------------------------------------------
+
+    def path(self, tenant: str, digest: str) -> Path:
+        """The local copy of a tenant's blob, fetched once; ``NotFoundError`` if the bucket has no such blob."""
+        if not is_digest(digest):
+            raise NotFoundError(f"no blob {digest!r}: a digest looks like sha256:<64 hex digits>")
+        hex_digest = digest.removeprefix("sha256:")
+        key = self._key(tenant, "sha256", hex_digest)
+        try:
+            size = int(self.fs.info(key)["size"])
+        except FileNotFoundError:
+            self._location(tenant, hex_digest).unlink(missing_ok=True)  # deleted elsewhere: not served here
+            raise NotFoundError(f"no blob {digest} for this API key") from None
+        cached = self._location(tenant, hex_digest)
+        if cached.is_file() and cached.stat().st_size == size:
+            return cached
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="fetch-", suffix=".part", dir=self._staging)
+        os.close(fd)
+        try:
+            self.fs.get_file(key, name)
+            os.replace(name, cached)
+        finally:
+            Path(name).unlink(missing_ok=True)
+        return cached
+
+    def info(self, tenant: str, digest: str) -> BlobInfo:
+        """Digest, size and file name of a tenant's blob, from the bucket (``NotFoundError`` if absent)."""
+        if not is_digest(digest):
+            raise NotFoundError(f"no blob {digest!r}: a digest looks like sha256:<64 hex digits>")
+        try:
+            size = int(self.fs.info(self._key(tenant, "sha256", digest.removeprefix("sha256:")))["size"])
+        except FileNotFoundError:
+            raise NotFoundError(f"no blob {digest} for this API key") from None
+        return BlobInfo(digest, size, self.filename(tenant, digest))
+
+    def filename(self, tenant: str, digest: str) -> str | None:
+        """The file name the tenant's blob was last uploaded with; None if it came without one."""
+        if not is_digest(digest):
+            return None
+        try:
+            stored = self.fs.cat_file(self._key(tenant, "names", digest.removeprefix("sha256:"))).decode("utf-8")
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        return clean_filename(stored)
+
+    def exists(self, tenant: str, digest: str) -> bool:
+        """Whether the tenant holds this blob in the bucket."""
+        return is_digest(digest) and bool(self.fs.exists(self._key(tenant, "sha256", digest.removeprefix("sha256:"))))
+
+    def last_used(self, tenant: str, digest: str) -> float:
+        """When the blob was stored or last used (epoch seconds); ``NotFoundError`` if absent."""
+        hex_digest = digest.removeprefix("sha256:")
+        try:
+            stored = _epoch(self.fs.info(self._key(tenant, "sha256", hex_digest)))
+        except FileNotFoundError:
+            raise NotFoundError(f"no blob {digest} for this API key") from None
+        try:
+            return max(stored, _epoch(self.fs.info(self._key(tenant, "used", hex_digest))))
+        except FileNotFoundError:
+            return stored
+
+    # -- writing and deleting ------------------------------------------------------------------
+
+    def touch(self, tenant: str, digest: str) -> None:
+        """Mark a blob as just used, so the collector keeps it a full retention period."""
+        if self.exists(tenant, digest):
+            self.fs.pipe_file(self._key(tenant, "used", digest.removeprefix("sha256:")), b"")
+
+    def remove(self, tenant: str, digest: str) -> int:
+        """Delete a tenant's blob, its name and use marker, and the local copy; the bytes freed (0 if absent)."""
+        if not is_digest(digest):
+            return 0
+        hex_digest = digest.removeprefix("sha256:")
+        key = self._key(tenant, "sha256", hex_digest)
+        try:
+            size = int(self.fs.info(key)["size"])
+            self.fs.rm_file(key)
+        except FileNotFoundError:
+            return 0
+        for kind in ("names", "used"):
+            try:
+                self.fs.rm_file(self._key(tenant, kind, hex_digest))
+            except FileNotFoundError:
+                pass
+        self._location(tenant, hex_digest).unlink(missing_ok=True)
+        return size
+
+    def tenants(self) -> list[str]:
+        """The tenants that have blobs under the prefix."""
+        try:
+            entries = self.fs.ls(self._base, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+        return sorted(name for name in names if _TENANT.match(name))
+
+    def stored(self, tenant: str) -> Iterator[tuple[str, os.stat_result]]:
+        """Every blob of a tenant: its digest and a stat with its size and last use (the ``st_mtime``)."""
+        if not _TENANT.match(tenant):
+            raise ValueError(f"invalid tenant id {tenant!r}")
+        used = {
+            key.rsplit("/", 1)[-1]: _epoch(entry) for key, entry in self._find(f"{self._base}/{tenant}/used").items()
+        }
+        for key, entry in sorted(self._find(f"{self._base}/{tenant}/sha256").items()):
+            hex_digest = key.rsplit("/", 1)[-1]
+            if _DIGEST.match("sha256:" + hex_digest):
+                mtime = max(_epoch(entry), used.get(hex_digest, 0.0))
+                yield "sha256:" + hex_digest, _stat(int(entry["size"]), mtime)
+
+    def _place(self, tenant: str, staged: Path, info: BlobInfo) -> None:
+        """Put a complete, hashed staging file under its content address (if absent: else mark it
+        used), and keep it as this replica's cached copy."""
+        key = self._key(tenant, "sha256", info.hex)
+        if self.fs.exists(key):
+            self.touch(tenant, info.digest)
+        else:
+            self.fs.put_file(str(staged), key)
+        cached = self._location(tenant, info.hex)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, cached)
+
+    def _remember_name(self, tenant: str, hex_digest: str, name: str) -> None:
+        self.fs.pipe_file(self._key(tenant, "names", hex_digest), name.encode("utf-8"))
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def _key(self, tenant: str, kind: str, hex_digest: str) -> str:
+        if not _TENANT.match(tenant):
+            raise ValueError(f"invalid tenant id {tenant!r}")
+        if kind == "sha256":
+            return f"{self._base}/{tenant}/sha256/{hex_digest[:2]}/{hex_digest}"
+        return f"{self._base}/{tenant}/{kind}/{hex_digest}"
+
+    def _find(self, folder: str) -> dict[str, dict[str, Any]]:
+        try:
+            return self.fs.find(folder, detail=True)
+        except FileNotFoundError:
+            return {}
+
+
+def open_blob_store(blob_store: str | None, local_root: Path, endpoint_url: str | None = None) -> BlobStore:
+    """The blob store the settings name: files under ``local_root`` (the default), or the
+    bucket of ``BNRECAL_BLOB_STORE`` with ``local_root`` as this process's cache of it."""
+    if not blob_store:
+        return BlobStore(local_root)
+    return S3BlobStore(blob_store, local_root, endpoint_url)
+
+
+def _epoch(entry: dict[str, Any]) -> float:
+    modified = entry.get("LastModified") or entry.get("last_modified")
+    if isinstance(modified, datetime):
+        return modified.timestamp()
+    return float(modified or 0.0)
+
+
+def _stat(size: int, mtime: float) -> os.stat_result:
+    """A stat result of an object (what the collector reads of a local blob: size and mtime)."""
+    return os.stat_result((stat_module.S_IFREG | 0o600, 0, 0, 1, 0, 0, size, mtime, mtime, mtime))
