@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from workers.errors import CancelledError, RunError
@@ -102,11 +104,11 @@ class _HostedJob:
 class JobHost:
     """The actor that runs the server's jobs' driver work, in a thread per job."""
 
-    def __init__(self, warm_pool_idle_s: float) -> None:
+    def __init__(self, warm_pool_idle_s: float, group_prefix: str) -> None:
         import torch
 
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # as the server process had: Ray sets 1 for num_cpus=0
-        self.pool = WarmPool(warm_pool_idle_s)
+        self.pool = WarmPool(warm_pool_idle_s, group_prefix)
         self._jobs: dict[str, _HostedJob] = {}
         self._lock = threading.Lock()
 
@@ -175,6 +177,7 @@ class JobHostClient:
     def __init__(self, warm_pool_idle_s: float) -> None:
         self.warm_pool_idle_s = warm_pool_idle_s
         self._handle: Any = None
+        self._prefix = ""  # names the placement groups of the running host's gangs
         self._lock = threading.Lock()
         self._closed = False
 
@@ -185,20 +188,24 @@ class JobHostClient:
                 raise CancelledError("the server is shutting down")
             if self._handle is None:
                 node = ray.get_runtime_context().get_node_id()
+                self._prefix = f"bnrecal-host-{uuid.uuid4().hex[:12]}-"
                 self._handle = JobHost.options(
                     num_cpus=0,
                     max_restarts=0,
                     max_task_retries=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                ).remote(self.warm_pool_idle_s)
+                ).remote(self.warm_pool_idle_s, self._prefix)
                 self._handle.ready.remote()  # imports torch and the job code now, not in the first job
             return self._handle
 
     def _forget(self, handle: Any) -> None:
-        """Drop a host that died, so the next job starts a fresh one."""
+        """Drop a host that died, so the next job starts a fresh one, and free what its gangs
+        reserved: Ray kills the rank actors a dead process owned, but not their placement groups."""
         with self._lock:
-            if self._handle is handle:
-                self._handle = None
+            if self._handle is not handle:
+                return
+            self._handle, prefix = None, self._prefix
+        _remove_groups(prefix)
 
     def run(
         self,
@@ -271,3 +278,16 @@ class JobHostClient:
             ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        _remove_groups(self._prefix)
+
+
+def _remove_groups(prefix: str) -> None:
+    """Remove the placement groups named with ``prefix`` (a dead host's gangs') that are still there."""
+    if not prefix:
+        return
+    for group in ray.util.placement_group_table().values():
+        if group["name"].startswith(prefix) and group["state"] != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(group["name"]))
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                log.warning("could not remove placement group %s", group["name"], exc_info=True)

@@ -1,11 +1,13 @@
 """The job host keeps a job's model out of the API process: a real ``bnrecal serve`` runs a
 resnet50 job (~100 MB of weights) and its own memory barely moves, while the job's model
-is loaded, probed, recalibrated and written in the host actor."""
+is loaded, probed, recalibrated and written in the host actor. A job that kills the host
+fails with a clear problem, and the next job gets a fresh host."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,18 @@ import pytest
 import torch
 
 from tests.api.conftest import submit, upload, wait_for
-from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
+from tests.api.server_process import ServerProcess
+from tests.conftest import save_array, save_state
+from tests.nets import MARKER, marker_net
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``bnrecal serve`` in a process of its own (with its own embedded Ray), whose memory is measured."""
+    folder = tmp_path_factory.mktemp("job-host")
+    started = ServerProcess(folder / "data", folder / "server.log")
+    yield started
+    started.close()
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -27,7 +40,7 @@ def memory(pid: int) -> dict[str, int]:
 
 
 @pytest.mark.slow  # a server start and a resnet50 job: ~40 s on a busy 2-core machine
-def test_a_large_model_never_lives_in_the_api_process(servers, tmp_path):
+def test_a_large_model_never_lives_in_the_api_process(server, tmp_path):
     import torchvision
 
     torch.manual_seed(0)
@@ -37,8 +50,6 @@ def test_a_large_model_never_lives_in_the_api_process(servers, tmp_path):
     del model
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).normal(size=(4, 3, 32, 32)).astype(np.float32))
 
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
-    servers.append(server)
     spec = {
         "arch": "torchvision:resnet50",
         "checkpoint": upload(server.client, tmp_path / "resnet50.pt"),
@@ -73,3 +84,23 @@ def test_a_large_model_never_lives_in_the_api_process(servers, tmp_path):
           f"(VmHWM {before['VmHWM'] >> 20} -> {after['VmHWM'] >> 20} MiB)")
     assert growth < model_bytes // 4, f"the API process grew by {growth >> 20} MiB for a {model_bytes >> 20} MiB model"
     assert after["VmHWM"] - before["VmHWM"] < model_bytes // 4
+
+
+def test_a_job_that_kills_the_host_fails_and_the_next_job_gets_a_fresh_host(server, tmp_path):
+    samples = torch.randn(8, 4)
+    samples[0, 0] = MARKER  # the probe on the first sample runs in the host: marker_net exits that process
+    spec = {
+        "arch": "tests.nets:marker_net",
+        "checkpoint": upload(server.client, save_state(tmp_path / "m.pt", marker_net())),
+        "data": upload(server.client, save_array(tmp_path / "marked.npy", samples)),
+        "batch_size": 4,
+    }
+    killed = wait_for(server.client, submit(server.client, spec)["id"], timeout=120)
+    assert killed["status"] == "failed"
+    assert killed["error"]["type"] == "https://bnrecal.dev/problems/run"
+    assert "the job host" in killed["error"]["detail"] and "died while running this job" in killed["error"]["detail"]
+    assert server.process.poll() is None and server.client.get("/readyz").status_code == 200  # the server lives on
+    spec["data"] = upload(server.client, save_array(tmp_path / "plain.npy", samples[1:]))
+    fine = wait_for(server.client, submit(server.client, spec)["id"], timeout=120)
+    assert fine["status"] == "succeeded", fine["error"]
+    assert fine["report"]["samples"] == 7
