@@ -53,11 +53,13 @@ Event = tuple[int | None, int | None, str]
 @dataclass(frozen=True)
 class IdleGang:
     """What the server sees of an idle warm gang in the host: its shape, which gang it is
-    (the same ``ident`` while the same actors serve) and how many jobs it served."""
+    (the same ``ident`` while the same actors serve), how many jobs it served and its ranks'
+    process ids (empty when a rank did not answer)."""
 
     key: GangKey
     ident: int
     jobs: int
+    pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,10 +156,14 @@ class JobHost:
     @ray.method(concurrency_group="control")
     def idle_gangs(self) -> list[IdleGang]:
         """The warm pool's idle gangs, oldest first."""
-        return [
-            IdleGang(gang.key, id(gang), gang.jobs)
-            for gang in self.pool.idle()
-        ]
+        gangs = []
+        for gang in self.pool.idle():
+            try:
+                pids = tuple(state["pid"] for state in ray.get([a.state.remote() for a in gang.actors], timeout=10))
+            except Exception:  # noqa: BLE001 - a rank that died idle: the next job's check kills its gang
+                pids = ()
+            gangs.append(IdleGang(gang.key, id(gang), gang.jobs, pids))
+        return gangs
 
     @ray.method(concurrency_group="control")
     def evict_for(self, need: dict[str, float]) -> int:
