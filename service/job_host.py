@@ -30,7 +30,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers.errors import CancelledError, RunError
+from workers.errors import BnrecalError, CancelledError, RunError
 from workers.pool import GangKey, WarmPool
 
 from .jobs import JobSpec
@@ -122,7 +122,9 @@ class JobHost:
         return os.getpid()
 
     @ray.method(concurrency_group="jobs")
-    def run(self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path) -> JobFiles:
+    def run(
+        self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path
+    ) -> JobFiles:
         """Run one job into ``workdir``; its errors are raised as they are (the server records them)."""
         from .job_work import run_job
 
@@ -239,6 +241,8 @@ class JobHostClient:
                     return ray.get(done)
         except RayTaskError as exc:
             cause = exc.cause
+            if not isinstance(cause, BnrecalError):  # a bug: keep the host's traceback in the server's log
+                log.error("job %s raised in the job host:\n%s", job_id, exc)
             if isinstance(cause, Exception):
                 raise cause from None
             raise
