@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from workers.errors import BnrecalError, CancelledError, RunError
 from workers.pool import GangKey, WarmPool
 
+from .job_work import Event, JobFiles, run_job
 from .jobs import JobSpec
 from .recalibrate import RecalibrationRequest
 from .settings import Settings
@@ -45,11 +46,6 @@ HOST_JOB_THREADS = 64
 POLL_INTERVAL_S = 0.25
 """Longest the server waits on the host for a job's next progress (a cancel is forwarded between waits)."""
 
-Event = tuple[int | None, int | None, str]
-"""A job's progress as the host reports it: (samples done, samples total, phase), or
-(None, None, phase) when the job entered a phase without samples (exporting, writing)."""
-
-
 @dataclass(frozen=True)
 class IdleGang:
     """What the server sees of an idle warm gang in the host: its shape, which gang it is
@@ -60,14 +56,6 @@ class IdleGang:
     ident: int
     jobs: int
     pids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class JobFiles:
-    """What a job left in its work folder: artifact name -> (file, media type), and the report."""
-
-    files: dict[str, tuple[Path, str]]
-    report: dict[str, Any]
 
 
 class _HostedJob:
@@ -116,9 +104,7 @@ class JobHost:
 
     @ray.method(concurrency_group="control")
     def ready(self) -> int:
-        """Import what a job needs (so the first job does not pay for it) and answer with this process's id."""
-        from . import exporting, recalibrate, report_html  # noqa: F401
-
+        """This process's id, once the host is up (torch and the job code came with this module)."""
         return os.getpid()
 
     @ray.method(concurrency_group="jobs")
@@ -126,8 +112,6 @@ class JobHost:
         self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path
     ) -> JobFiles:
         """Run one job into ``workdir``; its errors are raised as they are (the server records them)."""
-        from .job_work import run_job
-
         job = self._job(job_id)
         try:
             return run_job(request, settings, spec, workdir, job.report, job.cancel, self.pool)
@@ -203,7 +187,7 @@ class JobHostClient:
                     max_task_retries=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
                 ).remote(self.warm_pool_idle_s, self._prefix)
-                self._handle.ready.remote()  # imports torch and the job code now, not in the first job
+                self._handle.ready.remote()  # the process starts (imports torch, the job code) now, not in a job
             return self._handle
 
     def _forget(self, handle: Any) -> None:

@@ -9,19 +9,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from workers.errors import CancelledError
 from workers.pool import WarmPool
 
 from .exporting import export_recalibrated
-from .job_host import Event, JobFiles
 from .jobs import JobSpec
 from .recalibrate import RecalibrationRequest, recalibrate
 from .report_html import write_html_report
 from .settings import Settings
 
 OCTET_STREAM = "application/octet-stream"
+
+Event = tuple[int | None, int | None, str]
+"""A job's progress as the host reports it: (samples done, samples total, phase), or
+(None, None, phase) when the job entered a phase without samples (exporting, writing)."""
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """What a job left in its work folder: artifact name -> (file, media type), and the report."""
+
+    files: dict[str, tuple[Path, str]]
+    report: dict[str, Any]
 
 
 def run_job(

@@ -35,8 +35,9 @@ from workers.errors import BnrecalError, CancelledError, NotFoundError
 
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
-from .job_host import Event, JobHostClient
+from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
+from .job_work import Event
 from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
