@@ -187,8 +187,16 @@ class JobHostClient:
                     max_task_retries=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
                 ).remote(self.warm_pool_idle_s, self._prefix)
-                self._handle.ready.remote()  # the process starts (imports torch, the job code) now, not in a job
             return self._handle
+
+    def wait_ready(self, timeout: float) -> int | None:
+        """Wait until the host is up (its process started, torch and the job code imported), so
+        the first job does not pay for that; its process id, or None if it is not up in time."""
+        try:
+            return ray.get(self.start().ready.remote(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - not up yet (a busy machine) or dead: the first job starts it again
+            log.warning("the job host was not ready within %g s; the first job waits for it", timeout, exc_info=True)
+            return None
 
     def _forget(self, handle: Any) -> None:
         """Drop a host that died, so the next job starts a fresh one, and free what its gangs

@@ -41,6 +41,9 @@ from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
 
+HOST_START_TIMEOUT_S = 120.0
+"""Longest start-up waits for the job host (a process importing torch) before serving anyway."""
+
 PUBLIC_TENANT = "public"
 """The one tenant of a server without API keys."""
 
@@ -246,7 +249,7 @@ def open_services(settings: Settings) -> Services:
     metrics = ServiceMetrics(ledger.count_by_status)
     feed = ChangeFeed()
     host = JobHostClient(settings.warm_pool_idle_s)
-    host.start()  # on this process's Ray node; it imports torch meanwhile
+    host.wait_ready(HOST_START_TIMEOUT_S)  # on this process's Ray node; ready before the first job
     runner = JobRunner(settings, ledger, blobs, metrics, feed, host)
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
