@@ -46,6 +46,7 @@ HOST_JOB_THREADS = 64
 POLL_INTERVAL_S = 0.25
 """Longest the server waits on the host for a job's next progress (a cancel is forwarded between waits)."""
 
+
 @dataclass(frozen=True)
 class IdleGang:
     """What the server sees of an idle warm gang in the host: its shape, which gang it is
@@ -90,9 +91,10 @@ class _HostedJob:
             return events, self.ended
 
 
-@ray.remote(concurrency_groups={"jobs": HOST_JOB_THREADS, "control": 4})
+@ray.remote(concurrency_groups={"jobs": HOST_JOB_THREADS, "control": HOST_JOB_THREADS + 4})
 class JobHost:
-    """The actor that runs the server's jobs' driver work, in a thread per job."""
+    """The actor that runs the server's jobs' driver work, in a thread per job; progress, cancel
+    and pool calls have threads of their own (one per job's long-poll, and a few more)."""
 
     def __init__(self, warm_pool_idle_s: float, group_prefix: str) -> None:
         import torch
