@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from workers.errors import BnrecalError, CancelledError, RunError
 from workers.pool import GangKey, WarmPool
 
-from .job_work import Event, JobFiles, run_job
+from .job_work import Event, JobFiles, JobLabel, run_job
 from .jobs import JobSpec
 from .recalibrate import RecalibrationRequest
 from .settings import Settings
@@ -111,12 +111,13 @@ class JobHost:
 
     @ray.method(concurrency_group="jobs")
     def run(
-        self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path
+        self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path,
+        label: JobLabel | None = None,
     ) -> JobFiles:
         """Run one job into ``workdir``; its errors are raised as they are (the server records them)."""
         job = self._job(job_id)
         try:
-            return run_job(request, settings, spec, workdir, job.report, job.cancel, self.pool)
+            return run_job(request, settings, spec, workdir, job.report, job.cancel, self.pool, label)
         finally:
             job.end()
 
@@ -218,11 +219,12 @@ class JobHostClient:
         workdir: Path,
         cancel: threading.Event,
         on_events: Any,
+        label: JobLabel | None = None,
     ) -> JobFiles:
         """Run a job on the host, passing its progress to ``on_events`` a few times a second and
         a cancel on to the host; the host's errors are raised here as the host raised them."""
         host = self.start()
-        done = host.run.remote(job_id, request, settings, spec, workdir)
+        done = host.run.remote(job_id, request, settings, spec, workdir, label)
         cancelled = False
         try:
             while True:

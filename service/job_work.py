@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from workers.pool import WarmPool
 from .exporting import export_recalibrated
 from .jobs import JobSpec
 from .recalibrate import RecalibrationRequest, recalibrate
-from .report_html import write_html_report
+from .report_html import job_section, write_html_report
 from .settings import Settings
 
 OCTET_STREAM = "application/octet-stream"
@@ -27,6 +28,16 @@ OCTET_STREAM = "application/octet-stream"
 Event = tuple[int | None, int | None, str]
 """A job's progress as the host reports it: (samples done, samples total, phase), or
 (None, None, phase) when the job entered a phase without samples (exporting, writing)."""
+
+
+@dataclass(frozen=True)
+class JobLabel:
+    """What names a server job in its report (``report_html.job_section``): its id, when it
+    was submitted, and its inputs (file name and digest by spec field)."""
+
+    id: str
+    submitted_at: datetime
+    inputs: dict[str, dict[str, str | None]]
 
 
 @dataclass(frozen=True)
@@ -45,9 +56,10 @@ def run_job(
     report: Callable[[Event], None],
     cancel: threading.Event,
     pool: WarmPool | None,
+    label: JobLabel | None = None,
 ) -> JobFiles:
     """Recalibrate, export if asked, and write the model, ``report.json`` and ``report.html``
-    into ``workdir``: the artifacts' files and the report."""
+    into ``workdir``: the artifacts' files and the report (which names its job, with a ``label``)."""
     _check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
     result = recalibrate(
@@ -73,6 +85,8 @@ def run_job(
             model_file = workdir / f"recalibrated{result.loaded.suffix}"
             result.save_model(model_file)
             files[name] = (model_file, OCTET_STREAM)
+    if label is not None:  # the report names its job, and the hosts its ranks ran on
+        summary["job"] = job_section(label.id, label.submitted_at, label.inputs, summary.get("nodes"))
     report_file = workdir / "report.json"
     result.save_report(report_file)
     files["report"] = (report_file, "application/json")

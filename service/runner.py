@@ -37,7 +37,7 @@ from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
-from .job_work import Event
+from .job_work import Event, JobLabel
 from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
@@ -291,7 +291,11 @@ class JobRunner:
                 else:
                     on_progress(done, total, phase)
 
-        made = self.host.run(job.id, request, settings, spec, workdir, cancel, on_events)
+        label = JobLabel(job.id, job.created_at, {  # the report names its job
+            field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
+            for field, digest in job.input_digests().items()
+        })
+        made = self.host.run(job.id, request, settings, spec, workdir, cancel, on_events, label)
         artifacts = {name: self._store(job, file, media_type) for name, (file, media_type) in made.files.items()}
         return artifacts, made.report
 

@@ -77,6 +77,9 @@ def test_a_large_model_never_lives_in_the_api_process(server, tmp_path):
     after = memory(pid)
     assert job["status"] == "succeeded", job["error"]
     assert job["report"]["samples"] == 4
+    named = job["report"]["job"]  # written in the host, from what the server knows of the job
+    assert named["id"] == job["id"] and named["inputs"]["checkpoint"]["digest"] == spec["checkpoint"]
+    assert list(named["hosts"]) == job["report"]["nodes"]
     checkpoint = job["artifacts"]["checkpoint"]
     assert checkpoint["size"] > model_bytes  # the recalibrated model itself was written
     growth = peak[0] - before["VmRSS"]
