@@ -7,10 +7,11 @@ backlog delays another's job by at most the jobs already running, and a tenant a
 ``BNRECAL_TENANT_MAX_RUNNING_JOBS`` is skipped while others go on. Within a tenant jobs
 start oldest first. (A job too big for the cluster, accepted with
 ``BNRECAL_CAPACITY_CHECK`` off, still runs when it is alone, to fail with Ray's placement
-error rather than wait forever.) Each job runs :func:`recalibrate` and the export in its own thread
-of the server process; the ranks push progress to it, which goes to the ledger and to
-the event streams. Cancelling sets the event ``recalibrate`` watches, which kills the
-job's actors and frees their placement group.
+error rather than wait forever.) Each job has a thread here that runs it on the job host
+(:mod:`service.job_host`: :func:`recalibrate`, the export and the files, off the API
+process), passes the progress it collects from there a few times a second to the ledger
+and the event streams, forwards a cancel (the host kills the job's actors and frees their
+placement group), and stores the files the host wrote as the tenant's blobs.
 
 Replicas sharing one ledger run each job once: a job is claimed under a lease that a
 keeper thread renews while it runs, and taken over by any replica once a dead replica's
@@ -31,17 +32,16 @@ from typing import Any
 import ray
 
 from workers.errors import BnrecalError, CancelledError, NotFoundError
-from workers.pool import WarmPool
 
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
-from .exporting import export_recalibrated
+from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
+from .job_work import Event, JobLabel
 from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
-from .recalibrate import Recalibration, RecalibrationRequest, rank_resources, recalibrate
-from .report_html import job_section, write_html_report
+from .recalibrate import RecalibrationRequest, rank_resources
 from .settings import Settings
 
 log = logging.getLogger("bnrecal.runner")
@@ -71,12 +71,12 @@ class JobRunner:
         blobs: BlobStore,
         metrics: ServiceMetrics,
         feed: ChangeFeed,
-        pool: WarmPool | None = None,
+        host: JobHostClient,
         leases: JobLeases | None = None,
     ) -> None:
         self.settings = settings
         self.leases = leases or JobLeases(ledger, replica_id(), settings.job_lease_s)
-        self.pool = pool  # warm rank actors the jobs share (idle ones hold CPUs but give way to any job)
+        self.host = host  # the actor that runs the jobs' driver work, and owns the warm rank actors
         self.ledger = ledger
         self.blobs = blobs
         self.metrics = metrics
@@ -277,42 +277,27 @@ class JobRunner:
     def _run(
         self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Recalibrate, export, and store the artifacts as the tenant's blobs."""
+        """Run the job on the job host (recalibrate, export, write the files), then store
+        the files it wrote as the tenant's blobs."""
         if self.ledger.get_any(job.id).cancel_requested:
             raise CancelledError("the job was cancelled")
-        workdir.mkdir(parents=True, exist_ok=True)
         request, settings = self._request(job, spec)
-        result = recalibrate(
-            request, settings, on_progress=self._progress_writer(job.id), cancel=cancel, pool=self.pool
-        )
-        report = result.report
-        artifacts: dict[str, Any] = {}
-        if "onnx" in spec.outputs:
-            _check_cancel(cancel)
-            self._enter_phase(job.id, "exporting")
-            onnx_file = workdir / "recalibrated.onnx"
-            options = spec.onnx
-            report["onnx"] = export_recalibrated(
-                result, onnx_file, opset=options.opset, dtype=options.dtype,
-                dynamic_batch=options.dynamic_batch, input_shape=options.input_shape,
-            )
-            artifacts["onnx"] = self._store(job, onnx_file, "application/octet-stream")
-        _check_cancel(cancel)
-        self._enter_phase(job.id, "writing")
-        for name in ("checkpoint", "program"):
-            if name in spec.outputs:
-                artifacts[name] = self._save_model(job, result, workdir)
-        report_file = workdir / "report.json"
-        report["job"] = job_section(job.id, job.created_at, {  # the report names its job
+        on_progress = self._progress_writer(job.id)
+
+        def on_events(events: list[Event]) -> None:
+            for done, total, phase in events:
+                if done is None or total is None:
+                    self._enter_phase(job.id, phase)
+                else:
+                    on_progress(done, total, phase)
+
+        label = JobLabel(job.id, job.created_at, {  # the report names its job
             field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
             for field, digest in job.input_digests().items()
-        }, report.get("nodes"))
-        result.save_report(report_file)
-        artifacts["report"] = self._store(job, report_file, "application/json")
-        html_file = workdir / "report.html"
-        write_html_report(report, html_file)
-        artifacts["report.html"] = self._store(job, html_file, "text/html; charset=utf-8")
-        return artifacts, report
+        })
+        made = self.host.run(job.id, request, settings, spec, workdir, cancel, on_events, label)
+        artifacts = {name: self._store(job, file, media_type) for name, (file, media_type) in made.files.items()}
+        return artifacts, made.report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
         """The engine's request and settings (archives unpack under the data dir, one folder per digest).
@@ -371,17 +356,7 @@ class JobRunner:
         self.ledger.set_phase(job_id, phase)
         self.feed.publish(job_id)
 
-    def _save_model(self, job: JobRecord, result: Recalibration, workdir: Path) -> dict[str, Any]:
-        """The recalibrated checkpoint (as uploaded) or program, stored as an artifact."""
-        file = workdir / f"recalibrated{result.loaded.suffix}"
-        result.save_model(file)
-        return self._store(job, file, "application/octet-stream")
-
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
         info: BlobInfo = self.blobs.adopt(job.tenant, file)
         return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
 
-
-def _check_cancel(cancel: threading.Event) -> None:
-    if cancel.is_set():
-        raise CancelledError("the job was cancelled")

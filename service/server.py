@@ -24,12 +24,12 @@ import ray
 
 from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
-from workers.pool import WarmPool
 
 from .blob_backends import open_blob_store
 from .blobs import BlobInfo, BlobStore
 from .cluster import ensure_ray
 from .events import ChangeFeed
+from .job_host import JobHostClient
 from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
 from .ledger import Ledger, sqlite_url
 from .ledger_backends import is_postgres
@@ -40,6 +40,9 @@ from .settings import Settings
 from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
+
+HOST_START_TIMEOUT_S = 120.0
+"""Longest start-up waits for the job host (a process importing torch) before serving anyway."""
 
 PUBLIC_TENANT = "public"
 """The one tenant of a server without API keys."""
@@ -73,7 +76,7 @@ class Services:
     feed: ChangeFeed
     started_ray: bool = False
     collector: StorageCollector | None = None
-    pool: WarmPool | None = None
+    pool: JobHostClient | None = None  # the job host, where the jobs run and the warm rank actors live
     watcher: LedgerWatcher | None = None  # other replicas' changes, when the ledger is shared
     draining: threading.Event = field(default_factory=threading.Event)
 
@@ -217,7 +220,7 @@ class Services:
         if self.watcher is not None:
             self.watcher.stop()
         self.runner.stop()
-        if self.pool is not None:  # after the runner: no job takes or returns warm actors any more
+        if self.pool is not None:  # after the runner: no job runs there any more; its warm actors die with it
             self.pool.close()
         self.ledger.close()
         if self.started_ray and ray.is_initialized():
@@ -245,13 +248,14 @@ def open_services(settings: Settings) -> Services:
         raise
     metrics = ServiceMetrics(ledger.count_by_status)
     feed = ChangeFeed()
-    pool = WarmPool(settings.warm_pool_idle_s)
-    runner = JobRunner(settings, ledger, blobs, metrics, feed, pool=pool)
+    host = JobHostClient(settings.warm_pool_idle_s)
+    host.wait_ready(HOST_START_TIMEOUT_S)  # on this process's Ray node; ready before the first job
+    runner = JobRunner(settings, ledger, blobs, metrics, feed, host)
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
     collector.start()
     watcher = LedgerWatcher(ledger, feed, settings.ledger_poll_s) if shared else None
     if watcher is not None:
         watcher.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, pool, watcher)
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, host, watcher)
 

@@ -86,7 +86,7 @@ def run_rank_group(
     )
     gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
     if gang is None:
-        gang = Gang.start(key, options.placement_timeout_s, cancel)
+        gang = Gang.start(key, options.placement_timeout_s, cancel, name=pool.group_name() if pool is not None else "")
     succeeded = False
     try:
         state_ref = ray.put(weights)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,10 +81,13 @@ class Gang:
     resetting: list[Any] = field(default_factory=list)
 
     @classmethod
-    def start(cls, key: GangKey, placement_timeout_s: float, cancel: threading.Event | None) -> Gang:
-        """Reserve the ranks' resources and start their actors (not waiting for them to be up:
-        the job notices their start-up, and a cancel during it, as it follows their events)."""
-        group = placement_group([dict(key.bundle) for _ in range(key.world_size)], strategy=key.placement_strategy)
+    def start(cls, key: GangKey, placement_timeout_s: float, cancel: threading.Event | None, name: str = "") -> Gang:
+        """Reserve the ranks' resources (in a placement group called ``name``) and start their
+        actors (not waiting for them to be up: the job notices their start-up, and a cancel
+        during it, as it follows their events)."""
+        group = placement_group(
+            [dict(key.bundle) for _ in range(key.world_size)], strategy=key.placement_strategy, name=name
+        )
         gang = cls(key, group)
         try:
             _wait_for_placement(group, key, placement_timeout_s, cancel)
@@ -150,11 +154,14 @@ class WarmPool:
 
     ``idle_s`` is how long an idle gang is kept (0 keeps none: every job starts its own
     actors). The pool holds at most what the cluster can reserve, and gives way to any
-    job that needs its resources.
+    job that needs its resources. With a ``group_prefix``, the placement groups of the
+    gangs its jobs start are named with it, so that whoever outlives this process can
+    remove them (a placement group outlives the actor that made it).
     """
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, group_prefix: str = "") -> None:
         self.idle_s = idle_s
+        self.group_prefix = group_prefix
         self._idle: list[Gang] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -163,6 +170,10 @@ class WarmPool:
             self._reaper = threading.Thread(target=self._reap_loop, name="bnrecal-warm-pool", daemon=True)
             self._reaper.start()
         _OPEN_POOLS.add(self)
+
+    def group_name(self) -> str:
+        """A fresh name for a new gang's placement group (empty without a prefix)."""
+        return f"{self.group_prefix}{uuid.uuid4().hex[:12]}" if self.group_prefix else ""
 
     @property
     def enabled(self) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from service.jobs import JobSpec
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
@@ -189,11 +190,16 @@ def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
     from service.server import open_services
 
     services = open_services(settings.model_copy(update={"cpus_per_worker": 1.0, "warm_pool_idle_s": 300}))
+    host = services.pool  # the job host: the server's jobs run there, and their warm ranks live there
     try:
-        assert services.pool is not None and services.runner.pool is services.pool
-        recalibrate(request_for(two_models["six"]), services.settings, pool=services.pool)
-        [ranks] = idle_states(services.pool)
+        assert host is not None and services.runner.host is host
+        spec = JobSpec(arch="tests.nets:mixed_net", checkpoint="sha256:" + "0" * 64, data="sha256:" + "0" * 64)
+        made = host.run("closing", request_for(two_models["six"]), services.settings, spec.with_outputs(),
+                        services.settings.data_dir / "work" / "closing", threading.Event(), lambda events: None)
+        assert made.report["samples"] == 17 and made.files["checkpoint"][0].is_file()
+        [gang] = host.idle()
+        assert gang.jobs == 1 and len(gang.pids) == 2
     finally:
         services.close()
-    assert services.pool.idle() == [] and not services.pool.enabled
-    assert all(process_gone(s["pid"]) for s in ranks)
+    assert host.idle() == []
+    assert all(process_gone(pid) for pid in gang.pids)
