@@ -287,14 +287,25 @@ def feature_list_net() -> nn.Module:
 
 def slow_start_net(seconds: float = 3600.0) -> nn.Module:
     """Factory for ``tests.nets:slow_start_net``: ``mixed_net`` that takes ``seconds`` to
-    build inside a Ray actor (a rank still starting up), at once on the driver."""
+    build inside a calibration rank (a rank still starting up), at once on the driver
+    (the CLI's process, or the server's job host actor)."""
     import ray
 
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+    if ray.is_initialized() and _current_actor_class() == "CalibrationRank":
         import time
 
         time.sleep(seconds)
     return MixedNet()
+
+
+def _current_actor_class() -> str | None:
+    """The class name of the Ray actor this code runs in (None outside an actor)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    return context.current_actor._ray_actor_creation_function_descriptor.class_name
 
 
 class UntrackedNet(nn.Module):
