@@ -17,7 +17,7 @@ from types import FrameType
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from service.server import Services, open_services
+from service.jobserver.server import Services, open_services
 from service.settings import Settings, get_settings
 
 from .limits import BodySizeLimit

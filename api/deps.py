@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.server import PUBLIC_TENANT, Services, tenant_of_key
+from service.jobserver.server import PUBLIC_TENANT, Services, tenant_of_key
 from workers.errors import AuthenticationError, RunError
 
 bearer_scheme = HTTPBearer(auto_error=False, description="An API key from BNRECAL_API_KEYS.")

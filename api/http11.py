@@ -19,7 +19,7 @@ import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from service.jobs import problem_of
+from service.jobserver.jobs import problem_of
 from workers.errors import BnrecalError, HeadersTooLargeError, InputError
 
 from .problems import PROBLEM_MEDIA_TYPE

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.jobs import problem_of
+from service.jobserver.jobs import problem_of
 from workers.errors import PayloadTooLargeError
 
 from .problems import problem_response

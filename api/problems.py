@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.jobs import problem_of
+from service.jobserver.jobs import problem_of
 from workers.errors import BnrecalError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"

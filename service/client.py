@@ -32,7 +32,7 @@ from workers import errors as error_types
 from workers.errors import BnrecalError, InputError, RunError
 from workers.files import atomic_write
 
-from .blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
+from .jobserver.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 UPLOAD_CHUNK = 1024 * 1024

@@ -193,12 +193,12 @@ def recalibrate(
         if phase == "calibrating" and calibrated and seen.get("evaluating"):
             on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
-    transport = _data_transport(settings.data_transport)
+    transport = resolve_data_transport(settings.data_transport)
     shards = eval_shards = None
     if transport == "object_store":  # data in object storage is fetched by each rank itself
-        shards = _ship(dataset, request.batch_size, request.workers) if dataset.remote is None else None
+        shards = ship_rank_shards(dataset, request.batch_size, request.workers) if dataset.remote is None else None
         if evaluation is not None and evaluation.dataset.remote is None:
-            eval_shards = _ship(evaluation.dataset, evaluation.batch_size, request.workers)
+            eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, request.workers)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     failures: list[str] = []
     while True:
@@ -253,7 +253,7 @@ def recalibrate(
         report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     if loaded.is_program:
         report["program"] = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
-    return Recalibration(model, loaded, _updates(calibrated), dataset, report)
+    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report)
 
 
 def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
@@ -285,13 +285,13 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
 
 
-def _ship(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
+def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
     """Each rank's samples of ``dataset``, put in the object store."""
     ranges = [rank_ranges(dataset.num_samples, batch_size, workers, r) for r in range(workers)]
     return ship_dataset(dataset, ranges)
 
 
-def _updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
+def bn_buffer_updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
     """The checkpoint entries a recalibration changes, keyed by model key."""
     updates: dict[str, torch.Tensor] = {}
     for layer in layers:
@@ -300,7 +300,7 @@ def _updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
     return updates
 
 
-def _data_transport(setting: str) -> str:
+def resolve_data_transport(setting: str) -> str:
     """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
     if setting != "auto":
         return setting

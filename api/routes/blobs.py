@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 from api.deps import ServicesDep, TenantDep
 from api.files import blob_response
 from api.problems import PROBLEM_RESPONSES, problem_responses
-from service.blobs import MAX_FILENAME_CHARS
+from service.jobserver.blobs import MAX_FILENAME_CHARS
 from workers.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 
 from api.deps import ServicesDep
 from api.problems import problem_response
-from service.metrics import CONTENT_TYPE
+from service.jobserver.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["operations"])
 

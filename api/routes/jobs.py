@@ -13,8 +13,8 @@ from api.deps import ServicesDep, TenantDep
 from api.files import blob_response
 from api.json_body import JsonBodyRoute
 from api.problems import PROBLEM_RESPONSES, problem_responses
-from service.events import job_event_stream, tenant_event_stream
-from service.jobs import JobList, JobSpec, JobStatus, JobView
+from service.jobserver.events import job_event_stream, tenant_event_stream
+from service.jobserver.jobs import JobList, JobSpec, JobStatus, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES, route_class=JsonBodyRoute)
 

@@ -26,10 +26,10 @@ def collect_garbage(
     job ledger, and nothing a queued, running or retained job needs is deleted. Retention
     comes from BNRECAL_JOB_RETENTION_S, BNRECAL_BLOB_RETENTION_S and BNRECAL_UNPACK_RETENTION_S.
     """
-    from ..blob_backends import open_blob_store
-    from ..ledger import Ledger, sqlite_url
+    from ..jobserver.blobs import open_blob_store
+    from ..jobserver.ledger import Ledger, sqlite_url
+    from ..jobserver.storage import StorageCollector
     from ..settings import Settings
-    from ..storage import StorageCollector
 
     settings = Settings()
     directory = Path(data_dir if data_dir is not None else settings.data_dir).absolute()

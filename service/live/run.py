@@ -29,7 +29,7 @@ from workers.pool import WarmPool
 from ..cli.console import progress_bar
 from ..cluster import ensure_ray, is_local_instance, shutdown_embedded
 from ..options import STARTING_PHASE, RunOptions, default
-from ..recalibrate import _data_transport, _ship, _updates, cpus_per_worker
+from ..recalibrate import bn_buffer_updates, cpus_per_worker, resolve_data_transport, ship_rank_shards
 from ..report import build_report
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
@@ -129,7 +129,7 @@ def recalibrate(
     unreached = apply_statistics(layers, stats, result.steps)
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     if shipped.write_back is not None:
-        shipped.write_back(_updates(calibrated))
+        shipped.write_back(bn_buffer_updates(calibrated))
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     report = build_report(
         options, result, [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
@@ -161,9 +161,9 @@ def _run(
     )
     transport, shards = "python", None
     if isinstance(spec, DatasetSpec):
-        transport = "remote" if spec.remote is not None else _data_transport(settings.data_transport)
+        transport = "remote" if spec.remote is not None else resolve_data_transport(settings.data_transport)
         if transport == "object_store":
-            shards = _ship(spec, options.batch_size, options.workers)
+            shards = ship_rank_shards(spec, options.batch_size, options.workers)
     total = spec.num_samples
     with _bar(progress) as update:
         try:

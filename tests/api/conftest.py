@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from api.app import create_app
 from service.cli.remote import HTTP_PROTOCOL
-from service.server import Services
+from service.jobserver.server import Services
 from service.settings import Settings
 from tests.nets import mixed_net, perturbed
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from service.client import ServerEvent, parse_events
-from service.server import tenant_of_key
+from service.jobserver.server import tenant_of_key
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from service.client import parse_events
-from service.jobs import JobSpec
+from service.jobserver.jobs import JobSpec
 from tests.api.conftest import submit, upload, wait_for, write_samples
 from tests.api.test_storage import KEY, OTHER_KEY, client_of, serve
 from tests.conftest import save_array, save_state

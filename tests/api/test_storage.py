@@ -20,12 +20,12 @@ import torch
 import uvicorn
 
 from api.app import create_app
-from service.blobs import BlobStore
 from service.cli.main import main
-from service.ledger import Ledger, sqlite_url
-from service.server import tenant_of_key
+from service.jobserver.blobs import BlobStore
+from service.jobserver.ledger import Ledger, sqlite_url
+from service.jobserver.server import tenant_of_key
+from service.jobserver.storage import StorageCollector
 from service.settings import Settings
-from service.storage import StorageCollector
 from tests.api.conftest import LiveServer, free_port, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed

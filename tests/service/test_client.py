@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from service.client import BnrecalClient, error_from_problem, parse_events
-from service.jobs import ConflictError
+from service.jobserver.jobs import ConflictError
 from workers.errors import (
     CancelledError,
     CheckpointError,

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from service.exporting import export_recalibrated
-from service.jobs import check_architecture
+from service.jobserver.jobs import check_architecture
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array
 from tests.hf import SIZE, TINY, save_pretrained, tiny_model

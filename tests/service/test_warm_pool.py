@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from service.jobs import JobSpec
+from service.jobserver.jobs import JobSpec
 from service.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
@@ -187,7 +187,7 @@ def test_a_disabled_pool_keeps_nothing(two_models, settings):
 
 
 def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
-    from service.server import open_services
+    from service.jobserver.server import open_services
 
     services = open_services(settings.model_copy(update={"cpus_per_worker": 1.0, "warm_pool_idle_s": 300}))
     host = services.pool  # the job host: the server's jobs run there, and their warm ranks live there

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from service.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
+from service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
 from service.options import RunOptions
 from service.recalibrate import rank_resources
 from service.settings import Settings

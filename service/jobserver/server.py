@@ -3,7 +3,7 @@
 Start-up makes the ledger the source of truth again before anything runs: uploads a
 crash left half written are dropped, jobs it left ``running`` are queued again (once)
 or failed with "interrupted by restart" (with a ledger shared by replicas, only those
-whose lease ran out: ``service/job_leases.py``), and only then is Ray joined (or an embedded
+whose lease ran out: ``service/jobserver/job_leases.py``), and only then is Ray joined (or an embedded
 instance started) and the runner let loose on the queue.
 """
 
@@ -25,18 +25,17 @@ import ray
 from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 
-from .blob_backends import open_blob_store
-from .blobs import BlobInfo, BlobStore
-from .cluster import ensure_ray
+from ..cluster import ensure_ray
+from ..settings import Settings
+from .blobs import BlobInfo, BlobStore, open_blob_store
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
 from .ledger import Ledger, sqlite_url
-from .ledger_backends import is_postgres
+from .ledger.engines import is_postgres
 from .ledger_watch import LedgerWatcher
 from .metrics import ServiceMetrics
 from .runner import JobRunner
-from .settings import Settings
 from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")

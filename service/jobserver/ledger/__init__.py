@@ -1,5 +1,5 @@
 """The job ledger: every job's spec, status, progress and outputs, in SQL (SQLite by default,
-PostgreSQL for a replicated service: ``service/ledger_backends.py``).
+PostgreSQL for a replicated service: ``service/jobserver/ledger/engines.py``).
 
 The ledger, not Ray, is the source of truth: it survives restarts, and every state
 change goes through a conditional update here, so a cancel racing a start, or two
@@ -26,9 +26,9 @@ from sqlalchemy.types import TypeDecorator
 
 from workers.errors import InputError, NotFoundError, TooManyJobsError
 
-from .jobs import ConflictError, JobRecord, JobStatus
-from .ledger_backends import lock_tenant, make_engine, prepare_schema
-from .options import STARTING_PHASE
+from ...options import STARTING_PHASE
+from ..jobs import ConflictError, JobRecord, JobStatus
+from .engines import lock_tenant, make_engine, prepare_schema
 
 INTERRUPTED = "interrupted by restart"
 MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs import ConflictError, JobStatus
-from service.ledger import INTERRUPTED, Ledger, sqlite_url
-from service.ledger_backends import normalise_url
+from service.jobserver.jobs import ConflictError, JobStatus
+from service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
+from service.jobserver.ledger.engines import normalise_url
 from workers.errors import NotFoundError, SpecError, TooManyJobsError
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}

@@ -27,7 +27,7 @@ from sqlalchemy import update as sql_update
 
 from .jobs import JobRecord, JobStatus
 from .ledger import JobRow, Ledger, start_values
-from .ledger_backends import is_postgres
+from .ledger.engines import is_postgres
 
 
 def replica_id() -> str:

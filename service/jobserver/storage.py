@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from workers.data.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
-from .blobs import BlobStore, is_digest
 from workers.errors import NotFoundError
 
+from ..settings import Settings
+from .blobs import BlobStore, is_digest
 from .jobs import ConflictError, JobRecord, JobStatus
 from .ledger import Ledger
-from .ledger_backends import exclusive_turn
-from .settings import Settings
+from .ledger.engines import exclusive_turn
 
 log = logging.getLogger("bnrecal.storage")
 

@@ -8,14 +8,14 @@ backlog delays another's job by at most the jobs already running, and a tenant a
 start oldest first. (A job too big for the cluster, accepted with
 ``BNRECAL_CAPACITY_CHECK`` off, still runs when it is alone, to fail with Ray's placement
 error rather than wait forever.) Each job has a thread here that runs it on the job host
-(:mod:`service.job_host`: :func:`recalibrate`, the export and the files, off the API
+(:mod:`service.jobserver.job_host`: :func:`recalibrate`, the export and the files, off the API
 process), passes the progress it collects from there a few times a second to the ledger
 and the event streams, forwards a cancel (the host kills the job's actors and frees their
 placement group), and stores the files the host wrote as the tenant's blobs.
 
 Replicas sharing one ledger run each job once: a job is claimed under a lease that a
 keeper thread renews while it runs, and taken over by any replica once a dead replica's
-lease runs out (``service/job_leases.py``).
+lease runs out (``service/jobserver/job_leases.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import ray
 
 from workers.errors import BnrecalError, CancelledError, NotFoundError
 
+from ..recalibrate import RecalibrationRequest, rank_resources
+from ..settings import Settings
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed
 from .job_host import JobHostClient
@@ -41,8 +43,6 @@ from .job_work import Event, JobLabel
 from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
-from .recalibrate import RecalibrationRequest, rank_resources
-from .settings import Settings
 
 log = logging.getLogger("bnrecal.runner")
 

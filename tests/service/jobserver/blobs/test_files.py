@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
+from service.jobserver.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
 from workers.errors import NotFoundError, PayloadTooLargeError
 
 

@@ -19,12 +19,12 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from service.blobs import BlobStore
 from service.cli.main import main
-from service.jobs import ConflictError, JobStatus
-from service.ledger import Ledger, sqlite_url
+from service.jobserver.blobs import BlobStore
+from service.jobserver.jobs import ConflictError, JobStatus
+from service.jobserver.ledger import Ledger, sqlite_url
+from service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
 from service.settings import Settings
-from service.storage import STALE_STAGING_S, StorageCollector, folder_bytes
 from workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
 from workers.errors import InsufficientStorageError, NotFoundError
 

@@ -33,10 +33,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from workers.errors import BnrecalError, CancelledError, RunError
 from workers.pool import GangKey, WarmPool
 
+from ..recalibrate import RecalibrationRequest
+from ..settings import Settings
 from .job_work import Event, JobFiles, JobLabel, run_job
 from .jobs import JobSpec
-from .recalibrate import RecalibrationRequest
-from .settings import Settings
 
 log = logging.getLogger("bnrecal.job_host")
 

@@ -17,11 +17,11 @@ from typing import Any
 from workers.errors import CancelledError
 from workers.pool import WarmPool
 
-from .exporting import export_recalibrated
+from ..exporting import export_recalibrated
+from ..recalibrate import RecalibrationRequest, recalibrate
+from ..report_html import job_section, write_html_report
+from ..settings import Settings
 from .jobs import JobSpec
-from .recalibrate import RecalibrationRequest, recalibrate
-from .report_html import job_section, write_html_report
-from .settings import Settings
 
 OCTET_STREAM = "application/octet-stream"
 

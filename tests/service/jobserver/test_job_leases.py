@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from service.events import ChangeFeed
-from service.job_leases import JobLeases, replica_id
-from service.jobs import JobStatus
-from service.ledger import INTERRUPTED, Ledger
-from service.ledger_backends import exclusive_turn
-from service.ledger_watch import LedgerWatcher
+from service.jobserver.events import ChangeFeed
+from service.jobserver.job_leases import JobLeases, replica_id
+from service.jobserver.jobs import JobStatus
+from service.jobserver.ledger import INTERRUPTED, Ledger
+from service.jobserver.ledger.engines import exclusive_turn
+from service.jobserver.ledger_watch import LedgerWatcher
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 

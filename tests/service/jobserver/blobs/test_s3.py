@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from service.blob_backends import S3BlobStore, open_blob_store, parse_blob_store
-from service.blobs import BlobStore
-from service.ledger import Ledger, sqlite_url
+from service.jobserver.blobs import BlobStore
+from service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from service.jobserver.ledger import Ledger, sqlite_url
+from service.jobserver.storage import StorageCollector
 from service.settings import Settings
-from service.storage import StorageCollector
 from workers.errors import NotFoundError, PayloadTooLargeError, SpecError
 
 

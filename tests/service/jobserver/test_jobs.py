@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service.blobs import BlobStore
-from service.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
+from service.jobserver.blobs import BlobStore
+from service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
 from service.settings import Settings
 from tests.nets import mixed_net
 from workers.errors import ArchitectureError, CheckpointError, SpecError

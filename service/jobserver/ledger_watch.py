@@ -1,6 +1,6 @@
 """Changes made by other replicas, brought to this replica's event streams.
 
-The change feed (``service/events.py``) hears only this process's runner. When replicas
+The change feed (``service/jobserver/events.py``) hears only this process's runner. When replicas
 share a Postgres ledger, a job followed here may run on another replica, so a watcher
 thread polls the ledger every ``BNRECAL_LEDGER_POLL_S`` for the revisions of the jobs that
 are queued or running or ended a moment ago, and publishes each job whose revision moved:

@@ -18,9 +18,9 @@ import ray
 
 from workers.errors import SpecError
 
-from .options import RunOptions
-from .recalibrate import rank_resources
-from .settings import Settings
+from ..options import RunOptions
+from ..recalibrate import rank_resources
+from ..settings import Settings
 
 log = logging.getLogger("bnrecal.capacity")
 
