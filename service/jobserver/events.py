@@ -219,36 +219,24 @@ async def tenant_event_stream(
     ``deleted`` event when one is deleted. Until the client goes or the server shuts down;
     the listener (opened by the caller, so a refusal is an HTTP error) is closed here."""
     try:
-        async for event in _tenant_events(tenant, listener, ledger, feed, view, is_disconnected):
-            yield event
+        yield format_event(None, "ready", {"max_streams": MAX_TENANT_STREAMS})
+        quiet_since = time.monotonic()
+        while not feed.closed:
+            try:  # a closed connection is noticed within a second: it frees its place in the bound
+                await asyncio.wait_for(listener.changed.wait(), timeout=DISCONNECT_CHECK_S)
+            except TimeoutError:
+                if await is_disconnected():
+                    return
+                if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield ": keep-alive\n\n"
+                continue
+            quiet_since = time.monotonic()
+            changed, removed = feed.take(listener)
+            for job in await run_in_threadpool(ledger.get_many, tenant, changed):
+                payload = (await run_in_threadpool(view, job)).model_dump(mode="json")
+                yield format_event(job.revision, "job", payload)
+            for job_id in sorted(removed):
+                yield format_event(None, "deleted", {"id": job_id})
     finally:
         feed.close_tenant(tenant, listener)
-
-
-async def _tenant_events(
-    tenant: str,
-    listener: TenantListener,
-    ledger: Ledger,
-    feed: ChangeFeed,
-    view: Callable[[JobRecord], JobView],
-    is_disconnected: Callable[[], Any],
-) -> AsyncIterator[str]:
-    yield format_event(None, "ready", {"max_streams": MAX_TENANT_STREAMS})
-    quiet_since = time.monotonic()
-    while not feed.closed:
-        try:  # a closed connection is noticed within a second: it frees its place in the bound
-            await asyncio.wait_for(listener.changed.wait(), timeout=DISCONNECT_CHECK_S)
-        except TimeoutError:
-            if await is_disconnected():
-                return
-            if time.monotonic() - quiet_since >= KEEPALIVE_S:
-                quiet_since = time.monotonic()
-                yield ": keep-alive\n\n"
-            continue
-        quiet_since = time.monotonic()
-        changed, removed = feed.take(listener)
-        for job in await run_in_threadpool(ledger.get_many, tenant, changed):
-            payload = (await run_in_threadpool(view, job)).model_dump(mode="json")
-            yield format_event(job.revision, "job", payload)
-        for job_id in sorted(removed):
-            yield format_event(None, "deleted", {"id": job_id})
