@@ -9,8 +9,8 @@ from __future__ import annotations
 from workers.lazy import lazy_exports
 
 _HOMES = {
-    "recalibrate": ("Recalibration", "RecalibrationRequest", "recalibrate"),
-    "exporting": ("export_checkpoint", "export_recalibrated"),
+    "run.recalibrate": ("Recalibration", "RecalibrationRequest", "recalibrate"),
+    "run.exporting": ("export_checkpoint", "export_recalibrated"),
     "settings": ("Settings", "get_settings"),
     "client": ("BnrecalClient",),
 }

@@ -1,8 +1,16 @@
-"""Pure torch + Ray workers: BN discovery, calibration math, sharding, data, actors.
+"""Pure torch + Ray workers, in rooms by what they do.
 
-The math (``BatchNormCalibrator``, ``calibration_pass``) runs in any process; the Ray
-side (``run_rank_group``) places one ``CalibrationRank`` actor per rank, or reuses a warm
-gang of them (``WarmPool``).
+- ``engine/``: the calibrating forward and its math (BN discovery, moments, one rank's
+  passes), no Ray: it runs in any process.
+- ``models/``: building models, checkpoints and model sources.
+- ``programs/``: ``torch.export`` programs loaded without running code from the file.
+- ``data/``: calibration data, described once and read in row ranges by each rank.
+- ``ranks/``: the Ray side: rank actors, their group and warm pool, sharding, the collective.
+
+At the top stay the helpers every room shares: the one error hierarchy (``errors``),
+durable file writes (``files``), name suggestions (``suggestions``) and lazy exports
+(``lazy``). Rooms import downwards only: ``ranks`` -> ``models`` -> ``programs`` ->
+``engine`` -> ``data``; ``tests/test_import_graph.py`` holds them to it.
 """
 
 from __future__ import annotations
@@ -10,22 +18,23 @@ from __future__ import annotations
 from .lazy import lazy_exports
 
 _HOMES = {
-    "batchnorm": ("BatchNormLayer", "SkippedLayer", "find_batchnorm_layers"),
-    "calibrator": ("BatchNormCalibrator", "probe_call_order"),
-    "calibration": ("PassResult", "apply_statistics", "calibration_pass"),
-    "checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
-    "collectives": ("Collective", "RayCollective", "SingleProcessCollective", "backend_for_device"),
+    "engine.batchnorm": ("BatchNormLayer", "SkippedLayer", "find_batchnorm_layers"),
+    "engine.calibrator": ("BatchNormCalibrator", "probe_call_order"),
+    "engine.calibration": ("PassResult", "apply_statistics", "calibration_pass"),
+    "models.checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
+    "engine.collective": ("Collective", "SingleProcessCollective"),
+    "ranks.collectives": ("RayCollective", "backend_for_device"),
     "errors": (
         "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
         "CheckpointError", "DatasetError", "ExportError", "InputError", "InsufficientStorageError",
         "ModelInputError", "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "ProgramError", "QuotaExceededError",
         "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
     ),
-    "group": ("GroupOptions", "GroupResult", "run_rank_group"),
-    "models": ("build_model", "parse_allowed_modules"),
-    "moments": ("MomentStats",),
-    "plan": ("RankPlan",),
-    "pool": ("Gang", "GangKey", "WarmPool"),
-    "sharding": ("num_steps", "rank_ranges"),
+    "ranks.group": ("GroupOptions", "GroupResult", "run_rank_group"),
+    "models.architectures": ("build_model", "parse_allowed_modules"),
+    "engine.moments": ("MomentStats",),
+    "ranks.plan": ("RankPlan",),
+    "ranks.pool": ("Gang", "GangKey", "WarmPool"),
+    "ranks.sharding": ("num_steps", "rank_ranges"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)

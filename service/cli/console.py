@@ -1,22 +1,17 @@
-"""What every ``bnrecal`` command shares: the error console, the progress display, and
-parsing of the JSON and shape flags (errors name the flag)."""
+"""What every ``bnrecal`` command shares: the error console, the summary lines, and
+parsing of the JSON and shape flags (errors name the flag). The progress display is
+``service.run.progress``, shared with the Python API."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from workers.errors import SpecError
 
-from ..options import STARTING_PHASE
-
-stderr = Console(stderr=True)
+from service.run.progress import stderr
 
 
 def parse_json_object(value: str | None, option: str) -> dict[str, Any] | None:
@@ -41,28 +36,6 @@ def parse_shape(value: str) -> tuple[int, ...]:
     if not shape or min(shape) < 1:
         raise SpecError(f"--input-shape must be positive integers, got {value!r}", field="input_shape")
     return shape
-
-
-@contextmanager
-def progress_bar(description: str) -> Iterator[Any]:
-    """A progress bar on a terminal; a silent callback elsewhere (pipes, CI logs)."""
-    if not stderr.is_terminal:
-        yield lambda done, total, phase=description: None
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=stderr, transient=False) as bar:
-        tasks: dict[str, Any] = {description: bar.add_task(description, total=None)}
-
-        def update(done: int, total: int | None, phase: str = description) -> None:
-            if phase not in tasks:  # a new phase gets its own line; the earlier ones are over
-                for task in bar.tasks:
-                    if not task.finished:
-                        bar.update(task.id, total=task.total or 1, completed=task.total or 1)
-                tasks[phase] = bar.add_task(phase, total=None)
-            # starting workers counts nothing (its total is the samples still to come): no bar yet
-            bar.update(tasks[phase], completed=done, total=None if phase == STARTING_PHASE else total)
-
-        yield update
 
 
 def summary_lines(

@@ -9,9 +9,12 @@ from typing import Annotated
 
 import typer
 
-from ..options import STARTING_PHASE, check_model_choice
+from service.run.options import STARTING_PHASE, check_model_choice
+from service.run.progress import progress_bar
+
 from . import options as opt
-from .console import parse_json_object, parse_shape, print_line, progress_bar, summary_lines
+from .console import parse_json_object, parse_shape, print_line, summary_lines
+
 
 def calibrate(
     data: opt.DataOpt,
@@ -40,7 +43,8 @@ def calibrate(
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
     it changed)."""
-    from ..recalibrate import RecalibrationRequest, recalibrate
+    from service.run.recalibrate import RecalibrationRequest, recalibrate
+
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
@@ -64,7 +68,7 @@ def calibrate(
             cancel.set()
             raise
         if onnx is not None:
-            from ..exporting import export_recalibrated
+            from service.run.exporting import export_recalibrated
 
             update(0, 1, "exporting and verifying ONNX")
             result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
@@ -74,7 +78,7 @@ def calibrate(
         if report is not None:
             result.save_report(report)
         if report_html is not None:
-            from ..report_html import write_html_report
+            from service.run.report_html import write_html_report
 
             write_html_report(result.report, report_html)
         update(1, 1, "writing")
@@ -114,8 +118,9 @@ def export_command(
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
 ) -> None:
     """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
-    from ..exporting import export_checkpoint
-    from ..report import write_report
+    from service.run.exporting import export_checkpoint
+    from service.run.report import write_report
+
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None

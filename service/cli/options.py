@@ -1,6 +1,6 @@
 """The flags of ``calibrate``, ``submit``, ``export`` and the job commands.
 
-The run options' choices, defaults and help come from ``service.options.RunOptions``, the
+The run options' choices, defaults and help come from ``service.run.options.RunOptions``, the
 one declaration the HTTP job spec and the engine share; only what is particular to the
 command line (flag spellings, paths, output files) is declared here.
 """
@@ -13,12 +13,14 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from ..options import Device as DeviceChoice
-from ..options import Placement as PlacementChoice
-from ..options import DEFAULT_OPSET, RunOptions, default, description
-from .console import parse_json_object
 from workers.data.objectstore import is_data_uri, parse_data_uri
-from workers.modes import Mode as ModeChoice
+from workers.engine.modes import Mode as ModeChoice
+
+from service.run.options import DEFAULT_OPSET, RunOptions, default, description
+from service.run.options import Device as DeviceChoice
+from service.run.options import Placement as PlacementChoice
+
+from .console import parse_json_object
 
 
 def _choices(name: str, literal: Any) -> type[Enum]:

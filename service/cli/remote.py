@@ -12,10 +12,12 @@ import typer
 
 from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 
+from service.run.options import check_model_choice
+from service.run.progress import progress_bar
+
 from ..client import BnrecalClient, error_from_problem
-from ..options import check_model_choice
 from . import options as opt
-from .console import fail, parse_json_object, print_line, progress_bar, summary_lines
+from .console import fail, parse_json_object, print_line, summary_lines
 from .jobs import cancel_and_wait
 
 APP_FACTORY = "api.app:create_app"

@@ -2,13 +2,18 @@
 
 BatchNorm layers are folded in PyTorch on the traced dataflow, then on the exported
 ONNX graph for whatever is left; the file is checked with ``onnx.checker`` (full check)
-and verified in onnxruntime against the PyTorch model before it is written.
+and verified in onnxruntime against the PyTorch model before it is written. Names are imported
+on first use, so the run options can take the opsets (``opsets``) without loading torch.
+This room imports ``workers`` only: the run pipeline (``service.run``) builds on it.
 """
 
 from __future__ import annotations
 
-from service.export.exporters import SUPPORTED_OPSETS
-from service.export.folded_onnx import DEFAULT_OPSET, export_folded_onnx
-from service.export.verification import TOLERANCE
+from workers.lazy import lazy_exports
 
-__all__ = ["DEFAULT_OPSET", "SUPPORTED_OPSETS", "TOLERANCE", "export_folded_onnx"]
+_HOMES = {
+    "opsets": ("DEFAULT_OPSET", "SUPPORTED_OPSETS"),
+    "folded_onnx": ("export_folded_onnx",),
+    "verification": ("TOLERANCE",),
+}
+__getattr__, __all__ = lazy_exports(__name__, _HOMES)

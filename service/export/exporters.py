@@ -23,15 +23,12 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
+from service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET, TORCHSCRIPT_MAX_OPSET, TORCHSCRIPT_MIN_OPSET
+
 logger = logging.getLogger(__name__)
 
 INPUT_NAME = "input"
 BATCH_AXIS = "batch"
-DYNAMO_MIN_OPSET = 18
-DYNAMO_MAX_OPSET = 23
-TORCHSCRIPT_MIN_OPSET = 13
-TORCHSCRIPT_MAX_OPSET = 20
-SUPPORTED_OPSETS = range(TORCHSCRIPT_MIN_OPSET, DYNAMO_MAX_OPSET + 1)
 
 
 @dataclass

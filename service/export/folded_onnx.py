@@ -14,15 +14,16 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
-from service.export.exporters import SUPPORTED_OPSETS, export_unfolded
+from workers.errors import BnrecalError, ExportError
+from workers.files import atomic_write
+
+from service.export.exporters import export_unfolded
+from service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from service.export.float16 import convert_to_float16
 from service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
 from service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
 from service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
 from service.export.verification import flatten_outputs, reference_outputs, verify_onnx
-from service.options import DEFAULT_OPSET
-from workers.errors import BnrecalError, ExportError
-from workers.files import atomic_write
 
 logger = logging.getLogger(__name__)
 

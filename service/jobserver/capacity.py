@@ -18,8 +18,9 @@ import ray
 
 from workers.errors import SpecError
 
-from ..options import RunOptions
-from ..recalibrate import rank_resources
+from service.run.options import RunOptions
+from service.run.recalibrate import rank_resources
+
 from ..settings import Settings
 
 log = logging.getLogger("bnrecal.capacity")

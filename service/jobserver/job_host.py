@@ -31,9 +31,10 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from workers.errors import BnrecalError, CancelledError, RunError
-from workers.pool import GangKey, WarmPool
+from workers.ranks.pool import GangKey, WarmPool
 
-from ..recalibrate import RecalibrationRequest
+from service.run.recalibrate import RecalibrationRequest
+
 from ..settings import Settings
 from .job_work import Event, JobFiles, JobLabel, run_job
 from .jobs import JobSpec

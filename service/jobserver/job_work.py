@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from workers.errors import CancelledError
-from workers.pool import WarmPool
+from workers.ranks.pool import WarmPool
 
-from ..exporting import export_recalibrated
-from ..recalibrate import RecalibrationRequest, recalibrate
-from ..report_html import job_section, write_html_report
+from service.run.exporting import export_recalibrated
+from service.run.recalibrate import RecalibrationRequest, recalibrate
+from service.run.report_html import job_section, write_html_report
+
 from ..settings import Settings
 from .jobs import JobSpec
 

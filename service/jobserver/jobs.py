@@ -27,12 +27,13 @@ from pydantic import (
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
 from workers.errors import BnrecalError, InputError, RunError, SpecError
-from workers.model_check import check_checkpoint_fits
-from workers.models import check_architecture_exists as check_reference
-from workers.models import check_model_kwargs
+from workers.models.architectures import check_architecture_exists as check_reference
+from workers.models.architectures import check_model_kwargs
+from workers.models.model_check import check_checkpoint_fits
 from workers.programs import check_program
 
-from ..options import DEFAULT_OPSET, RunOptions, check_model_choice
+from service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
+
 from ..settings import Settings
 from .blobs import DIGEST_PATTERN, BlobStore
 from .capacity import check_fits_cluster

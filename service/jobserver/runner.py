@@ -33,7 +33,8 @@ import ray
 
 from workers.errors import BnrecalError, CancelledError, NotFoundError
 
-from ..recalibrate import RecalibrationRequest, rank_resources
+from service.run.recalibrate import RecalibrationRequest, rank_resources
+
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore
 from .events import ChangeFeed

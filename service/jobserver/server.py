@@ -25,7 +25,8 @@ import ray
 from workers.data.archive import mark_collected_root
 from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 
-from ..cluster import ensure_ray
+from service.run.cluster import ensure_ray
+
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore, open_blob_store
 from .events import ChangeFeed

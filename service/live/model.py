@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from workers.errors import SpecError, first_line
-from workers.sources import LiveModuleSource, ModelSource, ProgramSource
+from workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
 
 
 @dataclass
@@ -110,7 +110,7 @@ def _program(data: bytes, name: str, write_back: Callable[[dict[str, torch.Tenso
 
 def _check_names(program: nn.Module, model: nn.Module) -> None:
     """Every running buffer the program calibrates is a buffer of the live model, same shape."""
-    from workers.batchnorm import find_batchnorm_layers
+    from workers.engine.batchnorm import find_batchnorm_layers
 
     buffers = dict(model.named_buffers())
     layers, _ = find_batchnorm_layers(program)

@@ -11,7 +11,7 @@ from torch import nn
 
 from workers.errors import SpecError
 
-from ..options import DEFAULT_OPSET
+from service.run.options import DEFAULT_OPSET
 
 VERIFY_SAMPLES = 8
 """Samples of ``sample`` the export is verified on (batch 1 and a batch of these)."""

@@ -27,8 +27,9 @@ from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec
 from workers.errors import CancelledError, SpecError
 
+from service.run.options import RunOptions
+
 from ..client import BnrecalClient, error_from_problem
-from ..options import RunOptions
 from ..settings import Settings
 from .data import describe_python_data
 from .model import export_program, on_cpu, program_bytes
@@ -210,7 +211,7 @@ def _fill(template: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _write_back(model: nn.Module, program: Path, prefix: str) -> None:
     """Copy the recalibrated program's running buffers into the caller's model."""
-    from workers.batchnorm import find_batchnorm_layers
+    from workers.engine.batchnorm import find_batchnorm_layers
     from workers.programs import load_program
 
     result = load_program(program, program.name)

@@ -2,7 +2,7 @@
 
 The driver describes the data, decides how the model travels (``model.py``), checks on
 one batch that the model takes the data (the same probe as the CLI's), then runs the
-same rank group as every recalibration (``workers.group``) and writes the statistics
+same rank group as every recalibration (``workers.ranks.group``) and writes the statistics
 into the model's own BN buffers, as ``torch.optim.swa_utils.update_bn`` does.
 """
 
@@ -14,23 +14,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.batchnorm import SkippedLayer, find_batchnorm_layers
-from workers.calibration import apply_statistics
-from workers.calibrator import probe_call_order
-from workers.collectives import backend_for_device
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec, model_input
+from workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
+from workers.engine.calibration import apply_statistics
+from workers.engine.calibrator import probe_call_order
+from workers.engine.moments import MomentStats
 from workers.errors import NoBatchNormError, SpecError, first_line
-from workers.group import GroupOptions, run_rank_group
-from workers.moments import MomentStats
-from workers.plan import RankPlan
-from workers.pool import WarmPool
+from workers.ranks.collectives import backend_for_device
+from workers.ranks.group import GroupOptions, run_rank_group
+from workers.ranks.plan import RankPlan
+from workers.ranks.pool import WarmPool
 
-from ..cli.console import progress_bar
-from ..cluster import ensure_ray, is_local_instance, shutdown_embedded
-from ..options import STARTING_PHASE, RunOptions, default
-from ..recalibrate import bn_buffer_updates, cpus_per_worker, resolve_data_transport, ship_rank_shards
-from ..report import build_report
+from service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
+from service.run.options import STARTING_PHASE, RunOptions, default
+from service.run.progress import progress_bar
+from service.run.recalibrate import bn_buffer_updates, cpus_per_worker, resolve_data_transport, ship_rank_shards
+from service.run.report import build_report
+
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
 from .model import ShippedModel, ship_model
@@ -84,7 +85,7 @@ def recalibrate(
     server, api_key: run as a job of the bnrecal server at this URL instead: the model
         goes as a program (it must export), the data as ``.npy`` (see ``docs/python.md``).
     progress: a progress bar on a terminal; ``False`` for none.
-    pool: warm rank actors (``workers.pool.WarmPool``) reused across calls.
+    pool: warm rank actors (``workers.ranks.pool.WarmPool``) reused across calls.
 
     The model reaches the ranks as a ``torch.export`` program when it exports (traced on
     one batch; no code needed on the nodes), else pickled with its class by reference:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import main
+
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_state
-from service.cli import main
-from tests.service.test_cli import run_cli
+from tests.service.cli.test_cli import run_cli
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.client import BnrecalClient, parse_events
 from service.cli import main
-from service.recalibrate import RecalibrationRequest, recalibrate
+from service.client import BnrecalClient, parse_events
+from service.run.recalibrate import RecalibrationRequest, recalibrate
+
 from tests.api.conftest import KEYS, submit, upload, write_samples
 from tests.nets import mixed_net
 from tests.reference import assert_matches_reference, reference_statistics

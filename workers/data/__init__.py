@@ -3,7 +3,9 @@
 Arrays (``.npy``/``.npz``) are memory-mapped or streamed, never loaded whole; image
 folders and archives of images are decoded and transformed batch by batch. See
 :mod:`workers.data.images` for the folder layout rules and :mod:`workers.data.archive`
-for the unpacking safety rules.
+for the unpacking safety rules. This room imports only torch, numpy, PIL, fsspec, Ray's
+object store (``shipping``) and the shared helpers at the top of ``workers``: nothing of
+``engine``, ``models``, ``programs`` or ``ranks``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 ``load_program`` reads an uploaded archive without running anything from it
 (``archive.py``, ``checks.py``) and gives a :class:`ProgramModule` (``module.py``) whose
 batch-norm calls (``sites.py``) the calibrator answers like a module's. ``write_archive``
-writes the recalibrated program: the same archive with new running buffers.
+writes the recalibrated program: the same archive with new running buffers. This room
+may import ``workers.engine`` (the layer and call forms it reports) and the shared helpers
+at the top of ``workers``; never ``models`` or ``ranks``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batchnorm import BatchNormLayer, SkippedLayer
+from workers.engine.batchnorm import BatchNormLayer, SkippedLayer
+
 from ..errors import ModelInputError, ProgramError
 from .sites import BatchNormSites, find_sites
 

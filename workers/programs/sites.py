@@ -1,6 +1,6 @@
 """The batch-norm calls of a program's graph, recognised by their running buffers.
 
-Every call of a known batch-norm form (``workers.bn_calls``) whose running mean and
+Every call of a known batch-norm form (``workers.engine.bn_calls``) whose running mean and
 variance are buffers of the program is a BN layer, named by the buffers' module path
 (``layer1.0.bn1``); a layer called twice is one layer with two calls. A call without
 running buffers normalises with batch statistics (``track_running_stats=False``) and
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..bn_calls import BATCH_NORM_FORMS, form_of, looks_like_batch_norm
+from workers.engine.bn_calls import BATCH_NORM_FORMS, form_of, looks_like_batch_norm
+
 from ..errors import ProgramError
 
 aten = torch.ops.aten

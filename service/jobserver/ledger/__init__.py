@@ -16,9 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint, func
+from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint, func, select
 from sqlalchemy import delete as sql_delete
-from sqlalchemy import select
 from sqlalchemy import update as sql_update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -26,7 +25,8 @@ from sqlalchemy.types import TypeDecorator
 
 from workers.errors import InputError, NotFoundError, TooManyJobsError
 
-from ...options import STARTING_PHASE
+from service.run.options import STARTING_PHASE
+
 from ..jobs import ConflictError, JobRecord, JobStatus
 from .engines import lock_tenant, make_engine, prepare_schema
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import ray
 
-from service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
-from service.options import RunOptions
-from service.recalibrate import rank_resources
-from service.settings import Settings
 from workers.errors import SpecError
+
+from service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
+from service.run.options import RunOptions
+from service.run.recalibrate import rank_resources
+from service.settings import Settings
 
 TWO_NODES = [Node(cpus=8, gpus=1), Node(cpus=4, gpus=0)]
 

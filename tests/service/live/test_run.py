@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
+from service.run.recalibrate import RecalibrationRequest
+from service.run.recalibrate import recalibrate as recalibrate_files
+
 import bnrecal
-from service.recalibrate import RecalibrationRequest
-from service.recalibrate import recalibrate as recalibrate_files
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 from tests.reference import assert_matches_reference, reference_statistics

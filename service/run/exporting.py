@@ -1,0 +1,92 @@
+"""Exporting a recalibrated model to folded ONNX, with the samples that verify it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workers.data import describe_dataset
+from workers.errors import SpecError
+from workers.models.architectures import build_model
+from workers.models.checkpoints import load_checkpoint, load_into_model
+
+from service.run.options import DEFAULT_OPSET
+from service.run.recalibrate import Recalibration
+from service.settings import Settings
+
+VERIFY_SAMPLES = 8
+"""Calibration samples used to verify an export (batch 1 and this batch)."""
+
+
+def export_recalibrated(
+    result: Recalibration,
+    path: str | os.PathLike[str],
+    *,
+    opset: int = DEFAULT_OPSET,
+    dtype: str = "float32",
+    dynamic_batch: bool = True,
+    input_shape: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Fold and export the recalibrated model, verified on its own calibration samples.
+
+    Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
+    when the export cannot be verified.
+    """
+    from workers.programs import ProgramModule
+
+    from service.export import export_folded_onnx
+
+    fixed = 1
+    if isinstance(result.model, ProgramModule) and result.model.batch.static:
+        # a program exported with a static batch exports at that batch, and only there
+        fixed, dynamic_batch = result.model.batch.low, False
+    samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
+    return export_folded_onnx(
+        result.model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape,
+        fixed_batch=fixed,
+    )
+
+
+def export_checkpoint(
+    arch: str,
+    checkpoint: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    settings: Settings,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    data: str | os.PathLike[str] | None = None,
+    transform: dict[str, Any] | None = None,
+    input_shape: Sequence[int] | None = None,
+    opset: int = DEFAULT_OPSET,
+    dtype: str = "float32",
+    dynamic_batch: bool = True,
+) -> dict[str, Any]:
+    """Fold and export a checkpoint as it is, without recalibrating it.
+
+    The export is verified on the first calibration samples of ``data``, or, without
+    data, on seeded random samples of ``input_shape``. Returns a report with the
+    ``onnx`` section.
+    """
+    from service.export import export_folded_onnx
+
+    if data is None and input_shape is None:
+        raise SpecError("give --data (samples to verify the export on) or --input-shape", field="data")
+    model = build_model(arch, model_kwargs or {}, allowed_modules=tuple(settings.model_modules))
+    load_into_model(model, load_checkpoint(checkpoint))
+    model.eval()
+    if data is not None:
+        spec = describe_dataset(data, transform=transform, **settings.unpack_options())
+        with spec.open() as opened:
+            samples = opened.load(0, min(VERIFY_SAMPLES, spec.num_samples))
+        if samples.shape[0] < 2:
+            samples = torch.cat([samples, samples])
+    else:
+        generator = torch.Generator().manual_seed(0)
+        samples = torch.randn((VERIFY_SAMPLES, *input_shape), generator=generator)  # type: ignore[misc]
+    section = export_folded_onnx(
+        model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape
+    )
+    return {"arch": arch, "checkpoint": str(checkpoint), "onnx": section}

@@ -1,0 +1,124 @@
+"""The run options: how to recalibrate, declared once.
+
+``RunOptions`` is the one declaration of every option a recalibration takes. The HTTP job
+spec (``JobSpec``) and the engine's request (``RecalibrationRequest``) extend it, and the
+command line takes its choices, defaults and help from it, so adding an option touches
+this model and the code that uses it, nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from workers.engine.modes import Mode
+from workers.errors import SpecError
+
+from service.export.opsets import DEFAULT_OPSET
+
+Device = Literal["cpu", "cuda"]
+Placement = Literal["spread", "pack", "strict_spread", "strict_pack"]
+
+MAX_WORKERS = 1024
+
+STARTING_PHASE = "starting workers"
+"""The progress phase of a job whose rank actors are starting, before any sample is processed:
+the ledger's first phase of a running job, and one the CLI shows without a count."""
+
+OptionsT = TypeVar("OptionsT", bound="RunOptions")
+
+
+class RunOptions(BaseModel):
+    """What to recalibrate and how, whatever the checkpoint and data are.
+
+    Counts are strict integers: ``true`` or ``"2"`` for ``workers`` is refused, naming the
+    field, rather than read as 1 or 2 (a JSON spec with a quoted number is a client bug).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: str | None = Field(
+        default=None,
+        min_length=3,
+        max_length=256,
+        description=(
+            "torchvision:<name>, timm:<name>, transformers:<ModelClass> (model_kwargs: its config.json) "
+            "or <module.path>:<callable> (allowlisted); not with a program, which carries its own architecture."
+        ),
+        examples=["torchvision:resnet18"],
+    )
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")
+    mode: Mode = Field(default="sync", description="sync: SyncBN statistics across ranks; local: per-rank statistics.")
+    workers: StrictInt = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
+    batch_size: StrictInt = Field(default=32, ge=1, le=1_000_000, description="Global batch size B.")
+    max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    device: Device = Field(default="cpu", description="Where the ranks compute.")
+    transform: dict[str, Any] | None = Field(
+        default=None, description='Image transform (image data only), e.g. {"resize": 256, "crop": 224}.'
+    )
+    placement: Placement | None = Field(
+        default=None, description="Spread ranks across nodes or pack them (default: BNRECAL_PLACEMENT_STRATEGY)."
+    )
+    max_retries: StrictInt | None = Field(
+        default=None, ge=0, le=10, description="Re-run a failed pass from scratch (default: BNRECAL_MAX_RETRIES)."
+    )
+
+    @classmethod
+    def checked(cls: type[OptionsT], **values: Any) -> OptionsT:
+        """Validate ``values``, turning the first problem into a ``SpecError`` naming its field."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise spec_error(exc) from None
+
+    def run_options(self) -> dict[str, Any]:
+        """Just the run options, e.g. to build the engine's request from a job spec."""
+        return self.model_dump(include=set(RunOptions.model_fields))
+
+
+def spec_error(exc: ValidationError) -> SpecError:
+    """The first validation problem as one line naming the field (``workers: ...``)."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or None
+    message = f"{field}: {first['msg']}" if field else first["msg"]
+    return SpecError(message, field=field)
+
+
+def default(name: str) -> Any:
+    """The default of one run option (what the CLI shows and uses)."""
+    return RunOptions.model_fields[name].get_default(call_default_factory=True)
+
+
+def description(name: str) -> str:
+    """The help text of one run option."""
+    return RunOptions.model_fields[name].description or ""
+
+
+def check_model_choice(
+    arch: str | None, checkpoint: object | None, program: object | None, model_kwargs: dict[str, Any] | None,
+    *, flags: bool = False,
+) -> None:
+    """Refuse a request that names no model, or both kinds: an architecture takes a
+    checkpoint, a program carries both. ``flags`` words the error for the command line."""
+    def name(field: str) -> str:
+        return f"--{field.replace('_', '-')}" if flags else field
+
+    if program is not None:
+        for field, value in (("arch", arch), ("checkpoint", checkpoint)):
+            if value is not None:
+                raise SpecError(
+                    f"{name(field)} does not go with {name('program')}: a program carries its architecture and weights",
+                    field=name(field),
+                )
+        if model_kwargs:
+            raise SpecError(f"{name('model_kwargs')} does not go with {name('program')}", field=name("model_kwargs"))
+        return
+    if arch is None and checkpoint is None:
+        raise SpecError(
+            f"give {name('program')} (a torch.export .pt2), or {name('arch')} with {name('checkpoint')}",
+            field=name("program"),
+        )
+    for field, value in (("arch", arch), ("checkpoint", checkpoint)):
+        if value is None:
+            raise SpecError(f"{name(field)} is required with an architecture (or give {name('program')})", field=name(field))

@@ -1,0 +1,191 @@
+"""The embedded Ray instance (of `bnrecal calibrate` and `bnrecal serve`) is never open:
+every TCP socket its processes listen on is on loopback, and its GCS refuses a client
+that does not carry this instance's own token (issue 21)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+REPO = Path(__file__).parents[3]
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp*
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """Socket inode -> (local address, port) of every listening TCP socket (IPv4 and IPv6)."""
+    found: dict[int, tuple[str, int]] = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != LISTEN:
+                continue
+            host_hex, port_hex = fields[1].split(":")
+            raw = bytes.fromhex(host_hex)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            found[int(fields[9])] = (str(ipaddress.ip_address(packed)), int(port_hex, 16))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The socket inodes a process holds open."""
+    inodes: set[int] = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def instance_processes(root: int, token: str) -> dict[int, str]:
+    """pid -> name of the instance's processes: the driver's descendants, and any process
+    carrying the instance's token in its environment (an agent re-parented to init)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    marked: set[int] = set()
+    needle = f"RAY_AUTH_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = (entry / "stat").read_text()
+            names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                marked.add(pid)
+        except (OSError, ValueError):
+            continue
+    family, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in family]
+        family.update(children)
+        frontier.extend(children)
+    return {pid: names[pid] for pid in family | marked if pid in names}
+
+
+def is_loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def non_loopback_listeners(processes: dict[int, str]) -> tuple[list[str], set[int]]:
+    """The instance's listening sockets that are not on loopback, and every port it listens on."""
+    sockets = listening_sockets()
+    problems: list[str] = []
+    ports: set[int] = set()
+    for pid, name in sorted(processes.items()):
+        for inode in socket_inodes(pid) & sockets.keys():
+            host, port = sockets[inode]
+            ports.add(port)
+            if not is_loopback(host):
+                problems.append(f"{name} (pid {pid}) listens on {host}:{port}")
+    return problems, ports
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """An embedded instance in a child process, started as bnrecal starts one; HOME is
+    empty (so a token file Ray might write shows up there) and the environment asks for
+    no authentication, which the embedded instance must not honour."""
+    folder = tmp_path_factory.mktemp("embedded")
+    out, home = folder / "instance.json", folder / "home"
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    stderr = (folder / "stderr.txt").open("w+")
+    child = subprocess.Popen([sys.executable, "-m", "tests.service.embedded_ray", str(out)], cwd=REPO, env=env,
+                             stdin=subprocess.PIPE, stdout=stderr, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists() or not out.read_text():
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            stderr.seek(0)
+            pytest.fail(f"the embedded instance did not start: {stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    time.sleep(0.5)  # the file is written in one call; let it land
+    info = json.loads(out.read_text())
+    assert len(info["token"]) >= 32, "the embedded instance runs without a token"
+    info.update(pid=child.pid, home=home)
+    yield info
+    assert child.stdin is not None
+    child.stdin.close()
+    try:
+        child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+    stderr.seek(0)
+    output = stderr.read()
+    stderr.close()
+    assert info["token"] not in output, "the token reached the driver's output"
+
+
+def test_every_listening_socket_of_the_embedded_instance_is_on_loopback(embedded):
+    processes = instance_processes(embedded["pid"], embedded["token"])
+    names = set(processes.values())
+    # The check covers the instance: its GCS, raylet and the workers that ran its work.
+    assert {"gcs_server", "raylet"} <= names, names
+    assert set(embedded["workers"]) <= processes.keys(), (embedded["workers"], processes)
+    problems, ports = non_loopback_listeners(processes)
+    assert problems == []
+    gcs_host, gcs_port = embedded["gcs_address"].rsplit(":", 1)
+    assert int(gcs_port) in ports and is_loopback(gcs_host), embedded["gcs_address"]
+    assert len(ports) >= 6, ports  # GCS, raylet (node manager, object manager), agents, workers
+
+
+def gcs_call(address: str, token: str | None) -> tuple[grpc.StatusCode, str]:
+    """One read of the GCS's key-value store, as any gRPC client would send it: the
+    status and the GCS's message."""
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token is not None else []
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.InternalKVGcsServiceStub(channel)
+        try:
+            stub.InternalKVKeys(gcs_service_pb2.InternalKVKeysRequest(prefix=b"", namespace=b""),
+                                metadata=metadata, timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_the_gcs_refuses_a_client_without_the_instance_token(embedded, ray_cluster):
+    from ray._raylet import AuthenticationTokenLoader
+
+    address, token = embedded["gcs_address"], embedded["token"]
+    refused = (grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing or incorrect")
+    assert gcs_call(address, token) == (grpc.StatusCode.OK, "")  # the instance's own token is accepted
+    assert gcs_call(address, None) == refused  # although the child's RAY_AUTH_MODE said disabled
+    assert gcs_call(address, "0" * 64) == refused
+    # The test session's own embedded Ray (another instance, of this same user) has another token.
+    session_token = AuthenticationTokenLoader.instance().get_raw_token()
+    assert session_token and session_token != token
+    assert gcs_call(address, session_token) == refused
+
+
+def test_the_token_is_neither_written_nor_logged(embedded):
+    assert not (Path(embedded["home"]) / ".ray").exists(), "Ray wrote a token file under HOME"
+    session = Path(embedded["session_dir"])
+    files = [p for p in session.rglob("*") if p.is_file() and not p.is_socket()]
+    assert any(p.suffix in (".out", ".err", ".log") for p in files), "no logs to search"
+    leaked = [str(p) for p in files if embedded["token"].encode() in p.read_bytes()]
+    assert leaked == []

@@ -1,0 +1,105 @@
+"""The HTML report: one self-contained page with the job, the drift chart and the ONNX
+audit, that opens offline (nothing in it refers to the network)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from service.cli import main
+from service.run.report_html import render_html_report
+
+from tests.conftest import save_array, save_state
+from tests.nets import mixed_net, perturbed
+
+
+@pytest.fixture(autouse=True)
+def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
+    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
+
+
+def assert_offline(page: str) -> None:
+    """No URL of any kind, no script, no stylesheet or font fetched from anywhere."""
+    assert not re.search(r"(https?:|ftp:|//[a-z0-9.-]+\.[a-z]{2,})", page, re.I)
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert not re.search(r"url\(\s*['\"]?(?!#)", page)  # only the chart's own fragments: url(#clip)
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!#)""", page)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
+    torch.manual_seed(0)
+    checkpoint = save_state(tmp_path / "m.pt", perturbed(mixed_net()))
+    data = save_array(tmp_path / "x.npy", torch.randn(20, 3, 6, 5))
+    html, report = tmp_path / "out" / "report.html", tmp_path / "report.json"
+    code = 0
+    try:
+        main([
+            "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint), "--data", str(data),
+            "--workers", "2", "--batch-size", "8", "--out", str(tmp_path / "out.pt"), "--onnx", str(tmp_path / "m.onnx"),
+            "--report", str(report), "--report-html", str(html),
+        ])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    assert code == 0, capsys.readouterr().err
+    page = html.read_text()
+    summary = json.loads(report.read_text())
+    assert page.startswith("<!doctype html>")
+    assert page.count("<svg") == 1 and 'id="drift-chart"' in page
+    for layer in summary["layers"]:
+        assert layer["name"] in page and layer["class"] in page
+    assert "ONNX export" in page and f"<td>{summary['onnx']['folded']}</td>" in page
+    assert all(node in page for node in summary["nodes"])
+    assert_offline(page)
+
+
+def test_names_are_escaped_and_missing_values_shown():
+    report = {
+        "arch": "tests.nets:<b>net</b>", "mode": "local", "world_size": 1, "samples": 4, "steps": 1, "seconds": 0.1,
+        "layers": [{"name": "a<script>", "class": "BatchNorm1d", "channels": 2, "calls": 1,
+                    "mean_shift": 0.5, "var_ratio_max": None}],
+        "nodes": ["n1"],
+    }
+    page = render_html_report(report)
+    assert "<script" not in page and "&lt;script&gt;" in page and "&lt;b&gt;net" in page
+    assert "n/a" in page
+    assert_offline(page)
+
+
+def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
+    from datetime import UTC, datetime
+
+    from service.run.report_html import accuracy_figure, drift_figure, job_section
+
+    digest = "sha256:" + "ab" * 32
+    report = {
+        "arch": "tests.nets:mixed_net", "samples": 8, "world_size": 1, "mode": "sync", "seconds": 0.5,
+        "layers": [{"name": "bn", "class": "BatchNorm2d", "channels": 6, "calls": 2, "mean_shift": 1.5,
+                    "var_ratio_max": 2.0, "var_ratio_min": 0.5}],
+        "evaluation": {"samples": 8, "before": {"top1": 0.25, "top5": 1.0}, "after": {"top1": 0.75, "top5": 1.0},
+                       "prediction_change": 0.5, "kl_divergence": 0.1},
+        "job": job_section("0123abcd" * 4, datetime(2026, 11, 24, 21, 0, tzinfo=UTC),
+                           {"checkpoint": {"filename": "team<model>.pt", "digest": digest}}),
+    }
+    page = render_html_report(report)
+    context = page[page.index('id="job-context"'):page.index("</table>", page.index('id="job-context"'))]
+    assert "0123abcd" * 4 in context and "2026-11-24T21:00:00+00:00" in context
+    assert "team&lt;model&gt;.pt" in context and digest in context  # escaped, with its digest
+    assert "bnrecal 0.1.0" in context and f"torch {torch.__version__.split('+')[0]}" in context
+    assert_offline(page)
+    # Each legend sits right of its axes (so it covers no bar or point) and inside the figure.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for figure in (drift_figure(report["layers"]), accuracy_figure(report["evaluation"])):
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        legends = [(axes, axes.get_legend()) for axes in figure.axes if axes.get_legend() is not None]
+        assert legends
+        for axes, legend in legends:
+            box, plot = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+            assert box.x0 >= plot.x1 - 1 and box.x1 <= figure.bbox.x1 + 1, (box, plot)

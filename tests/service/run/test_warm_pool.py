@@ -1,0 +1,207 @@
+"""The warm pool on a real local Ray: reuse, isolation between jobs, idle release,
+eviction for a job that needs the CPUs, and no reuse after a cancelled or failed job."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from workers.errors import CancelledError, RunError
+from workers.ranks.allocator import RANK_ENV_VARS
+from workers.ranks.pool import WarmPool
+
+from service.jobserver.jobs import JobSpec
+from service.run.recalibrate import RecalibrationRequest, recalibrate
+
+from tests.conftest import save_array, save_state
+from tests.nets import MARKER, marker_net, mixed_net, perturbed
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict]]:
+    """Two different mixed_nets (6 and 4 channels), each with its own checkpoint and data."""
+    folder = tmp_path_factory.mktemp("pool")
+    made = {}
+    for name, channels, seed in (("six", 6, 0), ("four", 4, 1)):
+        torch.manual_seed(seed)
+        model = perturbed(mixed_net(channels), seed=seed)
+        samples = torch.randn(17, 3, 6, 5) * (1.0 + seed) + 0.3 * seed
+        made[name] = (
+            save_state(folder / f"{name}.pt", model),
+            save_array(folder / f"{name}.npy", samples),
+            {"channels": channels},
+        )
+    return made
+
+
+def request_for(entry: tuple[Path, Path, dict], **options) -> RecalibrationRequest:
+    checkpoint, data, kwargs = entry
+    return RecalibrationRequest(
+        arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, model_kwargs=kwargs,
+        workers=2, batch_size=4, **options,
+    )
+
+
+def idle_states(pool: WarmPool) -> list[list[dict]]:
+    """What each rank of each idle gang reports about itself."""
+    return [ray.get([actor.state.remote() for actor in gang.actors]) for gang in pool.idle()]
+
+
+def process_gone(pid: int, timeout: float = 15.0) -> bool:
+    """Whether the process exits (or is a zombie) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def free_cpus_reach(expected: float, timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        free = ray.available_resources().get("CPU", 0.0)
+        if free >= expected - 1e-9 or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
+
+
+def test_a_second_job_reuses_the_ranks_and_matches_fresh_actors(two_models, settings):
+    # Contiguous, so this job also covers the layout "auto" does not choose for images.
+    settings = settings.model_copy(update={"cpus_per_worker": 1.0, "memory_format": "contiguous"})
+    pool = WarmPool(idle_s=120)
+    try:
+        recalibrate(request_for(two_models["six"]), settings, pool=pool)
+        [first] = idle_states(pool)
+        assert [s["jobs"] for s in first] == [1, 1] and [s["groups"] for s in first] == [[], []]
+        assert all(s["allocator"] == RANK_ENV_VARS for s in first)  # ranks start with the malloc settings
+        warm = recalibrate(request_for(two_models["four"]), settings, pool=pool)  # another model, same shape
+        [second] = idle_states(pool)
+        assert [s["pid"] for s in second] == [s["pid"] for s in first]  # the same processes
+        assert [s["jobs"] for s in second] == [2, 2]
+        assert all(s["threads"] == 1 and s["groups"] == [] for s in second)
+        assert [s["initial_seed"] for s in second] == [s["initial_seed"] for s in first]  # a fresh process's seed
+        [gang] = pool.idle()
+        ray.kill(gang.actors[1], no_restart=True)  # a warm rank dies while idle (say, the OOM killer)
+        assert process_gone(second[1]["pid"])
+        recalibrate(request_for(two_models["six"]), settings, pool=pool)  # not failed by it: a fresh gang
+        [third] = idle_states(pool)
+        assert [s["jobs"] for s in third] == [1, 1] and {s["pid"] for s in third}.isdisjoint(
+            s["pid"] for s in second
+        )
+        assert process_gone(second[0]["pid"])  # the dead rank's peer was killed with its gang
+    finally:
+        pool.close()
+    fresh = recalibrate(request_for(two_models["four"]), settings)  # its own actors, killed after
+    assert warm.updates.keys() == fresh.updates.keys()
+    for key, value in fresh.updates.items():
+        assert torch.equal(warm.updates[key], value), key  # nothing of the first job leaked into the second
+    assert all(process_gone(s["pid"]) for s in third)  # close killed the idle gang
+
+
+def test_idle_ranks_give_their_cpus_back(two_models, settings):
+    settings = settings.model_copy(update={"cpus_per_worker": 1.0})
+    free_before = free_cpus_reach(ray.cluster_resources()["CPU"], timeout=30)
+    pool = WarmPool(idle_s=3)
+    try:
+        recalibrate(request_for(two_models["six"]), settings, pool=pool)
+        [ranks] = idle_states(pool)
+        assert pool.idle_resources()["CPU"] == 2.0
+        assert ray.available_resources().get("CPU", 0.0) <= free_before - 2.0 + 1e-9  # held while warm
+        assert free_cpus_reach(free_before, timeout=20) >= free_before  # released after idle_s
+        assert pool.idle() == []
+        assert all(process_gone(s["pid"]) for s in ranks)
+    finally:
+        pool.close()
+
+
+def test_an_idle_gang_gives_way_to_a_job_that_needs_its_cpus(two_models, settings):
+    # All that is free (another test's idle warm gang may still hold some of the cluster).
+    free = free_cpus_reach(ray.cluster_resources()["CPU"], timeout=30)
+    assert free >= 4, f"only {free} CPUs free"
+    big = settings.model_copy(update={"cpus_per_worker": float(int(free // 2))})
+    pool = WarmPool(idle_s=120)
+    try:
+        recalibrate(request_for(two_models["six"]), big, pool=pool)
+        [held] = idle_states(pool)
+        other = settings.model_copy(update={"cpus_per_worker": 1.0, "placement_timeout_s": 60})
+        started = time.monotonic()
+        result = recalibrate(request_for(two_models["six"]), other, pool=pool)  # another shape: needs room
+        assert time.monotonic() - started < 50  # evicted, not waited out
+        assert result.report["samples"] == 17
+        assert all(process_gone(s["pid"]) for s in held)
+        assert [gang.key.cpus_per_worker for gang in pool.idle()] == [1.0]
+    finally:
+        pool.close()
+
+
+def marked(tmp_path: Path) -> tuple[Path, Path]:
+    samples = torch.randn(40, 4)
+    samples[4 * 3 + 3, 0] = MARKER  # rank 1 misbehaves at its second step
+    return save_state(tmp_path / "m.pt", marker_net()), save_array(tmp_path / "m.npy", samples)
+
+
+@pytest.mark.parametrize("outcome", ["failed", "cancelled"])
+def test_ranks_of_a_failed_or_cancelled_job_are_killed_not_kept(settings, tmp_path, outcome):
+    settings = settings.model_copy(update={"cpus_per_worker": 1.0, "collective_timeout_s": 60})
+    checkpoint, data = marked(tmp_path)
+    clean = save_array(tmp_path / "clean.npy", torch.randn(16, 4))
+    pool = WarmPool(idle_s=120)
+    base = {"arch": "tests.nets:marker_net", "checkpoint": checkpoint, "workers": 2, "batch_size": 4}
+    try:
+        recalibrate(RecalibrationRequest(**base, data=clean), settings, pool=pool)
+        [warm] = idle_states(pool)
+        action = "exit" if outcome == "failed" else "hang"
+        request = RecalibrationRequest(**base, data=data, model_kwargs={"action": action})
+        cancel = threading.Event()
+        if outcome == "cancelled":
+            threading.Timer(6.0, cancel.set).start()
+        with pytest.raises(CancelledError if outcome == "cancelled" else RunError):
+            recalibrate(request, settings, cancel=cancel, pool=pool)  # on the warm gang
+        assert pool.idle() == []  # not handed back
+        assert all(process_gone(s["pid"]) for s in warm)  # killed, both ranks
+        again = recalibrate(RecalibrationRequest(**base, data=clean), settings, pool=pool)
+        assert again.report["samples"] == 16  # a fresh gang serves the next job
+        assert [s["jobs"] for s in idle_states(pool)[0]] == [1, 1]
+    finally:
+        pool.close()
+
+
+def test_a_disabled_pool_keeps_nothing(two_models, settings):
+    settings = settings.model_copy(update={"cpus_per_worker": 1.0})
+    pool = WarmPool(idle_s=0)
+    try:
+        recalibrate(request_for(two_models["six"]), settings, pool=pool)
+        assert pool.idle() == [] and not pool.enabled
+    finally:
+        pool.close()
+
+
+def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
+    from service.jobserver.server import open_services
+
+    services = open_services(settings.model_copy(update={"cpus_per_worker": 1.0, "warm_pool_idle_s": 300}))
+    host = services.pool  # the job host: the server's jobs run there, and their warm ranks live there
+    try:
+        assert host is not None and services.runner.host is host
+        spec = JobSpec(arch="tests.nets:mixed_net", checkpoint="sha256:" + "0" * 64, data="sha256:" + "0" * 64)
+        made = host.run("closing", request_for(two_models["six"]), services.settings, spec.with_outputs(),
+                        services.settings.data_dir / "work" / "closing", threading.Event(), lambda events: None)
+        assert made.report["samples"] == 17 and made.files["checkpoint"][0].is_file()
+        [gang] = host.idle()
+        assert gang.jobs == 1 and len(gang.pids) == 2
+    finally:
+        services.close()
+    assert host.idle() == []
+    assert all(process_gone(pid) for pid in gang.pids)

@@ -1,0 +1,166 @@
+"""One rank's calibration pass: the loop over its shard, pure torch, no Ray.
+
+The actor runs this with a ``RayCollective``; tests and references run it with a
+``SingleProcessCollective``. Progress goes out through a callback after each step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.data.loader import Step, move_to
+from workers.engine.batchnorm import BatchNormLayer
+from workers.engine.calibrator import BatchNormCalibrator
+from workers.engine.collective import Collective
+from workers.engine.memory_format import rank_layout, to_layout, torch_format
+from workers.engine.moments import MomentStats
+from workers.errors import DatasetError
+
+Feed = Callable[[nn.Module, Any], Any]
+"""``forward(model, batch)``: how a user's batches reach the model (``bnrecal.recalibrate``)."""
+
+StepCallback = Callable[[int, int], None]
+"""Called after each step with (step index, samples this rank processed in it)."""
+
+
+@dataclass
+class PassResult:
+    """What one rank's pass produced: every layer's combined statistics and counters."""
+
+    stats: list[MomentStats]
+    calls: list[int]
+    steps: int
+    samples: int
+    collectives: int
+    seconds: float
+    memory_format: str = "contiguous"
+
+
+def calibration_pass(
+    model: nn.Module,
+    layers: Sequence[BatchNormLayer],
+    batches: Iterable[torch.Tensor | Step],
+    *,
+    mode: str,
+    collective: Collective,
+    call_order: Sequence[int] = (),
+    device: torch.device | str = "cpu",
+    on_step: StepCallback | None = None,
+    memory_format: str = "auto",
+    sample_ranges: Sequence[tuple[int, int]] | None = None,
+    step_ranges: Sequence[tuple[int, int]] | None = None,
+    feed: Feed | None = None,
+) -> PassResult:
+    """Run ``model`` over this rank's batches with its BN layers calibrating.
+
+    ``batches`` yields one tensor per global step (empty where this rank's slice is
+    empty), or one :class:`~workers.data.loader.Step` (a batch in the user's structure,
+    fed to the model by ``feed(model, batch)`` when given). Every module other than BN
+    runs in eval mode. Returns the statistics of every layer over everything every rank
+    saw; in ``local`` mode that includes the job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,
+    ``channels_last``) is the layout the rank computes in (``auto``: channels-last for
+    image batches, see ``workers.engine.memory_format``).
+
+    A step in which a NaN or inf reaches a BN layer fails the pass at its end with a
+    ``DatasetError`` naming the first layer and the samples: ``sample_ranges`` are this
+    rank's ``[start, stop)`` per step and ``step_ranges`` the whole global batch's, as
+    global sample indices (default: counted from this rank's batches, right for a world of one).
+    """
+    model.eval()
+    started = time.perf_counter()
+    steps = samples = 0
+    layout: str | None = None
+    dims = 0
+    with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
+        for item in batches:
+            batch, size = _unpack(item)
+            if size == 0:
+                calibrator.replay_empty_step()
+            elif feed is not None:
+                feed(model, move_to(batch, device))
+            else:
+                if layout is None:
+                    dims = batch.dim()
+                    layout = rank_layout(memory_format, dims)
+                    to_layout(model, layout, dims)
+                x = batch.to(device, dtype=torch.float32, non_blocking=True)
+                model(x.contiguous(memory_format=torch_format(layout, dims)))
+            where = calibrator.first_non_finite()
+            if where is not None:
+                own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + size)
+                step = step_ranges[steps] if step_ranges is not None else own
+                shown = batch if isinstance(batch, torch.Tensor) else torch.empty(0)
+                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step)
+            steps += 1
+            samples += size
+            if on_step is not None:
+                on_step(steps - 1, size)
+        stats = calibrator.moments()
+    if layout == "channels_last":
+        to_layout(model, "contiguous", dims)
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return PassResult(
+        stats=stats,
+        calls=list(calibrator.calls),
+        steps=steps,
+        samples=samples,
+        collectives=collective.calls,
+        seconds=time.perf_counter() - started,
+        memory_format=layout or "contiguous",
+    )
+
+
+def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
+    """A step's batch and its number of samples."""
+    if isinstance(item, Step):
+        return item.value, item.size
+    return item, int(item.shape[0])
+
+
+def non_finite_error(
+    where: str, step: int, batch: torch.Tensor, own: tuple[int, int], seen: tuple[int, int]
+) -> DatasetError:
+    """The error of a step whose statistics went non-finite at ``where``: the first sample of
+    this rank's ``batch`` (global indices from ``own``) with a NaN or inf when there is one,
+    else the samples ``seen`` (the global batch in sync mode, where another rank's slice may
+    hold it; a finite batch can also overflow, or meet non-finite weights)."""
+    if batch.numel():
+        bad = (~torch.isfinite(batch.reshape(batch.shape[0], -1))).any(dim=1).nonzero()
+        if bad.numel():
+            sample = own[0] + int(bad[0])
+            return DatasetError(
+                f"calibration sample {sample} has non-finite values (NaN or inf), first seen by {where} "
+                f"in step {step} (samples {own[0]}-{own[1] - 1}): fix or leave out that sample"
+            )
+    return DatasetError(
+        f"non-finite values (NaN or inf) first reached {where} in step {step} (samples {seen[0]}-{seen[1] - 1}): "
+        "check those samples of the calibration data (values too large for float32?) and the checkpoint's weights"
+    )
+
+
+def apply_statistics(layers: Sequence[BatchNormLayer], stats: Sequence[MomentStats], steps: int) -> list[str]:
+    """Write the recalibrated statistics into the layers' own buffers.
+
+    ``running_mean`` becomes the mean and ``running_var`` the unbiased variance of
+    every value seen, cast to each buffer's dtype; ``num_batches_tracked`` grows by
+    ``steps``. Layers the pass never reached keep their statistics; their names are
+    returned.
+    """
+    unreached: list[str] = []
+    for layer, stat in zip(layers, stats):
+        if stat.count <= 0:
+            unreached.append(layer.name)
+            continue
+        with torch.no_grad():
+            layer.running_mean.copy_(stat.mean.to(layer.running_mean.dtype))
+            layer.running_var.copy_(stat.unbiased_var.to(layer.running_var.dtype))
+            if layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.add_(steps)
+    return unreached

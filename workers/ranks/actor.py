@@ -1,0 +1,269 @@
+"""The Ray actor that runs one rank of a calibration job."""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from workers.data import CalibrationData, iter_batches
+from workers.data.loader import LoaderSpec
+from workers.engine.batchnorm import layers_named
+from workers.engine.calibration import PassResult, calibration_pass
+from workers.engine.evaluation import evaluation_pass, with_statistics
+from workers.errors import BnrecalError, RunError, first_line
+from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
+from workers.ranks.collectives import RayCollective
+from workers.ranks.plan import RankPlan
+from workers.ranks.sharding import rank_ranges, step_ranges
+
+HEARTBEAT_S = 1.0
+"""How often a rank reports while a step is in flight, so the driver can tell a rank
+stuck in its own work (fewer collectives entered) from one waiting for its peers."""
+
+
+@dataclass
+class _Finished:
+    """The work thread's last message: the calibration pass and the evaluation, if any."""
+
+    calibration: PassResult
+    evaluation: dict[str, Any] | None
+
+
+class CalibrationRank:
+    """One rank: builds the model from the shared weights, reads its own shard, and
+    streams progress events, then its result, back to the driver.
+
+    Events are dicts: ``{"kind": "started", "rank", "node_id"}`` once the rank has
+    joined the collective group, ``{"kind": "progress", "phase": "calibrating", "rank", "step",
+    "samples", "calls"}`` after each step (``"phase": "evaluating"``, without ``step``, after
+    each evaluation batch), ``{"kind": "heartbeat", "rank", "calls"}`` while a step is in
+    flight, then ``{"kind": "result", ...}`` once. Errors become ``RunError`` naming the
+    rank and its node.
+    """
+
+    def __init__(self, rank: int, num_threads: int) -> None:
+        self.rank = rank
+        self.num_threads = max(1, num_threads)
+        torch.set_num_threads(self.num_threads)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._collective: RayCollective | None = None
+        self._seed = torch.initial_seed()
+        self._groups: list[str] = []
+        self.jobs = 0
+
+    def reset(self) -> bool:
+        """Clear what a job left, so a warm rank starts the next job as a fresh one would;
+        True when it is clean (no collective group of a past job still joined).
+
+        A job's model, data and work thread are locals of :meth:`run`, gone once it ends;
+        the process-wide state is put back here: torch's thread count and RNG seed, grad
+        mode, and the job's collective group (left in ``run``, checked here); the memory
+        the job freed goes back to the system (``workers.ranks.allocator``).
+        """
+        from ray.util import collective
+
+        self._leave_group()
+        torch.set_num_threads(self.num_threads)
+        torch.manual_seed(self._seed)
+        torch.set_grad_enabled(True)
+        gc.collect()
+        release_free_memory()
+        return not any(collective.is_group_initialized(name) for name in self._groups)
+
+    def state(self) -> dict[str, Any]:
+        """What a job could leave behind in this process, for tests and diagnostics."""
+        from ray.util import collective
+
+        return {
+            "pid": os.getpid(),
+            "jobs": self.jobs,
+            "threads": torch.get_num_threads(),
+            "initial_seed": torch.initial_seed(),
+            "groups": [name for name in self._groups if collective.is_group_initialized(name)],
+            "allocator": {name: os.environ.get(name) for name in RANK_ENV_VARS},
+        }
+
+    def node(self) -> dict[str, Any]:
+        """Where this rank runs: Ray node id, host and process id."""
+        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "host": os.uname().nodename}
+
+    def run(
+        self,
+        plan: RankPlan,
+        weights: Any,
+        shard: CalibrationData | None = None,
+        eval_shard: CalibrationData | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Calibrate this rank's shard, then evaluate if the plan asks; yields progress
+        events and finally the result. ``weights`` are what the plan's model source
+        builds the model from (a state dict, or a program's archive bytes).
+
+        ``shard`` and ``eval_shard`` are this rank's data when it travels through the
+        object store; without them the rank opens the datasets' paths itself (a shared
+        filesystem).
+        """
+        self.jobs += 1
+        try:
+            yield from self._run(plan, weights, shard, eval_shard)
+        except BnrecalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
+            raise RunError(
+                f"rank {self.rank} on node {self.node_id[:12]} failed: {type(exc).__name__}: {first_line(exc)}",
+                rank=self.rank,
+                node=self.node_id,
+            ) from exc
+        finally:
+            self._leave_group()
+
+    def _run(
+        self,
+        plan: RankPlan,
+        weights: Any,
+        shard: CalibrationData | None,
+        eval_shard: CalibrationData | None,
+    ) -> Iterator[dict[str, Any]]:
+        device = torch.device(plan.device)
+        model = plan.model.build(weights)
+        model.to(device).eval()
+        layers = layers_named(model, plan.layer_names)
+        if isinstance(plan.dataset, LoaderSpec):
+            ranges = plan.dataset.rank_ranges(self.rank, plan.world_size)
+            steps = plan.dataset.step_ranges()
+            batches: Iterator[Any] = plan.dataset.rank_steps(self.rank, plan.world_size)
+        else:
+            data = shard if shard is not None else plan.dataset.open()
+            loader_workers = plan.loader_workers if shard is None else 0
+            ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
+            steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
+            batches = iter_batches(data, ranges, num_workers=loader_workers)
+        self._groups = [plan.group_name]
+        self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
+        collective = self._collective
+        yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+        events: queue.SimpleQueue[dict[str, Any] | _Finished | BaseException] = queue.SimpleQueue()
+
+        def on_step(step: int, samples: int) -> None:
+            events.put(
+                {
+                    "kind": "progress", "phase": "calibrating", "rank": self.rank, "step": step,
+                    "samples": samples, "calls": collective.calls,
+                }
+            )
+
+        def work() -> None:
+            try:
+                result = calibration_pass(
+                    model,
+                    layers,
+                    batches,
+                    mode=plan.mode,
+                    collective=collective,
+                    call_order=plan.call_order,
+                    device=device,
+                    on_step=on_step,
+                    memory_format=plan.memory_format,
+                    sample_ranges=ranges,
+                    step_ranges=steps,
+                    feed=plan.feed,
+                )
+                evaluation = None
+                if plan.evaluation is not None:
+                    evaluation = self._evaluate(plan, model, result, eval_shard, collective, events.put)
+                events.put(_Finished(result, evaluation))
+            except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
+                events.put(exc)
+
+        # The work runs on a thread so this generator can stream its progress as it goes.
+        worker = threading.Thread(target=work, name=f"calibration-rank-{self.rank}", daemon=True)
+        worker.start()
+        while True:
+            try:
+                event = events.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, _Finished):
+                break
+            yield event
+        worker.join()
+        passed = event.calibration
+        yield {
+            "kind": "result",
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "steps": passed.steps,
+            "samples": passed.samples,
+            "collectives": passed.collectives,
+            "collectives_total": collective.calls,
+            "calls": passed.calls,
+            "seconds": passed.seconds,
+            "memory_format": passed.memory_format,
+            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in passed.stats]
+            if self.rank == 0
+            else None,
+            "evaluation": event.evaluation,
+        }
+
+    def _evaluate(
+        self,
+        plan: RankPlan,
+        model: torch.nn.Module,
+        calibration: PassResult,
+        shard: CalibrationData | None,
+        collective: RayCollective,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> dict[str, Any]:
+        """Evaluate this rank's evaluation shard before and after; every rank gets the job's metrics."""
+        evaluation = plan.evaluation
+        assert evaluation is not None
+        after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
+        data = shard if shard is not None else evaluation.dataset.open()
+        ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, self.rank)
+        labels = [
+            evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges
+        ]
+
+        def on_step(samples: int) -> None:
+            emit(
+                {
+                    "kind": "progress", "phase": "evaluating", "rank": self.rank,
+                    "samples": samples, "calls": collective.calls,
+                }
+            )
+
+        loader_workers = plan.loader_workers if shard is None else 0
+        metrics, seconds = evaluation_pass(
+            model,
+            after,
+            iter_batches(data, ranges, num_workers=loader_workers),
+            labels,
+            evaluation.target,
+            collective=collective,
+            device=torch.device(plan.device),
+            channels_last=calibration.memory_format == "channels_last",
+            on_step=on_step,
+        )
+        return {**metrics, "seconds": seconds}
+
+    def _leave_group(self) -> None:
+        if self._collective is not None:
+            try:
+                self._collective.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                traceback.print_exc()
+            self._collective = None
+
+
+CalibrationActor = ray.remote(CalibrationRank)
