@@ -1,7 +1,9 @@
 """The house rules of the code: imports run one way (api -> service -> workers, and
 bnrecal -> service -> workers: the ``bnrecal`` package is only a public face that
 re-exports from ``service``) and no module imports, directly or through others, a module
-that imports it back.
+that imports it back. Inside ``workers`` and ``service`` the rooms have their own
+directions (``ROOMS``), so the layout shows the architecture: the engine imports no Ray,
+data and models know nothing of the ranks, the run pipeline nothing of the job server.
 
 Every import statement counts, also one inside a function: a lazy import is still a
 dependency. The graph is read from the source with ``ast``; nothing is imported.
@@ -15,6 +17,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "bnrecal", "service", "workers")
 LAYER = {"api": 2, "bnrecal": 2, "service": 1, "workers": 0}
+
+# The rooms of a package and the other rooms of it each may import directly. Modules at a
+# package's top (its shared helpers: errors, files, settings, the client, ...) are not
+# rooms: any room may import them, and they import no room unless listed in TOP_MAY_IMPORT.
+ROOMS = {
+    "workers": {
+        "data": set(),
+        "engine": {"data"},
+        "programs": {"engine"},
+        "models": {"programs"},
+        "ranks": {"data", "engine", "programs", "models"},
+    },
+    "service": {
+        "export": set(),
+        "run": {"export"},
+        "live": {"run", "export"},
+        "jobserver": {"run", "export"},
+        "cli": {"run", "export", "jobserver"},
+    },
+}
+TOP_MAY_IMPORT = {
+    "service.settings": {"run"},  # the placement choices of the run options
+    "service.client": {"jobserver"},  # the blob store's file-name limit
+    "service.demo": set(),
+}
+NO_RAY_ROOMS = ("workers.engine",)
 
 
 def module_name(path: Path) -> str:
@@ -53,6 +81,25 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return targets
 
 
+def room_of(module: str) -> tuple[str, str] | None:
+    """``(package, room)`` of a module inside a package's room, else None."""
+    parts = module.split(".")
+    if parts[0] in ROOMS and len(parts) >= 2 and parts[1] in ROOMS[parts[0]]:
+        return parts[0], parts[1]
+    return None
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of everything ``path`` imports (``ray``, ``torch``, ...)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imported(name, path, known) for name, path in known.items()}
@@ -66,6 +113,50 @@ def test_imports_run_one_way():
         if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]
     ]
     assert upward == [], "imports must run api -> service -> workers:\n" + "\n".join(sorted(upward))
+
+
+def test_rooms_import_only_their_allowed_rooms():
+    wrong = []
+    for source, targets in graph().items():
+        here = room_of(source)
+        for target in targets:
+            there = room_of(target)
+            if there is None or there == here or there[0] != source.split(".")[0]:
+                continue
+            if here is None:
+                allowed = TOP_MAY_IMPORT.get(source, set()) if source.count(".") == 1 else set(ROOMS[there[0]])
+            else:
+                allowed = ROOMS[here[0]][here[1]]
+            if there[1] not in allowed:
+                wrong.append(f"{source} imports {target}")
+    assert wrong == [], "rooms import only the rooms ROOMS allows them:\n" + "\n".join(sorted(wrong))
+
+
+def test_every_room_says_what_it_owns():
+    """Each room's ``__init__`` has a docstring, and every room on disk is in ROOMS."""
+    for package, rooms in ROOMS.items():
+        on_disk = {p.parent.name for p in (ROOT / package).glob("*/__init__.py")}
+        assert on_disk == set(rooms), f"{package}: rooms on disk {sorted(on_disk)} vs ROOMS {sorted(rooms)}"
+        for room in rooms:
+            tree = ast.parse((ROOT / package / room / "__init__.py").read_text())
+            doc = ast.get_docstring(tree) or ""
+            assert len(doc.split()) >= 20, f"{package}/{room}/__init__.py needs a paragraph saying what it owns"
+
+
+def test_engine_imports_no_ray():
+    """The calibration math runs in any process: no Ray in the engine, not even lazily."""
+    with_ray = [
+        name for name, path in modules().items()
+        if name.startswith(NO_RAY_ROOMS) and "ray" in external_imports(path)
+    ]
+    assert with_ray == [], f"these engine modules import Ray: {with_ray}"
+
+
+def test_packages_keep_few_loose_modules():
+    """A newcomer sees rooms, not a heap: at most 8 loose modules at the top of each."""
+    for package in ROOMS:
+        loose = sorted(p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py")
+        assert len(loose) <= 8, f"{package}/ has {len(loose)} loose modules: {loose}"
 
 
 def test_bnrecal_only_reexports_from_service():
@@ -130,3 +221,6 @@ def test_the_graph_sees_real_imports():
     assert "service.jobserver.server" in edges["api.app"]
     assert "workers.errors" in edges["service.cli.main"]
     assert "service.cli.local" in edges["service.cli.main"]
+    assert "workers.engine.calibrator" in edges["workers.engine.calibration"]
+    assert "service.run.recalibrate" in edges["service.jobserver.job_work"]
+    assert room_of("workers.ranks.actor") == ("workers", "ranks") and room_of("workers.errors") is None
