@@ -9,7 +9,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.run.options import Placement
+Placement = Literal["spread", "pack", "strict_spread", "strict_pack"]
+"""How Ray places a job's ranks (a placement group strategy): the operator's default here,
+a job's own choice in the run options."""
 
 
 def _split_csv(value: object) -> object:

@@ -38,7 +38,7 @@ ROOMS = {
     },
 }
 TOP_MAY_IMPORT = {
-    "service.settings": {"run"},  # the placement choices of the run options
+    "service.settings": set(),
     "service.client": {"jobserver"},  # the blob store's file-name limit
     "service.demo": set(),
 }

@@ -16,9 +16,9 @@ from workers.engine.modes import Mode
 from workers.errors import SpecError
 
 from service.export.opsets import DEFAULT_OPSET
+from service.settings import Placement
 
 Device = Literal["cpu", "cuda"]
-Placement = Literal["spread", "pack", "strict_spread", "strict_pack"]
 
 MAX_WORKERS = 1024
 
