@@ -15,7 +15,7 @@ from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 from service.run.options import check_model_choice
 from service.run.progress import progress_bar
 
-from ..client import BnrecalClient, error_from_problem
+from ..client import BnrecalClient, error_from_problem, file_digest, prepared_upload
 from . import options as opt
 from .console import fail, parse_json_object, print_line, summary_lines
 from .jobs import cancel_and_wait
@@ -103,14 +103,21 @@ def submit(
         "outputs": [model_output] + (["onnx"] if onnx is not None else []),
         "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
     }
+    local_files = {name: path for name, path in (("checkpoint", checkpoint), ("program", program)) if path is not None}
+    local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
+                    if isinstance(path, Path)}
     with BnrecalClient(server, api_key) as client:
-        for name, path in (("checkpoint", checkpoint), ("program", program)):
-            if path is not None:
-                spec[name] = client.upload(path)["digest"]
-        spec["data"] = _data_field(client, data_source)
-        if eval_source is not None:
-            spec["eval"] = {"data": _data_field(client, eval_source), "max_samples": eval_max_samples}
+        digests, missing = _hash_and_look_up(client, local_files)
+        for name, source in (("data", data_source), ("eval.data", eval_source)):
+            if isinstance(source, str):  # an s3:// URI: the server reads it
+                digests[name] = {"uri": source}
+        _put_inputs(spec, digests, eval_max_samples)
+        _dry_run(client, spec, missing)
+        for name in missing:
+            digests[name] = _upload(client, local_files[name])
+        _put_inputs(spec, digests, eval_max_samples)
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
+        typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
         print_line(f"job {job['id']} queued on {client.server}")
         with progress_bar("queued") as update:
             try:
@@ -128,12 +135,49 @@ def submit(
         print_line(line)
 
 
-def _data_field(client: BnrecalClient, source: Path | str | None) -> str | dict[str, str]:
-    """A spec's data: an ``s3://`` URI as is (the server reads it), else the uploaded file's digest."""
-    if isinstance(source, str):
-        return {"uri": source}
-    assert source is not None
-    return client.upload(source)["digest"]
+BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
+"""The spec fields that name an uploaded file by its digest."""
+
+
+def _hash_and_look_up(client: BnrecalClient, files: dict[str, Path]) -> tuple[dict[str, Any], list[str]]:
+    """Each local file's digest, and the fields whose file the server does not have yet
+    (``HEAD /v1/blobs/{digest}``): nothing is sent before the spec is checked."""
+    digests: dict[str, Any] = {}
+    missing: list[str] = []
+    for name, path in files.items():
+        with prepared_upload(path) as prepared:
+            digests[name] = file_digest(prepared)
+        if not client.has_blob(digests[name]):
+            missing.append(name)
+    return digests, missing
+
+
+def _put_inputs(spec: dict[str, Any], digests: dict[str, Any], eval_max_samples: int | None) -> None:
+    """Name the inputs in the spec: digests of files, or URIs the server reads."""
+    for name in ("checkpoint", "program", "data"):
+        if name in digests:
+            spec[name] = digests[name]
+    if "eval.data" in digests:
+        spec["eval"] = {"data": digests["eval.data"], "max_samples": eval_max_samples}
+
+
+def _dry_run(client: BnrecalClient, spec: dict[str, Any], missing: list[str]) -> None:
+    """Check the spec on the server before any byte of a file is sent (``dry_run=true``).
+    The only refusal an upload fixes is a blob the server does not have yet; any other is
+    the command's error (exit 2 for bad input, with the server's hint)."""
+    try:
+        client.check(spec)
+    except SpecError as exc:
+        if not (exc.field in BLOB_FIELDS and exc.field in missing):
+            raise
+
+
+def _upload(client: BnrecalClient, path: Path) -> str:
+    """Upload one file the server lacks, with a progress bar in bytes on a terminal; its digest."""
+    label = f"uploading {path.name}"
+    with progress_bar(label) as update:
+        blob = client.upload(path, on_bytes=lambda sent, total: update(sent, total, label))
+    return str(blob["digest"])
 
 
 def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:

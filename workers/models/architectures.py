@@ -15,6 +15,7 @@ loaded afterwards from the user's checkpoint. Nothing is ever ``exec``'d or ``ev
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import keyword
@@ -241,11 +242,34 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
         raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
     if not _is_allowed(source, allowed_modules):
         allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
+        near = _source_hint(source, name, allowed_modules)
+        if near:  # a typo of a known source is far likelier than a module the operator forgot
+            raise ArchitectureError(f"arch {arch!r}: unknown model source {source!r}{near}")
         raise ArchitectureError(
             f"module {source!r} is not allowed (allowed prefixes: {allowed}); the operator "
             f"must list it in the setting {ALLOWED_MODULES_SETTING}"
         )
     return source, name
+
+
+KNOWN_SOURCES = ("torchvision", "timm", "transformers")
+
+
+def _source_hint(source: str, name: str, allowed_modules: Sequence[str]) -> str:
+    """' (did you mean torchvision:resnet18?)' for a near miss of a known source or of an
+    allowed module prefix (``torchvison:``, ``tim:``, ``test.nets:`` for ``tests``), or ''."""
+    allowed = parse_allowed_modules(allowed_modules)
+    head, dot, rest = source.partition(".")
+    candidates = [known for known in KNOWN_SOURCES if not dot] + [prefix.split(".")[0] for prefix in allowed]
+    match = difflib.get_close_matches(head, candidates, n=1, cutoff=0.75)
+    if not match and head.lower() in candidates:
+        match = [head.lower()]
+    if not match or match[0] == head:
+        return ""
+    fixed = match[0] + dot + rest
+    if fixed not in KNOWN_SOURCES and not _is_allowed(fixed, allowed):
+        return ""
+    return f" (did you mean {fixed}:{name}?)"
 
 
 def _bare_name_hint(arch: str) -> str:
