@@ -262,7 +262,7 @@ class JobRunner:
                 final = JobStatus.cancelled
                 self.leases.finish(job.id, final, error=problem_of(exc))
         except BnrecalError as exc:
-            self.leases.finish(job.id, final, error=problem_of(exc))
+            self.leases.finish(job.id, final, error=problem_of(exc, spec))
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
             log.exception("job %s failed unexpectedly", job.id)
             problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
