@@ -19,10 +19,6 @@ def did_you_mean(name: str, candidates: Sequence[str]) -> str:
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
-def _shape(shape: Sequence[int]) -> str:
-    return f"({shape[0]},)" if len(shape) == 1 else f"({', '.join(str(size) for size in shape)})"
-
-
 def first_input_layer(model: object) -> tuple[str, int, int] | None:
     """The layer that first takes the model's input, as ``(kind, channels or features,
     spatial dims)``: ``("conv", 3, 2)`` for a Conv2d of 3 input channels, ``("linear", 64, 0)``
@@ -42,30 +38,29 @@ def first_input_layer(model: object) -> tuple[str, int, int] | None:
 
 
 def sample_shape_hint(model: object, sample_shape: Sequence[int]) -> str:
-    """What is wrong with samples of ``sample_shape`` for this model, and what to do, when it
-    can be told from the layer that takes the input: channels-last data (N, H, W, C), the
-    wrong channel count, a missing channel axis, the wrong feature count; '' otherwise."""
+    """Why samples of ``sample_shape`` do not fit this model, and what to do, when the layer
+    that takes the input tells: channels-last data (N, H, W, C), the wrong channel count, a
+    missing channel axis, the wrong feature count; '' otherwise. Worded to follow "the model
+    rejects samples of shape (16, 16, 3): "."""
     layer = first_input_layer(model)
     if layer is None or not sample_shape:
         return ""
     kind, channels, spatial = layer
     shape = tuple(int(size) for size in sample_shape)
     if kind == "linear":
-        if shape[-1] == channels:
-            return ""
-        return f"samples are {_shape(shape)}; the model's first layer takes {channels} features (..., {channels})"
+        return "" if shape[-1] == channels else f"its first layer takes {channels} features in the last dimension"
     takes = f"({channels}, {', '.join('DHW'[3 - spatial:])})" if spatial <= 3 else f"({channels}, ...)"
     if len(shape) == spatial + 1 and shape[0] == channels:
         return ""
     if len(shape) == spatial + 1 and shape[-1] == channels:
         order = ", ".join(["0", str(spatial + 1), *(str(axis) for axis in range(1, spatial + 1))])
         return (
-            f"samples are {_shape(shape)}; the model takes {takes}: your data looks channels-last; "
-            f"transpose it to channels-first, e.g. x.transpose({order})"
+            f"it takes {takes}; your data looks channels-last: transpose it to channels-first, "
+            f"e.g. x.transpose({order})"
         )
     if len(shape) == spatial and channels == 1:
-        return f"samples are {_shape(shape)}; the model takes {takes}: add the channel axis, e.g. x[:, None]"
+        return f"it takes {takes}: add the channel axis, e.g. x[:, None]"
     if len(shape) == spatial + 1:
         plural = "s" if shape[0] != 1 else ""
-        return f"samples are {_shape(shape)} ({shape[0]} channel{plural}); the model takes {takes}"
-    return f"samples are {_shape(shape)}; the model takes {takes}"
+        return f"it takes {takes}, these have {shape[0]} channel{plural}"
+    return f"it takes {takes}"

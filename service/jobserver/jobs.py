@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
+from workers.data.spec import array_sample_shape
 from workers.errors import InputError, SpecError
 from workers.models.architectures import check_architecture_exists as check_reference
 from workers.models.architectures import check_model_kwargs
@@ -332,8 +333,8 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
         for name, source in named:  # the data the model takes, as cheaply (a forward on meta)
             if name in ("data", "eval.data") and isinstance(source, str):
                 check_data_fits(
-                    spec.arch, spec.model_kwargs, blobs.path(tenant, source), allowed_modules=tuple(settings.model_modules),
-                    field=name, name=blobs.filename(tenant, source) or source,
+                    spec.arch, spec.model_kwargs, array_sample_shape(blobs.path(tenant, source)),
+                    allowed_modules=tuple(settings.model_modules), field=name, name=blobs.filename(tenant, source) or source,
                 )
 
 

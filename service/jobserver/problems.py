@@ -7,7 +7,7 @@ its kind implies (data the model rejects: ``data``; an unreadable checkpoint: ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from workers.errors import (
     ArchitectureError,
@@ -20,9 +20,6 @@ from workers.errors import (
     RunError,
     UnsupportedLayerError,
 )
-
-if TYPE_CHECKING:
-    from .jobs import JobSpec
 
 FAULT_FIELDS: tuple[tuple[type[BnrecalError], str], ...] = (
     (ArchitectureError, "arch"),
@@ -37,21 +34,22 @@ FAULT_FIELDS: tuple[tuple[type[BnrecalError], str], ...] = (
 stands for ``program`` or ``arch``, whichever the job has."""
 
 
-def fault_field(exc: BnrecalError, spec: JobSpec | None = None) -> str | None:
+def fault_field(exc: BnrecalError, spec: Any = None) -> str | None:
     """The job spec field an error puts the blame on: its own ``field``, else the one its
-    kind implies (the data for data the model rejects); None for a run or server failure."""
+    kind implies (the data for data the model rejects); None for a run or server failure.
+    ``spec`` (the job's ``JobSpec``) tells a program's job from an architecture's."""
     field = getattr(exc, "field", None)
     if isinstance(field, str) and field:
         return field
     for kind, name in FAULT_FIELDS:
         if isinstance(exc, kind):
             if name == "model":
-                return "program" if spec is not None and spec.program is not None else "arch"
+                return "program" if getattr(spec, "program", None) is not None else "arch"
             return name
     return None
 
 
-def problem_of(exc: BnrecalError, spec: JobSpec | None = None) -> dict[str, Any]:
+def problem_of(exc: BnrecalError, spec: Any = None) -> dict[str, Any]:
     """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its
     context: the ``field`` at fault, the rank and node of a run failure)."""
     problem: dict[str, Any] = {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.message}

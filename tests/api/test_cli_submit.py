@@ -116,7 +116,7 @@ def test_channels_last_data_is_refused_at_submission_naming_data(live_server, fi
             assert response.status_code == 422, response.text
             problem = response.json()
             assert problem["field"] == "data" and problem["title"] == "Data does not fit the model"
-            assert "samples are (6, 5, 3); the model takes (3, H, W): your data looks channels-last" in problem["detail"]
+            assert "rejects samples of shape (6, 5, 3): it takes (3, H, W); your data looks channels-last" in problem["detail"]
             assert "x.transpose(0, 3, 1, 2)" in problem["detail"]
         assert client.get("/v1/jobs").json()["jobs"] == [] or all(
             job["spec"]["data"] != spec["data"] for job in client.get("/v1/jobs").json()["jobs"]

@@ -308,7 +308,8 @@ def probe_call_order(
     except ModelInputError as exc:  # a BN layer's own check: the data's shape may say more
         hint = sample_shape_hint(model, tuple(sample.shape[1:])) if feed is None else ""
         if hint:
-            raise ModelInputError(f"the model rejects the calibration data: {hint} ({exc.message})") from exc
+            raise ModelInputError(f"the model rejects samples of shape {tuple(sample.shape[1:])}: {hint} "
+                                  f"({exc.message})") from exc
         raise
     except BnrecalError:
         raise
@@ -318,12 +319,8 @@ def probe_call_order(
             raise unsupported_layer(culprit, f"it failed: {first_line(exc)}") from exc
         if feed is not None:
             raise ModelInputError(f"forward(model, batch) failed: {type(exc).__name__}: {first_line(exc)}") from exc
-        hint = sample_shape_hint(model, tuple(sample.shape[1:]))
-        if hint:
-            raise ModelInputError(f"the model rejects the calibration data: {hint}") from exc
-        raise ModelInputError(
-            f"the model rejects samples of shape {tuple(sample.shape[1:])}: {first_line(exc)}"
-        ) from exc
+        hint = sample_shape_hint(model, tuple(sample.shape[1:])) or first_line(exc)
+        raise ModelInputError(f"the model rejects samples of shape {tuple(sample.shape[1:])}: {hint}") from exc
     finally:
         model.train(was_training)
     return list(calibrator.order)

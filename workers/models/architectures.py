@@ -242,11 +242,12 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
         raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
     if not _is_allowed(source, allowed_modules):
         allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
-        near = _source_hint(source, name, allowed_modules)
-        if near:  # a typo of a known source is far likelier than a module the operator forgot
-            raise ArchitectureError(f"arch {arch!r}: unknown model source {source!r}{near}")
+        near = _near_source(source, allowed_modules)
+        if near in KNOWN_SOURCES:  # a typo of torchvision, timm or transformers, not a module to allow
+            raise ArchitectureError(f"arch {arch!r}: unknown model source {source!r} (did you mean {near}:{name}?)")
+        hint = f" (did you mean {near}:{name}?)" if near else ""
         raise ArchitectureError(
-            f"module {source!r} is not allowed (allowed prefixes: {allowed}); the operator "
+            f"module {source!r} is not allowed{hint} (allowed prefixes: {allowed}); the operator "
             f"must list it in the setting {ALLOWED_MODULES_SETTING}"
         )
     return source, name
@@ -255,9 +256,9 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
 KNOWN_SOURCES = ("torchvision", "timm", "transformers")
 
 
-def _source_hint(source: str, name: str, allowed_modules: Sequence[str]) -> str:
-    """' (did you mean torchvision:resnet18?)' for a near miss of a known source or of an
-    allowed module prefix (``torchvison:``, ``tim:``, ``test.nets:`` for ``tests``), or ''."""
+def _near_source(source: str, allowed_modules: Sequence[str]) -> str | None:
+    """The known source (``torchvision`` for ``torvision``) or allowed module path (``tests.nets``
+    for ``test.nets``) that ``source`` is a near miss of, or None."""
     allowed = parse_allowed_modules(allowed_modules)
     head, dot, rest = source.partition(".")
     candidates = [known for known in KNOWN_SOURCES if not dot] + [prefix.split(".")[0] for prefix in allowed]
@@ -265,11 +266,9 @@ def _source_hint(source: str, name: str, allowed_modules: Sequence[str]) -> str:
     if not match and head.lower() in candidates:
         match = [head.lower()]
     if not match or match[0] == head:
-        return ""
+        return None
     fixed = match[0] + dot + rest
-    if fixed not in KNOWN_SOURCES and not _is_allowed(fixed, allowed):
-        return ""
-    return f" (did you mean {fixed}:{name}?)"
+    return fixed if fixed in KNOWN_SOURCES or _is_allowed(fixed, allowed) else None
 
 
 def _bare_name_hint(arch: str) -> str:

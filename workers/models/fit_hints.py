@@ -67,7 +67,7 @@ def checkpoint_hint(
         kwargs = json.dumps({"num_classes": stored})
         return (
             f"only the classifier head differs: the checkpoint has {stored} classes, the model {expected}; "
-            f"set model_kwargs {kwargs} (--model-kwargs '{kwargs}'; num_labels in a transformers config)",
+            f"set model_kwargs {kwargs} (--model-kwargs '{kwargs}')",
             "model_kwargs",
         )
     if shapes:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.errors import ArchitectureError, CheckpointError, DatasetError, ModelInputError, SpecError
+from workers.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
 from workers.models.architectures import build_model, check_architecture
 from workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
 from workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
@@ -107,30 +107,10 @@ def check_checkpoint_fits(
         raise match.error(mismatched, keys.expected)
 
 
-def array_sample_shape(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
-    """The shape of one sample of a ``.npy``/``.npz`` file, from its header alone; None for
-    other data (images take their shape from the transform) or data that cannot be read
-    (the job reports that as it reads it)."""
-    from workers.data.arrays import describe_npy, describe_npz
-    from workers.data.spec import detect_format
-
-    file = Path(path)
-    try:
-        if not file.is_file():
-            return None
-        data_format = detect_format(file)
-        if data_format not in ("npy", "npz"):
-            return None
-        layout = describe_npy(file) if data_format == "npy" else describe_npz(file)
-    except (DatasetError, OSError):
-        return None
-    return tuple(layout.shape[1:])
-
-
 def check_data_fits(
     arch: str,
     model_kwargs: Mapping[str, Any],
-    data: str | os.PathLike[str],
+    sample_shape: Sequence[int] | None,
     *,
     allowed_modules: Sequence[str] = (),
     field: str = "data",
@@ -140,8 +120,7 @@ def check_data_fits(
     that takes the input tells why (channels-last, the wrong channel count): one forward on
     the meta device, so nothing is computed or allocated. A model that cannot run on the
     meta device, a rejection with no clear cause, or data other than arrays is left to the
-    job's own probe."""
-    sample_shape = array_sample_shape(data)
+    job's own probe (``sample_shape`` None: not known before reading, e.g. images)."""
     if sample_shape is None:
         return
     try:
@@ -157,7 +136,7 @@ def check_data_fits(
         hint = sample_shape_hint(model, shape)
         if hint:
             shown = f" {name!r}" if name else ""
-            error = ModelInputError(f"{field}{shown}: the model rejects the data: {hint}")
+            error = ModelInputError(f"{field}{shown}: the model rejects samples of shape {shape}: {hint}")
             error.field = field
             raise error from None
 
