@@ -138,3 +138,22 @@ def test_a_failed_jobs_problem_names_the_field_at_fault(live_server, files, tmp_
         assert response.status_code == 202, response.text
         job = wait_for(client, response.json()["id"], ("failed",))
     assert job["error"]["field"] == "data" and "truncated" in job["error"]["detail"]
+
+
+def test_each_phase_is_one_event(live_server, files):
+    from service.client import parse_events
+
+    with live_server.client("submit") as client:
+        spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, files["checkpoint"]),
+                "data": upload(client, files["data"]), "workers": 1, "batch_size": 4, "outputs": ["checkpoint", "onnx"]}
+        job = client.post("/v1/jobs", json=spec).json()
+        with client.stream("GET", f"/v1/jobs/{job['id']}/events") as response:
+            events = [event.data for event in parse_events(response.iter_lines())]
+    assert events[-1]["status"] == "succeeded"
+    states = [(event["status"], event["progress"]["phase"], event["progress"]["samples_done"],
+               event["progress"]["samples_total"]) for event in events]
+    assert all(a != b for a, b in zip(states, states[1:])), states  # no event repeats the one before
+    phases = [phase for status, phase, _, _ in states if status == "running"]  # the final status event aside
+    assert phases.count("starting workers") <= 1 and phases.count("exporting") <= 1 and phases.count("writing") <= 1
+    entered = [phase for index, phase in enumerate(phases) if index == 0 or phases[index - 1] != phase]
+    assert len(entered) == len(set(entered)), entered  # a phase, once left, never comes back
