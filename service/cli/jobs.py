@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..client import TERMINAL, BnrecalClient
 from . import options as opt
-from .console import print_line
-from .job_text import job_table, status_lines
+from .console import connect, print_line
+from .job_text import TERMINAL, job_table, status_lines
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 
 def list_jobs(
@@ -25,7 +27,7 @@ def list_jobs(
 ) -> None:
     """List this API key's jobs on a server, newest first: a table of id, status, phase or
     result (the failure's title on a failed job), creation time with zone, model and data."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         jobs = client.jobs(status=status, limit=limit)
     if as_json:
         typer.echo(json.dumps(jobs, indent=2))
@@ -44,7 +46,7 @@ def job_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as the API returns it.")] = False,
 ) -> None:
     """Show one job: status, phase and progress, the error it failed with, its outcome and files."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         job = client.job(job_id)
     if as_json:
         typer.echo(json.dumps(job, indent=2))
@@ -55,7 +57,7 @@ def job_status(
 
 def cancel(job_id: opt.JobIdArg, server: opt.ServerOpt, api_key: opt.ApiKeyOpt = None) -> None:
     """Cancel a queued or running job; a job that already ended is left as it is (exit 1)."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         job = client.job(job_id)
         if job["status"] in TERMINAL:
             print_line(f"job {job_id} already {job['status']}; nothing to cancel")

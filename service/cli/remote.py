@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -15,10 +15,12 @@ from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 from service.run.options import check_model_choice
 from service.run.progress import progress_bar
 
-from ..client import BnrecalClient, error_from_problem, file_digest, prepared_upload
 from . import options as opt
-from .console import fail, parse_json_object, print_line, summary_lines
+from .console import connect, fail, parse_json_object, print_line, summary_lines
 from .jobs import cancel_and_wait
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -106,13 +108,13 @@ def submit(
     local_files = {name: path for name, path in (("checkpoint", checkpoint), ("program", program)) if path is not None}
     local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
                     if isinstance(path, Path)}
-    with BnrecalClient(server, api_key) as client:
-        digests, missing = _hash_and_look_up(client, local_files)
+    with connect(server, api_key) as client:
+        digests: dict[str, Any] = {name: _digest(path) for name, path in local_files.items()}
         for name, source in (("data", data_source), ("eval.data", eval_source)):
             if isinstance(source, str):  # an s3:// URI: the server reads it
                 digests[name] = {"uri": source}
         _put_inputs(spec, digests, eval_max_samples)
-        _dry_run(client, spec, missing)
+        missing = [] if _dry_run(client, spec) else [name for name in local_files if not client.has_blob(digests[name])]
         for name in missing:
             digests[name] = _upload(client, local_files[name])
         _put_inputs(spec, digests, eval_max_samples)
@@ -139,17 +141,12 @@ BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
 """The spec fields that name an uploaded file by its digest."""
 
 
-def _hash_and_look_up(client: BnrecalClient, files: dict[str, Path]) -> tuple[dict[str, Any], list[str]]:
-    """Each local file's digest, and the fields whose file the server does not have yet
-    (``HEAD /v1/blobs/{digest}``): nothing is sent before the spec is checked."""
-    digests: dict[str, Any] = {}
-    missing: list[str] = []
-    for name, path in files.items():
-        with prepared_upload(path) as prepared:
-            digests[name] = file_digest(prepared)
-        if not client.has_blob(digests[name]):
-            missing.append(name)
-    return digests, missing
+def _digest(path: Path) -> str:
+    """The digest the server names a file's (or a folder's tar's) blob by, computed here."""
+    from ..client import file_digest, prepared_upload
+
+    with prepared_upload(path) as prepared:
+        return file_digest(prepared)
 
 
 def _put_inputs(spec: dict[str, Any], digests: dict[str, Any], eval_max_samples: int | None) -> None:
@@ -161,15 +158,19 @@ def _put_inputs(spec: dict[str, Any], digests: dict[str, Any], eval_max_samples:
         spec["eval"] = {"data": digests["eval.data"], "max_samples": eval_max_samples}
 
 
-def _dry_run(client: BnrecalClient, spec: dict[str, Any], missing: list[str]) -> None:
-    """Check the spec on the server before any byte of a file is sent (``dry_run=true``).
-    The only refusal an upload fixes is a blob the server does not have yet; any other is
-    the command's error (exit 2 for bad input, with the server's hint)."""
+def _dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
+    """Check the spec on the server before any byte of a file is sent (``dry_run=true``),
+    naming the files by the digests computed here: True when it passed whole (the server has
+    every file). The only refusal an upload fixes is a file the server does not have yet
+    (False: ``HEAD`` then tells which); any other is the command's error (exit 2 for bad
+    input, with the server's hint)."""
     try:
         client.check(spec)
     except SpecError as exc:
-        if not (exc.field in BLOB_FIELDS and exc.field in missing):
+        if exc.field not in BLOB_FIELDS:
             raise
+        return False
+    return True
 
 
 def _upload(client: BnrecalClient, path: Path) -> str:
@@ -199,4 +200,6 @@ def _raise_unless_succeeded(job: dict[str, Any]) -> None:
     if job["status"] == "cancelled":
         raise CancelledError(f"job {job['id']} was cancelled")
     problem = job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"}
+    from ..client import error_from_problem
+
     raise error_from_problem(problem)
