@@ -34,7 +34,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     checkpoint = save_state(folder / "team-model.pt", perturbed(mixed_net()))
     data, _ = write_samples(folder / "calib-16.npy", 16)
     evaluation, _ = write_samples(folder / "eval-8.npy", 8, seed=1)
-    wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 4))  # the model cannot take it: fails running
+    # too small for its 3x3 kernels: no clear cause a submission could tell (so it is accepted), fails running
+    wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 3, 1, 1))
     return {"checkpoint": checkpoint, "data": data, "eval": evaluation, "wrong": wrong}
 
 

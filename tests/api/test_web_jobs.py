@@ -65,7 +65,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     x = (torch.randn(24, 3, 6, 5, generator=generator) * 1.5 + 0.3).numpy()
     labelled = folder / "labelled-24.npz"
     np.savez(labelled, x=x, y=np.arange(24) % 4)
-    wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 4))
+    wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 3, 1, 1))  # too small for its kernels: fails running
     return {"checkpoint": checkpoint, "data": data, "eval": labelled, "wrong": wrong}
 
 
