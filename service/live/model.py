@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,9 @@ def export_program(model: nn.Module, sample: torch.Tensor) -> Any:
 
     view.forward = flat_forward  # type: ignore[method-assign]  # the view's own attribute, never the caller's
     batch = {0: torch.export.Dim.AUTO} if sample.shape[0] > 1 else None
-    return torch.export.export(view, (sample,), dynamic_shapes=(batch,) if batch else None)
+    with warnings.catch_warnings():  # torch's advice on attributes a forward assigns is about the view, not for the caller
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.export.export(view, (sample,), dynamic_shapes=(batch,) if batch else None)
 
 
 def program_bytes(program: Any) -> bytes:

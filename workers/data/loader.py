@@ -94,6 +94,9 @@ class LoaderSpec:
 
     def _sliced_steps(self, rank: int, world_size: int) -> Iterator[Step]:
         for batch, size in zip(self.batches, self.sizes, strict=True):
+            if world_size == 1:  # the whole step: nothing to split (any batch update_bn takes)
+                yield Step(self._input(batch), size)
+                continue
             part = np.array_split(np.arange(size), world_size)[rank]
             if not part.size:
                 yield Step(None, 0)
