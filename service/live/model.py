@@ -47,6 +47,7 @@ class ShippedModel:
     transport: str  # "in-process", "program" or "pickle"
     write_back: Callable[[dict[str, torch.Tensor]], None] | None = None
     notes: list[str] = field(default_factory=list)
+    restore: Callable[[], None] | None = None  # puts the caller's modules back (a run on the model itself)
 
     def describe(self) -> dict[str, Any]:
         """The report's ``model`` section: how the model travelled and why."""
@@ -88,11 +89,20 @@ def run_here(model: Any, device: str) -> ShippedModel:
     if isinstance(model, torch.export.ExportedProgram):
         shipped = _program(program_bytes(model), "ExportedProgram", lambda updates: _write_program_state(model, updates))
         return ShippedModel(shipped.source, None, shipped.driver, IN_PROCESS, shipped.write_back)
-    view = guest_view(_module(model))
+    name = type(_module(model)).__qualname__
+    try:
+        view = guest_view(model)
+    except Exception as exc:  # noqa: BLE001 - a module that does not deep-copy (a lock, a handle) runs itself
+        if not _on(model, device):
+            raise SpecError(
+                f"model {name} does not deep-copy ({type(exc).__name__}: {first_line(exc)[:200]}), so it can only "
+                f"run where it lives: give device={_device_of(model)!r}", field="device",
+            ) from exc
+        note = f"ran on the model itself, which does not deep-copy ({type(exc).__name__}); its modules were put back"
+        return ShippedModel(LiveModuleSource(name), None, model, IN_PROCESS, None, [note], _module_state(model))
     if not _on(view, device):
         view.to(device)
-    return ShippedModel(LiveModuleSource(type(model).__qualname__), None, view, IN_PROCESS,
-                        lambda updates: _write_module(model, updates))
+    return ShippedModel(LiveModuleSource(name), None, view, IN_PROCESS, lambda updates: _write_module(model, updates))
 
 
 def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, prefer: str) -> ShippedModel:
@@ -110,7 +120,7 @@ def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, pref
     if prefer == "pickle":
         problem = _pickle_problem(cpu_model)
         if problem is None:
-            return ShippedModel(LiveModuleSource(name), cpu_model, guest_view(cpu_model), "pickle", write_back, notes)
+            return _pickled(name, cpu_model, write_back, notes)
         notes.append(f"not pickled ({problem})")
     if forward is not None:
         notes.append("forward given: it runs on the live module")
@@ -124,7 +134,7 @@ def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, pref
             return shipped
         except Exception as exc:  # noqa: BLE001 - any export failure means: pickle it
             notes.append(f"not exported ({type(exc).__name__}: {first_line(exc)[:200]})")
-    return ShippedModel(LiveModuleSource(name), cpu_model, guest_view(cpu_model), "pickle", write_back, notes)
+    return _pickled(name, cpu_model, write_back, notes)
 
 
 def on_cpu(model: nn.Module) -> nn.Module:
@@ -173,6 +183,40 @@ def _module(model: Any) -> nn.Module:
 def _on(model: nn.Module, device: str) -> bool:
     wanted = torch.device(device).type
     return all(t.device.type == wanted for t in [*model.parameters(), *model.buffers()])
+
+
+def _pickled(
+    name: str, model: nn.Module, write_back: Callable[[dict[str, torch.Tensor]], None], notes: list[str]
+) -> ShippedModel:
+    """The model sent pickled (Ray reads it); the driver probes a view of it, or the model
+    itself, put back after, when it does not deep-copy (then it rarely pickles either)."""
+    try:
+        return ShippedModel(LiveModuleSource(name), model, guest_view(model), "pickle", write_back, notes)
+    except Exception:  # noqa: BLE001 - pickling it will say what is wrong, naming the model
+        return ShippedModel(LiveModuleSource(name), model, model, "pickle", write_back, notes, _module_state(model))
+
+
+def _device_of(model: nn.Module) -> str:
+    return next((str(t.device) for t in [*model.parameters(), *model.buffers()]), "cpu")
+
+
+def _module_state(model: nn.Module) -> Callable[[], None]:
+    """What puts every module of ``model`` back as it is now: its attributes (a forward may
+    assign some), its parameters', buffers' and submodules' entries, and its training flag."""
+    saved = [
+        (module, dict(module.__dict__), dict(module._parameters), dict(module._buffers), dict(module._modules))
+        for module in model.modules()
+    ]
+
+    def restore() -> None:
+        for module, attributes, parameters, buffers, modules in saved:
+            for entries, own in ((parameters, module._parameters), (buffers, module._buffers), (modules, module._modules)):
+                own.clear()
+                own.update(entries)
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+
+    return restore
 
 
 def _running_buffers(layer: Any) -> list[torch.Tensor]:

@@ -127,26 +127,31 @@ def recalibrate(
     else:
         _check_split(spec)
         shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, ray_address))
-    layers, skipped = find_batchnorm_layers(shipped.driver)
-    if not layers:
-        raise _no_batchnorm(model, skipped)
     try:
-        call_order = probe_call_order(shipped.driver, layers, sample, feed)
-    except ModelInputError as exc:
-        raise _dtype_advice(model, sample, forward) or exc from None
-    old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
-    if isinstance(spec, LoaderSpec):
-        options = options.model_copy(update={"batch_size": max(spec.sizes)})
-    plan = RankPlan(
-        model=shipped.source, dataset=spec, batch_size=options.batch_size, mode=options.mode,
-        world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
-        layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
-        loader_workers=0, memory_format=settings.memory_format, feed=feed,
-    )
-    if here:
-        result, run = _run_here(shipped, plan, spec, progress)
-    else:
-        result, run = _run_on_ray(shipped, plan, spec, settings, ray_address, progress, pool)
+        layers, skipped = find_batchnorm_layers(shipped.driver)
+        if not layers:
+            raise _no_batchnorm(model, skipped)
+        try:
+            call_order = probe_call_order(shipped.driver, layers, sample, feed)
+        except ModelInputError as exc:
+            raise _dtype_advice(model, sample, forward) or exc from None
+        old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+        if isinstance(spec, LoaderSpec):
+            options = options.model_copy(update={"batch_size": max(spec.sizes)})
+        plan = RankPlan(
+            model=shipped.source, dataset=spec, batch_size=options.batch_size, mode=options.mode,
+            world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
+            layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order), loader_workers=0,
+            # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
+            memory_format="contiguous" if shipped.restore is not None else settings.memory_format, feed=feed,
+        )
+        if here:
+            result, run = _run_here(shipped, plan, spec, progress)
+        else:
+            result, run = _run_on_ray(shipped, plan, spec, settings, ray_address, progress, pool)
+    finally:
+        if shipped.restore is not None:
+            shipped.restore()
     stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
