@@ -12,8 +12,7 @@ See docs/python.md. This package is only the public face: the code lives in ``se
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+from service.client import BnrecalClient
 from service.live import RecalibrationReport, export_onnx, recalibrate
 from service.live.errors import (
     ArchitectureError,
@@ -42,16 +41,3 @@ __all__ = [
     "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "ProgramError", "RecalibrationReport", "RunError",
     "ServiceUnavailableError", "SpecError", "UnsupportedLayerError", "export_onnx", "recalibrate",
 ]
-
-if TYPE_CHECKING:
-    from service.client import BnrecalClient
-
-
-def __getattr__(name: str) -> Any:
-    """``bnrecal.BnrecalClient`` imports the HTTP client (httpx) when first used: a training
-    script that only recalibrates in its own process does not pay for it."""
-    if name == "BnrecalClient":
-        from service.client import BnrecalClient
-
-        return BnrecalClient
-    raise AttributeError(f"module 'bnrecal' has no attribute {name!r}")
