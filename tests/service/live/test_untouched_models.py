@@ -133,35 +133,29 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], list[Any]], Callabl
 }
 
 
-def reference(make: Callable[[], nn.Module], batches: list[Any], feed: Callable[..., Any]) -> Any:
-    """The independent reference on the same model made again (a pruned model does not deep-copy)."""
+def recalibrated(case: str, **ranks: Any) -> dict[str, Any]:
+    """Recalibrate the case's model, checked against the independent reference (run on the
+    same model made again: a pruned model does not deep-copy) and its snapshot; the report."""
+    make, data, feed, options, _ = CASES[case]
+    batches = data()
     torch.manual_seed(0)
-    return hooked_reference(make(), batches, feed, copy=False)
+    expected = hooked_reference(make(), batches, feed, copy=False)
+    torch.manual_seed(0)
+    model = make()
+    before = snapshot(model)
+    report = bnrecal.recalibrate(model, batches, progress=False, **ranks, **options)
+    assert report["steps"] == len(batches)
+    assert_statistics(model, expected)
+    assert_untouched(before, model, lambda m: feed(m, batches[0]))
+    return report
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_only_bn_statistics_change_in_process(case):
-    make, data, feed, options, _ = CASES[case]
-    batches = data()
-    expected = reference(make, batches, feed)
-    torch.manual_seed(0)
-    model = make()
-    before = snapshot(model)
-    report = bnrecal.recalibrate(model, batches, progress=False, **options)
-    assert report["backend"] == "in-process" and report["steps"] == len(batches)
-    assert_statistics(model, expected)
-    assert_untouched(before, model, lambda m: feed(m, batches[0]))
+    assert recalibrated(case)["backend"] == "in-process"
 
 
 @pytest.mark.parametrize("case", [name for name, spec in CASES.items() if spec[-1]])
 def test_only_bn_statistics_change_on_ray_ranks(case, warm_pool):
-    make, data, feed, options, _ = CASES[case]
-    batches = data()
-    expected = reference(make, batches, feed)
-    torch.manual_seed(0)
-    model = make()
-    before = snapshot(model)
-    report = bnrecal.recalibrate(model, batches, workers=2, pool=warm_pool, progress=False, **options)
+    report = recalibrated(case, workers=2, pool=warm_pool)
     assert report["backend"] == "gloo" and report["world_size"] == 2
-    assert_statistics(model, expected)
-    assert_untouched(before, model, lambda m: feed(m, batches[0]))
