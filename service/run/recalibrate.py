@@ -176,7 +176,7 @@ def recalibrate(
         group_name="",
         layer_names=tuple(layer.name for layer in layers),
         call_order=tuple(call_order),
-        loader_workers=0 if dataset.kind == "array" or in_process else max(0, int(cpus) - 1),
+        loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
         memory_format=settings.memory_format,
         evaluation=evaluation,
     )
