@@ -350,3 +350,20 @@ def _describe_images(
         total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
         files_digest=files_digest(files),
     )
+
+
+def array_sample_shape(path: str | Path) -> tuple[int, ...] | None:
+    """The shape of one sample of a ``.npy``/``.npz`` file, from its header alone; None for
+    other data (images take their shape from the transform) or data that cannot be read
+    (the job reports that as it reads it)."""
+    file = Path(path)
+    try:
+        if not file.is_file():
+            return None
+        data_format = detect_format(file)
+        if data_format not in ("npy", "npz"):
+            return None
+        layout = describe_npy(file) if data_format == "npy" else describe_npz(file)
+    except (DatasetError, OSError):
+        return None
+    return tuple(layout.shape[1:])
