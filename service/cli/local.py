@@ -60,10 +60,11 @@ def calibrate(
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
-    connected_before = _ray_connected()
+    in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
+    connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         try:
-            result = recalibrate(request, settings, on_progress=update, cancel=cancel)
+            result = recalibrate(request, settings, on_progress=update, cancel=cancel, in_process=in_process)
         except KeyboardInterrupt:
             cancel.set()
             raise
