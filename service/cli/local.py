@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from workers.errors import SpecError
 
 from service.run.options import STARTING_PHASE, check_model_choice
 from service.run.progress import progress_bar
@@ -39,6 +41,8 @@ def calibrate(
     report_html: opt.ReportHtmlOpt = None,
     eval_data: opt.EvalDataOpt = None,
     eval_max_samples: opt.EvalMaxSamplesOpt = None,
+    onnx_int8: opt.OnnxInt8Opt = None,
+    int8: opt.Int8Opt = None,
 ) -> None:
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
@@ -48,6 +52,7 @@ def calibrate(
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
+    int8_options = _int8_options(onnx_int8, int8)
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
@@ -73,6 +78,15 @@ def calibrate(
             update(0, 1, "exporting and verifying ONNX")
             result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
             update(1, 1, "exporting and verifying ONNX")
+        if onnx_int8 is not None:
+            from service.run.int8 import quantize_recalibrated
+
+            fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
+            result.report["int8"] = quantize_recalibrated(
+                result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
+                export_options={"opset": onnx_opset}, cancel=cancel, on_phase=lambda phase: update(0, 1, phase),
+            )
+            update(1, 1, "writing and verifying INT8")
         update(0, 1, "writing")
         result.save_model(out)
         if report is not None:
@@ -86,8 +100,17 @@ def calibrate(
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
-    for line in summary_lines(result.report, out, also_wrote=(onnx, report, report_html)):
+    for line in summary_lines(result.report, out, also_wrote=(onnx, onnx_int8, report, report_html)):
         print_line(line)
+
+
+def _int8_options(onnx_int8: Path | None, int8: str | None) -> Any:
+    """The ``--int8`` options checked before any work (exit 2 naming the field), or None."""
+    from service.export.int8.options import int8_options
+
+    if int8 is not None and onnx_int8 is None:
+        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 PATH too", field="--int8")
+    return int8_options(parse_json_object(int8, "--int8"), "--int8") if onnx_int8 is not None else None
 
 
 def _ray_connected() -> bool:

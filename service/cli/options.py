@@ -62,6 +62,16 @@ MaxRetriesOpt = Annotated[int | None, typer.Option(help=description("max_retries
 OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")]
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
+OnnxInt8Opt = Annotated[
+    Path | None,
+    typer.Option("--onnx-int8", help="Also export the folded model in INT8 (QDQ) here, ranges from the calibration data."),
+]
+Int8Opt = Annotated[
+    str | None,
+    typer.Option(
+        "--int8", help='INT8 options (JSON object), e.g. {"method": "percentile", "max_top1_drop": 1}; see docs/onnx.md.'
+    ),
+]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
 EvalDataOpt = Annotated[
     str | None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,7 @@ class Recalibration:
     updates: dict[str, torch.Tensor]
     dataset: DatasetSpec
     report: dict[str, Any]
+    stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -105,6 +106,17 @@ class Recalibration:
     def save_report(self, path: str | os.PathLike[str]) -> None:
         """Write ``report.json``."""
         write_report(self.report, path)
+
+    def stale_model(self) -> nn.Module:
+        """A copy of the model with its BN statistics as they were before the recalibration
+        (to show what recalibrating bought, e.g. in INT8)."""
+        import copy
+
+        stale = copy.deepcopy(self.model)
+        state = stale.state_dict()
+        for key, value in self.stale_buffers.items():
+            state[key].copy_(value)
+        return stale
 
     def calibration_samples(self, count: int) -> torch.Tensor:
         """The first ``count`` calibration samples, e.g. to verify an export."""
@@ -150,6 +162,7 @@ def recalibrate(
         raise
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+    stale_buffers = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
 
     started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
     cpus, gpus = rank_resources(settings, request)
@@ -253,7 +266,7 @@ def recalibrate(
         report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     if loaded.is_program:
         report["program"] = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
-    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report)
+    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report, stale_buffers)
 
 
 def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
@@ -283,6 +296,10 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
         dataset.name_in(exc)
         raise
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
+
+
+plan_evaluation = _plan_evaluation
+"""The evaluation data described and checked on the driver (also for the INT8 export's accuracy)."""
 
 
 def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:

@@ -257,6 +257,45 @@ class CalibrationRank:
         )
         return {**metrics, "seconds": seconds}
 
+    def collect_ranges(
+        self,
+        model: bytes,
+        request: Any,
+        dataset: Any,
+        batch_size: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+        shard: CalibrationData | None = None,
+    ) -> dict[str, Any]:
+        """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
+        rank's shard of ``dataset``, with the calibration's sharding rule, combined with the
+        peers' in one collective per pass (``workers.ranks.int8_ranges``)."""
+        from workers.ranks.int8_ranges import range_pass
+
+        self.jobs += 1
+        self._groups = [group_name]
+        try:
+            self._collective = RayCollective(world_size, self.rank, backend, group_name)
+            data = shard if shard is not None else dataset.open()
+            ranges = rank_ranges(dataset.num_samples, batch_size, world_size, self.rank)
+            result = range_pass(
+                model, request, lambda: iter_batches(data, ranges), self._collective, self.rank,
+                threads=self.num_threads,
+            )
+            return {"rank": self.rank, "node_id": self.node_id, "result": result}
+        except BnrecalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
+            raise RunError(
+                f"rank {self.rank} on node {self.node_id[:12]} failed gathering INT8 ranges: "
+                f"{type(exc).__name__}: {first_line(exc)}",
+                rank=self.rank,
+                node=self.node_id,
+            ) from exc
+        finally:
+            self._leave_group()
+
     def _leave_group(self) -> None:
         if self._collective is not None:
             try:
