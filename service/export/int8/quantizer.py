@@ -205,12 +205,14 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
 
 
 def quantized_node_names(int8_model: bytes) -> list[str]:
-    """The names of the nodes that run in INT8 (fed by a DequantizeLinear), in graph order."""
+    """The names of the ops that run in INT8 (of a quantizable type, fed by a DequantizeLinear),
+    in graph order."""
     import onnx
 
     graph = onnx.load_from_string(int8_model).graph
     produced_by = {out: node.op_type for node in graph.node for out in node.output}
+    quantizable = set(quantizable_op_types())
     return [
         node.name for node in graph.node
-        if node.op_type not in QDQ and any(produced_by.get(i) == "DequantizeLinear" for i in node.input)
+        if node.op_type in quantizable and any(produced_by.get(i) == "DequantizeLinear" for i in node.input)
     ]
