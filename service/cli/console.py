@@ -55,7 +55,25 @@ def summary_lines(
     evaluation = report.get("evaluation")
     if evaluation:
         lines.append(evaluation_line(evaluation))
+    if report.get("int8"):
+        lines.append(int8_line(report["int8"]))
     return lines
+
+
+def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
+    """One line on the INT8 export: its size against FP32 and, with evaluation data, top-1."""
+    where = f" {path}:" if path is not None else ""
+    line = (
+        f"INT8{where} {section['method']}, {sum(section['ops_quantized'].values())} ops quantized, "
+        f"{len(section['ops_float'])} float, {section['bytes'] / 2**20:.1f} MiB "
+        f"(FP32 {section['fp32_bytes'] / 2**20:.1f} MiB)"
+    )
+    scores = section.get("evaluation")
+    if scores:
+        line += f"; top-1 FP32 {scores['fp32']['top1']:.3f}, INT8 {scores['int8']['top1']:.3f}"
+        if "stale_int8" in scores:
+            line += f", stale INT8 {scores['stale_int8']['top1']:.3f}"
+    return line
 
 
 def evaluation_line(evaluation: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from service.run.options import STARTING_PHASE, check_model_choice
 from service.run.progress import progress_bar
 
 from . import options as opt
-from .console import parse_json_object, parse_shape, print_line, summary_lines
+from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
 
 def calibrate(
@@ -139,19 +139,36 @@ def export_command(
     opset: Annotated[int, typer.Option(help="ONNX opset.")] = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
+    onnx_int8: opt.OnnxInt8Opt = None,
+    int8: opt.Int8Opt = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Batch of the INT8 range pass.", min=1)] = 32,
 ) -> None:
-    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
+    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating
+    (with --onnx-int8 and --data, also quantized to INT8 with ranges from that data)."""
     from service.run.exporting import export_checkpoint
     from service.run.report import write_report
 
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None
+    int8_options = _int8_options(onnx_int8, int8)
+    if onnx_int8 is not None and data is None:
+        raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
+    if onnx_int8 is not None and onnx_dtype.value != "float32":
+        raise SpecError("--onnx-int8 quantizes a float32 export: drop --onnx-dtype float16", field="--onnx-dtype")
     result = export_checkpoint(
         arch, checkpoint, out, Settings(), model_kwargs=parse_json_object(model_kwargs, "--model-kwargs"),
         data=data, transform=parse_json_object(transform, "--transform"), input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
+    if onnx_int8 is not None:
+        from service.run.int8 import quantize_file
+
+        assert data is not None
+        result["int8"] = quantize_file(
+            out, data, onnx_int8, int8_options, Settings(), transform=parse_json_object(transform, "--transform"),
+            batch_size=batch_size,
+        )
     if report is not None:
         write_report(result, report)
     section = result["onnx"]
@@ -159,3 +176,5 @@ def export_command(
         f"exported {out}: {section['folded']} BN folded, {section['batchnorm_nodes']} left, "
         f"max abs diff {section['max_abs_diff']:.2e}",
     )
+    if "int8" in result:
+        print_line(int8_line(result["int8"], onnx_int8))

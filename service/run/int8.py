@@ -190,6 +190,28 @@ def fp32_bytes_for(export: Callable[[Path], Any]) -> bytes:
         return path.read_bytes()
 
 
+def quantize_file(
+    fp32_path: str | Path,
+    data: str | Path,
+    path: str | Path,
+    options: Int8Options,
+    settings: Settings,
+    *,
+    transform: dict[str, Any] | None = None,
+    batch_size: int = 32,
+) -> dict[str, Any]:
+    """Quantize a folded FP32 export as it is (``bnrecal export --onnx-int8``), its ranges
+    gathered in this process over every sample of ``data``; returns the ``int8`` section."""
+    from workers.data import describe_dataset
+
+    dataset = describe_dataset(data, transform=transform, **settings.unpack_options())
+    with dataset.open() as opened:
+        verify = opened.load(0, min(VERIFY_SAMPLES, dataset.num_samples))
+    quantized = quantize_export(Path(fp32_path).read_bytes(), options, in_process(dataset, batch_size), verify)
+    quantized.write(path)
+    return quantized.section
+
+
 def check_cancel(cancel: threading.Event | None) -> None:
     """Stop between phases when the job was cancelled."""
     from workers.errors import CancelledError
