@@ -52,7 +52,7 @@ def calibrate(
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
-    int8_options = _int8_options(onnx_int8, int8)
+    int8_options = opt.int8_options(onnx_int8, int8)
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
@@ -104,14 +104,6 @@ def calibrate(
         print_line(line)
 
 
-def _int8_options(onnx_int8: Path | None, int8: str | None) -> Any:
-    """The ``--int8`` options checked before any work (exit 2 naming the field), or None."""
-    from service.export.int8.options import int8_options
-
-    if int8 is not None and onnx_int8 is None:
-        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 PATH too", field="--int8")
-    return int8_options(parse_json_object(int8, "--int8"), "--int8") if onnx_int8 is not None else None
-
 
 def _ray_connected() -> bool:
     """Whether this process was connected to Ray before the command (then it stays connected)."""
@@ -151,7 +143,7 @@ def export_command(
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None
-    int8_options = _int8_options(onnx_int8, int8)
+    int8_options = opt.int8_options(onnx_int8, int8)
     if onnx_int8 is not None and data is None:
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
     if onnx_int8 is not None and onnx_dtype.value != "float32":

@@ -15,6 +15,7 @@ import typer
 
 from workers.data.objectstore import is_data_uri, parse_data_uri
 from workers.engine.modes import Mode as ModeChoice
+from workers.errors import SpecError
 
 from service.run.options import DEFAULT_OPSET, RunOptions, default, description
 from service.run.options import Device as DeviceChoice
@@ -133,3 +134,13 @@ def run_options(
         placement=placement.value if placement is not None else None,
         max_retries=max_retries,
     )
+
+
+def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:
+    """The ``--int8`` options checked before any work (exit 2 naming the field), or None
+    without ``--onnx-int8``."""
+    from service.export.int8.options import int8_options as checked
+
+    if int8 is not None and onnx_int8 is None:
+        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 PATH too", field="--int8")
+    return checked(parse_json_object(int8, "--int8"), "--int8") if onnx_int8 is not None else None

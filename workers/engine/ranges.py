@@ -21,8 +21,9 @@ as onnxruntime's ``MinMaxCalibrater`` keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,3 +117,26 @@ class HistogramAccumulator:
         buffer = torch.from_numpy(self.counts.copy())
         collective.allreduce(buffer)
         return buffer.numpy().astype(np.int64)
+
+
+def fixed_batch(session: Any) -> int | None:
+    """The batch size a model's input is fixed at (a program exported with a static batch), or None."""
+    size = session.get_inputs()[0].shape[0]
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def in_batches_of(array: np.ndarray, size: int | None) -> Iterable[np.ndarray]:
+    """``array`` as it can be fed: whole, or in parts of a model's fixed batch size (a part
+    that does not fill that batch cannot run: an error says so)."""
+    if len(array) == 0:
+        return
+    if size is None:
+        yield array
+        return
+    if len(array) % size:
+        raise ValueError(
+            f"the model takes a fixed batch of {size} and a rank's slice has {len(array)} samples: "
+            f"choose batch_size and workers so that every slice is a multiple of {size}"
+        )
+    for start in range(0, len(array), size):
+        yield array[start : start + size]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from workers.engine.collective import Collective
-from workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges
+from workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch, in_batches_of
 
 
 @dataclass(frozen=True)
@@ -89,22 +89,22 @@ def range_pass(
     input_name = session.get_inputs()[0].name
     names = list(request.tensors)
     calls_before = collective.calls
+    fixed = fixed_batch(session)
+    counted = [0]
 
     def values() -> Iterable[list[np.ndarray]]:
+        counted[0] = 0
         for batch in batches():
-            if batch.shape[0] == 0:
-                continue
-            yield session.run(names, {input_name: batch.detach().cpu().numpy().astype(np.float32, copy=False)})
+            array = batch.detach().cpu().numpy().astype(np.float32, copy=False)
+            counted[0] += len(array)
+            for part in in_batches_of(array, fixed):
+                yield session.run(names, {input_name: part})
 
     minmax = MinMaxAccumulator(names)
-    samples = 0
-    for batch in batches():
-        if batch.shape[0] == 0:
-            continue
-        samples += int(batch.shape[0])
-        outputs = session.run(names, {input_name: batch.detach().cpu().numpy().astype(np.float32, copy=False)})
+    for outputs in values():
         for index, value in enumerate(outputs):
             minmax.add(index, np.asarray(value))
+    samples = counted[0]
     ranges = minmax.combine(collective, rank)
     histograms = edges = None
     if request.method in ("percentile", "entropy"):

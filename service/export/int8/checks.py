@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.errors import ExportError, first_line
+from workers.engine.ranges import fixed_batch, in_batches_of
 
 
 def session(model: bytes, threads: int | None = None):
@@ -42,6 +43,9 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"onnxruntime cannot load the INT8 model: {first_line(exc)}; no file written") from exc
     name = quantized.get_inputs()[0].name
+    fixed = fixed_batch(quantized)
+    if fixed is not None:  # a model exported at a static batch runs only there
+        batches = [batch[:fixed] for batch in batches if len(batch) >= fixed]
     worst, scale = 0.0, 0.0
     for batch in batches:
         try:
@@ -80,8 +84,10 @@ def accuracy(model: bytes, data: LabelledBatches) -> dict[str, float]:
     runner = session(model)
     name = runner.get_inputs()[0].name
     top1 = top5 = 0
-    for batch, labels in zip(data.batches, data.labels):
-        scores = runner.run(None, {name: batch})[0].reshape(len(batch), -1)
+    fixed = fixed_batch(runner)
+    for whole, labels in zip(data.batches, data.labels):
+        parts = [runner.run(None, {name: part})[0] for part in in_batches_of(whole, fixed)]
+        scores = np.concatenate(parts).reshape(len(whole), -1)
         ranked = np.argsort(-scores, axis=1, kind="stable")[:, :5]
         top1 += int(np.sum(ranked[:, 0] == labels))
         top5 += int(np.sum(np.any(ranked == labels[:, None], axis=1)))
