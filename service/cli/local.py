@@ -67,26 +67,33 @@ def calibrate(
     cancel = threading.Event()
     connected_before = _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
+        # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
+        pool = _command_pool() if onnx_int8 is not None else None
         try:
-            result = recalibrate(request, settings, on_progress=update, cancel=cancel)
-        except KeyboardInterrupt:
-            cancel.set()
-            raise
-        if onnx is not None:
-            from service.run.exporting import export_recalibrated
+            try:
+                result = recalibrate(request, settings, on_progress=update, cancel=cancel, pool=pool)
+            except KeyboardInterrupt:
+                cancel.set()
+                raise
+            if onnx is not None:
+                from service.run.exporting import export_recalibrated
 
-            update(0, 1, "exporting and verifying ONNX")
-            result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
-            update(1, 1, "exporting and verifying ONNX")
-        if onnx_int8 is not None:
-            from service.run.int8 import quantize_recalibrated
+                update(0, 1, "exporting and verifying ONNX")
+                result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+                update(1, 1, "exporting and verifying ONNX")
+            if onnx_int8 is not None:
+                from service.run.int8 import quantize_recalibrated
 
-            fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
-            result.report["int8"] = quantize_recalibrated(
-                result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
-                export_options={"opset": onnx_opset}, cancel=cancel, on_phase=lambda phase: update(0, 1, phase),
-            )
-            update(1, 1, "writing and verifying INT8")
+                fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
+                result.report["int8"] = quantize_recalibrated(
+                    result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
+                    export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
+                    on_phase=lambda phase: update(0, 1, phase),
+                )
+                update(1, 1, "writing and verifying INT8")
+        finally:
+            if pool is not None:
+                pool.close()
         update(0, 1, "writing")
         result.save_model(out)
         if report is not None:
@@ -103,6 +110,13 @@ def calibrate(
     for line in summary_lines(result.report, out, also_wrote=(onnx, onnx_int8, report, report_html)):
         print_line(line)
 
+
+
+def _command_pool() -> Any:
+    """A warm pool for one command: the INT8 range passes run on the calibration's rank actors."""
+    from workers.ranks.pool import WarmPool
+
+    return WarmPool(idle_s=300)
 
 
 def _ray_connected() -> bool:

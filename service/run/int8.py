@@ -227,6 +227,7 @@ def on_ranks(
     device: str,
     settings: Settings,
     *,
+    placement: str | None = None,
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
 ) -> RangeGatherer:
@@ -241,7 +242,7 @@ def on_ranks(
     options = GroupOptions(
         cpus_per_worker=cpus_per_worker(settings, workers),
         gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
-        placement_strategy=settings.placement_strategy.upper(),
+        placement_strategy=(placement or settings.placement_strategy).upper(),
         collective_timeout_s=settings.collective_timeout_s,
         placement_timeout_s=settings.placement_timeout_s,
     )
@@ -285,7 +286,8 @@ def quantize_recalibrated(
         gather = in_process(result.dataset, request.batch_size)
     else:
         gather = on_ranks(
-            result.dataset, request.batch_size, request.workers, request.device, settings, pool=pool, cancel=cancel,
+            result.dataset, request.batch_size, request.workers, request.device, settings,
+            placement=request.placement, pool=pool, cancel=cancel,
         )
     evaluation = stale = None
     if request.eval_data is not None:

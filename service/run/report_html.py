@@ -115,6 +115,29 @@ from 0 and 1 are statistics that were stale.</p>
 {% endfor %}</table>
 {% endif %}
 {% endif %}
+{% if r.int8 %}{% set q = r.int8 %}
+<h2 id="int8">INT8 export</h2>
+<table>
+<tr><th>method</th><td>{{ q.method }}</td></tr>
+<tr><th>weights / activations</th><td>{{ q.weight_type }} {{ q.weights }} / {{ q.activation_type }}</td></tr>
+<tr><th>ranges</th><td>{{ q.samples }} samples on {{ q.world_size }} ranks, collectives {{ q.collectives|join(", ") }}</td></tr>
+<tr><th>ops quantized</th><td>{% for op, n in q.ops_quantized.items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
+<tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
+<tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>
+</table>
+{% if q.evaluation %}{% set e = q.evaluation %}
+<table class="int8-accuracy">
+<tr><th>on {{ e.samples }} evaluation samples</th><th>top-1</th><th>top-5</th></tr>
+{% for key, label in (("stale_fp32", "FP32, stale statistics"), ("fp32", "FP32, recalibrated"), ("stale_int8", "INT8, stale statistics"), ("int8", "INT8, recalibrated")) %}{% if e[key] %}<tr><td>{{ label }}</td><td class="num">{{ fmt(e[key].top1) }}</td><td class="num">{{ fmt(e[key].top5) }}</td></tr>
+{% endif %}{% endfor %}</table>
+{% endif %}
+{% if q.ops_float %}
+<table class="int8-float">
+<tr><th>left in float</th><th>op</th><th>reason</th></tr>
+{% for item in q.ops_float %}<tr><td>{{ item.name }}</td><td>{{ item.op_type }}</td><td>{{ item.reason }}</td></tr>
+{% endfor %}</table>
+{% endif %}
+{% endif %}
 </body>
 </html>
 """
