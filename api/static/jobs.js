@@ -216,6 +216,10 @@ async function describe(state) {
     max_samples: intField("max-samples"),
     outputs: document.getElementById("onnx").checked ? [kind, "onnx"] : [kind],
   };
+  if (document.getElementById("int8").checked) {
+    spec.outputs.push("onnx_int8");
+    spec.int8 = { method: document.getElementById("int8-method").value };
+  }
   if (kind === "checkpoint") {
     spec.arch = document.getElementById("arch").value.trim();
     spec.model_kwargs = modelKwargs();
@@ -322,6 +326,8 @@ async function editFrom(jobId) {
   document.getElementById("max-samples").value = spec.max_samples || "";
   document.getElementById("mode").value = spec.mode;
   document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
+  document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");
+  document.getElementById("int8-method").value = (spec.int8 && spec.int8.method) || "minmax";
   for (const [id, field] of Object.entries(FILE_FIELDS)) {
     const input = job.inputs[field];
     if (!input) continue;
