@@ -68,6 +68,9 @@ def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
         f"{len(section['ops_float'])} float, {section['bytes'] / 2**20:.1f} MiB "
         f"(FP32 {section['fp32_bytes'] / 2**20:.1f} MiB)"
     )
+    latency = section.get("latency_ms")
+    if latency:
+        line += f", {latency['int8']:.2f} ms a sample in onnxruntime (FP32 {latency['fp32']:.2f} ms)"
     scores = section.get("evaluation")
     if scores:
         line += f"; top-1 FP32 {scores['fp32']['top1']:.3f}, INT8 {scores['int8']['top1']:.3f}"

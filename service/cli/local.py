@@ -53,6 +53,8 @@ def calibrate(
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
     int8_options = opt.int8_options(onnx_int8, int8)
+    if int8_options is not None and int8_options.max_top1_drop is not None and eval_data is None:
+        raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})

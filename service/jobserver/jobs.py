@@ -343,6 +343,8 @@ def _check_outputs(spec: JobSpec) -> None:
         raise SpecError(f"outputs: a job on a {have} gives a {have}, not a {wrong}", field="outputs")
     if spec.int8 is not None and "onnx_int8" not in (spec.outputs or []):
         raise SpecError('int8: the INT8 options go with "onnx_int8" in outputs', field="int8")
+    if spec.int8 is not None and spec.int8.max_top1_drop is not None and spec.eval is None:
+        raise SpecError("int8.max_top1_drop: give eval (labelled data) to measure top-1 on", field="int8.max_top1_drop")
 
 
 def check_architecture(arch: str, settings: Settings) -> None:

@@ -73,6 +73,8 @@ def quantize(
     from ..run.int8 import in_process, quantize_export
 
     checked = int8_options(options, "options")
+    if checked.max_top1_drop is not None and eval_data is None:
+        raise SpecError("options.max_top1_drop needs eval_data=(inputs, labels) to measure top-1 on", field="eval_data")
     if not isinstance(data, torch.Tensor) or data.dim() < 2 or data.shape[0] < 1:
         raise SpecError("data must be a tensor of calibration samples, one per row", field="data")
     if not isinstance(batch_size, int) or batch_size < 1:

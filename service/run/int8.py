@@ -28,7 +28,7 @@ from workers.ranks.int8_ranges import RangeRequest, range_pass
 from workers.ranks.range_group import GroupRanges
 from workers.ranks.sharding import rank_ranges
 
-from service.export.int8.checks import LabelledBatches, accuracy, check_int8
+from service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
 from service.export.int8.guard import enforce_top1_drop
 from service.export.int8.options import Int8Options
 from service.export.int8.quantizer import PreparedModel, graph_summary, prepare, resolve_keep_float, tensors_data, write_qdq
@@ -83,6 +83,10 @@ def quantize_export(
     stale model's export quantized alike when given). Raises ``ExportError`` on a failed check
     or a guard that cannot hold."""
     phase = on_phase or (lambda _: None)
+    if options.max_top1_drop is not None and evaluation is None:
+        raise ExportError(
+            "int8.max_top1_drop needs labelled evaluation data (eval data with labels) to measure top-1 on"
+        )
     phase("collecting INT8 ranges")
     prepared = prepare(fp32_model)
     request = RangeRequest(
@@ -146,6 +150,8 @@ def quantize_export(
     section.update(graph_summary(model, prepared, reasons))
     section["bytes"] = len(model)
     section["fp32_bytes"] = len(fp32_model)
+    one = samples[:1]  # batch 1, as a deployed model answers one request
+    section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
     return Quantized(model, section)
 
 

@@ -124,6 +124,7 @@ from 0 and 1 are statistics that were stale.</p>
 <tr><th>ops quantized</th><td>{% for op, n in q.ops_quantized.items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
 <tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
 <tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>
+{% if q.latency_ms %}<tr><th>onnxruntime latency, batch 1</th><td>{{ fmt(q.latency_ms.int8) }} ms (FP32 {{ fmt(q.latency_ms.fp32) }} ms)</td></tr>{% endif %}
 </table>
 {% if q.evaluation %}{% set e = q.evaluation %}
 <table class="int8-accuracy">

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -21,11 +22,13 @@ KEY = "programs"
 
 
 def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_path):  # noqa: F811
-    _, _, program, data = team
+    _, samples, program, data = team
+    np.savez(tmp_path / "labelled.npz", x=samples.numpy(), y=np.arange(len(samples)) % 3)
     with BnrecalClient(live_server.url, KEYS[KEY]) as client:
         spec = {
             "program": client.upload(program)["digest"], "data": client.upload(data)["digest"],
             "workers": 2, "batch_size": 8, "outputs": ["program", "onnx_int8"], "int8": {"method": "entropy"},
+            "eval": {"data": client.upload(tmp_path / "labelled.npz")["digest"]},
         }
         job = client.wait(client.submit(spec)["id"])
         assert job["status"] == "succeeded", job["error"]
@@ -37,6 +40,7 @@ def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_pa
     section = job["report"]["int8"]
     assert section["method"] == "entropy" and section["collectives"] == [2, 2] and section["samples"] == 30
     assert section["ops_quantized"].get("Conv") == 2
+    assert set(section["evaluation"]) >= {"fp32", "int8", "stale_fp32", "stale_int8"}  # the stale program, alike
 
 
 @pytest.mark.parametrize(
@@ -46,6 +50,7 @@ def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_pa
         ({"outputs": ["program", "onnx_int8"], "int8": {"max_top1_drop": 101}}, "int8.max_top1_drop"),
         ({"outputs": ["program", "onnx_int8"], "int8": {"keep": ["Conv"]}}, "int8.keep"),
         ({"outputs": ["program"], "int8": {"method": "entropy"}}, "int8"),
+        ({"outputs": ["program", "onnx_int8"], "int8": {"max_top1_drop": 1}}, "int8.max_top1_drop"),  # no eval
     ],
 )
 def test_bad_int8_options_are_422_naming_the_field(live_server, team, change, field):  # noqa: F811

@@ -93,3 +93,21 @@ def accuracy(model: bytes, data: LabelledBatches) -> dict[str, float]:
         top5 += int(np.sum(np.any(ranked == labels[:, None], axis=1)))
     total = max(1, data.samples)
     return {"top1": top1 / total, "top5": top5 / total, "samples": data.samples}
+
+
+def latency_ms(model: bytes, sample: np.ndarray, *, budget_s: float = 0.5, runs: int = 50) -> float:
+    """onnxruntime's median latency (milliseconds) on one batch ``sample``, as deployed (full
+    graph optimizations), after warm-up runs; at most ``runs`` runs or about ``budget_s``."""
+    import time
+
+    runner = session(model)
+    feed = {runner.get_inputs()[0].name: sample}
+    for _ in range(3):
+        runner.run(None, feed)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
+        started = time.perf_counter()
+        runner.run(None, feed)
+        times.append(time.perf_counter() - started)
+    return 1000.0 * float(np.median(times))

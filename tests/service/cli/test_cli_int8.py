@@ -61,6 +61,7 @@ def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, 
         (["--onnx-int8", "q.onnx", "--int8", '{"method": "kl"}'], "--int8.method"),
         (["--onnx-int8", "q.onnx", "--int8", '{"max_top1_drop": "one"}'], "--int8.max_top1_drop"),
         (["--int8", '{"method": "entropy"}'], "--onnx-int8"),
+        (["--onnx-int8", "q.onnx", "--int8", '{"max_top1_drop": 1}'], "--eval-data"),
     ],
 )
 def test_bad_int8_options_exit_2_naming_the_field(tmp_path, capsys, inputs, args, named):
