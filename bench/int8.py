@@ -41,10 +41,12 @@ def prepare(folder: Path) -> None:
     from service.export import export_folded_onnx
 
     folder.mkdir(parents=True, exist_ok=True)
-    inputs = write_demo_inputs(folder)
+    checkpoint = folder / "resnet18-stale.pt"
+    if not all((folder / name).exists() for name in ("resnet18-stale.pt", "calib.npy", "eval.npz")):
+        checkpoint = write_demo_inputs(folder).checkpoint  # else the demo's inputs, copied in, are used
     model = torchvision.models.resnet18(num_classes=10)
-    model.load_state_dict(torch.load(inputs.checkpoint, weights_only=True)["model"])
-    calib = torch.from_numpy(np.load(inputs.calib))
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    calib = torch.from_numpy(np.load(folder / "calib.npy"))
     torch.optim.swa_utils.update_bn([(calib[i : i + BATCH],) for i in range(0, len(calib), BATCH)], model)
     export_folded_onnx(model.eval(), calib[:8], folder / "fp32.onnx")
     torch.manual_seed(0)

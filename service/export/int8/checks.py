@@ -97,10 +97,11 @@ def accuracy(model: bytes, data: LabelledBatches) -> dict[str, float]:
 
 def latency_ms(model: bytes, sample: np.ndarray, *, budget_s: float = 0.5, runs: int = 50) -> float:
     """onnxruntime's median latency (milliseconds) on one batch ``sample``, as deployed (full
-    graph optimizations), after warm-up runs; at most ``runs`` runs or about ``budget_s``."""
+    graph optimizations, one intra-op thread: a server answering requests side by side), after
+    warm-up runs; at most ``runs`` runs or about ``budget_s``."""
     import time
 
-    runner = session(model)
+    runner = session(model, threads=1)
     feed = {runner.get_inputs()[0].name: sample}
     for _ in range(3):
         runner.run(None, feed)
