@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from workers.errors import SpecError
 
@@ -33,13 +33,13 @@ class Int8Options(BaseModel):
         default_factory=list, max_length=1000,
         description="Nodes (by name) or op types (e.g. Gemm) of the exported graph to leave in float.",
     )
-    percentile: float = Field(default=99.999, gt=0, le=100, description="Percentile kept by method percentile.")
+    percentile: StrictFloat = Field(default=99.999, gt=0, le=100, description="Percentile kept by method percentile.")
     bins: StrictInt | None = Field(
         default=None, ge=128, le=65536,
         description="Histogram bins (percentile, entropy); default onnxruntime's: 2048 percentile, 128 entropy.",
     )
     quantized_bins: StrictInt = Field(default=128, ge=2, le=65536, description="Quantized bins (entropy).")
-    max_top1_drop: float | None = Field(
+    max_top1_drop: StrictFloat | None = Field(
         default=None, ge=0, le=100,
         description="Largest top-1 drop (points) against the FP32 model on the evaluation data; "
         "the most sensitive ops are kept in float until it holds, else the job fails.",

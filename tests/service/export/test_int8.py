@@ -105,7 +105,7 @@ def test_keep_float_by_op_type_leaves_those_ops_float_with_the_reason(resnet, tm
 @pytest.mark.parametrize(
     ("value", "field"),
     [({"method": "kl"}, "int8.method"), ({"per_channel": "yes"}, "int8.per_channel"),
-     ({"max_top1_drop": -1}, "int8.max_top1_drop"), ({"bins": 3}, "int8.bins"), ({"typo": 1}, "int8.typo"),
+     ({"max_top1_drop": -1}, "int8.max_top1_drop"), ({"max_top1_drop": "1"}, "int8.max_top1_drop"), ({"bins": 3}, "int8.bins"), ({"typo": 1}, "int8.typo"),
      ({"activation_type": "int4"}, "int8.activation_type")],
 )
 def test_bad_options_are_refused_naming_the_field(value, field):
