@@ -26,6 +26,7 @@ import torch
 
 from workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from workers.data.base import CalibrationData
+from workers.data.order import sorted_runs
 from workers.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
@@ -265,17 +266,32 @@ def compact_dtype(stored: str | np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype in _COMPACT_DTYPES else np.dtype(np.float32)
 
 
+def gather_runs(ordered: np.ndarray, read: Any, max_gap: int, fetch: Any = None) -> np.ndarray:
+    """Sorted rows ``ordered`` read as runs of consecutive rows (``read(start, stop)`` each,
+    or ``fetch(runs)`` all at once; rows up to ``max_gap`` apart read through the gap), each
+    row taken from its run."""
+    _, runs = sorted_runs(ordered, max_gap)
+    parts = fetch(runs) if fetch is not None else [read(a, b) for a, b in runs]
+    starts = np.array([a for a, _ in runs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([b - a for a, b in runs])[:-1]]).astype(np.int64)
+    run = np.searchsorted(starts, ordered, side="right") - 1
+    stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return stacked[offsets[run] + ordered - starts[run]]
+
+
 class ArrayData(CalibrationData):
     """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
 
     Files open lazily on the first ``load``; pickling drops them, so the object can cross
-    process boundaries and reopen on the other side.
+    process boundaries and reopen on the other side. ``order`` (``workers.data.order``) is
+    the row of each sample position when the samples are not taken in file order.
     """
 
-    def __init__(self, path: str, layout: ArrayLayout, num_samples: int) -> None:
+    def __init__(self, path: str, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None) -> None:
         self.path = path
         self.layout = layout
         self.num_samples = num_samples
+        self.order = order
         self.sample_shape = tuple(layout.shape[1:])
         self._rows: np.ndarray | None = None  # memory map, for npy and npz-stored
         self._zip: zipfile.ZipFile | None = None  # open archive, for npz-compressed
@@ -296,17 +312,39 @@ class ArrayData(CalibrationData):
         return torch.from_numpy(rows if rows.dtype == np.float32 else rows.astype(np.float32))
 
     def load_compact(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` in the smallest type that converts to the same float32
+        """Samples ``[start, stop)`` in the smallest type that converts to the same float32
         values: the stored type when it is narrower than 4 bytes (uint8 images travel as
-        uint8, a quarter of the bytes), float32 otherwise."""
+        uint8, a quarter of the bytes), float32 otherwise. With an ``order`` they are the rows
+        at those positions of it, read in file order and put back in the order's."""
         self._check_range(start, stop)
         dtype = compact_dtype(self.layout.dtype)
         if start == stop:
             return np.empty((0, *self.sample_shape), dtype=dtype)
+        if self.order is not None:
+            return self._gather(self.order[start:stop])
+        return self._read_rows(start, stop)
+
+    def _read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Consecutive rows ``[start, stop)`` of the array, in the compact type."""
+        dtype = compact_dtype(self.layout.dtype)
         self._open()
         if self._rows is not None:
             return np.array(self._rows[start:stop], dtype=dtype, order="C")
         return np.array(self._read_compressed(start, stop), dtype=dtype)
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (any order, no repeats) in the compact type: a memory map reads them
+        in one sorted fancy index, a compressed member in one forward pass over their runs."""
+        self._open()
+        permutation = np.argsort(rows, kind="stable")
+        ordered = rows[permutation]
+        if self._rows is not None:
+            found = np.asarray(self._rows[ordered], dtype=compact_dtype(self.layout.dtype), order="C")
+        else:
+            found = gather_runs(ordered, lambda a, b: self._read_rows(a, b), 0)
+        out = np.empty_like(found)
+        out[permutation] = found
+        return out
 
     def _open(self) -> None:
         if self._rows is not None or self._stream is not None:

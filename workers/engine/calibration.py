@@ -29,6 +29,34 @@ StepCallback = Callable[[int, int], None]
 """Called after each step with (step index, samples this rank processed in it)."""
 
 
+MIN_STEPS = 16
+"""Steps a pass with a :class:`StopRule` runs at least: the standard errors come from the
+spread between steps, and from fewer than about 16 of them that spread is itself too
+uncertain (+-18% at 16) to stop on."""
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """``max_samples: "auto"``: stop after the first step (from ``min_steps`` on) at which every
+    layer's standard errors, mean (std units) and variance (relative), worst channel, are at
+    most ``tolerance``. Only in ``sync`` mode, where every rank sees the same global numbers
+    and so stops at the same step."""
+
+    tolerance: float
+    min_steps: int = MIN_STEPS
+
+
+@dataclass
+class Convergence:
+    """Where a pass with a :class:`StopRule` ended: whether it converged (else the data ran
+    out first), and the worst standard error then, its layer index and statistic."""
+
+    converged: bool
+    error: float | None
+    layer: int | None
+    statistic: str | None
+
+
 @dataclass
 class PassResult:
     """What one rank's pass produced: every layer's combined statistics and counters."""
@@ -40,6 +68,7 @@ class PassResult:
     collectives: int
     seconds: float
     memory_format: str = "contiguous"
+    convergence: Convergence | None = None
 
 
 def calibration_pass(
@@ -56,6 +85,7 @@ def calibration_pass(
     sample_ranges: Sequence[tuple[int, int]] | None = None,
     step_ranges: Sequence[tuple[int, int]] | None = None,
     feed: Feed | None = None,
+    stop: StopRule | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
@@ -71,8 +101,14 @@ def calibration_pass(
     ``DatasetError`` naming the first layer and the samples: ``sample_ranges`` are this
     rank's ``[start, stop)`` per step and ``step_ranges`` the whole global batch's, as
     global sample indices (default: counted from this rank's batches, right for a world of one).
+
+    With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
+    layer's standard errors are within its tolerance; ``convergence`` says where it ended.
     """
+    if stop is not None and mode != "sync":
+        raise ValueError("a stop rule needs sync mode: local ranks see no global statistics during the pass")
     model.eval()
+    convergence = None
     started = time.perf_counter()
     steps = samples = 0
     layout: str | None = None
@@ -97,10 +133,18 @@ def calibration_pass(
                 step = step_ranges[steps] if step_ranges is not None else own
                 shown = batch if isinstance(batch, torch.Tensor) else torch.empty(0)
                 raise non_finite_error(where, steps, shown, own, own if mode == "local" else step)
+            calibrator.end_step()
             steps += 1
             samples += size
             if on_step is not None:
                 on_step(steps - 1, size)
+            if stop is not None and steps >= stop.min_steps:
+                convergence = _converged(calibrator, stop)
+                if convergence.converged:
+                    break
+        if stop is not None and (convergence is None or not convergence.converged):
+            convergence = _converged(calibrator, stop)  # the data ran out first
+            convergence.converged = convergence.converged and steps >= stop.min_steps
         stats = calibrator.moments()
     if layout == "channels_last":
         to_layout(model, "contiguous", dims)
@@ -114,7 +158,17 @@ def calibration_pass(
         collectives=collective.calls,
         seconds=time.perf_counter() - started,
         memory_format=layout or "contiguous",
+        convergence=convergence,
     )
+
+
+def _converged(calibrator: BatchNormCalibrator, stop: StopRule) -> Convergence:
+    """Whether every layer's standard errors are within the rule's tolerance now."""
+    worst = calibrator.worst_error()
+    if worst is None:
+        return Convergence(False, None, None, None)
+    error, layer, statistic = worst
+    return Convergence(error <= stop.tolerance, error, layer, statistic)
 
 
 def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
