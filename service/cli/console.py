@@ -49,6 +49,9 @@ def summary_lines(
         f"({report['world_size']} x {report['backend']}, {report['mode']}) "
         f"in {report['seconds']:.2f} s{job} -> {out}"
     ]
+    precision = statistics_line(report)
+    if precision:
+        lines.append(precision)
     others = [str(path) for path in also_wrote if path is not None]
     if others:
         lines.append(f"also wrote {', '.join(others)}")
@@ -56,6 +59,26 @@ def summary_lines(
     if evaluation:
         lines.append(evaluation_line(evaluation))
     return lines
+
+
+def statistics_line(report: dict[str, Any]) -> str | None:
+    """How precise the statistics are: where ``--max-samples auto`` stopped (or that it ran out
+    of data), else the worst standard error and the order the samples were drawn in."""
+    worst = report.get("standard_error_max")
+    where = f"worst: {worst['layer']}, {worst['statistic']} +-{worst['error']:.1%}" if worst else "no standard errors"
+    convergence = report.get("convergence")
+    if convergence:
+        seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
+        if convergence["converged"]:
+            return f"statistics converged at {seen} ({where})"
+        return (
+            f"statistics did not converge to +-{convergence['tolerance']:.1%} on all {seen} ({where}): give more data"
+        )
+    if not worst:
+        return None
+    order = report.get("order")
+    drawn = f"; order {order}" + (f", seed {report['seed']}" if order == "shuffled" else "") if order else ""
+    return f"statistics +-{worst['error']:.1%} ({where}{drawn})"
 
 
 def evaluation_line(evaluation: dict[str, Any]) -> str:

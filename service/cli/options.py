@@ -18,6 +18,7 @@ from workers.engine.modes import Mode as ModeChoice
 
 from service.run.options import DEFAULT_OPSET, RunOptions, default, description
 from service.run.options import Device as DeviceChoice
+from service.run.options import Order as OrderChoice
 from service.run.options import Placement as PlacementChoice
 
 from .console import parse_json_object
@@ -54,7 +55,11 @@ ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwar
 WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help=description("workers"))]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help=description("batch_size"))]
 ModeOpt = Annotated[Mode, typer.Option(help=description("mode"))]
-MaxSamplesOpt = Annotated[int | None, typer.Option(help=description("max_samples"))]
+MaxSamplesOpt = Annotated[str | None, typer.Option(help=description("max_samples"), metavar="<int|auto>")]
+Order = _choices("Order", OrderChoice)
+OrderOpt = Annotated[Order, typer.Option(help=description("order"))]
+SeedOpt = Annotated[int, typer.Option(help=description("seed"))]
+ToleranceOpt = Annotated[float | None, typer.Option(help=description("tolerance"))]
 DeviceOpt = Annotated[Device, typer.Option(help=description("device"))]
 TransformOpt = Annotated[str | None, typer.Option(help=description("transform") + " (JSON object)")]
 PlacementOpt = Annotated[Placement | None, typer.Option(help=description("placement"))]
@@ -83,6 +88,8 @@ JobIdArg = Annotated[str, typer.Argument(help="The job's id, as submit printed i
 WORKERS = default("workers")
 BATCH_SIZE = default("batch_size")
 MODE = Mode(default("mode"))
+ORDER = Order(default("order"))
+SEED = default("seed")
 DEVICE = Device(default("device"))
 OPSET = DEFAULT_OPSET
 
@@ -104,22 +111,44 @@ def run_options(
     workers: int,
     batch_size: int,
     mode: Enum,
-    max_samples: int | None,
+    max_samples: str | int | None,
     device: Enum,
     transform: str | None,
     placement: Enum | None,
     max_retries: int | None,
+    order: Enum | None = None,
+    seed: int | None = None,
+    tolerance: float | None = None,
 ) -> RunOptions:
     """The run options of a command line, validated (a bad value names its flag's field)."""
+    sampling: dict[str, Any] = {"max_samples": parse_max_samples(max_samples)}
+    if order is not None:
+        sampling["order"] = order.value
+    if seed is not None:
+        sampling["seed"] = seed
+    if tolerance is not None:
+        sampling["tolerance"] = tolerance
     return RunOptions.checked(
         arch=arch,
         model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
         workers=workers,
         batch_size=batch_size,
         mode=mode.value,
-        max_samples=max_samples,
         device=device.value,
         transform=parse_json_object(transform, "--transform"),
         placement=placement.value if placement is not None else None,
         max_retries=max_retries,
+        **sampling,
     )
+
+
+def parse_max_samples(value: str | int | None) -> int | str | None:
+    """``--max-samples``: a count, or ``auto``; anything else is left for the run options to
+    refuse, naming the field."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            return int(text)
+    return value

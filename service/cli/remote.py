@@ -68,6 +68,9 @@ def submit(
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
     mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
+    order: opt.OrderOpt = opt.ORDER,
+    seed: opt.SeedOpt = opt.SEED,
+    tolerance: opt.ToleranceOpt = None,
     device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
@@ -96,6 +99,7 @@ def submit(
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+        order=order, seed=seed, tolerance=tolerance,
     )
     model_output = "program" if program is not None else "checkpoint"
     spec: dict[str, Any] = {

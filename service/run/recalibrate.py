@@ -24,7 +24,7 @@ from torch import nn
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.data.objectstore import is_data_uri
 from workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import apply_statistics
+from workers.engine.calibration import StopRule, apply_statistics
 from workers.engine.calibrator import probe_call_order
 from workers.engine.evaluation import check_eval_output
 from workers.engine.moments import MomentStats
@@ -137,10 +137,12 @@ def recalibrate(
     dataset = describe_dataset(
         request.data,
         transform=request.transform,
-        max_samples=request.max_samples,
+        max_samples=request.sample_limit,
         **settings.unpack_options(),
         name=request.data_name,
         endpoint_url=settings.s3_endpoint_url,
+        order=request.order,
+        seed=request.seed,
     )
     try:
         with dataset.open() as data:
@@ -168,6 +170,7 @@ def recalibrate(
         loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
         memory_format=settings.memory_format,
         evaluation=evaluation,
+        stop=StopRule(request.stop_tolerance) if request.auto_samples else None,
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
@@ -228,14 +231,14 @@ def recalibrate(
                     exc.args = (exc.message,)
                 raise
             failures.append(exc.message)
-    stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     report = build_report(
         request,
         result,
-        [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
         skipped,
         run={
             "backend": backend,

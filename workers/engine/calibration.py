@@ -55,6 +55,7 @@ class Convergence:
     error: float | None
     layer: int | None
     statistic: str | None
+    min_steps: int = MIN_STEPS
 
 
 @dataclass
@@ -166,9 +167,9 @@ def _converged(calibrator: BatchNormCalibrator, stop: StopRule) -> Convergence:
     """Whether every layer's standard errors are within the rule's tolerance now."""
     worst = calibrator.worst_error()
     if worst is None:
-        return Convergence(False, None, None, None)
+        return Convergence(False, None, None, None, stop.min_steps)
     error, layer, statistic = worst
-    return Convergence(error <= stop.tolerance, error, layer, statistic)
+    return Convergence(error <= stop.tolerance, error, layer, statistic, stop.min_steps)
 
 
 def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:

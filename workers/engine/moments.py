@@ -224,11 +224,14 @@ def worst_standard_error(
     totals: list[torch.Tensor], errors: list[torch.Tensor]
 ) -> tuple[float, int, str] | None:
     """The largest standard error over every layer's channels: (value, layer index,
-    ``mean`` or ``variance``); None while a layer has fewer than two steps."""
+    ``mean`` or ``variance``); None while a layer that normalised has fewer than two steps
+    (a layer the forward never reached has no statistics to wait for)."""
     worst: tuple[float, int, str] | None = None
     for index, (total, sums) in enumerate(zip(totals, errors)):
         found = standard_errors(total, sums)
         if found is None:
+            if float(total[0].item()) <= 0:
+                continue
             return None
         for kind, values in zip(("mean", "variance"), found):
             value = float(values.max().item()) if values.numel() else 0.0

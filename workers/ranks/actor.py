@@ -8,7 +8,7 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -19,6 +19,7 @@ from workers.data.loader import LoaderSpec
 from workers.engine.batchnorm import layers_named
 from workers.engine.calibration import PassResult, calibration_pass
 from workers.engine.evaluation import evaluation_pass, with_statistics
+from workers.engine.moments import MomentStats
 from workers.errors import BnrecalError, RunError, first_line
 from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from workers.ranks.collectives import RayCollective
@@ -175,6 +176,7 @@ class CalibrationRank:
                     sample_ranges=ranges,
                     step_ranges=steps,
                     feed=plan.feed,
+                    stop=plan.stop,
                 )
                 evaluation = None
                 if plan.evaluation is not None:
@@ -210,9 +212,8 @@ class CalibrationRank:
             "calls": passed.calls,
             "seconds": passed.seconds,
             "memory_format": passed.memory_format,
-            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in passed.stats]
-            if self.rank == 0
-            else None,
+            "stats": [_stat_entry(s) for s in passed.stats] if self.rank == 0 else None,
+            "convergence": None if passed.convergence is None else asdict(passed.convergence),
             "evaluation": event.evaluation,
         }
 
@@ -264,6 +265,14 @@ class CalibrationRank:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 traceback.print_exc()
             self._collective = None
+
+
+def _stat_entry(stat: MomentStats) -> dict[str, Any]:
+    """One layer's statistics as rank 0 returns them: count, mean, variance and standard errors."""
+    entry: dict[str, Any] = {"count": stat.count, "mean": stat.mean.cpu(), "var": stat.var.cpu()}
+    if stat.se_mean is not None and stat.se_var is not None:
+        entry.update(se_mean=stat.se_mean.cpu(), se_var=stat.se_var.cpu())
+    return entry
 
 
 CalibrationActor = ray.remote(CalibrationRank)

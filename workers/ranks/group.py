@@ -55,6 +55,7 @@ class GroupResult:
     calls: list[int] = field(default_factory=list)
     memory_formats: list[str] = field(default_factory=list)
     evaluation: dict[str, Any] | None = None
+    convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
 
 
 def run_rank_group(
@@ -203,6 +204,7 @@ def _follow(
         calls=first["calls"],
         memory_formats=[results[r]["memory_format"] for r in sorted(results)],
         evaluation=first["evaluation"],
+        convergence=first.get("convergence"),
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec
+from workers.engine.calibration import StopRule
 from workers.engine.evaluation import EvalTarget
 from workers.models.sources import ModelSource
 
@@ -46,3 +47,4 @@ class RankPlan:
     memory_format: str = "auto"
     evaluation: EvalPlan | None = None
     feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches
+    stop: StopRule | None = None  # max_samples "auto": stop once the statistics have converged
