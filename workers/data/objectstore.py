@@ -255,6 +255,11 @@ class RemoteArrayData(ArrayData):
         out[permutation] = found
         return out
 
+    @property
+    def _reads_ahead(self) -> bool:
+        """Every read is a round trip: the rows of the next steps are fetched together."""
+        return True
+
     def _row_bytes(self) -> int:
         return int(np.prod(self.sample_shape, dtype=np.int64)) * np.dtype(self.layout.dtype).itemsize
 

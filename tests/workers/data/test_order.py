@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from workers.data import DatasetOptionError, describe_dataset, read_labels
+from workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
 from workers.data.order import order_rows, sorted_runs
+
+from workers.ranks.sharding import rank_ranges
 
 from tests.s3 import S3Server
 
@@ -123,3 +125,30 @@ def test_remote_rows_in_the_order_are_fetched_as_few_coalesced_ranges(s3_server:
     assert 1 <= len(fetches) < 8
     span = (order[:64].max() - order[:64].min() + 1) * samples[0].nbytes
     assert sum(f.sent for f in fetches) <= span
+
+
+def test_a_compressed_member_in_the_order_is_read_ahead_several_steps_per_pass(tmp_path: Path) -> None:
+    samples = np.random.default_rng(4).standard_normal((300, 4, 4)).astype(np.float32)
+    np.savez_compressed(tmp_path / "c.npz", x=samples)
+    spec = describe_dataset(tmp_path / "c.npz", order="shuffled", seed=9, max_samples=250)
+    ranges = rank_ranges(250, 16, 2, 1)
+    with spec.open() as data:
+        got = np.concatenate([batch.numpy() for batch in iter_batches(data, ranges)])
+    expected = samples[contract_order(300, 9)[:250]]
+    np.testing.assert_array_equal(got, np.concatenate([expected[a:b] for a, b in ranges]))
+
+
+def test_remote_rows_of_a_whole_shard_come_in_one_read_ahead(s3_server: S3Server) -> None:
+    samples = np.random.default_rng(5).standard_normal((256, 3, 8, 8)).astype(np.float32)
+    buffer = io.BytesIO()
+    np.save(buffer, samples)
+    uri = s3_server.put("calib-data", "ordered/ahead.npy", buffer.getvalue())
+    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint, order="shuffled", seed=2)
+    ranges = rank_ranges(256, 32, 2, 0)
+    with spec.open() as data:
+        before = len(s3_server.gets("/calib-data/ordered/ahead.npy"))
+        got = np.concatenate([batch.numpy() for batch in iter_batches(data, ranges)])
+        fetches = s3_server.gets("/calib-data/ordered/ahead.npy")[before:]
+    expected = samples[contract_order(256, 2)]
+    np.testing.assert_array_equal(got, np.concatenate([expected[a:b] for a, b in ranges]))
+    assert sum(f.sent for f in fetches) <= samples.nbytes  # never more than the file, fetched together
