@@ -26,7 +26,7 @@ import torch
 
 from workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from workers.data.base import CalibrationData
-from workers.data.order import sorted_runs
+from workers.data.order import ReadAhead, gather_runs
 from workers.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
@@ -266,25 +266,7 @@ def compact_dtype(stored: str | np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype in _COMPACT_DTYPES else np.dtype(np.float32)
 
 
-def gather_runs(ordered: np.ndarray, read: Any, max_gap: int, fetch: Any = None) -> np.ndarray:
-    """Sorted rows ``ordered`` read as runs of consecutive rows (``read(start, stop)`` each,
-    or ``fetch(runs)`` all at once; rows up to ``max_gap`` apart read through the gap), each
-    row taken from its run."""
-    _, runs = sorted_runs(ordered, max_gap)
-    parts = fetch(runs) if fetch is not None else [read(a, b) for a, b in runs]
-    starts = np.array([a for a, _ in runs], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum([b - a for a, b in runs])[:-1]]).astype(np.int64)
-    run = np.searchsorted(starts, ordered, side="right") - 1
-    stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return stacked[offsets[run] + ordered - starts[run]]
-
-
-READ_AHEAD_BYTES = 64 * 1024 * 1024
-"""Rows read ahead, in one sorted pass, for the next steps of a shuffled order over
-storage where each read is costly (a compressed member, object storage)."""
-
-
-class ArrayData(CalibrationData):
+class ArrayData(ReadAhead, CalibrationData):
     """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
 
     Files open lazily on the first ``load``; pickling drops them, so the object can cross
@@ -301,9 +283,7 @@ class ArrayData(CalibrationData):
         self._rows: np.ndarray | None = None  # memory map, for npy and npz-stored
         self._zip: zipfile.ZipFile | None = None  # open archive, for npz-compressed
         self._stream: IO[bytes] | None = None
-        self._planned: dict[tuple[int, int], int] = {}  # a rank's ranges in read order -> index
-        self._plan: list[tuple[int, int]] = []
-        self._window: dict[int, np.ndarray] = {}  # rows read ahead for the planned ranges, by row
+        self.plan_reads([])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -329,46 +309,18 @@ class ArrayData(CalibrationData):
         if start == stop:
             return np.empty((0, *self.sample_shape), dtype=dtype)
         if self.order is not None:
-            if self._reads_ahead and (start, stop) in self._planned:
-                return self._from_window(start, stop)
-            return self._gather(self.order[start:stop])
+            ahead = self._planned_read(start, stop)
+            return ahead if ahead is not None else self._gather(self.order[start:stop])
         return self._read_rows(start, stop)
+
+    def _compact_row_bytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * compact_dtype(self.layout.dtype).itemsize
 
     @property
     def _reads_ahead(self) -> bool:
         """Whether rows in a shuffled order are worth reading several steps at a time: a
         compressed member is one forward pass per read (a memory map needs no help)."""
         return self.layout.storage == "npz-compressed"
-
-    def plan_reads(self, ranges: list[tuple[int, int]]) -> None:
-        """The ranges this reader will load, in order (a rank's steps): with a shuffled order
-        over storage where each read is costly, the rows of the next steps, up to
-        ``READ_AHEAD_BYTES``, are then read together in file order."""
-        self._plan = [(a, b) for a, b in ranges if b > a]
-        self._planned = {r: i for i, r in enumerate(self._plan)}
-        self._window = {}
-
-    def _from_window(self, start: int, stop: int) -> np.ndarray:
-        assert self.order is not None
-        rows = self.order[start:stop].tolist()
-        if any(row not in self._window for row in rows):
-            self._read_ahead(self._planned[(start, stop)])
-        return np.stack([self._window.pop(row) for row in rows])
-
-    def _read_ahead(self, first: int) -> None:
-        """Read the rows of planned ranges ``first, first+1, ...`` (at least one, at most
-        ``READ_AHEAD_BYTES`` of them) in one sorted pass, into the window."""
-        assert self.order is not None
-        row_bytes = max(1, int(np.prod(self.sample_shape, dtype=np.int64)) * compact_dtype(self.layout.dtype).itemsize)
-        wanted: list[np.ndarray] = []
-        size = 0
-        for a, b in self._plan[first:]:
-            if wanted and size + (b - a) * row_bytes > READ_AHEAD_BYTES:
-                break
-            wanted.append(self.order[a:b])
-            size += (b - a) * row_bytes
-        rows = np.concatenate(wanted)
-        self._window = dict(zip(rows.tolist(), self._gather(rows)))
 
     def _read_rows(self, start: int, stop: int) -> np.ndarray:
         """Consecutive rows ``[start, stop)`` of the array, in the compact type."""

@@ -15,6 +15,7 @@ order (see ``ArrayData``), and the rows are put back in the step's order afterwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import numpy as np
@@ -55,3 +56,78 @@ def sorted_runs(rows: np.ndarray, max_gap: int = 0) -> tuple[np.ndarray, list[tu
         else:
             runs.append((row, row + 1))
     return permutation, runs
+
+
+def gather_runs(
+    ordered: np.ndarray,
+    read: Callable[[int, int], np.ndarray] | None,
+    max_gap: int,
+    fetch: Callable[[list[tuple[int, int]]], list[np.ndarray]] | None = None,
+) -> np.ndarray:
+    """Sorted rows ``ordered`` read as runs of consecutive rows (``read(start, stop)`` each,
+    or ``fetch(runs)`` all at once; rows with at most ``max_gap`` rows between them read
+    through the gap), each row taken from its run."""
+    _, runs = sorted_runs(ordered, max_gap)
+    if fetch is not None:
+        parts = fetch(runs)
+    else:
+        assert read is not None
+        parts = [read(a, b) for a, b in runs]
+    starts = np.array([a for a, _ in runs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([b - a for a, b in runs])[:-1]]).astype(np.int64)
+    run = np.searchsorted(starts, ordered, side="right") - 1
+    stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return stacked[offsets[run] + ordered - starts[run]]
+
+
+READ_AHEAD_BYTES = 64 * 1024 * 1024
+"""Rows read ahead, in one sorted pass, for the next steps of a shuffled order over
+storage where each read is costly (a compressed member, object storage)."""
+
+
+class ReadAhead:
+    """Reading a shuffled order several steps at a time, for an array reader whose single
+    reads are costly. The reader provides ``order`` (the row of each position), ``_gather(rows)``
+    (rows in any order, read sorted), ``_compact_row_bytes()`` and ``_reads_ahead``."""
+
+    order: np.ndarray | None
+    _reads_ahead: bool
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _compact_row_bytes(self) -> int:
+        raise NotImplementedError
+
+    def plan_reads(self, ranges: list[tuple[int, int]]) -> None:
+        """The ranges this reader will load, in order (a rank's steps): with a shuffled order
+        over storage where each read is costly, the rows of the next steps, up to
+        ``READ_AHEAD_BYTES``, are then read together in file order."""
+        self._plan = [(a, b) for a, b in ranges if b > a]
+        self._planned = {r: i for i, r in enumerate(self._plan)}
+        self._window: dict[int, np.ndarray] = {}
+
+    def _planned_read(self, start: int, stop: int) -> np.ndarray | None:
+        """Positions ``[start, stop)`` from the rows read ahead (reading the next window when
+        they are not there yet); None where this range was not planned or needs no window."""
+        if self.order is None or not self._reads_ahead or (start, stop) not in self._planned:
+            return None
+        rows = self.order[start:stop].tolist()
+        if any(row not in self._window for row in rows):
+            self._read_ahead(self._planned[(start, stop)])
+        return np.stack([self._window.pop(row) for row in rows])
+
+    def _read_ahead(self, first: int) -> None:
+        """Read the rows of planned ranges ``first, first+1, ...`` (at least one, at most
+        ``READ_AHEAD_BYTES`` of them) in one sorted pass, into the window."""
+        assert self.order is not None
+        row_bytes = max(1, self._compact_row_bytes())
+        wanted: list[np.ndarray] = []
+        size = 0
+        for a, b in self._plan[first:]:
+            if wanted and size + (b - a) * row_bytes > READ_AHEAD_BYTES:
+                break
+            wanted.append(self.order[a:b])
+            size += (b - a) * row_bytes
+        rows = np.concatenate(wanted)
+        self._window = dict(zip(rows.tolist(), self._gather(rows)))

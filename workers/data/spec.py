@@ -23,7 +23,6 @@ from workers.data.archive import (
 from workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from workers.data.base import CalibrationData, DatasetOptionError
 from workers.data.images import ImageData, files_digest, list_images
-from workers.data.order import ORDERS, order_rows
 from workers.data.objectstore import (
     RemoteArrayData,
     RemoteImageData,
@@ -35,6 +34,7 @@ from workers.data.objectstore import (
     parse_data_uri,
     stat_object,
 )
+from workers.data.order import ORDERS, order_rows
 from workers.data.transform import ImageTransform, check_image_header, resolve_transform
 from workers.errors import DatasetError
 
