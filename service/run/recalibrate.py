@@ -189,7 +189,7 @@ def recalibrate(
         # A rank may start evaluating while a peer's last calibration steps are still on
         # their way: the phases are reported in order, calibration to its end first.
         seen[phase] = done
-        calibrated = seen["calibrating"] >= totals["calibrating"]
+        calibrated = seen["calibrating"] >= totals["calibrating"] or (request.auto_samples and phase == "evaluating")
         if on_progress is None or (phase == "evaluating" and not calibrated):
             return
         on_progress(done, totals[phase], phase)
