@@ -79,7 +79,7 @@ function showSpec(spec) {
   entries.push(["workers", `${spec.workers}${spec.device ? ` on ${spec.device}` : ""}`]);
   entries.push(["batch size", `${spec.batch_size}`]);
   entries.push(["samples", spec.max_samples === "auto"
-    ? `until the statistics converge (\u00b1${((spec.tolerance || 0.01) * 100).toFixed(1)}%)`
+    ? `until the statistics converge (\u00b1${((spec.tolerance || 0.05) * 100).toFixed(1)}%)`
     : spec.max_samples ? `the first ${spec.max_samples}` : "all"]);
   entries.push(["order", spec.order === "given" ? "given (file order)" : `shuffled (seed ${spec.seed || 0})`]);
   if (spec.eval) entries.push(["evaluation", spec.eval.max_samples ? `the first ${spec.eval.max_samples} samples` : "all samples"]);

@@ -80,7 +80,7 @@ def recalibrate(
     mode: ``sync`` (statistics of the whole global batch, SyncBN semantics; the result
         does not depend on K) or ``local`` (each rank's own slice).
     max_samples: use only the first M samples, or ``"auto"``: stop once every layer's
-        standard errors are below ``tolerance`` (default 0.01; sync mode only).
+        standard errors are below ``tolerance`` (default 0.05; sync mode only).
     order, seed: the order a path's samples are read in (``shuffled`` with ``seed``, or
         ``given``); data in memory keeps its own order, as with ``update_bn``.
     device: where the ranks compute (``cpu`` or ``cuda``).

@@ -25,11 +25,12 @@ Order = Literal["shuffled", "given"]
 options loads no torch; tests/service/run/test_order_options.py checks they agree)."""
 
 AUTO = "auto"
-DEFAULT_TOLERANCE = 0.01
-"""``max_samples: "auto"`` stops once every layer's standard errors are below this: 1% on
-the variance (relative) and on the mean (in std units). Measured in docs/calibration.md:
-on the digits value case and resnet18 on CIFAR-shaped data, accuracy stops moving (within
-its own noise) well before the statistics reach it."""
+DEFAULT_TOLERANCE = 0.05
+"""``max_samples: "auto"`` stops once every layer's standard errors, worst channel, are below
+this: 5% on the variance (relative) and on the mean (in std units). Measured
+(docs/calibration.md#how-many-samples, bench/sample_count.py): on the digits value case
+held-out accuracy is already within its noise of all the data's at 0.1 (about 600
+samples); 0.05 keeps a factor of two in hand."""
 
 MAX_WORKERS = 1024
 
@@ -79,7 +80,7 @@ class RunOptions(BaseModel):
         gt=0,
         lt=1,
         description=f'With max_samples "auto": the standard error to reach (default {DEFAULT_TOLERANCE:g}, '
-        "i.e. 1% on the variance).",
+        "i.e. 5% on the variance, worst channel).",
     )
     device: Device = Field(default="cpu", description="Where the ranks compute.")
     transform: dict[str, Any] | None = Field(
