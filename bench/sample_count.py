@@ -36,7 +36,7 @@ from workers.ranks.sharding import step_ranges
 BATCH = 32
 COUNTS = (64, 128, 300, 600, 1437)
 SEEDS = range(5)
-TOLERANCES = (0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
+TOLERANCES = (0.2, 0.1, 0.05)  # below 0.05 the 1437 scans run out first
 
 
 def prepare(work: Path) -> tuple[torch.nn.Module, Path, torch.Tensor, torch.Tensor]:
