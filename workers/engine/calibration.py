@@ -87,6 +87,7 @@ def calibration_pass(
     step_ranges: Sequence[tuple[int, int]] | None = None,
     feed: Feed | None = None,
     stop: StopRule | None = None,
+    row_of: Callable[[int], int] | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
@@ -103,7 +104,8 @@ def calibration_pass(
     rank's ``[start, stop)`` per step and ``step_ranges`` the whole global batch's, as
     global sample indices (default: counted from this rank's batches, right for a world of one).
 
-    With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
+    ``row_of`` maps a sample position to its row in the user's file (a shuffled order), so an
+    error names the row the user can find. With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
     layer's standard errors are within its tolerance; ``convergence`` says where it ended.
     """
     if stop is not None and mode != "sync":
@@ -133,7 +135,7 @@ def calibration_pass(
                 own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + size)
                 step = step_ranges[steps] if step_ranges is not None else own
                 shown = batch if isinstance(batch, torch.Tensor) else torch.empty(0)
-                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step)
+                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step, row_of)
             calibrator.end_step()
             steps += 1
             samples += size
@@ -180,22 +182,30 @@ def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
 
 
 def non_finite_error(
-    where: str, step: int, batch: torch.Tensor, own: tuple[int, int], seen: tuple[int, int]
+    where: str,
+    step: int,
+    batch: torch.Tensor,
+    own: tuple[int, int],
+    seen: tuple[int, int],
+    row_of: Callable[[int], int] | None = None,
 ) -> DatasetError:
     """The error of a step whose statistics went non-finite at ``where``: the first sample of
     this rank's ``batch`` (global indices from ``own``) with a NaN or inf when there is one,
     else the samples ``seen`` (the global batch in sync mode, where another rank's slice may
-    hold it; a finite batch can also overflow, or meet non-finite weights)."""
+    hold it; a finite batch can also overflow, or meet non-finite weights). With ``row_of`` (a
+    shuffled order) the sample is named by its row in the file and the ranges as positions of the order."""
+    kind = "samples" if row_of is None else "positions of the shuffled order"
     if batch.numel():
         bad = (~torch.isfinite(batch.reshape(batch.shape[0], -1))).any(dim=1).nonzero()
         if bad.numel():
             sample = own[0] + int(bad[0])
+            row = sample if row_of is None else row_of(sample)
             return DatasetError(
-                f"calibration sample {sample} has non-finite values (NaN or inf), first seen by {where} "
-                f"in step {step} (samples {own[0]}-{own[1] - 1}): fix or leave out that sample"
+                f"calibration sample {row} has non-finite values (NaN or inf), first seen by {where} "
+                f"in step {step} ({kind} {own[0]}-{own[1] - 1}): fix or leave out that sample"
             )
     return DatasetError(
-        f"non-finite values (NaN or inf) first reached {where} in step {step} (samples {seen[0]}-{seen[1] - 1}): "
+        f"non-finite values (NaN or inf) first reached {where} in step {step} ({kind} {seen[0]}-{seen[1] - 1}): "
         "check those samples of the calibration data (values too large for float32?) and the checkpoint's weights"
     )
 

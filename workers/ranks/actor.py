@@ -177,6 +177,7 @@ class CalibrationRank:
                     step_ranges=steps,
                     feed=plan.feed,
                     stop=plan.stop,
+                    row_of=_row_of(plan),
                 )
                 evaluation = None
                 if plan.evaluation is not None:
@@ -265,6 +266,14 @@ class CalibrationRank:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 traceback.print_exc()
             self._collective = None
+
+
+def _row_of(plan: RankPlan) -> Callable[[int], int] | None:
+    """Position -> file row, where the data is read in a shuffled order (errors name the row)."""
+    if isinstance(plan.dataset, LoaderSpec) or plan.dataset.order == "given":
+        return None
+    rows = plan.dataset.sample_rows()
+    return lambda position: int(rows[position])
 
 
 def _stat_entry(stat: MomentStats) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def marked_data(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_rank_that_dies_fails_the_job_naming_it(settings, tmp_path):
     checkpoint, data = marked_data(tmp_path)
-    request = RecalibrationRequest(arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4)
+    request = RecalibrationRequest(arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4, order="given")
     with pytest.raises(RunError, match=r"rank 1 .*died") as info:
         recalibrate(request, settings)
     assert info.value.rank == 1
@@ -103,7 +103,7 @@ def test_a_rank_that_dies_fails_the_job_naming_it(settings, tmp_path):
 def test_a_stuck_rank_times_out_naming_it(settings, tmp_path):
     checkpoint, data = marked_data(tmp_path)
     request = RecalibrationRequest(
-        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4,
+        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4, order="given",
         model_kwargs={"action": "hang"},
     )
     quick = settings.model_copy(update={"collective_timeout_s": 4.0})

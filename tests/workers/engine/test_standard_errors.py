@@ -175,3 +175,19 @@ def test_a_stop_rule_needs_sync_mode(model: TwoLinearBranches, population: torch
     with pytest.raises(ValueError, match="sync mode"):
         calibration_pass(model, layers, [population[:8]], mode="local", collective=SingleProcessCollective(),
                          stop=StopRule(0.01))
+
+
+def test_a_non_finite_sample_in_a_shuffled_order_is_named_by_its_row_in_the_file(model: TwoLinearBranches) -> None:
+    rows = np.random.default_rng(0).permutation(40)
+    data = torch.randn(40, 6, 8, 8)
+    data[int(rows[13])] = float("nan")  # the file's row that lands at position 13 of the order
+    layers, _ = find_batchnorm_layers(model)
+    shuffled = data[torch.from_numpy(rows)]
+    batches = [shuffled[start : start + 8] for start in range(0, 40, 8)]
+    with pytest.raises(Exception) as info:
+        calibration_pass(model, layers, batches, mode="sync", collective=SingleProcessCollective(),
+                         row_of=lambda position: int(rows[position]))
+    assert str(info.value) == (
+        f"calibration sample {int(rows[13])} has non-finite values (NaN or inf), first seen by BN layer 'bn' "
+        "(BatchNorm2d) in step 1 (positions of the shuffled order 8-15): fix or leave out that sample"
+    )
