@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, PydanticKnownError
 
 from workers.engine.modes import Mode
 from workers.errors import SpecError
@@ -105,8 +106,14 @@ class RunOptions(BaseModel):
                     "until the end, so they cannot stop together; give a number of samples"
                 )
             return value
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**53):
-            raise ValueError(f'must be an integer >= 1 or "auto", not {value!r}')
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):  # worded like pydantic's own type errors
+            raise PydanticCustomError("int_type", 'Input should be a valid integer or "auto"')
+        if value < 1:
+            raise PydanticKnownError("greater_than_equal", {"ge": 1})
+        if value > 2**53:
+            raise PydanticKnownError("less_than_equal", {"le": 2**53})
         return value
 
     @field_validator("tolerance")
