@@ -38,7 +38,7 @@ def sampling_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ],
 )
 def test_a_bad_sampling_spec_is_a_422_naming_the_field(live_server, sampling_files, change, field):
-    with live_server.client("web") as client:
+    with live_server.client("errors") as client:  # not the page's key: its list shows the form's job only
         spec = {
             "arch": "tests.nets:mixed_net", "checkpoint": upload(client, sampling_files["checkpoint"]),
             "data": upload(client, sampling_files["data"]), **change,
@@ -49,7 +49,7 @@ def test_a_bad_sampling_spec_is_a_422_naming_the_field(live_server, sampling_fil
 
 
 def test_auto_through_the_api_reports_convergence(live_server, sampling_files):
-    with live_server.client("web") as client:
+    with live_server.client("errors") as client:  # not the page's key: its list shows the form's job only
         spec = {
             "arch": "tests.nets:mixed_net", "checkpoint": upload(client, sampling_files["checkpoint"]),
             "data": upload(client, sampling_files["data"]), "batch_size": 8, "workers": 2,
