@@ -18,10 +18,11 @@ export function durationSeconds(job, now = Date.now()) {
   return Math.max(0, (end - Date.parse(job.started_at)) / 1000);
 }
 
-/** A date and time in the reader's locale, short. */
+/** A date and time in the reader's locale, with its time zone ("11/25/26, 3:34:26 AM UTC"):
+ * the CLI prints the same moment as ISO 8601 with the zone, so the two can be told apart. */
 export function formatTime(iso) {
   if (!iso) return "";
-  return new Date(iso).toLocaleString(undefined, { dateStyle: "short", timeStyle: "medium" });
+  return new Date(iso).toLocaleString(undefined, { dateStyle: "short", timeStyle: "long" });
 }
 
 /** The short id the pages and download names use. */

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from workers.errors import SpecError
 
 from service.run.progress import stderr
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 
 def parse_json_object(value: str | None, option: str) -> dict[str, Any] | None:
@@ -106,3 +109,11 @@ def fail(message: str, code: int) -> NoReturn:
 def print_line(text: str) -> None:
     """One plain line on stderr (no markup, no highlighting)."""
     stderr.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def connect(server: str, api_key: str | None) -> BnrecalClient:
+    """The HTTP client of a server command, imported only by the commands that talk HTTP
+    (httpx is a fifth of what ``bnrecal --help`` would otherwise load)."""
+    from ..client import BnrecalClient
+
+    return BnrecalClient(server, api_key)

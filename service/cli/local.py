@@ -46,8 +46,6 @@ def calibrate(
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
     it changed)."""
-    from service.run.recalibrate import RecalibrationRequest, recalibrate
-
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
@@ -59,15 +57,18 @@ def calibrate(
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
         order=order, seed=seed, tolerance=tolerance,
     )
+    from service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
+
     request = RecalibrationRequest(
         **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
-    connected_before = _ray_connected()
+    in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
+    connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         try:
-            result = recalibrate(request, settings, on_progress=update, cancel=cancel)
+            result = recalibrate(request, settings, on_progress=update, cancel=cancel, in_process=in_process)
         except KeyboardInterrupt:
             cancel.set()
             raise
@@ -122,15 +123,15 @@ def export_command(
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
 ) -> None:
     """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
-    from service.run.exporting import export_checkpoint
-    from service.run.report import write_report
-
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None
+    kwargs, transform_values = parse_json_object(model_kwargs, "--model-kwargs"), parse_json_object(transform, "--transform")
+    from service.run.exporting import export_checkpoint  # the flags are fine: now load torch
+    from service.run.report import write_report
+
     result = export_checkpoint(
-        arch, checkpoint, out, Settings(), model_kwargs=parse_json_object(model_kwargs, "--model-kwargs"),
-        data=data, transform=parse_json_object(transform, "--transform"), input_shape=shape,
+        arch, checkpoint, out, Settings(), model_kwargs=kwargs, data=data, transform=transform_values, input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
     if report is not None:

@@ -3,6 +3,13 @@
 The run options' choices, defaults and help come from ``service.run.options.RunOptions``, the
 one declaration the HTTP job spec and the engine share; only what is particular to the
 command line (flag spellings, paths, output files) is declared here.
+
+The rule that keeps ``bnrecal --help``, the job commands and every argument error under a
+second: this module, and every module a command is declared in, imports no torch, Ray,
+numpy or run pipeline at its top (``tests/service/cli/test_fast_commands.py`` checks it in a
+fresh process). A flag's type, choices, default and help come from light declarations
+(``service.run.options``, ``workers.engine.modes``, ``service.export.opsets``); what a
+flag's value needs to be checked or used is imported inside the function that uses it.
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from workers.data.objectstore import is_data_uri, parse_data_uri
 from workers.engine.modes import Mode as ModeChoice
 
 from service.run.options import DEFAULT_OPSET, RunOptions, default, description
@@ -99,8 +105,11 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
     with this machine's AWS credentials; no allowlist: the CLI is the operator's own tool)."""
     if value is None:
         return None
-    if is_data_uri(value):
-        return parse_data_uri(value, flag)
+    if "://" in value:  # only a URI needs the object-storage reader (and torch, which it imports)
+        from workers.data.objectstore import is_data_uri, parse_data_uri
+
+        if is_data_uri(value):
+            return parse_data_uri(value, flag)
     return Path(value)
 
 

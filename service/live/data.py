@@ -92,7 +92,10 @@ def describe_python_data(
 def first_batch(spec: LoaderSpec) -> Any:
     """Up to :data:`PROBE_SAMPLES` samples of the first step, as the ranks will see batches."""
     if spec.kind == "batches":
-        batch = slice_batch(spec.batches[0], 0, min(spec.sizes[0], PROBE_SAMPLES))
+        try:
+            batch = slice_batch(spec.batches[0], 0, min(spec.sizes[0], PROBE_SAMPLES))
+        except DatasetError:  # one that cannot be split (refused where it must be): probed whole
+            batch = spec.batches[0]
     else:
         batch = spec.collate_fn([spec.dataset[i] for i in spec.indices[0][:PROBE_SAMPLES]])
     return batch

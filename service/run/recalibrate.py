@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
 import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
@@ -31,16 +30,17 @@ from workers.engine.moments import MomentStats
 from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
 from workers.models.checkpoints import Checkpoint
 from workers.ranks.collectives import backend_for_device
-from workers.ranks.group import GroupOptions, run_rank_group
-from workers.ranks.plan import EvalPlan, RankPlan
-from workers.ranks.pool import WarmPool
+from workers.ranks.local import IN_PROCESS, run_in_process
+from workers.ranks.plan import EvalPlan, GroupOptions, RankPlan
 from workers.ranks.sharding import rank_ranges
 
-from service.run.cluster import ensure_ray, is_local_instance
 from service.run.model_source import LoadedModel, load_model
 from service.run.options import STARTING_PHASE, RunOptions, check_model_choice
 from service.run.report import build_report, write_report
 from service.settings import Settings
+
+if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
+    from workers.ranks.pool import WarmPool
 
 ProgressCallback = Callable[[int, int, str], None]
 """Called with (samples done, samples total, phase) as the ranks report progress; the
@@ -119,11 +119,14 @@ def recalibrate(
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
     pool: WarmPool | None = None,
+    in_process: bool = False,
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
 
     With a ``pool`` (the server's), the ranks are warm actors of an earlier job of the
-    same shape when there are some, and stay warm for the next one.
+    same shape when there are some, and stay warm for the next one. With ``in_process``
+    (``bnrecal calibrate --workers 1`` without a Ray address) the one rank runs in this
+    process, without Ray (``workers.ranks.local``): the same pass, the same statistics.
     """
     loaded = load_model(
         settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
@@ -153,9 +156,17 @@ def recalibrate(
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
 
-    started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-    cpus, gpus = rank_resources(settings, request)
-    backend = backend_for_device(request.device)
+    if in_process and request.workers != 1:
+        raise ValueError("a run in the calling process has one worker")
+    started_local = False
+    if in_process:
+        cpus, gpus, backend = float(torch.get_num_threads()), 0.0, IN_PROCESS
+    else:
+        from service.run.cluster import ensure_ray
+
+        started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
+        cpus, gpus = rank_resources(settings, request)
+        backend = backend_for_device(request.device)
     plan = RankPlan(
         model=loaded.source,
         dataset=dataset,
@@ -196,7 +207,7 @@ def recalibrate(
         if phase == "calibrating" and calibrated and seen.get("evaluating"):
             on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
-    transport = resolve_data_transport(settings.data_transport)
+    transport = IN_PROCESS if in_process else resolve_data_transport(settings.data_transport)
     shards = eval_shards = None
     if transport == "object_store":  # data in object storage is fetched by each rank itself
         shards = ship_rank_shards(dataset, request.batch_size, request.workers) if dataset.remote is None else None
@@ -209,6 +220,11 @@ def recalibrate(
         if on_progress is not None:  # the samples to calibrate are known before any worker starts
             on_progress(0, totals["calibrating"], STARTING_PHASE)
         try:
+            if in_process:  # the one rank calibrates the driver's own model: nothing to ship
+                result = run_in_process(plan, model, on_progress=progress, cancel=cancel)
+                break
+            from workers.ranks.group import run_rank_group
+
             result = run_rank_group(
                 plan, loaded.weights, options, on_progress=progress, cancel=cancel,
                 shards=shards, eval_shards=eval_shards, pool=pool,
@@ -249,7 +265,7 @@ def recalibrate(
             "retried_failures": failures,
             "cpus_per_worker": cpus,
             "dataset": dataset,
-            "embedded_cluster": started_local or is_local_instance(),
+            "embedded_cluster": started_local or (not in_process and _is_local_instance()),
         },
     )
     if evaluation is not None and result.evaluation is not None:
@@ -303,10 +319,18 @@ def bn_buffer_updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
     return updates
 
 
+def _is_local_instance() -> bool:
+    from service.run.cluster import is_local_instance
+
+    return is_local_instance()
+
+
 def resolve_data_transport(setting: str) -> str:
     """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
     if setting != "auto":
         return setting
+    import ray
+
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     here = ray.get_runtime_context().get_node_id()
     return "shared" if alive == [here] else "object_store"
@@ -321,6 +345,10 @@ def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, floa
 def cpus_per_worker(settings: Settings, workers: int) -> float:
     """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
     between the ranks on a single-node cluster, else one."""
+    import ray
+
+    from service.run.cluster import is_local_instance
+
     if settings.cpus_per_worker:
         return settings.cpus_per_worker
     if ray.is_initialized() and not is_local_instance():

@@ -390,3 +390,20 @@ def _ordered_files(files: tuple[str, ...], max_samples: int | None, ordering: di
     total = len(files)
     rows = order_rows(total, min(total, max_samples or total), ordering["order"], ordering["seed"])
     return tuple(files[i] for i in rows.tolist())
+
+
+def array_sample_shape(path: str | Path) -> tuple[int, ...] | None:
+    """The shape of one sample of a ``.npy``/``.npz`` file, from its header alone; None for
+    other data (images take their shape from the transform) or data that cannot be read
+    (the job reports that as it reads it)."""
+    file = Path(path)
+    try:
+        if not file.is_file():
+            return None
+        data_format = detect_format(file)
+        if data_format not in ("npy", "npz"):
+            return None
+        layout = describe_npy(file) if data_format == "npy" else describe_npz(file)
+    except (DatasetError, OSError):
+        return None
+    return tuple(layout.shape[1:])

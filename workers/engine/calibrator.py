@@ -57,6 +57,7 @@ from workers.engine.moments import (
     worst_standard_error,
 )
 from workers.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
+from workers.suggestions import sample_shape_hint
 
 TAGS = 2
 """Packed slots ahead of a sync allreduce's moments: the layer tag and its square. With
@@ -346,6 +347,12 @@ def probe_call_order(
                 model(sample)
             else:
                 feed(model, sample)
+    except ModelInputError as exc:  # a BN layer's own check: the data's shape may say more
+        hint = sample_shape_hint(model, tuple(sample.shape[1:])) if feed is None else ""
+        if hint:
+            raise ModelInputError(f"the model rejects samples of shape {tuple(sample.shape[1:])}: {hint} "
+                                  f"({exc.message})") from exc
+        raise
     except BnrecalError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means the model or data do not fit
@@ -354,9 +361,8 @@ def probe_call_order(
             raise unsupported_layer(culprit, f"it failed: {first_line(exc)}") from exc
         if feed is not None:
             raise ModelInputError(f"forward(model, batch) failed: {type(exc).__name__}: {first_line(exc)}") from exc
-        raise ModelInputError(
-            f"the model rejects samples of shape {tuple(sample.shape[1:])}: {first_line(exc)}"
-        ) from exc
+        hint = sample_shape_hint(model, tuple(sample.shape[1:])) or first_line(exc)
+        raise ModelInputError(f"the model rejects samples of shape {tuple(sample.shape[1:])}: {hint}") from exc
     finally:
         model.train(was_training)
     return list(calibrator.order)

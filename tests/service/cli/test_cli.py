@@ -102,6 +102,7 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
     save_array(tmp_path / "vec.npy", np.zeros((4, 4), np.float32))
     torch.save(self_stats_net().state_dict(), tmp_path / "selfstats.pt")
     save_array(tmp_path / "img.npy", np.random.default_rng(0).standard_normal((4, 3, 7, 6)).astype(np.float32))
+    save_array(tmp_path / "nhwc.npy", artifacts["samples"].numpy().transpose(0, 2, 3, 1).copy())
     return {
         "unknown arch": (["--arch", "torchvision:resnet1800", "--checkpoint", ckpt], "resnet1800"),
         "module not allowed": (["--arch", "os:getcwd", "--checkpoint", ckpt], "BNRECAL_MODEL_MODULES"),
@@ -119,6 +120,12 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
         "bad kwargs json": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--model-kwargs", "{oops"], "--model-kwargs"),
         "bad mode": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--mode", "async"], "--mode"),
         "zero workers": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--workers", "0"], "workers"),
+        "channels-last data": (
+            ["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--data", str(tmp_path / "nhwc.npy")],
+            "rejects samples of shape (6, 5, 3): it takes (3, H, W); your data looks channels-last: "
+            "transpose it to channels-first, e.g. x.transpose(0, 3, 1, 2)",
+        ),
+        "mistyped source": (["--arch", "torchvison:resnet18", "--checkpoint", ckpt], "did you mean torchvision:resnet18?"),
         "uncalibratable layer": (
             ["--arch", "tests.nets:self_stats_net", "--checkpoint", str(tmp_path / "selfstats.pt"),
              "--data", str(tmp_path / "img.npy")],
@@ -130,7 +137,7 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
 CASES = [
     "unknown arch", "module not allowed", "unexpected keys", "missing keys", "corrupt file", "truncated file", "code in pickle",
     "shape rejected", "no batchnorm", "empty dataset", "bad kwargs json", "bad mode", "zero workers",
-    "uncalibratable layer",
+    "uncalibratable layer", "channels-last data", "mistyped source",
 ]
 
 

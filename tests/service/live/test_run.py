@@ -92,15 +92,19 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, torch.Te
     return model, samples, save_state(folder / "mixed.pt", model), save_array(folder / "x.npy", samples)
 
 
-@pytest.mark.parametrize(("workers", "mode"), [(1, "sync"), (2, "sync"), (1, "local"), (2, "local")])
-def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settings, warm_pool, workers, mode):
+@pytest.mark.parametrize(("workers", "mode", "where"), [
+    (1, "sync", "here"), (1, "sync", "ray"), (2, "sync", "ray"), (1, "local", "here"), (1, "local", "ray"),
+    (2, "local", "ray"),
+])
+def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settings, warm_pool, workers, mode, where):
     model, samples, checkpoint, data = mixed
     live = copy.deepcopy(model)
     before = state(live)
-    report = bnrecal.recalibrate(
+    report = bnrecal.recalibrate(  # one worker without a pool or Ray address runs in this process, without Ray
         live, DataLoader(TensorDataset(samples), batch_size=6), workers=workers, mode=mode, progress=False,
-        pool=warm_pool,
+        pool=warm_pool if where == "ray" else None,
     )
+    assert report["backend"] == ("in-process" if where == "here" else "gloo")
     assert_matches_reference(live, reference_statistics(model, samples, 6, world_size=workers, mode=mode))
     assert_only_bn_buffers_changed(before, live, steps=4)
     cli = recalibrate_files(
