@@ -35,6 +35,8 @@ from workers.files import atomic_write
 from .jobserver.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+COUNTED_PHASES = ("calibrating", "evaluating")
+"""The phases whose events count samples; the others (starting workers, exporting, writing) count nothing."""
 UPLOAD_CHUNK = 1024 * 1024
 STREAM_RESUME_S = 0.5
 """Pause before resuming an event stream the server ended before the job did (it was shutting down)."""
@@ -125,6 +127,40 @@ class BnrecalClient:
             params = {"filename": (filename or source.name)[:MAX_FILENAME_CHARS]}
             return self._json("POST", "/v1/blobs", content=chunks(), headers=headers, params=params)
 
+    def has_blob(self, digest: str) -> bool:
+        """Whether this key already has the blob (``HEAD /v1/blobs/{digest}``), so it need not be sent again."""
+        try:
+            response = self._http.head(f"/v1/blobs/{digest}")
+        except httpx.TransportError as exc:
+            raise RunError(f"cannot reach the bnrecal server at {self.server}: {exc}") from exc
+        if response.status_code == 404:
+            return False
+        if response.is_error:
+            raise self._error(response)
+        return True
+
+    def upload_missing(
+        self,
+        path: str | os.PathLike[str],
+        on_bytes: Callable[[int, int], None] | None = None,
+        filename: str | None = None,
+    ) -> tuple[str, int]:
+        """A file's (or folder's) blob digest, uploading it only when the server lacks it;
+        returns the digest and the bytes sent (0 when the server had it)."""
+        source = Path(path)
+        with prepared_upload(source) as file:
+            digest = file_digest(file)
+            if self.has_blob(digest):
+                return digest, 0
+            name = filename or (source.absolute().resolve().name if source.is_dir() else None)
+            blob = self.upload(file, on_bytes, name)
+            return blob["digest"], int(blob["size"])
+
+    def check(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Check a job spec as completely as a submission would, creating nothing
+        (``POST /v1/jobs?dry_run=true``): the spec as it would be stored, or the typed error."""
+        return self._json("POST", "/v1/jobs", params={"dry_run": "true"}, json=spec)["spec"]
+
     def upload_bytes(self, data: bytes) -> dict[str, Any]:
         """Upload bytes held in memory (small blobs)."""
         return self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"})
@@ -167,23 +203,29 @@ class BnrecalClient:
             yield from parse_events(response.iter_lines())
 
     def wait(
-        self, job_id: str, on_progress: Callable[[int, int, str], None] | None = None, *, reconnects: int = 5
+        self, job_id: str, on_progress: Callable[[int, int | None, str], None] | None = None, *, reconnects: int = 5
     ) -> dict[str, Any]:
         """Follow a job's events to its end (resuming a dropped stream) and return the final job.
 
         ``on_progress`` gets (samples done, samples total, phase) for each event of a phase
-        that counts samples (calibrating, evaluating).
+        that counts samples (calibrating, evaluating), and (0, None, phase) once when the job
+        enters a phase that counts nothing (starting workers, exporting, writing).
         """
         last_id: int | None = None
         failures = 0
+        shown: str | None = None
         while True:
             try:
                 for event in self.events(job_id, last_id):
                     last_id = event.id if event.id is not None else last_id
                     progress = event.data.get("progress") or {}
-                    if on_progress is not None and progress.get("samples_total"):
-                        phase = str(progress.get("phase") or "calibrating")
-                        on_progress(int(progress["samples_done"]), int(progress["samples_total"]), phase)
+                    phase = progress.get("phase")
+                    if on_progress is not None and phase:
+                        if phase in COUNTED_PHASES and progress.get("samples_total"):
+                            on_progress(int(progress["samples_done"]), int(progress["samples_total"]), phase)
+                        elif phase != shown and phase not in COUNTED_PHASES:
+                            on_progress(0, None, str(phase))
+                        shown = phase
                     if event.data.get("status") in TERMINAL:
                         return self.job(job_id)
                 job = self.job(job_id)
@@ -263,17 +305,48 @@ def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
             data.append(value)
 
 
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """A file's ``sha256:<hex>`` digest, as the server names the blob of the same bytes (streamed)."""
+    digest = hashlib.sha256()
+    try:
+        with Path(path).open("rb") as stream:
+            while block := stream.read(UPLOAD_CHUNK):
+                digest.update(block)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return f"sha256:{digest.hexdigest()}"
+
+
+@contextmanager
+def prepared_upload(source: Path) -> Iterator[Path]:
+    """The file whose bytes an upload of ``source`` sends: the file itself, or a folder's tar."""
+    if source.is_dir():
+        with _tarred(source) as archive:
+            yield archive
+    else:
+        yield source
+
+
 @contextmanager
 def _tarred(folder: Path) -> Iterator[Path]:
-    """A temporary uncompressed tar of a folder's files, in sorted order, without links."""
+    """A temporary uncompressed tar of a folder's files, in sorted order, without links.
+
+    Its bytes depend only on the files' names, contents and modes (times and owners are
+    left out), so the same folder tars to the same digest and is not uploaded twice.
+    """
     fd, name = tempfile.mkstemp(prefix="bnrecal-upload-", suffix=".tar")
     os.close(fd)
     archive = Path(name)
+
+    def plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        return info
+
     try:
-        with tarfile.open(archive, "w") as tar:
+        with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
             for file in sorted(folder.rglob("*")):
                 if file.is_file() and not file.is_symlink():
-                    tar.add(file, arcname=str(file.relative_to(folder)), recursive=False)
+                    tar.add(file, arcname=str(file.relative_to(folder)), recursive=False, filter=plain)
         yield archive
     finally:
         archive.unlink(missing_ok=True)

@@ -18,10 +18,11 @@ export function durationSeconds(job, now = Date.now()) {
   return Math.max(0, (end - Date.parse(job.started_at)) / 1000);
 }
 
-/** A date and time in the reader's locale, short. */
+/** A date and time in the reader's locale, with its time zone ("11/25/26, 3:34:26 AM UTC"):
+ * the CLI prints the same moment as ISO 8601 with the zone, so the two can be told apart. */
 export function formatTime(iso) {
   if (!iso) return "";
-  return new Date(iso).toLocaleString(undefined, { dateStyle: "short", timeStyle: "medium" });
+  return new Date(iso).toLocaleString(undefined, { dateStyle: "short", timeStyle: "long" });
 }
 
 /** The short id the pages and download names use. */
@@ -82,4 +83,23 @@ export function resultText(job) {
   const accuracy = top1(job);
   if (accuracy) parts.push(`top-1 ${accuracy.before.toFixed(3)} → ${accuracy.after.toFixed(3)}`);
   return parts.join(" · ");
+}
+
+/** How precise the statistics are, in the words of the CLI's summary: where max_samples "auto"
+ * stopped ("statistics converged at 1,536 of 50,000 samples (worst: layer4.1.bn2, variance
+ * +-0.8%)"), that the data ran out first, or the worst standard error; "" without a report. */
+export function statisticsLine(report) {
+  if (!report) return "";
+  const worst = report.standard_error_max;
+  const percent = (value) => `${(100 * value).toFixed(1)}%`;
+  const where = worst ? `worst: ${worst.layer}, ${worst.statistic} \u00b1${percent(worst.error)}` : "no standard errors";
+  const convergence = report.convergence;
+  if (convergence) {
+    const seen = `${convergence.samples.toLocaleString("en-US")} of ${convergence.available_samples.toLocaleString("en-US")} samples`;
+    if (convergence.converged) return `statistics converged at ${seen} (${where})`;
+    return `statistics did not converge to \u00b1${percent(convergence.tolerance)} on all ${seen} (${where}): give more data`;
+  }
+  if (!worst) return "";
+  const order = report.order ? `; order ${report.order}${report.order === "shuffled" ? `, seed ${report.seed}` : ""}` : "";
+  return `statistics \u00b1${percent(worst.error)} (${where}${order})`;
 }

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from workers.errors import SpecError
 
 from service.run.progress import stderr
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 
 def parse_json_object(value: str | None, option: str) -> dict[str, Any] | None:
@@ -49,6 +52,9 @@ def summary_lines(
         f"({report['world_size']} x {report['backend']}, {report['mode']}) "
         f"in {report['seconds']:.2f} s{job} -> {out}"
     ]
+    precision = statistics_line(report)
+    if precision:
+        lines.append(precision)
     others = [str(path) for path in also_wrote if path is not None]
     if others:
         lines.append(f"also wrote {', '.join(others)}")
@@ -79,6 +85,26 @@ def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
     return line
 
 
+def statistics_line(report: dict[str, Any]) -> str | None:
+    """How precise the statistics are: where ``--max-samples auto`` stopped (or that it ran out
+    of data), else the worst standard error and the order the samples were drawn in."""
+    worst = report.get("standard_error_max")
+    where = f"worst: {worst['layer']}, {worst['statistic']} +-{worst['error']:.1%}" if worst else "no standard errors"
+    convergence = report.get("convergence")
+    if convergence:
+        seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
+        if convergence["converged"]:
+            return f"statistics converged at {seen} ({where})"
+        return (
+            f"statistics did not converge to +-{convergence['tolerance']:.1%} on all {seen} ({where}): give more data"
+        )
+    if not worst:
+        return None
+    order = report.get("order")
+    drawn = f"; order {order}" + (f", seed {report['seed']}" if order == "shuffled" else "") if order else ""
+    return f"statistics +-{worst['error']:.1%} ({where}{drawn})"
+
+
 def evaluation_line(evaluation: dict[str, Any]) -> str:
     """One line saying what recalibration changed on the evaluation data."""
     changed = f"{evaluation['prediction_change']:.1%} of predictions changed"
@@ -104,3 +130,11 @@ def fail(message: str, code: int) -> NoReturn:
 def print_line(text: str) -> None:
     """One plain line on stderr (no markup, no highlighting)."""
     stderr.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def connect(server: str, api_key: str | None) -> BnrecalClient:
+    """The HTTP client of a server command, imported only by the commands that talk HTTP
+    (httpx is a fifth of what ``bnrecal --help`` would otherwise load)."""
+    from ..client import BnrecalClient
+
+    return BnrecalClient(server, api_key)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..client import TERMINAL, BnrecalClient
 from . import options as opt
-from .console import evaluation_line, print_line
+from .console import connect, print_line
+from .job_text import TERMINAL, job_table, status_lines
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 
 def list_jobs(
@@ -20,16 +23,20 @@ def list_jobs(
         str | None, typer.Option(help="Only jobs in this status (queued, running, succeeded, failed, cancelled).")
     ] = None,
     limit: Annotated[int, typer.Option(help="At most this many, newest first.", min=1, max=500)] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the jobs as the API returns them (a JSON list).")] = False,
 ) -> None:
-    """List this API key's jobs on a server, newest first: id, status, phase and progress, model."""
-    with BnrecalClient(server, api_key) as client:
+    """List this API key's jobs on a server, newest first: a table of id, status, phase or
+    result (the failure's title on a failed job), creation time with zone, model and data."""
+    with connect(server, api_key) as client:
         jobs = client.jobs(status=status, limit=limit)
+    if as_json:
+        typer.echo(json.dumps(jobs, indent=2))
+        return
     if not jobs:
         print_line(f"no jobs on {server}" + (f" with status {status}" if status else ""))
         return
-    for job in jobs:
-        typer.echo(f"{job['id']}  {job['status']:<9}  {_progress_text(job):<28}  "
-                   f"{job['created_at'][:19].replace('T', ' ')}  {_model(job['spec'])}")
+    for line in job_table(jobs):
+        typer.echo(line)
 
 
 def job_status(
@@ -39,7 +46,7 @@ def job_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as the API returns it.")] = False,
 ) -> None:
     """Show one job: status, phase and progress, the error it failed with, its outcome and files."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         job = client.job(job_id)
     if as_json:
         typer.echo(json.dumps(job, indent=2))
@@ -50,7 +57,7 @@ def job_status(
 
 def cancel(job_id: opt.JobIdArg, server: opt.ServerOpt, api_key: opt.ApiKeyOpt = None) -> None:
     """Cancel a queued or running job; a job that already ended is left as it is (exit 1)."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         job = client.job(job_id)
         if job["status"] in TERMINAL:
             print_line(f"job {job_id} already {job['status']}; nothing to cancel")
@@ -70,44 +77,3 @@ def cancel_and_wait(client: BnrecalClient, job_id: str, timeout: float = 10.0) -
         time.sleep(0.2)
         status = client.job(job_id)["status"]
     return status
-
-
-def status_lines(job: dict[str, Any]) -> list[str]:
-    """The lines ``bnrecal status`` prints for a job."""
-    spec = job["spec"]
-    lines = [
-        f"job {job['id']}: {job['status']}",
-        f"model {_model(spec)}, {spec.get('workers')} worker(s), {spec.get('mode')} mode, "
-        f"batch {spec.get('batch_size')}",
-        f"created {job['created_at']}" + (f", finished {job['finished_at']}" if job.get("finished_at") else ""),
-    ]
-    if job["status"] not in TERMINAL:
-        lines.append(f"progress: {_progress_text(job)}")
-    error = job.get("error")
-    if error:
-        field = f" (field {error['field']})" if error.get("field") else ""
-        lines.append(f"error: {error.get('title', 'error')}: {error.get('detail', '')}{field}")
-    report = job.get("report")
-    if report:
-        lines.append(f"recalibrated {len(report['layers'])} BN layers on {report['samples']} samples "
-                     f"in {report['seconds']:.2f} s")
-        if report.get("evaluation"):
-            lines.append(evaluation_line(report["evaluation"]))
-    if job.get("artifacts"):
-        lines.append("artifacts: " + ", ".join(sorted(job["artifacts"])))
-    return lines
-
-
-def _progress_text(job: dict[str, Any]) -> str:
-    """``calibrating 64/1437`` while running; the phase alone where no count applies."""
-    if job["status"] in TERMINAL:
-        return "-"
-    progress = job.get("progress") or {}
-    phase = progress.get("phase") or job["status"]
-    done, total = progress.get("samples_done") or 0, progress.get("samples_total")
-    return f"{phase} {done}/{total}" if total else phase
-
-
-def _model(spec: dict[str, Any]) -> str:
-    """What a job recalibrates, as its spec names it: the architecture, or its program."""
-    return spec.get("arch") or ("program" if spec.get("program") else "")

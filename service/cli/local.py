@@ -29,6 +29,9 @@ def calibrate(
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
     mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
+    order: opt.OrderOpt = opt.ORDER,
+    seed: opt.SeedOpt = opt.SEED,
+    tolerance: opt.ToleranceOpt = None,
     device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
@@ -47,8 +50,6 @@ def calibrate(
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
     it changed)."""
-    from service.run.recalibrate import RecalibrationRequest, recalibrate
-
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
@@ -61,19 +62,25 @@ def calibrate(
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+        order=order, seed=seed, tolerance=tolerance,
     )
+    from service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
+
     request = RecalibrationRequest(
         **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
-    connected_before = _ray_connected()
+    in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
+    connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
-        pool = _command_pool() if onnx_int8 is not None else None
+        pool = _command_pool() if onnx_int8 is not None and not in_process else None
         try:
             try:
-                result = recalibrate(request, settings, on_progress=update, cancel=cancel, pool=pool)
+                result = recalibrate(
+                    request, settings, on_progress=update, cancel=cancel, pool=pool, in_process=in_process,
+                )
             except KeyboardInterrupt:
                 cancel.set()
                 raise
@@ -153,20 +160,20 @@ def export_command(
 ) -> None:
     """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating
     (with --onnx-int8 and --data, also quantized to INT8 with ranges from that data)."""
-    from service.run.exporting import export_checkpoint
-    from service.run.report import write_report
-
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None
+    kwargs, transform_values = parse_json_object(model_kwargs, "--model-kwargs"), parse_json_object(transform, "--transform")
     int8_options = opt.int8_options(onnx_int8, int8)
     if onnx_int8 is not None and data is None:
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
     if onnx_int8 is not None and onnx_dtype.value != "float32":
         raise SpecError("--onnx-int8 quantizes a float32 export: drop --onnx-dtype float16", field="--onnx-dtype")
+    from service.run.exporting import export_checkpoint  # the flags are fine: now load torch
+    from service.run.report import write_report
+
     result = export_checkpoint(
-        arch, checkpoint, out, Settings(), model_kwargs=parse_json_object(model_kwargs, "--model-kwargs"),
-        data=data, transform=parse_json_object(transform, "--transform"), input_shape=shape,
+        arch, checkpoint, out, Settings(), model_kwargs=kwargs, data=data, transform=transform_values, input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
     if onnx_int8 is not None:
@@ -174,8 +181,7 @@ def export_command(
 
         assert data is not None
         result["int8"] = quantize_file(
-            out, data, onnx_int8, int8_options, Settings(), transform=parse_json_object(transform, "--transform"),
-            batch_size=batch_size,
+            out, data, onnx_int8, int8_options, Settings(), transform=transform_values, batch_size=batch_size,
         )
     if report is not None:
         write_report(result, report)

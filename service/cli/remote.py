@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -15,10 +15,12 @@ from workers.errors import BnrecalError, CancelledError, InputError, SpecError
 from service.run.options import check_model_choice
 from service.run.progress import progress_bar
 
-from ..client import BnrecalClient, error_from_problem
 from . import options as opt
-from .console import fail, parse_json_object, print_line, summary_lines
+from .console import connect, fail, parse_json_object, print_line, summary_lines
 from .jobs import cancel_and_wait
+
+if TYPE_CHECKING:
+    from ..client import BnrecalClient
 
 APP_FACTORY = "api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -68,6 +70,9 @@ def submit(
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
     mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
+    order: opt.OrderOpt = opt.ORDER,
+    seed: opt.SeedOpt = opt.SEED,
+    tolerance: opt.ToleranceOpt = None,
     device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
@@ -98,6 +103,7 @@ def submit(
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+        order=order, seed=seed, tolerance=tolerance,
     )
     int8_options = opt.int8_options(onnx_int8, int8)
     model_output = "program" if program is not None else "checkpoint"
@@ -109,14 +115,21 @@ def submit(
     if int8_options is not None:
         spec["outputs"].append("onnx_int8")
         spec["int8"] = int8_options.model_dump(exclude_defaults=True)
-    with BnrecalClient(server, api_key) as client:
-        for name, path in (("checkpoint", checkpoint), ("program", program)):
-            if path is not None:
-                spec[name] = client.upload(path)["digest"]
-        spec["data"] = _data_field(client, data_source)
-        if eval_source is not None:
-            spec["eval"] = {"data": _data_field(client, eval_source), "max_samples": eval_max_samples}
+    local_files = {name: path for name, path in (("checkpoint", checkpoint), ("program", program)) if path is not None}
+    local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
+                    if isinstance(path, Path)}
+    with connect(server, api_key) as client:
+        digests: dict[str, Any] = {name: _digest(path) for name, path in local_files.items()}
+        for name, source in (("data", data_source), ("eval.data", eval_source)):
+            if isinstance(source, str):  # an s3:// URI: the server reads it
+                digests[name] = {"uri": source}
+        _put_inputs(spec, digests, eval_max_samples)
+        missing = [] if _dry_run(client, spec) else [name for name in local_files if not client.has_blob(digests[name])]
+        for name in missing:
+            digests[name] = _upload(client, local_files[name])
+        _put_inputs(spec, digests, eval_max_samples)
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
+        typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
         print_line(f"job {job['id']} queued on {client.server}")
         with progress_bar("queued") as update:
             try:
@@ -135,12 +148,48 @@ def submit(
         print_line(line)
 
 
-def _data_field(client: BnrecalClient, source: Path | str | None) -> str | dict[str, str]:
-    """A spec's data: an ``s3://`` URI as is (the server reads it), else the uploaded file's digest."""
-    if isinstance(source, str):
-        return {"uri": source}
-    assert source is not None
-    return client.upload(source)["digest"]
+BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
+"""The spec fields that name an uploaded file by its digest."""
+
+
+def _digest(path: Path) -> str:
+    """The digest the server names a file's (or a folder's tar's) blob by, computed here."""
+    from ..client import file_digest, prepared_upload
+
+    with prepared_upload(path) as prepared:
+        return file_digest(prepared)
+
+
+def _put_inputs(spec: dict[str, Any], digests: dict[str, Any], eval_max_samples: int | None) -> None:
+    """Name the inputs in the spec: digests of files, or URIs the server reads."""
+    for name in ("checkpoint", "program", "data"):
+        if name in digests:
+            spec[name] = digests[name]
+    if "eval.data" in digests:
+        spec["eval"] = {"data": digests["eval.data"], "max_samples": eval_max_samples}
+
+
+def _dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
+    """Check the spec on the server before any byte of a file is sent (``dry_run=true``),
+    naming the files by the digests computed here: True when it passed whole (the server has
+    every file). The only refusal an upload fixes is a file the server does not have yet
+    (False: ``HEAD`` then tells which); any other is the command's error (exit 2 for bad
+    input, with the server's hint)."""
+    try:
+        client.check(spec)
+    except SpecError as exc:
+        if exc.field not in BLOB_FIELDS:
+            raise
+        return False
+    return True
+
+
+def _upload(client: BnrecalClient, path: Path) -> str:
+    """Upload one file the server lacks, with a progress bar in bytes on a terminal; its digest."""
+    label = f"uploading {path.name}"
+    with progress_bar(label) as update:
+        blob = client.upload(path, on_bytes=lambda sent, total: update(sent, total, label))
+    return str(blob["digest"])
 
 
 def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
@@ -162,4 +211,6 @@ def _raise_unless_succeeded(job: dict[str, Any]) -> None:
     if job["status"] == "cancelled":
         raise CancelledError(f"job {job['id']} was cancelled")
     problem = job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"}
+    from ..client import error_from_problem
+
     raise error_from_problem(problem)

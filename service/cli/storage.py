@@ -9,9 +9,8 @@ import typer
 
 from workers.errors import InputError
 
-from ..client import BnrecalClient
 from . import options as opt
-from .console import print_line
+from .console import connect, print_line
 
 
 def collect_garbage(
@@ -52,6 +51,6 @@ def collect_garbage(
 
 def delete_job(job_id: opt.JobIdArg, server: opt.ServerOpt, api_key: opt.ApiKeyOpt = None) -> None:
     """Delete a finished job on a server, with its artifacts (cancel a queued or running one first)."""
-    with BnrecalClient(server, api_key) as client:
+    with connect(server, api_key) as client:
         client.delete_job(job_id)
     print_line(f"job {job_id} deleted on {server}")

@@ -26,10 +26,11 @@ from pydantic import (
 )
 
 from workers.data.objectstore import parse_data_uri, uri_allowed
-from workers.errors import BnrecalError, InputError, RunError, SpecError
+from workers.data.spec import array_sample_shape
+from workers.errors import InputError, SpecError
 from workers.models.architectures import check_architecture_exists as check_reference
 from workers.models.architectures import check_model_kwargs
-from workers.models.model_check import check_checkpoint_fits
+from workers.models.model_check import check_checkpoint_fits, check_data_fits
 from workers.programs import check_program
 
 from service.export.int8.options import Int8Options
@@ -38,6 +39,7 @@ from service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
 from ..settings import Settings
 from .blobs import DIGEST_PATTERN, BlobStore
 from .capacity import check_fits_cluster
+from .problems import problem_of as problem_of  # the job's problem object, where it always was
 
 ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
 
@@ -332,6 +334,12 @@ def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Set
             allowed_modules=tuple(settings.model_modules), max_bytes=settings.max_model_bytes,
             name=blobs.filename(tenant, spec.checkpoint) or spec.checkpoint,
         )
+        for name, source in named:  # the data the model takes, as cheaply (a forward on meta)
+            if name in ("data", "eval.data") and isinstance(source, str):
+                check_data_fits(
+                    spec.arch, spec.model_kwargs, array_sample_shape(blobs.path(tenant, source)),
+                    allowed_modules=tuple(settings.model_modules), field=name, name=blobs.filename(tenant, source) or source,
+                )
 
 
 def _check_outputs(spec: JobSpec) -> None:
@@ -391,17 +399,3 @@ def check_data_uri(uri: str, settings: Settings, field: str = "data.uri") -> str
     if not uri_allowed(normalised, settings.data_uris):
         raise SpecError(f"{field} {uri!r} is outside the server's allowed prefixes (BNRECAL_DATA_URIS)", field=field)
     return normalised
-
-
-def problem_of(exc: BnrecalError) -> dict[str, Any]:
-    """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its context)."""
-    problem: dict[str, Any] = {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.message}
-    field = getattr(exc, "field", None)
-    if isinstance(field, str) and field:
-        problem["field"] = field
-    if isinstance(exc, RunError):
-        if exc.rank is not None:
-            problem["rank"] = exc.rank
-        if exc.node is not None:
-            problem["node"] = exc.node
-    return problem

@@ -33,6 +33,7 @@ import ray
 
 from workers.errors import BnrecalError, CancelledError, NotFoundError
 
+from service.run.options import STARTING_PHASE
 from service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
@@ -261,7 +262,7 @@ class JobRunner:
                 final = JobStatus.cancelled
                 self.leases.finish(job.id, final, error=problem_of(exc))
         except BnrecalError as exc:
-            self.leases.finish(job.id, final, error=problem_of(exc))
+            self.leases.finish(job.id, final, error=problem_of(exc, spec))
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
             log.exception("job %s failed unexpectedly", job.id)
             problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
@@ -341,6 +342,9 @@ class JobRunner:
         state: dict[str, Any] = {"done": 0, "written": 0.0, "phase": None}
 
         def on_progress(done: int, total: int, phase: str) -> None:
+            if state["phase"] is None and phase == STARTING_PHASE:
+                state["phase"] = phase  # the ledger entered it as the job started: one event per phase
+                return
             if phase == "calibrating":
                 self.metrics.samples_processed.inc(max(0, done - state["done"]))
                 state["done"] = done

@@ -1,41 +1,44 @@
-"""``bnrecal.recalibrate``: recalibrate a caller's live model on Ray, in place.
+"""``bnrecal.recalibrate``: recalibrate a caller's live model in place, here or on Ray.
 
-The driver describes the data, decides how the model travels (``model.py``), checks on
-one batch that the model takes the data (the same probe as the CLI's), then runs the
-same rank group as every recalibration (``workers.ranks.group``) and writes the statistics
-into the model's own BN buffers, as ``torch.optim.swa_utils.update_bn`` does.
+The driver describes the data, decides where the pass runs and how the model gets there
+(``model.py``), checks on one batch that the model takes the data (the same probe as the
+CLI's), then runs the engine's pass: in this process for one worker without a Ray
+cluster (``workers.ranks.local``, no Ray imported), else on the same rank group as every
+recalibration (``workers.ranks.group``). It writes the statistics into the model's own BN
+buffers, as ``torch.optim.swa_utils.update_bn`` does, and changes nothing else of it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from workers.data import DatasetSpec
-from workers.data.loader import LoaderSpec, model_input
+from workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
 from workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import apply_statistics
+from workers.engine.calibration import StopRule, apply_statistics
 from workers.engine.calibrator import probe_call_order
 from workers.engine.moments import MomentStats
-from workers.errors import NoBatchNormError, SpecError, first_line
-from workers.ranks.collectives import backend_for_device
-from workers.ranks.group import GroupOptions, run_rank_group
-from workers.ranks.plan import RankPlan
-from workers.ranks.pool import WarmPool
+from workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
+from workers.ranks.local import run_in_process
+from workers.ranks.plan import GroupOptions, RankPlan
 
-from service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
 from service.run.options import STARTING_PHASE, RunOptions, default
 from service.run.progress import progress_bar
-from service.run.recalibrate import bn_buffer_updates, cpus_per_worker, resolve_data_transport, ship_rank_shards
+from service.run.recalibrate import bn_buffer_updates
 from service.run.report import build_report
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
-from .model import ShippedModel, ship_model
+from .model import IN_PROCESS, ShippedModel, run_here, ship_model
 from .report import RecalibrationReport
+
+if TYPE_CHECKING:
+    from workers.ranks.pool import WarmPool
 
 Forward = Callable[[nn.Module, Any], Any]
 
@@ -47,7 +50,7 @@ def recalibrate(
     workers: int = 1,
     mode: str = "sync",
     batch_size: int | None = None,
-    max_samples: int | None = None,
+    max_samples: int | str | None = None,
     device: str = "cpu",
     forward: Forward | None = None,
     ray_address: str | None = None,
@@ -56,6 +59,9 @@ def recalibrate(
     progress: bool = True,
     pool: WarmPool | None = None,
     settings: Settings | None = None,
+    tolerance: float | None = None,
+    order: str = "shuffled",
+    seed: int = 0,
 ) -> RecalibrationReport:
     """Recompute every BatchNorm layer's running statistics of ``model`` in place, like
     ``torch.optim.swa_utils.update_bn(loader, model)``, and return the report.
@@ -71,15 +77,22 @@ def recalibrate(
         ``Dataset`` (or a tensor of samples) with ``batch_size``, any other iterable of
         batches (read on the driver and sent to the ranks), or a path or ``s3://`` URI
         (what ``bnrecal calibrate --data`` takes; ``batch_size`` defaults to 32).
-        A batch is a tensor, or a tuple or list whose first element is the input;
-        anything else (a dict...) needs ``forward``.
-    workers: Ray actors (ranks) K; each takes its ``numpy.array_split`` part of every step.
+        A batch is a tensor, or a tuple or list whose first element is the input (a
+        tensor, or a list of per-sample tensors: detection-style batches are split by
+        sample); anything else (a dict...) needs ``forward``. Shapes may vary between steps.
+    workers: ranks K; each takes its ``numpy.array_split`` part of every step. With 1 and
+        no ``ray_address``, ``RAY_ADDRESS`` or ``server`` the call runs in this process,
+        without Ray.
     mode: ``sync`` (statistics of the whole global batch, SyncBN semantics; the result
         does not depend on K) or ``local`` (each rank's own slice).
-    max_samples: use only the first M samples.
+    max_samples: use only the first M samples, or ``"auto"``: stop once every layer's
+        standard errors are below ``tolerance`` (default 0.05; sync mode only).
+    order, seed: the order a path's samples are read in (``shuffled`` with ``seed``, or
+        ``given``); data in memory keeps its own order, as with ``update_bn``.
     device: where the ranks compute (``cpu`` or ``cuda``).
     forward: ``forward(model, batch)`` feeds the model a batch (e.g. ``model(**batch)``);
-        with it the model travels pickled (see below), never as a program.
+        with it the model travels pickled (see below), never as a program. A model that
+        computes in float64 or float16 needs it (a tensor input is fed as float32).
     ray_address: the Ray cluster to run on (else ``RAY_ADDRESS``, else an embedded local
         instance, shut down again after the call; a cluster the caller joined stays).
     server, api_key: run as a job of the bnrecal server at this URL instead: the model
@@ -87,15 +100,19 @@ def recalibrate(
     progress: a progress bar on a terminal; ``False`` for none.
     pool: warm rank actors (``workers.ranks.pool.WarmPool``) reused across calls.
 
-    The model reaches the ranks as a ``torch.export`` program when it exports (traced on
-    one batch; no code needed on the nodes), else pickled with its class by reference:
-    its code must then be importable on every node (a class defined in ``__main__``
-    travels by value). Errors are ``bnrecal.BnrecalError`` subclasses with one-line messages.
+    Only the BN statistics of ``model`` change: the pass runs on a view of it (module
+    objects of its own over the same weights), never on the caller's modules, so their
+    ``training`` flags, attributes, hooks, dtypes and devices stay as they were. On an
+    embedded Ray the model travels pickled; on a cluster the caller joined, as a
+    ``torch.export`` program of the view when it exports (no code needed on the nodes),
+    else pickled with its class by reference (see ``docs/python.md``). Errors are
+    ``bnrecal.BnrecalError`` subclasses with one-line messages.
     """
     settings = settings or Settings()
     options = RunOptions.checked(
         workers=_count(workers, "workers"), mode=mode, device=device,
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
+        max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
     )
     if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
         raise _no_batchnorm(model, find_batchnorm_layers(model)[1])
@@ -108,32 +125,51 @@ def recalibrate(
         )
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
+        order=options.order, seed=options.seed,
     )
     sample = _probe_batch(spec, forward)
-    shipped = ship_model(model, sample, forward)
-    layers, skipped = find_batchnorm_layers(shipped.driver)
-    if not layers:
-        raise _no_batchnorm(model, skipped)
-    call_order = probe_call_order(shipped.driver, layers, sample, forward)
-    old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
-    if isinstance(spec, LoaderSpec):
-        options = options.model_copy(update={"batch_size": max(spec.sizes)})
-
-    started_local = ensure_ray(ray_address, min_cpus=options.workers)
+    feed = forward if forward is not None or isinstance(sample, torch.Tensor) else call_model
+    here = options.workers == 1 and pool is None and not ray_address and not os.environ.get("RAY_ADDRESS")
+    if here:
+        shipped = run_here(model, options.device)
+    else:
+        _check_split(spec)
+        shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, ray_address))
     try:
-        result, run = _run(shipped, spec, options, layers, call_order, settings, forward, progress, pool)
-        run["embedded_cluster"] = started_local or is_local_instance()
+        layers, skipped = find_batchnorm_layers(shipped.driver)
+        if not layers:
+            raise _no_batchnorm(model, skipped)
+        try:
+            call_order = probe_call_order(shipped.driver, layers, sample, feed)
+        except ModelInputError as exc:
+            raise _dtype_advice(model, sample, forward) or exc from None
+        old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+        if isinstance(spec, LoaderSpec):
+            options = options.model_copy(update={"batch_size": max(spec.sizes)})
+        plan = RankPlan(
+            model=shipped.source, dataset=spec, batch_size=options.batch_size, mode=options.mode,
+            world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
+            layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order), loader_workers=0,
+            # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
+            memory_format="contiguous" if shipped.restore is not None else settings.memory_format, feed=feed,
+            stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
+        )
+        if here:
+            result, run = _run_here(shipped, plan, spec, progress)
+        else:
+            result, run = _run_on_ray(shipped, plan, spec, settings, ray_address, progress, pool)
     finally:
-        if started_local:
-            shutdown_embedded()
-    stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
+        if shipped.restore is not None:
+            shipped.restore()
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     if shipped.write_back is not None:
         shipped.write_back(bn_buffer_updates(calibrated))
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     report = build_report(
-        options, result, [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        options, result,
+        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
         skipped, run,
     )
     report["model"] = shipped.describe()
@@ -141,47 +177,123 @@ def recalibrate(
     return RecalibrationReport(report)
 
 
-def _run(
-    shipped: ShippedModel, spec: DatasetSpec | LoaderSpec, options: RunOptions, layers: list[Any],
-    call_order: list[int], settings: Settings, forward: Forward | None, progress: bool, pool: WarmPool | None,
+def _run_here(
+    shipped: ShippedModel, plan: RankPlan, spec: DatasetSpec | LoaderSpec, progress: bool
 ) -> tuple[Any, dict[str, Any]]:
-    """Run the ranks (Ray is up); the result and the report's run facts."""
-    cpus = cpus_per_worker(settings, options.workers)
-    gpus = settings.gpus_per_worker if options.device == "cuda" else 0.0
-    backend = backend_for_device(options.device)
-    plan = RankPlan(
-        model=shipped.source, dataset=spec, batch_size=options.batch_size, mode=options.mode,
-        world_size=options.workers, device=options.device, backend=backend, group_name="",
-        layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
-        loader_workers=0 if spec.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1),
-        memory_format=settings.memory_format, feed=forward,
-    )
-    group = GroupOptions(
-        cpus_per_worker=cpus, gpus_per_worker=gpus, placement_strategy=settings.placement_strategy.upper(),
-        collective_timeout_s=settings.collective_timeout_s, placement_timeout_s=settings.placement_timeout_s,
-    )
-    transport, shards = "python", None
-    if isinstance(spec, DatasetSpec):
-        transport = "remote" if spec.remote is not None else resolve_data_transport(settings.data_transport)
-        if transport == "object_store":
-            shards = ship_rank_shards(spec, options.batch_size, options.workers)
+    """Run the one rank in this process, on the driver's own view of the model."""
+    if isinstance(spec, DatasetSpec) and spec.kind != "array":
+        from dataclasses import replace
+
+        plan = replace(plan, loader_workers=max(0, torch.get_num_threads() - 1))
     total = spec.num_samples
     with _bar(progress) as update:
-        try:
-            result = run_rank_group(
-                plan, shipped.weights, group, shards=shards, pool=pool,
-                on_progress=lambda phase, done: update(done, total, phase),
-            )
-        except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
-            if "serialize" not in str(exc):
-                raise
-            raise _not_picklable(shipped, spec, forward, exc) from None
+        result = run_in_process(plan, shipped.driver, on_progress=lambda phase, done: update(done, total, phase))
     run = {
-        "backend": backend, "placement": group.placement_strategy, "data_transport": transport,
-        "object_store_bytes": sum(shard.nbytes for shard in shards or []), "attempts": 1, "retried_failures": [],
-        "cpus_per_worker": cpus, "dataset": spec,
+        "backend": IN_PROCESS, "placement": IN_PROCESS, "data_transport": IN_PROCESS, "object_store_bytes": 0,
+        "attempts": 1, "retried_failures": [], "cpus_per_worker": float(torch.get_num_threads()), "dataset": spec,
+        "embedded_cluster": False,
     }
     return result, run
+
+
+def _run_on_ray(
+    shipped: ShippedModel, plan: RankPlan, spec: DatasetSpec | LoaderSpec, settings: Settings,
+    ray_address: str | None, progress: bool, pool: WarmPool | None,
+) -> tuple[Any, dict[str, Any]]:
+    """Run the ranks on Ray (an embedded instance started for the call is shut down after it)."""
+    from dataclasses import replace
+
+    from workers.ranks.collectives import backend_for_device
+    from workers.ranks.group import run_rank_group
+
+    from service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
+    from service.run.recalibrate import cpus_per_worker, resolve_data_transport, ship_rank_shards
+
+    started_local = ensure_ray(ray_address, min_cpus=plan.world_size)
+    try:
+        cpus = cpus_per_worker(settings, plan.world_size)
+        gpus = settings.gpus_per_worker if plan.device == "cuda" else 0.0
+        backend = backend_for_device(plan.device)
+        plan = replace(
+            plan, backend=backend,
+            loader_workers=0 if spec.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1),
+        )
+        group = GroupOptions(
+            cpus_per_worker=cpus, gpus_per_worker=gpus, placement_strategy=settings.placement_strategy.upper(),
+            collective_timeout_s=settings.collective_timeout_s, placement_timeout_s=settings.placement_timeout_s,
+        )
+        transport, shards = "python", None
+        if isinstance(spec, DatasetSpec):
+            transport = "remote" if spec.remote is not None else resolve_data_transport(settings.data_transport)
+            if transport == "object_store":
+                shards = ship_rank_shards(spec, plan.batch_size, plan.world_size)
+        total = spec.num_samples
+        with _bar(progress) as update:
+            try:
+                result = run_rank_group(
+                    plan, shipped.weights, group, shards=shards, pool=pool,
+                    on_progress=lambda phase, done: update(done, total, phase),
+                )
+            except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
+                if "serialize" not in str(exc):
+                    raise
+                raise _not_picklable(shipped, spec, plan.feed, exc) from None
+        run = {
+            "backend": backend, "placement": group.placement_strategy, "data_transport": transport,
+            "object_store_bytes": sum(shard.nbytes for shard in shards or []), "attempts": 1, "retried_failures": [],
+            "cpus_per_worker": cpus, "dataset": spec, "embedded_cluster": started_local or is_local_instance(),
+        }
+    finally:
+        if started_local:
+            shutdown_embedded()
+    return result, run
+
+
+def _transport(spec: DatasetSpec | LoaderSpec, forward: Forward | None, ray_address: str | None) -> str:
+    """How the model should reach the ranks, decided before any starts: pickled for an
+    embedded Ray started for this call (this machine, the driver's ``sys.path``) and for
+    batches whose shapes vary; as a program (no code needed on the nodes) on a cluster the
+    caller joined, when it exports."""
+    import ray
+
+    from service.run.cluster import EMBEDDED_ADDRESSES
+
+    joined = ray.is_initialized() or (ray_address or os.environ.get("RAY_ADDRESS") or "") not in EMBEDDED_ADDRESSES
+    if not joined or forward is not None:
+        return "pickle"
+    if isinstance(spec, LoaderSpec) and spec.kind == "batches" and spec.select_input:
+        shapes = {_input_shape(batch) for batch in spec.batches}
+        if len(shapes) > 1:
+            return "pickle"
+    return "program"
+
+
+def _input_shape(batch: Any) -> tuple[int, ...] | None:
+    value = model_input(batch)
+    return tuple(value.shape[1:]) if isinstance(value, torch.Tensor) else None
+
+
+def _check_split(spec: DatasetSpec | LoaderSpec) -> None:
+    """Batches read on the driver are split between the ranks: each must split by sample."""
+    if isinstance(spec, LoaderSpec) and spec.kind == "batches":
+        for batch in spec.batches:
+            check_splittable(batch)
+
+
+def _dtype_advice(model: Any, sample: Any, forward: Forward | None) -> SpecError | None:
+    """Where a model that rejects the data computes in another dtype than float32 (a tensor
+    input is fed as float32), the error that says to give ``forward``."""
+    if forward is not None or not isinstance(model, nn.Module) or not isinstance(sample, torch.Tensor):
+        return None
+    dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
+    other = sorted(str(d).replace("torch.", "") for d in dtypes - {torch.float32})
+    if not other:
+        return None
+    return SpecError(
+        f"model {type(model).__name__} computes in {', '.join(other)}, and a batch's input is fed as float32: "
+        f"give forward=lambda model, batch: model(batch[0].to(torch.{other[0]})) (or however it takes a batch)",
+        field="forward",
+    )
 
 
 def _no_batchnorm(model: Any, skipped: list[SkippedLayer]) -> NoBatchNormError:
@@ -229,7 +341,8 @@ def _probe_batch(spec: DatasetSpec | LoaderSpec, forward: Forward | None) -> Any
     batch = first_batch(spec)
     if forward is not None:
         return batch
-    return model_input(batch).to(torch.float32)
+    value = model_input(batch)
+    return value.to(torch.float32) if isinstance(value, torch.Tensor) else value
 
 
 def _count(value: Any, name: str) -> int:

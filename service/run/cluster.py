@@ -22,6 +22,11 @@ from workers.errors import RunError
 EMBEDDED_ADDRESSES = ("", "local")
 """Addresses that mean "start an instance of our own" (``RAY_ADDRESS=local`` included)."""
 
+LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                      "enable_metrics_collection": False}
+"""An embedded instance starts what a run needs and no more: no idle task workers started
+ahead (a run's ranks are actors, each a process of its own), no metrics collection."""
+
 _LOOPBACK_SWITCH = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 _AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")
 _caller_auth_env: dict[str, str | None] | None = None  # what the embedded instance replaced
@@ -51,6 +56,7 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
                 address="local",  # a new instance of our own, never one another process left running
                 num_cpus=int(num_cpus + 0.999),
                 include_dashboard=False,
+                _system_config=LEAN_SYSTEM_CONFIG,
                 _node_ip_address="127.0.0.1",
                 logging_level=logging.ERROR,
                 log_to_driver=False,

@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
 import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
@@ -24,23 +23,24 @@ from torch import nn
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.data.objectstore import is_data_uri
 from workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import apply_statistics
+from workers.engine.calibration import StopRule, apply_statistics
 from workers.engine.calibrator import probe_call_order
 from workers.engine.evaluation import check_eval_output
 from workers.engine.moments import MomentStats
 from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
 from workers.models.checkpoints import Checkpoint
 from workers.ranks.collectives import backend_for_device
-from workers.ranks.group import GroupOptions, run_rank_group
-from workers.ranks.plan import EvalPlan, RankPlan
-from workers.ranks.pool import WarmPool
+from workers.ranks.local import IN_PROCESS, run_in_process
+from workers.ranks.plan import EvalPlan, GroupOptions, RankPlan
 from workers.ranks.sharding import rank_ranges
 
-from service.run.cluster import ensure_ray, is_local_instance
 from service.run.model_source import LoadedModel, load_model
 from service.run.options import STARTING_PHASE, RunOptions, check_model_choice
 from service.run.report import build_report, write_report
 from service.settings import Settings
+
+if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
+    from workers.ranks.pool import WarmPool
 
 ProgressCallback = Callable[[int, int, str], None]
 """Called with (samples done, samples total, phase) as the ranks report progress; the
@@ -131,11 +131,14 @@ def recalibrate(
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
     pool: WarmPool | None = None,
+    in_process: bool = False,
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
 
     With a ``pool`` (the server's), the ranks are warm actors of an earlier job of the
-    same shape when there are some, and stay warm for the next one.
+    same shape when there are some, and stay warm for the next one. With ``in_process``
+    (``bnrecal calibrate --workers 1`` without a Ray address) the one rank runs in this
+    process, without Ray (``workers.ranks.local``): the same pass, the same statistics.
     """
     loaded = load_model(
         settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
@@ -149,10 +152,12 @@ def recalibrate(
     dataset = describe_dataset(
         request.data,
         transform=request.transform,
-        max_samples=request.max_samples,
+        max_samples=request.sample_limit,
         **settings.unpack_options(),
         name=request.data_name,
         endpoint_url=settings.s3_endpoint_url,
+        order=request.order,
+        seed=request.seed,
     )
     try:
         with dataset.open() as data:
@@ -164,9 +169,17 @@ def recalibrate(
     old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
     stale_buffers = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
 
-    started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-    cpus, gpus = rank_resources(settings, request)
-    backend = backend_for_device(request.device)
+    if in_process and request.workers != 1:
+        raise ValueError("a run in the calling process has one worker")
+    started_local = False
+    if in_process:
+        cpus, gpus, backend = float(torch.get_num_threads()), 0.0, IN_PROCESS
+    else:
+        from service.run.cluster import ensure_ray
+
+        started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
+        cpus, gpus = rank_resources(settings, request)
+        backend = backend_for_device(request.device)
     plan = RankPlan(
         model=loaded.source,
         dataset=dataset,
@@ -181,6 +194,7 @@ def recalibrate(
         loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
         memory_format=settings.memory_format,
         evaluation=evaluation,
+        stop=StopRule(request.stop_tolerance) if request.auto_samples else None,
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
@@ -199,14 +213,14 @@ def recalibrate(
         # A rank may start evaluating while a peer's last calibration steps are still on
         # their way: the phases are reported in order, calibration to its end first.
         seen[phase] = done
-        calibrated = seen["calibrating"] >= totals["calibrating"]
+        calibrated = seen["calibrating"] >= totals["calibrating"] or (request.auto_samples and phase == "evaluating")
         if on_progress is None or (phase == "evaluating" and not calibrated):
             return
         on_progress(done, totals[phase], phase)
         if phase == "calibrating" and calibrated and seen.get("evaluating"):
             on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
 
-    transport = resolve_data_transport(settings.data_transport)
+    transport = IN_PROCESS if in_process else resolve_data_transport(settings.data_transport)
     shards = eval_shards = None
     if transport == "object_store":  # data in object storage is fetched by each rank itself
         shards = ship_rank_shards(dataset, request.batch_size, request.workers) if dataset.remote is None else None
@@ -219,6 +233,11 @@ def recalibrate(
         if on_progress is not None:  # the samples to calibrate are known before any worker starts
             on_progress(0, totals["calibrating"], STARTING_PHASE)
         try:
+            if in_process:  # the one rank calibrates the driver's own model: nothing to ship
+                result = run_in_process(plan, model, on_progress=progress, cancel=cancel)
+                break
+            from workers.ranks.group import run_rank_group
+
             result = run_rank_group(
                 plan, loaded.weights, options, on_progress=progress, cancel=cancel,
                 shards=shards, eval_shards=eval_shards, pool=pool,
@@ -241,14 +260,14 @@ def recalibrate(
                     exc.args = (exc.message,)
                 raise
             failures.append(exc.message)
-    stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     report = build_report(
         request,
         result,
-        [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
         skipped,
         run={
             "backend": backend,
@@ -259,7 +278,7 @@ def recalibrate(
             "retried_failures": failures,
             "cpus_per_worker": cpus,
             "dataset": dataset,
-            "embedded_cluster": started_local or is_local_instance(),
+            "embedded_cluster": started_local or (not in_process and _is_local_instance()),
         },
     )
     if evaluation is not None and result.evaluation is not None:
@@ -317,10 +336,18 @@ def bn_buffer_updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
     return updates
 
 
+def _is_local_instance() -> bool:
+    from service.run.cluster import is_local_instance
+
+    return is_local_instance()
+
+
 def resolve_data_transport(setting: str) -> str:
     """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
     if setting != "auto":
         return setting
+    import ray
+
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     here = ray.get_runtime_context().get_node_id()
     return "shared" if alive == [here] else "object_store"
@@ -335,6 +362,10 @@ def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, floa
 def cpus_per_worker(settings: Settings, workers: int) -> float:
     """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
     between the ranks on a single-node cluster, else one."""
+    import ray
+
+    from service.run.cluster import is_local_instance
+
     if settings.cpus_per_worker:
         return settings.cpus_per_worker
     if ray.is_initialized() and not is_local_instance():

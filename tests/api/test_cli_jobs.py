@@ -58,9 +58,10 @@ def test_jobs_status_and_cancel(live_server, inputs, capsys):
 
     code, rows, _ = run(capsys, "jobs", *server)
     assert code == 0
-    rows = rows.splitlines()
-    assert rows[0].startswith(f"{hanging['id']}  running") and "starting workers" in rows[0]  # newest first
-    assert rows[1].startswith(f"{done['id']}  succeeded") and rows[1].endswith("tests.nets:mixed_net")
+    header, *rows = rows.splitlines()
+    assert header.startswith("ID") and "STATUS" in header and "CREATED" in header
+    assert rows[0].split()[:3] == [hanging["id"], "running", "starting"] and "starting workers" in rows[0]  # newest first
+    assert rows[1].split()[:2] == [done["id"], "succeeded"] and "tests.nets:mixed_net" in rows[1]
 
     code, status, _ = run(capsys, "status", done["id"], *server)
     assert code == 0 and f"job {done['id']}: succeeded" in status

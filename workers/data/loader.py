@@ -94,6 +94,9 @@ class LoaderSpec:
 
     def _sliced_steps(self, rank: int, world_size: int) -> Iterator[Step]:
         for batch, size in zip(self.batches, self.sizes, strict=True):
+            if world_size == 1:  # the whole step: nothing to split (any batch update_bn takes)
+                yield Step(self._input(batch), size)
+                continue
             part = np.array_split(np.arange(size), world_size)[rank]
             if not part.size:
                 yield Step(None, 0)
@@ -119,13 +122,14 @@ class LoaderSpec:
         return model_input(batch) if self.select_input else batch
 
 
-def model_input(batch: Any) -> torch.Tensor:
+def model_input(batch: Any) -> Any:
     """The model's input in a batch: the batch itself when it is a tensor, else the first
-    element of a tuple or list. A dict, or anything else, needs ``forward``."""
+    element of a tuple or list: a tensor, or a list of per-sample tensors (detection-style
+    images, :func:`per_sample`). A dict, or anything else, needs ``forward``."""
     value = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value)
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or _tensor_list(value):
         return value
     kind = "a dict" if isinstance(batch, dict) else f"of type {type(batch).__name__}"
     raise ModelInputError(
@@ -134,13 +138,29 @@ def model_input(batch: Any) -> torch.Tensor:
     )
 
 
+def call_model(model: Any, value: Any) -> Any:
+    """Feed the model an input that is not one tensor (a list of per-sample images) as it is,
+    the way ``update_bn`` does: ``model(value)``."""
+    return model(value)
+
+
+def per_sample(batch: Any) -> bool:
+    """Whether a batch is detection-style: a tuple or list whose first element is a list of
+    per-sample tensors (images of any sizes), beside per-sample lists (targets)."""
+    return isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields") and bool(batch) \
+        and _tensor_list(batch[0])
+
+
 def batch_length(batch: Any) -> int:
     """The number of samples in a batch: its first tensor's (or array's) first dimension,
-    else the length of a list of plain values."""
+    the length of a detection-style batch's list of images, else the length of a list of
+    plain values."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         if batch.ndim == 0:
             raise DatasetError("a batch is a 0-dimensional tensor: batches have the samples along dimension 0")
         return int(batch.shape[0])
+    if per_sample(batch):
+        return len(batch[0])
     if isinstance(batch, dict):
         values = list(batch.values())
     elif isinstance(batch, (tuple, list)):
@@ -149,6 +169,9 @@ def batch_length(batch: Any) -> int:
         values = list(batch)
     else:
         values = []
+    for value in values:  # a tensor's samples first: a list beside it may be metadata
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim:
+            return int(value.shape[0])
     for value in values:
         if not _plain(value):
             return batch_length(value)
@@ -156,18 +179,59 @@ def batch_length(batch: Any) -> int:
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``[start, stop)`` of a batch, keeping its structure (tensors and arrays along
-    dimension 0; each member of a dict, tuple or list; a list of plain values itself)."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch[start:stop]
-    if isinstance(batch, dict):
-        return type(batch)((key, slice_batch(value, start, stop)) for key, value in batch.items())
-    if isinstance(batch, (tuple, list)):
-        if batch and all(_plain(v) for v in batch):
-            return batch[start:stop]
-        parts = [slice_batch(value, start, stop) for value in batch]
-        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
-    return batch
+    """Samples ``[start, stop)`` of a batch, keeping its structure: tensors and arrays along
+    dimension 0, each member of a dict, tuple or list, a list of plain values or of
+    per-sample items (a detection-style batch's images and targets) by position.
+
+    A batch whose parts disagree on its number of samples cannot be split between
+    workers: ``DatasetError`` says so and what to pass instead."""
+    n = batch_length(batch)
+    if per_sample(batch):  # each member by position: the images, their targets
+        parts = [
+            _by_position(member, start, stop, n) if isinstance(member, (tuple, list)) else _slice(member, start, stop, n)
+            for member in batch
+        ]
+        return type(batch)(parts)
+    return _slice(batch, start, stop, n)
+
+
+def check_splittable(batch: Any) -> None:
+    """Refuse, before any work, a batch :func:`slice_batch` cannot split by sample."""
+    slice_batch(batch, 0, 0)
+
+
+def _slice(value: Any, start: int, stop: int, n: int) -> Any:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0 or value.shape[0] != n:
+            raise _unsplittable(n, f"a {type(value).__name__} of shape {tuple(value.shape)}")
+        return value[start:stop]
+    if isinstance(value, dict):
+        return type(value)((key, _slice(item, start, stop, n)) for key, item in value.items())
+    if isinstance(value, (tuple, list)):
+        if not value or all(_plain(v) or isinstance(v, dict) for v in value):  # labels, names, target dicts
+            return _by_position(value, start, stop, n)
+        parts = [_slice(item, start, stop, n) for item in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    return value
+
+
+def _by_position(value: Any, start: int, stop: int, n: int) -> Any:
+    if len(value) != n:
+        raise _unsplittable(n, f"a {type(value).__name__} of {len(value)} items")
+    return value[start:stop]
+
+
+def _unsplittable(n: int, part: str) -> DatasetError:
+    return DatasetError(
+        f"a batch of {n} samples holds {part}: bnrecal cannot tell its samples apart to split it between "
+        "workers; pass a DataLoader over a map-style Dataset (each worker collates its own samples), "
+        "batches whose tensors all have the samples along dimension 0, or workers=1"
+    )
+
+
+def _tensor_list(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and not hasattr(value, "_fields") and bool(value) \
+        and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
 
 
 def move_to(batch: Any, device: torch.device | str) -> Any:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from workers.data.arrays import ArrayData
@@ -79,6 +78,8 @@ class ShippedData(CalibrationData):
     def _block(self, index: int) -> Any:
         if self._cached is None or self._cached[0] != index:
             self._cached = None  # drop the previous block before fetching the next
+            import ray  # here: a one-worker run in the calling process never imports Ray
+
             self._cached = (index, ray.get(self.blocks[index].ref))
         return self._cached[1]
 
@@ -107,7 +108,10 @@ def ship_dataset(
     """
     data = spec.open()
     shipped = []
+    plan = getattr(data, "plan_reads", None)
     for ranges in rank_ranges:
+        if plan is not None:  # a shuffled order over costly reads: the rank's rows are read ahead
+            plan(list(ranges))
         blocks: list[ShippedBlock] = []
         pending: list[tuple[int, int]] = []
         parts: list[Any] = []
@@ -150,4 +154,6 @@ def _put(ranges: list[tuple[int, int]], parts: list[Any]) -> ShippedBlock:
         payload: Any = torch.cat(parts)
     else:
         payload = [item for part in parts for item in part]
+    import ray
+
     return ShippedBlock(tuple(ranges), ray.put(payload), sum(_nbytes(part) for part in parts))

@@ -15,6 +15,7 @@ loaded afterwards from the user's checkpoint. Nothing is ever ``exec``'d or ``ev
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import keyword
@@ -241,11 +242,33 @@ def check_architecture(arch: str, allowed_modules: Sequence[str] = ()) -> tuple[
         raise ArchitectureError(f"arch {arch!r} is malformed; use {ACCEPTED_FORMS}")
     if not _is_allowed(source, allowed_modules):
         allowed = ", ".join(parse_allowed_modules(allowed_modules)) or "none"
+        near = _near_source(source, allowed_modules)
+        if near in KNOWN_SOURCES:  # a typo of torchvision, timm or transformers, not a module to allow
+            raise ArchitectureError(f"arch {arch!r}: unknown model source {source!r} (did you mean {near}:{name}?)")
+        hint = f" (did you mean {near}:{name}?)" if near else ""
         raise ArchitectureError(
-            f"module {source!r} is not allowed (allowed prefixes: {allowed}); the operator "
+            f"module {source!r} is not allowed{hint} (allowed prefixes: {allowed}); the operator "
             f"must list it in the setting {ALLOWED_MODULES_SETTING}"
         )
     return source, name
+
+
+KNOWN_SOURCES = ("torchvision", "timm", "transformers")
+
+
+def _near_source(source: str, allowed_modules: Sequence[str]) -> str | None:
+    """The known source (``torchvision`` for ``torvision``) or allowed module path (``tests.nets``
+    for ``test.nets``) that ``source`` is a near miss of, or None."""
+    allowed = parse_allowed_modules(allowed_modules)
+    head, dot, rest = source.partition(".")
+    candidates = [known for known in KNOWN_SOURCES if not dot] + [prefix.split(".")[0] for prefix in allowed]
+    match = difflib.get_close_matches(head, candidates, n=1, cutoff=0.75)
+    if not match and head.lower() in candidates:
+        match = [head.lower()]
+    if not match or match[0] == head:
+        return None
+    fixed = match[0] + dot + rest
+    return fixed if fixed in KNOWN_SOURCES or _is_allowed(fixed, allowed) else None
 
 
 def _bare_name_hint(arch: str) -> str:

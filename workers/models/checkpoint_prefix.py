@@ -12,12 +12,13 @@ tied tensors stored under one of their names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from workers.errors import CheckpointError
+from workers.models.fit_hints import checkpoint_hint
 
 _LISTED = 5  # how many keys of each kind an error message names
 
@@ -51,10 +52,17 @@ class KeyMatch:
         """Whether every model key has a value and every stored key a place."""
         return not self.missing and not self.unexpected
 
-    def error(self, mismatched: list[str]) -> CheckpointError:
-        """The one-line error for these keys and the given shape mismatches: what was
-        tried, then the missing, unexpected and mismatched keys of this attempt."""
-        kinds = (("missing", self.missing), ("unexpected", self.unexpected), ("shape mismatches", mismatched))
+    def error(
+        self,
+        mismatched: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        model_order: Sequence[str] = (),
+    ) -> CheckpointError:
+        """The one-line error for these keys and the given shape mismatches (model key ->
+        (stored shape, model shape)): what was tried, the missing, unexpected and mismatched
+        keys of this attempt, and what to check (``fit_hints``); its ``field`` is that setting."""
+        shapes = dict(mismatched or {})
+        shown = [f"{key} {stored} vs model {expected}" for key, (stored, expected) in shapes.items()]
+        kinds = (("missing", self.missing), ("unexpected", self.unexpected), ("shape mismatches", shown))
         parts = [name_keys(kind, keys) for kind, keys in kinds if keys]
         if self.tried:
             which = f"without {self.prefix!r}" if self.prefix else "as stored"
@@ -62,7 +70,10 @@ class KeyMatch:
             what = f"keys match the architecture neither as stored nor without {tried}; closest {which}"
         else:
             what = "does not match the architecture" + (f" (keys without {self.prefix!r})" if self.prefix else "")
-        return CheckpointError(f"checkpoint {what}: {'; '.join(parts)}")
+        hint, field = checkpoint_hint(len(self.sources), self.missing, self.unexpected, shapes, model_order)
+        error = CheckpointError(f"checkpoint {what}: {'; '.join(parts)}" + (f"; {hint}" if hint else ""))
+        error.field = field
+        return error
 
 
 def name_keys(kind: str, keys: list[str]) -> str:

@@ -218,13 +218,13 @@ def load_into_model(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         key: stored[match.prefix + match.sources[key]] if key in match.sources else target.clone()
         for key, target in expected.items()
     }
-    mismatched = [
-        f"{key} {tuple(to_load[key].shape)} vs model {tuple(expected[key].shape)}"
+    mismatched = {
+        key: (tuple(to_load[key].shape), tuple(expected[key].shape))
         for key in match.sources
         if to_load[key].shape != expected[key].shape
-    ]
+    }
     if not match.fits or mismatched:
-        raise match.error(mismatched)
+        raise match.error(mismatched, list(expected))
     ordered: Any = dict(to_load)
     metadata = _strip_metadata(stored, match.prefix)
     if metadata is not None:

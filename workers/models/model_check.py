@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.errors import ArchitectureError, CheckpointError, SpecError
+from workers.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
 from workers.models.architectures import build_model, check_architecture
 from workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
 from workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
+from workers.suggestions import sample_shape_hint
 
 CHILD_TIMEOUT_S = 120.0
 """Longest a child process may take to build an architecture the meta device cannot."""
@@ -97,13 +98,47 @@ def check_checkpoint_fits(
     keys, expected = model_layout(arch, model_kwargs, allowed_modules, max_bytes)
     stored = checkpoint_shapes(checkpoint, name)
     match = choose_prefix(keys, list(stored))
-    mismatched = [
-        f"{key} {stored[match.prefix + source]} vs model {expected[key]}"
+    mismatched = {
+        key: (stored[match.prefix + source], expected[key])
         for key, source in match.sources.items()
         if stored[match.prefix + source] != expected[key]
-    ]
+    }
     if not match.fits or mismatched:
-        raise match.error(mismatched)
+        raise match.error(mismatched, keys.expected)
+
+
+def check_data_fits(
+    arch: str,
+    model_kwargs: Mapping[str, Any],
+    sample_shape: Sequence[int] | None,
+    *,
+    allowed_modules: Sequence[str] = (),
+    field: str = "data",
+    name: str | None = None,
+) -> None:
+    """Refuse, before a job exists, data whose samples the model rejects, when the layer
+    that takes the input tells why (channels-last, the wrong channel count): one forward on
+    the meta device, so nothing is computed or allocated. A model that cannot run on the
+    meta device, a rejection with no clear cause, or data other than arrays is left to the
+    job's own probe (``sample_shape`` None: not known before reading, e.g. images)."""
+    if sample_shape is None:
+        return
+    try:
+        with torch.device("meta"):
+            model = build_model(arch, model_kwargs, allowed_modules=allowed_modules, device="meta")
+    except Exception:  # noqa: BLE001 - the architecture checks report their own problems
+        return
+    shape = tuple(int(size) for size in sample_shape)
+    try:
+        with torch.inference_mode():
+            model.eval()(torch.empty((2, *shape), device="meta"))
+    except Exception:  # noqa: BLE001 - whatever the model raised, the hint below says why or nothing
+        hint = sample_shape_hint(model, shape)
+        if hint:
+            shown = f" {name!r}" if name else ""
+            error = ModelInputError(f"{field}{shown}: the model rejects samples of shape {shape}: {hint}")
+            error.field = field
+            raise error from None
 
 
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:

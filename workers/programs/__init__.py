@@ -45,9 +45,25 @@ def _deserialize(archive: ProgramArchive) -> Any:
     except ProgramError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch's deserializer raises many types
+        unknown = _unregistered_type(exc)
+        if unknown is not None:
+            raise ProgramError(
+                f"program {archive.name} returns a {unknown}, a type bnrecal cannot rebuild (it would have to "
+                "import its code): export the model with outputs of tensors, tuples, lists or dicts (for a "
+                "Hugging Face model, config.return_dict=False, or a wrapper returning the logits)"
+            ) from exc
         raise ProgramError(
             f"program {archive.name} cannot be deserialized by this torch: {type(exc).__name__}: {one_line(exc)[:300]}"
         ) from exc
+
+
+def _unregistered_type(exc: BaseException) -> str | None:
+    """The output type a program's pytree spec names that this process has not registered
+    (a Hugging Face ``ModelOutput``, a dataclass), from torch's deserializer's error."""
+    import re
+
+    found = re.search(r"Deserializing ([\w.]+) in pytree is not registered", str(exc))
+    return found.group(1) if found else None
 
 
 def check_program(source: str | os.PathLike[str], name: str | None = None) -> None:

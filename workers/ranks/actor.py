@@ -8,22 +8,20 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
 import torch
 
-from workers.data import CalibrationData, iter_batches
-from workers.data.loader import LoaderSpec
+from workers.data import CalibrationData
 from workers.engine.batchnorm import layers_named
 from workers.engine.calibration import PassResult, calibration_pass
-from workers.engine.evaluation import evaluation_pass, with_statistics
 from workers.errors import BnrecalError, RunError, first_line
 from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from workers.ranks.collectives import RayCollective
 from workers.ranks.plan import RankPlan
-from workers.ranks.sharding import rank_ranges, step_ranges
+from workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
 
 HEARTBEAT_S = 1.0
 """How often a rank reports while a step is in flight, so the driver can tell a rank
@@ -136,16 +134,7 @@ class CalibrationRank:
         model = plan.model.build(weights)
         model.to(device).eval()
         layers = layers_named(model, plan.layer_names)
-        if isinstance(plan.dataset, LoaderSpec):
-            ranges = plan.dataset.rank_ranges(self.rank, plan.world_size)
-            steps = plan.dataset.step_ranges()
-            batches: Iterator[Any] = plan.dataset.rank_steps(self.rank, plan.world_size)
-        else:
-            data = shard if shard is not None else plan.dataset.open()
-            loader_workers = plan.loader_workers if shard is None else 0
-            ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, self.rank)
-            steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
-            batches = iter_batches(data, ranges, num_workers=loader_workers)
+        batches, ranges, steps = rank_batches(plan, self.rank, shard)
         self._groups = [plan.group_name]
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
@@ -175,6 +164,8 @@ class CalibrationRank:
                     sample_ranges=ranges,
                     step_ranges=steps,
                     feed=plan.feed,
+                    stop=plan.stop,
+                    row_of=row_of(plan),
                 )
                 evaluation = None
                 if plan.evaluation is not None:
@@ -210,9 +201,8 @@ class CalibrationRank:
             "calls": passed.calls,
             "seconds": passed.seconds,
             "memory_format": passed.memory_format,
-            "stats": [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in passed.stats]
-            if self.rank == 0
-            else None,
+            "stats": stats_payload(passed) if self.rank == 0 else None,
+            "convergence": None if passed.convergence is None else asdict(passed.convergence),
             "evaluation": event.evaluation,
         }
 
@@ -226,16 +216,8 @@ class CalibrationRank:
         emit: Callable[[dict[str, Any]], None],
     ) -> dict[str, Any]:
         """Evaluate this rank's evaluation shard before and after; every rank gets the job's metrics."""
-        evaluation = plan.evaluation
-        assert evaluation is not None
-        after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
-        data = shard if shard is not None else evaluation.dataset.open()
-        ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, self.rank)
-        labels = [
-            evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges
-        ]
 
-        def on_step(samples: int) -> None:
+        def on_samples(samples: int) -> None:
             emit(
                 {
                     "kind": "progress", "phase": "evaluating", "rank": self.rank,
@@ -243,19 +225,7 @@ class CalibrationRank:
                 }
             )
 
-        loader_workers = plan.loader_workers if shard is None else 0
-        metrics, seconds = evaluation_pass(
-            model,
-            after,
-            iter_batches(data, ranges, num_workers=loader_workers),
-            labels,
-            evaluation.target,
-            collective=collective,
-            device=torch.device(plan.device),
-            channels_last=calibration.memory_format == "channels_last",
-            on_step=on_step,
-        )
-        return {**metrics, "seconds": seconds}
+        return evaluate_rank(plan, self.rank, model, calibration, shard, collective, on_samples)
 
     def collect_ranges(
         self,

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -23,38 +23,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
 from workers.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
-from workers.ranks.plan import RankPlan
+from workers.ranks.plan import GroupOptions, GroupResult, RankPlan
 from workers.ranks.pool import Gang, GangKey, WarmPool
 
 ProgressCallback = Callable[[str, int], None]
 """Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
 ranks have processed in it so far."""
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """How to place and supervise the ranks of one job."""
-
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    placement_strategy: str = "SPREAD"
-    collective_timeout_s: float = 300.0
-    placement_timeout_s: float = 120.0
-
-
-@dataclass
-class GroupResult:
-    """What the ranks of a job produced together."""
-
-    stats: list[dict[str, Any]]
-    steps: int
-    samples: int
-    collectives: list[int]
-    seconds: float
-    nodes: list[str]
-    calls: list[int] = field(default_factory=list)
-    memory_formats: list[str] = field(default_factory=list)
-    evaluation: dict[str, Any] | None = None
 
 
 def run_rank_group(
@@ -203,6 +177,7 @@ def _follow(
         calls=first["calls"],
         memory_formats=[results[r]["memory_format"] for r in sorted(results)],
         evaluation=first["evaluation"],
+        convergence=first.get("convergence"),
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec
+from workers.engine.calibration import StopRule
 from workers.engine.evaluation import EvalTarget
 from workers.models.sources import ModelSource
 
@@ -46,3 +47,32 @@ class RankPlan:
     memory_format: str = "auto"
     evaluation: EvalPlan | None = None
     feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches
+    stop: StopRule | None = None  # max_samples "auto": stop once the statistics have converged
+
+
+@dataclass
+class GroupResult:
+    """What the ranks of a job produced together (also a one-rank run in the calling
+    process, ``workers.ranks.local``)."""
+
+    stats: list[dict[str, Any]]
+    steps: int
+    samples: int
+    collectives: list[int]
+    seconds: float
+    nodes: list[str]
+    calls: list[int] = field(default_factory=list)
+    memory_formats: list[str] = field(default_factory=list)
+    evaluation: dict[str, Any] | None = None
+    convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """How to place and supervise the ranks of one job."""
+
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    placement_strategy: str = "SPREAD"
+    collective_timeout_s: float = 300.0
+    placement_timeout_s: float = 120.0

@@ -18,7 +18,7 @@ from service.cli import main
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, no_norm_net, perturbed, self_stats_net
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_calibrate_writes_checkpoint_and_report(artifacts, tmp_path, capsys):
     assert code == 0, err
     model = mixed_net()
     model.load_state_dict(torch.load(out, weights_only=True))
-    assert_matches_reference(model, reference_statistics(artifacts["model"], artifacts["samples"], 8))
+    assert_matches_reference(model, reference_statistics(artifacts["model"], in_contract_order(artifacts["samples"]), 8))
     content = json.loads(report.read_text())
     for key in ("mode", "world_size", "backend", "device", "samples", "steps", "collectives", "seconds",
                 "samples_per_second", "nodes", "layers"):
@@ -102,6 +102,7 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
     save_array(tmp_path / "vec.npy", np.zeros((4, 4), np.float32))
     torch.save(self_stats_net().state_dict(), tmp_path / "selfstats.pt")
     save_array(tmp_path / "img.npy", np.random.default_rng(0).standard_normal((4, 3, 7, 6)).astype(np.float32))
+    save_array(tmp_path / "nhwc.npy", artifacts["samples"].numpy().transpose(0, 2, 3, 1).copy())
     return {
         "unknown arch": (["--arch", "torchvision:resnet1800", "--checkpoint", ckpt], "resnet1800"),
         "module not allowed": (["--arch", "os:getcwd", "--checkpoint", ckpt], "BNRECAL_MODEL_MODULES"),
@@ -119,6 +120,12 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
         "bad kwargs json": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--model-kwargs", "{oops"], "--model-kwargs"),
         "bad mode": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--mode", "async"], "--mode"),
         "zero workers": (["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--workers", "0"], "workers"),
+        "channels-last data": (
+            ["--arch", "tests.nets:mixed_net", "--checkpoint", ckpt, "--data", str(tmp_path / "nhwc.npy")],
+            "rejects samples of shape (6, 5, 3): it takes (3, H, W); your data looks channels-last: "
+            "transpose it to channels-first, e.g. x.transpose(0, 3, 1, 2)",
+        ),
+        "mistyped source": (["--arch", "torchvison:resnet18", "--checkpoint", ckpt], "did you mean torchvision:resnet18?"),
         "uncalibratable layer": (
             ["--arch", "tests.nets:self_stats_net", "--checkpoint", str(tmp_path / "selfstats.pt"),
              "--data", str(tmp_path / "img.npy")],
@@ -130,7 +137,7 @@ def bad_inputs(tmp_path: Path, artifacts: dict[str, Path]) -> dict[str, tuple[li
 CASES = [
     "unknown arch", "module not allowed", "unexpected keys", "missing keys", "corrupt file", "truncated file", "code in pickle",
     "shape rejected", "no batchnorm", "empty dataset", "bad kwargs json", "bad mode", "zero workers",
-    "uncalibratable layer",
+    "uncalibratable layer", "channels-last data", "mistyped source",
 ]
 
 
@@ -177,7 +184,7 @@ def test_image_folder_with_default_transform(tmp_path, capsys):
     assert spec.classes == tuple(sorted({f"class_{int(t)}" for t in digits.target[:12]}))
     recalibrated = mixed_net()
     recalibrated.load_state_dict(torch.load(out, weights_only=True))
-    assert_matches_reference(recalibrated, reference_statistics(model, samples, 5))
+    assert_matches_reference(recalibrated, reference_statistics(model, in_contract_order(samples), 5))
 
 
 def test_console_script_runs_end_to_end(artifacts, tmp_path):

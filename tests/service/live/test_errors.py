@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
 from tests.nets import mixed_net, no_norm_net, perturbed
+from tests.service.live.guest import snapshot
 from tests.service.live.helpers import state
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -116,11 +117,15 @@ class Locked(torch.utils.data.Dataset):
 
 
 def test_what_cannot_be_pickled_is_named(model):
-    message = refused(bnrecal.SpecError, model, DataLoader(Locked(), batch_size=4))
+    message = refused(bnrecal.SpecError, model, DataLoader(Locked(), batch_size=4), workers=2)
     assert message.startswith(
         "the dataset (or its collate_fn) cannot be sent to the Ray workers: TypeError: cannot pickle"
     )
     locked = copy.deepcopy(model)
     locked.lock = threading.Lock()
-    message = refused(bnrecal.SpecError, locked, [samples()], forward=lambda net, batch: net(batch))
+    message = refused(bnrecal.SpecError, locked, [samples()], forward=lambda net, batch: net(batch), workers=2)
     assert message.startswith("the model cannot be sent to the Ray workers: TypeError: cannot pickle")
+    before = snapshot(locked)  # one worker in this process sends nothing: the model runs itself, put back after
+    report = bnrecal.recalibrate(locked, [samples()], forward=lambda net, batch: net(batch), progress=False)
+    assert report["backend"] == "in-process" and "does not deep-copy" in report["model"]["notes"][0]
+    assert before["#training"] == locked.training and before.keys() == snapshot(locked).keys()

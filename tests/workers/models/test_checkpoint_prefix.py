@@ -195,7 +195,8 @@ def test_no_fitting_prefix_is_one_line_naming_what_was_tried(tmp_path: Path) -> 
         load_into_model(model, load_checkpoint(tmp_path / "other.ckpt"))
     assert str(info.value) == (
         "checkpoint keys match the architecture neither as stored nor without 'model.' or 'model.net.'; "
-        "closest without 'model.net.': 1 missing: neck.bias; 1 unexpected: extra.weight"
+        "closest without 'model.net.': 1 missing: neck.bias; 1 unexpected: extra.weight; "
+        "check arch (--arch) for another variant of the model, and model_kwargs (--model-kwargs)"
     )
     assert_same(dict(model.state_dict()), before)  # nothing half-loaded
 
@@ -206,7 +207,9 @@ def test_a_shape_mismatch_behind_a_prefix_names_the_prefix(tmp_path: Path) -> No
         load_into_model(SmallCNN(num_classes=5, width=4), load_checkpoint(tmp_path / "wide.ckpt"))
     assert str(info.value) == (
         "checkpoint does not match the architecture (keys without 'model.'): "
-        "2 shape mismatches: head.weight (3, 8) vs model (5, 8), head.bias (3,) vs model (5,)"
+        "2 shape mismatches: head.weight (3, 8) vs model (5, 8), head.bias (3,) vs model (5,); "
+        "only the classifier head differs: the checkpoint has 3 classes, the model 5; "
+        """set model_kwargs {"num_classes": 3} (--model-kwargs '{"num_classes": 3}')"""
     )
 
 

@@ -1,0 +1,157 @@
+"""A rank's work that needs no Ray, and the one-rank run in the calling process.
+
+``rank_batches`` (the batches a rank reads, with their global sample ranges) and
+``evaluate_rank`` (its evaluation after calibration) are what a rank actor does
+(``workers.ranks.actor``); ``run_in_process`` does the same as the only rank of a world of
+one, in the calling process, with the engine's calibration pass and a
+``SingleProcessCollective``: ``bnrecal.recalibrate(..., workers=1)`` and ``bnrecal
+calibrate --workers 1`` run here when no Ray cluster is named. The statistics are those of
+every other path (contract section 1): the same data, the same pass, a world of one.
+This module never imports Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from workers.data import CalibrationData, iter_batches
+from workers.data.loader import LoaderSpec
+from workers.engine.batchnorm import layers_named
+from workers.engine.calibration import PassResult, calibration_pass
+from workers.engine.collective import Collective, SingleProcessCollective
+from workers.engine.evaluation import evaluation_pass, with_statistics
+from workers.errors import CancelledError
+from workers.ranks.plan import GroupResult, RankPlan
+from workers.ranks.sharding import rank_ranges, step_ranges
+
+IN_PROCESS = "in-process"
+"""The report's ``backend`` (and node) of a one-worker run without Ray."""
+
+Ranges = list[tuple[int, int]]
+
+
+def rank_batches(
+    plan: RankPlan, rank: int, shard: CalibrationData | None = None
+) -> tuple[Iterator[Any], Ranges, Ranges]:
+    """Rank ``rank``'s batches of every global step (empty ones included), with its
+    ``[start, stop)`` per step and every step's global range, as global sample indices.
+
+    ``shard`` is the rank's data when it came through the object store; without it the
+    rank opens the dataset itself (a path, a prefix, or Python objects).
+    """
+    if isinstance(plan.dataset, LoaderSpec):
+        ranges = plan.dataset.rank_ranges(rank, plan.world_size)
+        return plan.dataset.rank_steps(rank, plan.world_size), ranges, plan.dataset.step_ranges()
+    data = shard if shard is not None else plan.dataset.open()
+    loader_workers = plan.loader_workers if shard is None else 0
+    ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, rank)
+    steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
+    return iter_batches(data, ranges, num_workers=loader_workers), ranges, steps
+
+
+def evaluate_rank(
+    plan: RankPlan,
+    rank: int,
+    model: torch.nn.Module,
+    calibration: PassResult,
+    shard: CalibrationData | None,
+    collective: Collective,
+    on_samples: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Evaluate rank ``rank``'s evaluation shard before and after; every rank gets the job's metrics."""
+    evaluation = plan.evaluation
+    assert evaluation is not None
+    after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
+    data = shard if shard is not None else evaluation.dataset.open()
+    ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, rank)
+    labels = [evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges]
+    loader_workers = plan.loader_workers if shard is None else 0
+    metrics, seconds = evaluation_pass(
+        model,
+        after,
+        iter_batches(data, ranges, num_workers=loader_workers),
+        labels,
+        evaluation.target,
+        collective=collective,
+        device=torch.device(plan.device),
+        channels_last=calibration.memory_format == "channels_last",
+        on_step=on_samples,
+    )
+    return {**metrics, "seconds": seconds}
+
+
+def run_in_process(
+    plan: RankPlan,
+    model: torch.nn.Module,
+    *,
+    on_progress: Callable[[str, int], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> GroupResult:
+    """Run a one-rank job on ``model`` in this process, as a rank actor would in a world of one.
+
+    ``model`` is run as it is (the caller gives a model of its own: a copy or a view of a
+    user's module, a checkpoint's model). ``on_progress`` gets the phase and the samples
+    done so far, like ``run_rank_group``'s; ``cancel`` stops it between steps.
+    """
+    if plan.world_size != 1:
+        raise ValueError(f"a run in the calling process is a world of one, not {plan.world_size}")
+    device = torch.device(plan.device)
+    model.to(device).eval()
+    layers = layers_named(model, plan.layer_names)
+    batches, ranges, steps = rank_batches(plan, 0)
+    collective = SingleProcessCollective()
+    done = {"calibrating": 0, "evaluating": 0}
+
+    def report(phase: str, samples: int) -> None:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("the job was cancelled")
+        done[phase] += samples
+        if on_progress is not None:
+            on_progress(phase, done[phase])
+
+    result = calibration_pass(
+        model, layers, batches, mode=plan.mode, collective=collective, call_order=plan.call_order, device=device,
+        on_step=lambda step, samples: report("calibrating", samples), memory_format=plan.memory_format,
+        sample_ranges=ranges, step_ranges=steps, feed=plan.feed, stop=plan.stop, row_of=row_of(plan),
+    )
+    evaluation = None
+    if plan.evaluation is not None:
+        evaluation = evaluate_rank(plan, 0, model, result, None, collective, lambda n: report("evaluating", n))
+    return GroupResult(
+        stats=stats_payload(result),
+        steps=result.steps,
+        samples=result.samples,
+        collectives=[result.collectives],
+        seconds=result.seconds,
+        nodes=[f"{IN_PROCESS}:{os.uname().nodename}"],
+        calls=list(result.calls),
+        memory_formats=[result.memory_format],
+        evaluation=evaluation,
+        convergence=None if result.convergence is None else asdict(result.convergence),
+    )
+
+
+def stats_payload(result: PassResult) -> list[dict[str, Any]]:
+    """A pass's statistics as rank 0 sends them to the driver (CPU tensors in plain dicts),
+    with each layer's standard errors per channel where they were estimated."""
+    payload = []
+    for stat in result.stats:
+        entry: dict[str, Any] = {"count": stat.count, "mean": stat.mean.cpu(), "var": stat.var.cpu()}
+        if stat.se_mean is not None and stat.se_var is not None:
+            entry.update(se_mean=stat.se_mean.cpu(), se_var=stat.se_var.cpu())
+        payload.append(entry)
+    return payload
+
+
+def row_of(plan: RankPlan) -> Callable[[int], int] | None:
+    """Position -> file row, where the data is read in a shuffled order (errors name the row)."""
+    if isinstance(plan.dataset, LoaderSpec) or plan.dataset.order == "given":
+        return None
+    rows = plan.dataset.sample_rows()
+    return lambda position: int(rows[position])
