@@ -241,7 +241,9 @@ class CalibrationRank:
         """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
         rank's shard of ``dataset``, with the calibration's sharding rule, combined with the
         peers' in one collective per pass (``workers.ranks.int8_ranges``)."""
+        from workers.data import iter_batches
         from workers.ranks.int8_ranges import range_pass
+        from workers.ranks.sharding import rank_ranges
 
         self.jobs += 1
         self._groups = [group_name]
