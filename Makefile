@@ -42,7 +42,7 @@ demo: $(STAMP)
 	$(BIN)/bnrecal calibrate --arch torchvision:resnet18 --model-kwargs '{"num_classes": 10}' \
 		--checkpoint demo/resnet18-stale.pt --data demo/calib.npy --eval-data demo/eval.npz \
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
-		--report demo/report.json --report-html demo/report.html
+		--onnx-int8 demo/resnet18-int8.onnx --report demo/report.json --report-html demo/report.html
 
 test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest

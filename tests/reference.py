@@ -19,6 +19,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
+def in_contract_order(samples: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The samples of a dataset given by path in the order the contract reads them
+    (``order: "shuffled"``, the default): numpy's PCG64 permutation of all rows from ``seed``,
+    written out here rather than taken from the engine. ``max_samples = M`` is the first M."""
+    return samples[torch.from_numpy(np.random.Generator(np.random.PCG64(seed)).permutation(len(samples)))]
+
+
 def reference_statistics(
     model: nn.Module,
     samples: torch.Tensor,

@@ -84,3 +84,22 @@ export function resultText(job) {
   if (accuracy) parts.push(`top-1 ${accuracy.before.toFixed(3)} → ${accuracy.after.toFixed(3)}`);
   return parts.join(" · ");
 }
+
+/** How precise the statistics are, in the words of the CLI's summary: where max_samples "auto"
+ * stopped ("statistics converged at 1,536 of 50,000 samples (worst: layer4.1.bn2, variance
+ * +-0.8%)"), that the data ran out first, or the worst standard error; "" without a report. */
+export function statisticsLine(report) {
+  if (!report) return "";
+  const worst = report.standard_error_max;
+  const percent = (value) => `${(100 * value).toFixed(1)}%`;
+  const where = worst ? `worst: ${worst.layer}, ${worst.statistic} \u00b1${percent(worst.error)}` : "no standard errors";
+  const convergence = report.convergence;
+  if (convergence) {
+    const seen = `${convergence.samples.toLocaleString("en-US")} of ${convergence.available_samples.toLocaleString("en-US")} samples`;
+    if (convergence.converged) return `statistics converged at ${seen} (${where})`;
+    return `statistics did not converge to \u00b1${percent(convergence.tolerance)} on all ${seen} (${where}): give more data`;
+  }
+  if (!worst) return "";
+  const order = report.order ? `; order ${report.order}${report.order === "shuffled" ? `, seed ${report.seed}` : ""}` : "";
+  return `statistics \u00b1${percent(worst.error)} (${where}${order})`;
+}

@@ -6,7 +6,7 @@ import {
   api, apiJson, config, describeError, el, followJob, isTerminal, progressText, requireKey, setProgress, setStatus,
 } from "./api.js";
 import {
-  durationSeconds, formatSeconds, formatTime, inputDetail, inputFields, inputName, shortId,
+  durationSeconds, formatSeconds, formatTime, inputDetail, inputFields, inputName, shortId, statisticsLine,
 } from "./format.js";
 
 const jobId = document.body.dataset.jobId;
@@ -78,7 +78,10 @@ function showSpec(spec) {
   entries.push(["mode", spec.mode === "sync" ? "sync (global-batch statistics)" : "local (per-worker statistics)"]);
   entries.push(["workers", `${spec.workers}${spec.device ? ` on ${spec.device}` : ""}`]);
   entries.push(["batch size", `${spec.batch_size}`]);
-  entries.push(["samples", spec.max_samples ? `the first ${spec.max_samples}` : "all"]);
+  entries.push(["samples", spec.max_samples === "auto"
+    ? `until the statistics converge (\u00b1${((spec.tolerance || 0.05) * 100).toFixed(1)}%)`
+    : spec.max_samples ? `the first ${spec.max_samples}` : "all"]);
+  entries.push(["order", spec.order === "given" ? "given (file order)" : `shuffled (seed ${spec.seed || 0})`]);
   if (spec.eval) entries.push(["evaluation", spec.eval.max_samples ? `the first ${spec.eval.max_samples} samples` : "all samples"]);
   const outputs = spec.outputs || [];
   entries.push(["outputs", [...outputs, "report"].join(", ")]);
@@ -86,6 +89,11 @@ function showSpec(spec) {
     const onnx = spec.onnx;
     entries.push(["ONNX", `opset ${onnx.opset}, ${onnx.dtype}, ${onnx.dynamic_batch ? "dynamic" : "fixed"} batch`
       + (onnx.input_shape ? `, input ${onnx.input_shape.join("×")}` : "")]);
+  }
+  if (outputs.includes("onnx_int8")) {
+    const int8 = spec.int8 || {};
+    entries.push(["INT8", `${int8.method || "minmax"} ranges, weights int8 ${int8.per_channel === false ? "per tensor" : "per channel"}`
+      + (int8.max_top1_drop != null ? `, top-1 drop at most ${int8.max_top1_drop} points` : "")]);
   }
   if (spec.transform) entries.push(["transform", JSON.stringify(spec.transform)]);
   rows(document.getElementById("job-spec"), entries);
@@ -174,6 +182,9 @@ function showJob(current) {
   showSpec(current.spec);
   showTimes(current);
   showArtifacts(current.artifacts);
+  const statistics = document.getElementById("job-statistics");
+  statistics.textContent = statisticsLine(current.report);
+  statistics.hidden = !statistics.textContent;
   if (current.status === "succeeded" && current.artifacts["report.html"]) {
     showReport().catch((error) => showProblem(describeError(error)));
   }

@@ -161,6 +161,19 @@ function intField(id) {
   return Number.isFinite(number) ? number : input.value; // the API says what is wrong with it
 }
 
+/** Max samples: a number, "auto", or all (empty). */
+function samplesField(id) {
+  const text = document.getElementById(id).value.trim();
+  return text.toLowerCase() === "auto" ? "auto" : intField(id);
+}
+
+function numberField(id) {
+  const input = document.getElementById(id);
+  if (input.value.trim() === "") return undefined;
+  const number = Number(input.value);
+  return Number.isFinite(number) ? number : input.value;
+}
+
 function modelKwargs() {
   const text = document.getElementById("model-kwargs").value.trim();
   if (!text) return {};
@@ -213,9 +226,16 @@ async function describe(state) {
     mode: document.getElementById("mode").value,
     workers: intField("workers"),
     batch_size: intField("batch-size"),
-    max_samples: intField("max-samples"),
+    max_samples: samplesField("max-samples"),
+    tolerance: numberField("tolerance"),
+    order: document.getElementById("order").value,
+    seed: intField("seed"),
     outputs: document.getElementById("onnx").checked ? [kind, "onnx"] : [kind],
   };
+  if (document.getElementById("int8").checked) {
+    spec.outputs.push("onnx_int8");
+    spec.int8 = { method: document.getElementById("int8-method").value };
+  }
   if (kind === "checkpoint") {
     spec.arch = document.getElementById("arch").value.trim();
     spec.model_kwargs = modelKwargs();
@@ -320,8 +340,13 @@ async function editFrom(jobId) {
   document.getElementById("workers").value = spec.workers;
   document.getElementById("batch-size").value = spec.batch_size;
   document.getElementById("max-samples").value = spec.max_samples || "";
+  document.getElementById("tolerance").value = spec.tolerance ?? "";
+  document.getElementById("order").value = spec.order || "shuffled";
+  document.getElementById("seed").value = spec.seed ?? 0;
   document.getElementById("mode").value = spec.mode;
   document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
+  document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");
+  document.getElementById("int8-method").value = (spec.int8 && spec.int8.method) || "minmax";
   for (const [id, field] of Object.entries(FILE_FIELDS)) {
     const input = job.inputs[field];
     if (!input) continue;

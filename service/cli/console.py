@@ -52,13 +52,57 @@ def summary_lines(
         f"({report['world_size']} x {report['backend']}, {report['mode']}) "
         f"in {report['seconds']:.2f} s{job} -> {out}"
     ]
+    precision = statistics_line(report)
+    if precision:
+        lines.append(precision)
     others = [str(path) for path in also_wrote if path is not None]
     if others:
         lines.append(f"also wrote {', '.join(others)}")
     evaluation = report.get("evaluation")
     if evaluation:
         lines.append(evaluation_line(evaluation))
+    if report.get("int8"):
+        lines.append(int8_line(report["int8"]))
     return lines
+
+
+def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
+    """One line on the INT8 export: its size against FP32 and, with evaluation data, top-1."""
+    where = f" {path}:" if path is not None else ""
+    line = (
+        f"INT8{where} {section['method']}, {sum(section['ops_quantized'].values())} ops quantized, "
+        f"{len(section['ops_float'])} float, {section['bytes'] / 2**20:.1f} MiB "
+        f"(FP32 {section['fp32_bytes'] / 2**20:.1f} MiB)"
+    )
+    latency = section.get("latency_ms")
+    if latency:
+        line += f", {latency['int8']:.2f} ms a sample in onnxruntime (FP32 {latency['fp32']:.2f} ms)"
+    scores = section.get("evaluation")
+    if scores:
+        line += f"; top-1 FP32 {scores['fp32']['top1']:.3f}, INT8 {scores['int8']['top1']:.3f}"
+        if "stale_int8" in scores:
+            line += f", stale INT8 {scores['stale_int8']['top1']:.3f}"
+    return line
+
+
+def statistics_line(report: dict[str, Any]) -> str | None:
+    """How precise the statistics are: where ``--max-samples auto`` stopped (or that it ran out
+    of data), else the worst standard error and the order the samples were drawn in."""
+    worst = report.get("standard_error_max")
+    where = f"worst: {worst['layer']}, {worst['statistic']} +-{worst['error']:.1%}" if worst else "no standard errors"
+    convergence = report.get("convergence")
+    if convergence:
+        seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
+        if convergence["converged"]:
+            return f"statistics converged at {seen} ({where})"
+        return (
+            f"statistics did not converge to +-{convergence['tolerance']:.1%} on all {seen} ({where}): give more data"
+        )
+    if not worst:
+        return None
+    order = report.get("order")
+    drawn = f"; order {order}" + (f", seed {report['seed']}" if order == "shuffled" else "") if order else ""
+    return f"statistics +-{worst['error']:.1%} ({where}{drawn})"
 
 
 def evaluation_line(evaluation: dict[str, Any]) -> str:

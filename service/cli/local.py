@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from workers.errors import SpecError
 
 from service.run.options import STARTING_PHASE, check_model_choice
 from service.run.progress import progress_bar
 
 from . import options as opt
-from .console import parse_json_object, parse_shape, print_line, summary_lines
+from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
 
 def calibrate(
@@ -27,6 +29,9 @@ def calibrate(
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
     mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
+    order: opt.OrderOpt = opt.ORDER,
+    seed: opt.SeedOpt = opt.SEED,
+    tolerance: opt.ToleranceOpt = None,
     device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
@@ -39,6 +44,8 @@ def calibrate(
     report_html: opt.ReportHtmlOpt = None,
     eval_data: opt.EvalDataOpt = None,
     eval_max_samples: opt.EvalMaxSamplesOpt = None,
+    onnx_int8: opt.OnnxInt8Opt = None,
+    int8: opt.Int8Opt = None,
 ) -> None:
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
@@ -46,12 +53,16 @@ def calibrate(
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
+    int8_options = opt.int8_options(onnx_int8, int8)
+    if int8_options is not None and int8_options.max_top1_drop is not None and eval_data is None:
+        raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+        order=order, seed=seed, tolerance=tolerance,
     )
     from service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
 
@@ -63,17 +74,35 @@ def calibrate(
     in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
     connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
+        # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
+        pool = _command_pool() if onnx_int8 is not None and not in_process else None
         try:
-            result = recalibrate(request, settings, on_progress=update, cancel=cancel, in_process=in_process)
-        except KeyboardInterrupt:
-            cancel.set()
-            raise
-        if onnx is not None:
-            from service.run.exporting import export_recalibrated
+            try:
+                result = recalibrate(
+                    request, settings, on_progress=update, cancel=cancel, pool=pool, in_process=in_process,
+                )
+            except KeyboardInterrupt:
+                cancel.set()
+                raise
+            if onnx is not None:
+                from service.run.exporting import export_recalibrated
 
-            update(0, 1, "exporting and verifying ONNX")
-            result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
-            update(1, 1, "exporting and verifying ONNX")
+                update(0, 1, "exporting and verifying ONNX")
+                result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+                update(1, 1, "exporting and verifying ONNX")
+            if onnx_int8 is not None:
+                from service.run.int8 import quantize_recalibrated
+
+                fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
+                result.report["int8"] = quantize_recalibrated(
+                    result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
+                    export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
+                    on_phase=lambda phase: update(0, 1, phase),
+                )
+                update(1, 1, "writing and verifying INT8")
+        finally:
+            if pool is not None:
+                pool.close()
         update(0, 1, "writing")
         result.save_model(out)
         if report is not None:
@@ -87,8 +116,16 @@ def calibrate(
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
-    for line in summary_lines(result.report, out, also_wrote=(onnx, report, report_html)):
+    for line in summary_lines(result.report, out, also_wrote=(onnx, onnx_int8, report, report_html)):
         print_line(line)
+
+
+
+def _command_pool() -> Any:
+    """A warm pool for one command: the INT8 range passes run on the calibration's rank actors."""
+    from workers.ranks.pool import WarmPool
+
+    return WarmPool(idle_s=300)
 
 
 def _ray_connected() -> bool:
@@ -117,12 +154,21 @@ def export_command(
     opset: Annotated[int, typer.Option(help="ONNX opset.")] = opt.OPSET,
     onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
     report: Annotated[Path | None, typer.Option(help="Where to write the export report (JSON).")] = None,
+    onnx_int8: opt.OnnxInt8Opt = None,
+    int8: opt.Int8Opt = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Batch of the INT8 range pass.", min=1)] = 32,
 ) -> None:
-    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating."""
+    """Fold BatchNorm into the convolutions and export a checkpoint to ONNX, without recalibrating
+    (with --onnx-int8 and --data, also quantized to INT8 with ranges from that data)."""
     from ..settings import Settings
 
     shape = parse_shape(input_shape) if input_shape else None
     kwargs, transform_values = parse_json_object(model_kwargs, "--model-kwargs"), parse_json_object(transform, "--transform")
+    int8_options = opt.int8_options(onnx_int8, int8)
+    if onnx_int8 is not None and data is None:
+        raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
+    if onnx_int8 is not None and onnx_dtype.value != "float32":
+        raise SpecError("--onnx-int8 quantizes a float32 export: drop --onnx-dtype float16", field="--onnx-dtype")
     from service.run.exporting import export_checkpoint  # the flags are fine: now load torch
     from service.run.report import write_report
 
@@ -130,6 +176,13 @@ def export_command(
         arch, checkpoint, out, Settings(), model_kwargs=kwargs, data=data, transform=transform_values, input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
+    if onnx_int8 is not None:
+        from service.run.int8 import quantize_file
+
+        assert data is not None
+        result["int8"] = quantize_file(
+            out, data, onnx_int8, int8_options, Settings(), transform=transform_values, batch_size=batch_size,
+        )
     if report is not None:
         write_report(result, report)
     section = result["onnx"]
@@ -137,3 +190,5 @@ def export_command(
         f"exported {out}: {section['folded']} BN folded, {section['batchnorm_nodes']} left, "
         f"max abs diff {section['max_abs_diff']:.2e}",
     )
+    if "int8" in result:
+        print_line(int8_line(result["int8"], onnx_int8))

@@ -21,9 +21,11 @@ from typing import Annotated, Any, get_args
 import typer
 
 from workers.engine.modes import Mode as ModeChoice
+from workers.errors import SpecError
 
 from service.run.options import DEFAULT_OPSET, RunOptions, default, description
 from service.run.options import Device as DeviceChoice
+from service.run.options import Order as OrderChoice
 from service.run.options import Placement as PlacementChoice
 
 from .console import parse_json_object
@@ -60,7 +62,11 @@ ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwar
 WorkersOpt = Annotated[int, typer.Option("--workers", "-k", help=description("workers"))]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help=description("batch_size"))]
 ModeOpt = Annotated[Mode, typer.Option(help=description("mode"))]
-MaxSamplesOpt = Annotated[int | None, typer.Option(help=description("max_samples"))]
+MaxSamplesOpt = Annotated[str | None, typer.Option(help=description("max_samples"), metavar="<int|auto>")]
+Order = _choices("Order", OrderChoice)
+OrderOpt = Annotated[Order, typer.Option(help=description("order"))]
+SeedOpt = Annotated[int, typer.Option(help=description("seed"))]
+ToleranceOpt = Annotated[float | None, typer.Option(help=description("tolerance"))]
 DeviceOpt = Annotated[Device, typer.Option(help=description("device"))]
 TransformOpt = Annotated[str | None, typer.Option(help=description("transform") + " (JSON object)")]
 PlacementOpt = Annotated[Placement | None, typer.Option(help=description("placement"))]
@@ -68,6 +74,16 @@ MaxRetriesOpt = Annotated[int | None, typer.Option(help=description("max_retries
 OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")]
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
+OnnxInt8Opt = Annotated[
+    Path | None,
+    typer.Option("--onnx-int8", help="Also export the folded model in INT8 (QDQ) here, ranges from the calibration data."),
+]
+Int8Opt = Annotated[
+    str | None,
+    typer.Option(
+        "--int8", help='INT8 options (JSON object), e.g. {"method": "percentile", "max_top1_drop": 1}; see docs/onnx.md.'
+    ),
+]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]
 EvalDataOpt = Annotated[
     str | None,
@@ -89,6 +105,8 @@ JobIdArg = Annotated[str, typer.Argument(help="The job's id, as submit printed i
 WORKERS = default("workers")
 BATCH_SIZE = default("batch_size")
 MODE = Mode(default("mode"))
+ORDER = Order(default("order"))
+SEED = default("seed")
 DEVICE = Device(default("device"))
 OPSET = DEFAULT_OPSET
 
@@ -113,22 +131,54 @@ def run_options(
     workers: int,
     batch_size: int,
     mode: Enum,
-    max_samples: int | None,
+    max_samples: str | int | None,
     device: Enum,
     transform: str | None,
     placement: Enum | None,
     max_retries: int | None,
+    order: Enum | None = None,
+    seed: int | None = None,
+    tolerance: float | None = None,
 ) -> RunOptions:
     """The run options of a command line, validated (a bad value names its flag's field)."""
+    sampling: dict[str, Any] = {"max_samples": parse_max_samples(max_samples)}
+    if order is not None:
+        sampling["order"] = order.value
+    if seed is not None:
+        sampling["seed"] = seed
+    if tolerance is not None:
+        sampling["tolerance"] = tolerance
     return RunOptions.checked(
         arch=arch,
         model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
         workers=workers,
         batch_size=batch_size,
         mode=mode.value,
-        max_samples=max_samples,
         device=device.value,
         transform=parse_json_object(transform, "--transform"),
         placement=placement.value if placement is not None else None,
         max_retries=max_retries,
+        **sampling,
     )
+
+
+def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:
+    """The ``--int8`` options checked before any work (exit 2 naming the field), or None
+    without ``--onnx-int8``."""
+    from service.export.int8.options import int8_options as checked
+
+    if int8 is not None and onnx_int8 is None:
+        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 PATH too", field="--int8")
+    return checked(parse_json_object(int8, "--int8"), "--int8") if onnx_int8 is not None else None
+
+
+def parse_max_samples(value: str | int | None) -> int | str | None:
+    """``--max-samples``: a count, or ``auto``; anything else is left for the run options to
+    refuse, naming the field."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            return int(text)
+    return value

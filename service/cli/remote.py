@@ -70,6 +70,9 @@ def submit(
     batch_size: opt.BatchOpt = opt.BATCH_SIZE,
     mode: opt.ModeOpt = opt.MODE,
     max_samples: opt.MaxSamplesOpt = None,
+    order: opt.OrderOpt = opt.ORDER,
+    seed: opt.SeedOpt = opt.SEED,
+    tolerance: opt.ToleranceOpt = None,
     device: opt.DeviceOpt = opt.DEVICE,
     transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
@@ -82,6 +85,8 @@ def submit(
     report_html: opt.ReportHtmlOpt = None,
     eval_data: opt.EvalDataOpt = None,
     eval_max_samples: opt.EvalMaxSamplesOpt = None,
+    onnx_int8: opt.OnnxInt8Opt = None,
+    int8: opt.Int8Opt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     if ray_address:
@@ -98,13 +103,18 @@ def submit(
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
+        order=order, seed=seed, tolerance=tolerance,
     )
+    int8_options = opt.int8_options(onnx_int8, int8)
     model_output = "program" if program is not None else "checkpoint"
     spec: dict[str, Any] = {
         **options.run_options(),
         "outputs": [model_output] + (["onnx"] if onnx is not None else []),
         "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
     }
+    if int8_options is not None:
+        spec["outputs"].append("onnx_int8")
+        spec["int8"] = int8_options.model_dump(exclude_defaults=True)
     local_files = {name: path for name, path in (("checkpoint", checkpoint), ("program", program)) if path is not None}
     local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
                     if isinstance(path, Path)}
@@ -127,13 +137,14 @@ def submit(
             except KeyboardInterrupt:
                 _cancel_on_interrupt(client, job["id"])
             _raise_unless_succeeded(job)
-            downloads = [(model_output, out), ("onnx", onnx), ("report", report), ("report.html", report_html)]
+            downloads = [(model_output, out), ("onnx", onnx), ("onnx_int8", onnx_int8), ("report", report),
+                         ("report.html", report_html)]
             wanted = [(name, path) for name, path in downloads if path is not None]
             for done, (name, path) in enumerate(wanted):
                 update(done, len(wanted), "downloading")
                 client.download(job["id"], name, path)
             update(len(wanted), len(wanted), "downloading")
-    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, report, report_html)):
+    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, onnx_int8, report, report_html)):
         print_line(line)
 
 

@@ -79,6 +79,24 @@ def run_job(
             dynamic_batch=options.dynamic_batch, input_shape=options.input_shape,
         )
         files["onnx"] = (onnx_file, OCTET_STREAM)
+    if "onnx_int8" in spec.outputs:
+        from service.export.int8.options import int8_options
+        from service.run.int8 import quantize_recalibrated
+
+        _check_cancel(cancel)
+        report((None, None, "quantizing to INT8"))
+        int8_file = workdir / "recalibrated-int8.onnx"
+        onnx_options = spec.onnx
+        fp32 = files["onnx"][0].read_bytes() if "onnx" in files and onnx_options.dtype == "float32" else None
+        summary["int8"] = quantize_recalibrated(
+            result, request, settings, int8_file, int8_options(spec.int8), fp32_model=fp32,
+            export_options={
+                "opset": onnx_options.opset, "dynamic_batch": onnx_options.dynamic_batch,
+                "input_shape": onnx_options.input_shape,
+            },
+            pool=pool, cancel=cancel, on_phase=lambda phase: report((None, None, phase)),
+        )
+        files["onnx_int8"] = (int8_file, OCTET_STREAM)
     _check_cancel(cancel)
     report((None, None, "writing"))
     for name in ("checkpoint", "program"):

@@ -33,6 +33,7 @@ from workers.models.architectures import check_model_kwargs
 from workers.models.model_check import check_checkpoint_fits, check_data_fits
 from workers.programs import check_program
 
+from service.export.int8.options import Int8Options
 from service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
 
 from ..settings import Settings
@@ -40,7 +41,7 @@ from .blobs import DIGEST_PATTERN, BlobStore
 from .capacity import check_fits_cluster
 from .problems import problem_of as problem_of  # the job's problem object, where it always was
 
-ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "report", "report.html")
+ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
 
 
 class ConflictError(InputError):
@@ -139,12 +140,15 @@ class JobSpec(RunOptions):
         description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), {'path': ...} on the server, "
         "or {'uri': 's3://bucket/key-or-prefix'} in object storage."
     )
-    outputs: list[Literal["checkpoint", "program", "onnx"]] | None = Field(
+    outputs: list[Literal["checkpoint", "program", "onnx", "onnx_int8"]] | None = Field(
         default=None,
         max_length=8,
         description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program).",
     )
     onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
+    int8: Int8Options | None = Field(
+        default=None, description='INT8 (QDQ) export options, with "onnx_int8" in outputs (default: minmax).'
+    )
     eval: EvalSpec | None = Field(default=None, description="Evaluate before and after on this data.")
 
     @field_validator("outputs")
@@ -345,6 +349,10 @@ def _check_outputs(spec: JobSpec) -> None:
     if spec.outputs is not None and wrong in spec.outputs:
         have = "program" if spec.program is not None else "checkpoint"
         raise SpecError(f"outputs: a job on a {have} gives a {have}, not a {wrong}", field="outputs")
+    if spec.int8 is not None and "onnx_int8" not in (spec.outputs or []):
+        raise SpecError('int8: the INT8 options go with "onnx_int8" in outputs', field="int8")
+    if spec.int8 is not None and spec.int8.max_top1_drop is not None and spec.eval is None:
+        raise SpecError("int8.max_top1_drop: give eval (labelled data) to measure top-1 on", field="int8.max_top1_drop")
 
 
 def check_architecture(arch: str, settings: Settings) -> None:

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from .onnx import export_onnx
+from .onnx import export_onnx, quantize
 from .report import RecalibrationReport
 from .run import recalibrate
 
-__all__ = ["RecalibrationReport", "export_onnx", "recalibrate"]
+__all__ = ["RecalibrationReport", "export_onnx", "quantize", "recalibrate"]

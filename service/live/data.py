@@ -40,9 +40,16 @@ def is_path_data(data: Any) -> bool:
 
 
 def describe_python_data(
-    data: Any, *, batch_size: int | None, max_samples: int | None, select_input: bool, settings: Settings,
+    data: Any, *, batch_size: int | None, max_samples: int | str | None, select_input: bool, settings: Settings,
+    order: str = "shuffled", seed: int = 0,
 ) -> DatasetSpec | LoaderSpec:
-    """Describe ``data`` for the ranks (see the module's docstring), refusing what cannot be."""
+    """Describe ``data`` for the ranks (see the module's docstring), refusing what cannot be.
+
+    A path or URI is read in ``order`` (seeded ``shuffled`` by default, as ``--data``);
+    data in memory keeps its own order. ``max_samples="auto"`` keeps every sample: the
+    ranks stop once the statistics converge."""
+    if max_samples == "auto":
+        max_samples = None
     if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
         raise SpecError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
     max_samples = None if max_samples is None else int(max_samples)
@@ -52,7 +59,7 @@ def describe_python_data(
     if is_path_data(data):
         return describe_dataset(
             data if is_data_uri(data) else Path(data), max_samples=max_samples, **settings.unpack_options(),
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=settings.s3_endpoint_url, order=order, seed=seed,
         )
     if isinstance(data, (torch.Tensor, np.ndarray)):
         data = TensorDataset(torch.as_tensor(data))

@@ -41,3 +41,63 @@ def export_onnx(
         samples = torch.cat([samples, samples])
     exported = copy.deepcopy(model).cpu().eval()
     return export_folded_onnx(exported, samples, path, opset=opset, dynamic_batch=dynamic_batch)
+
+
+def quantize(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    data: torch.Tensor,
+    *,
+    options: dict[str, Any] | None = None,
+    eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batch_size: int = 32,
+    opset: int = DEFAULT_OPSET,
+) -> dict[str, Any]:
+    """Export ``model`` folded (as :func:`export_onnx`) and quantized to INT8 in QDQ format at
+    ``path``, activation ranges from the calibration samples ``data`` (a tensor, one sample
+    per row), gathered in this process: the same file a job's ranks make from the same data.
+    ``options`` are the job's ``int8`` object (``method``, ``per_channel``, ``keep_float``,
+    ``max_top1_drop``...); with ``eval_data`` (inputs, labels) the report's ``evaluation``
+    gives top-1/top-5 of FP32 and INT8, and ``max_top1_drop`` is enforced. Returns the
+    report's ``int8`` section; a failed check or guard raises ``ExportError``, writing nothing.
+    The model itself is left as it was."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from workers.data import describe_dataset
+
+    from ..export.int8.checks import LabelledBatches
+    from ..export.int8.options import int8_options
+    from ..run.int8 import in_process, quantize_export
+
+    checked = int8_options(options, "options")
+    if checked.max_top1_drop is not None and eval_data is None:
+        raise SpecError("options.max_top1_drop needs eval_data=(inputs, labels) to measure top-1 on", field="eval_data")
+    if not isinstance(data, torch.Tensor) or data.dim() < 2 or data.shape[0] < 1:
+        raise SpecError("data must be a tensor of calibration samples, one per row", field="data")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise SpecError("batch_size must be a positive integer", field="batch_size")
+    samples = data.detach().cpu().to(torch.float32)
+    evaluation = None
+    if eval_data is not None:
+        inputs, labels = eval_data
+        x = inputs.detach().cpu().to(torch.float32).numpy()
+        y = labels.detach().cpu().numpy().astype(np.int64)
+        if len(x) != len(y):
+            raise SpecError(f"eval_data has {len(x)} inputs and {len(y)} labels", field="eval_data")
+        evaluation = LabelledBatches(
+            [x[i : i + batch_size] for i in range(0, len(x), batch_size)],
+            [y[i : i + batch_size] for i in range(0, len(y), batch_size)],
+        )
+    with tempfile.TemporaryDirectory(prefix="bnrecal-int8-") as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        export_onnx(model, fp32, samples[:VERIFY_SAMPLES], opset=opset)
+        np.save(Path(tmp) / "data.npy", samples.numpy())
+        dataset = describe_dataset(Path(tmp) / "data.npy")
+        quantized = quantize_export(
+            fp32.read_bytes(), checked, in_process(dataset, batch_size), samples, evaluation=evaluation
+        )
+    quantized.write(path)
+    return quantized.section

@@ -78,7 +78,7 @@ def recalibrate_on_server(
     server: str,
     api_key: str | None,
     options: RunOptions,
-    max_samples: int | None,
+    max_samples: int | str | None,
     batch_size: int | None,
     forward: Callable[..., Any] | None,
     progress: Callable[[], Any],
@@ -89,6 +89,7 @@ def recalibrate_on_server(
         raise SpecError("with server=, model must be a torch.nn.Module", field="model")
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=Settings(),
+        order=options.order, seed=options.seed,
     )
     if isinstance(spec, DatasetSpec) and spec.remote is not None:
         raise SpecError("with server=, data in object storage is not sent: give a local path", field="data")
@@ -111,8 +112,15 @@ def recalibrate_on_server(
             "workers": options.workers, "mode": options.mode, "batch_size": step, "device": options.device,
             "outputs": ["program"],
         }
-        if isinstance(spec, DatasetSpec) and max_samples is not None:
+        if isinstance(spec, DatasetSpec) and max_samples is not None and not options.auto_samples:
             job_spec["max_samples"] = int(max_samples)
+        if options.auto_samples:
+            job_spec.update(max_samples="auto", tolerance=options.tolerance)
+        # Data in memory keeps its own order (its rows were written in it); a path is read in the order asked.
+        if isinstance(spec, LoaderSpec):
+            job_spec["order"] = "given"
+        else:
+            job_spec.update(order=options.order, seed=options.seed)
         with BnrecalClient(server, api_key=api_key) as client:
             job_spec["program"] = client.upload(program_file)["digest"]
             job_spec["data"] = client.upload(data_file)["digest"]

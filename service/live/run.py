@@ -20,7 +20,7 @@ from torch import nn
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
 from workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import apply_statistics
+from workers.engine.calibration import StopRule, apply_statistics
 from workers.engine.calibrator import probe_call_order
 from workers.engine.moments import MomentStats
 from workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
@@ -50,7 +50,7 @@ def recalibrate(
     workers: int = 1,
     mode: str = "sync",
     batch_size: int | None = None,
-    max_samples: int | None = None,
+    max_samples: int | str | None = None,
     device: str = "cpu",
     forward: Forward | None = None,
     ray_address: str | None = None,
@@ -59,6 +59,9 @@ def recalibrate(
     progress: bool = True,
     pool: WarmPool | None = None,
     settings: Settings | None = None,
+    tolerance: float | None = None,
+    order: str = "shuffled",
+    seed: int = 0,
 ) -> RecalibrationReport:
     """Recompute every BatchNorm layer's running statistics of ``model`` in place, like
     ``torch.optim.swa_utils.update_bn(loader, model)``, and return the report.
@@ -82,7 +85,10 @@ def recalibrate(
         without Ray.
     mode: ``sync`` (statistics of the whole global batch, SyncBN semantics; the result
         does not depend on K) or ``local`` (each rank's own slice).
-    max_samples: use only the first M samples.
+    max_samples: use only the first M samples, or ``"auto"``: stop once every layer's
+        standard errors are below ``tolerance`` (default 0.05; sync mode only).
+    order, seed: the order a path's samples are read in (``shuffled`` with ``seed``, or
+        ``given``); data in memory keeps its own order, as with ``update_bn``.
     device: where the ranks compute (``cpu`` or ``cuda``).
     forward: ``forward(model, batch)`` feeds the model a batch (e.g. ``model(**batch)``);
         with it the model travels pickled (see below), never as a program. A model that
@@ -106,6 +112,7 @@ def recalibrate(
     options = RunOptions.checked(
         workers=_count(workers, "workers"), mode=mode, device=device,
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
+        max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
     )
     if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
         raise _no_batchnorm(model, find_batchnorm_layers(model)[1])
@@ -118,6 +125,7 @@ def recalibrate(
         )
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
+        order=options.order, seed=options.seed,
     )
     sample = _probe_batch(spec, forward)
     feed = forward if forward is not None or isinstance(sample, torch.Tensor) else call_model
@@ -144,6 +152,7 @@ def recalibrate(
             layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order), loader_workers=0,
             # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
             memory_format="contiguous" if shipped.restore is not None else settings.memory_format, feed=feed,
+            stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
         )
         if here:
             result, run = _run_here(shipped, plan, spec, progress)
@@ -152,14 +161,15 @@ def recalibrate(
     finally:
         if shipped.restore is not None:
             shipped.restore()
-    stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     if shipped.write_back is not None:
         shipped.write_back(bn_buffer_updates(calibrated))
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     report = build_report(
-        options, result, [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        options, result,
+        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
         skipped, run,
     )
     report["model"] = shipped.describe()

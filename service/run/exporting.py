@@ -29,8 +29,10 @@ def export_recalibrated(
     dtype: str = "float32",
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Fold and export the recalibrated model, verified on its own calibration samples.
+    """Fold and export the recalibrated model (or ``model``, e.g. the stale one), verified on
+    its own calibration samples.
 
     Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
     when the export cannot be verified.
@@ -45,7 +47,7 @@ def export_recalibrated(
         fixed, dynamic_batch = result.model.batch.low, False
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     return export_folded_onnx(
-        result.model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape,
+        result.model if model is None else model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape,
         fixed_batch=fixed,
     )
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, PydanticKnownError
 
 from workers.engine.modes import Mode
 from workers.errors import SpecError
@@ -19,6 +20,18 @@ from service.export.opsets import DEFAULT_OPSET
 from service.settings import Placement
 
 Device = Literal["cpu", "cuda"]
+
+Order = Literal["shuffled", "given"]
+"""The sample orders of ``workers.data.order`` (declared here too, so that declaring the
+options loads no torch; tests/service/run/test_order_options.py checks they agree)."""
+
+AUTO = "auto"
+DEFAULT_TOLERANCE = 0.05
+"""``max_samples: "auto"`` stops once every layer's standard errors, worst channel, are below
+this: 5% on the variance (relative) and on the mean (in std units). Measured
+(docs/calibration.md#how-many-samples, bench/sample_count.py): on the digits value case
+held-out accuracy is already within its noise of all the data's at 0.1 (about 600
+samples); 0.05 keeps a factor of two in hand."""
 
 MAX_WORKERS = 1024
 
@@ -52,7 +65,24 @@ class RunOptions(BaseModel):
     mode: Mode = Field(default="sync", description="sync: SyncBN statistics across ranks; local: per-rank statistics.")
     workers: StrictInt = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
     batch_size: StrictInt = Field(default=32, ge=1, le=1_000_000, description="Global batch size B.")
-    max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53, description="Use only the first M samples.")
+    max_samples: StrictInt | Literal["auto"] | None = Field(
+        default=None,
+        description='Use only the first M samples of the order, or "auto": read until the statistics converge '
+        "(every layer's standard errors below tolerance; sync mode).",
+    )
+    order: Order = Field(
+        default="shuffled",
+        description="shuffled: the samples in a seeded random order, so any subset and every batch is a fair "
+        "draw; given: the file order.",
+    )
+    seed: StrictInt = Field(default=0, ge=0, le=2**63 - 1, description="Seed of the shuffled order.")
+    tolerance: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=f'With max_samples "auto": the standard error to reach (default {DEFAULT_TOLERANCE:g}, '
+        "i.e. 5% on the variance, worst channel).",
+    )
     device: Device = Field(default="cpu", description="Where the ranks compute.")
     transform: dict[str, Any] | None = Field(
         default=None, description='Image transform (image data only), e.g. {"resize": 256, "crop": 224}.'
@@ -63,6 +93,50 @@ class RunOptions(BaseModel):
     max_retries: StrictInt | None = Field(
         default=None, ge=0, le=10, description="Re-run a failed pass from scratch (default: BNRECAL_MAX_RETRIES)."
     )
+
+    @field_validator("max_samples", mode="before")
+    @classmethod
+    def _samples(cls, value: object, info: ValidationInfo) -> object:
+        """A count or ``auto``, one message for both; ``auto`` needs the global statistics every
+        step (sync mode)."""
+        if value == AUTO:
+            if info.data.get("mode", "sync") != "sync":
+                raise ValueError(
+                    'max_samples "auto" needs mode sync: in local mode the ranks see no global statistics '
+                    "until the end, so they cannot stop together; give a number of samples"
+                )
+            return value
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):  # worded like pydantic's own type errors
+            raise PydanticCustomError("int_type", 'Input should be a valid integer or "auto"')
+        if value < 1:
+            raise PydanticKnownError("greater_than_equal", {"ge": 1})
+        if value > 2**53:
+            raise PydanticKnownError("less_than_equal", {"le": 2**53})
+        return value
+
+    @field_validator("tolerance")
+    @classmethod
+    def _tolerance_with_auto(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and info.data.get("max_samples") != AUTO:
+            raise ValueError('tolerance applies only with max_samples "auto"')
+        return value
+
+    @property
+    def auto_samples(self) -> bool:
+        """Whether the run reads until its statistics converge (``max_samples: "auto"``)."""
+        return self.max_samples == AUTO
+
+    @property
+    def sample_limit(self) -> int | None:
+        """The number of samples asked for, None for all of them (or ``auto``)."""
+        return None if self.max_samples == AUTO else self.max_samples  # type: ignore[return-value]
+
+    @property
+    def stop_tolerance(self) -> float:
+        """The tolerance ``auto`` stops at."""
+        return DEFAULT_TOLERANCE if self.tolerance is None else self.tolerance
 
     @classmethod
     def checked(cls: type[OptionsT], **values: Any) -> OptionsT:
@@ -81,7 +155,8 @@ def spec_error(exc: ValidationError) -> SpecError:
     """The first validation problem as one line naming the field (``workers: ...``)."""
     first = exc.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or None
-    message = f"{field}: {first['msg']}" if field else first["msg"]
+    text = first["msg"].removeprefix("Value error, ")
+    message = f"{field}: {text}" if field else text
     return SpecError(message, field=field)
 
 

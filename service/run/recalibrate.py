@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from torch import nn
 from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
 from workers.data.objectstore import is_data_uri
 from workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import apply_statistics
+from workers.engine.calibration import StopRule, apply_statistics
 from workers.engine.calibrator import probe_call_order
 from workers.engine.evaluation import check_eval_output
 from workers.engine.moments import MomentStats
@@ -91,6 +91,7 @@ class Recalibration:
     updates: dict[str, torch.Tensor]
     dataset: DatasetSpec
     report: dict[str, Any]
+    stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -105,6 +106,17 @@ class Recalibration:
     def save_report(self, path: str | os.PathLike[str]) -> None:
         """Write ``report.json``."""
         write_report(self.report, path)
+
+    def stale_model(self) -> nn.Module:
+        """A copy of the model with its BN statistics as they were before the recalibration
+        (to show what recalibrating bought, e.g. in INT8)."""
+        import copy
+
+        stale = copy.deepcopy(self.model)
+        state = stale.state_dict()
+        for key, value in self.stale_buffers.items():
+            state[key].copy_(value)
+        return stale
 
     def calibration_samples(self, count: int) -> torch.Tensor:
         """The first ``count`` calibration samples, e.g. to verify an export."""
@@ -140,10 +152,12 @@ def recalibrate(
     dataset = describe_dataset(
         request.data,
         transform=request.transform,
-        max_samples=request.max_samples,
+        max_samples=request.sample_limit,
         **settings.unpack_options(),
         name=request.data_name,
         endpoint_url=settings.s3_endpoint_url,
+        order=request.order,
+        seed=request.seed,
     )
     try:
         with dataset.open() as data:
@@ -153,6 +167,7 @@ def recalibrate(
         raise
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+    stale_buffers = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
 
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")
@@ -179,6 +194,7 @@ def recalibrate(
         loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
         memory_format=settings.memory_format,
         evaluation=evaluation,
+        stop=StopRule(request.stop_tolerance) if request.auto_samples else None,
     )
     options = GroupOptions(
         cpus_per_worker=cpus,
@@ -197,7 +213,7 @@ def recalibrate(
         # A rank may start evaluating while a peer's last calibration steps are still on
         # their way: the phases are reported in order, calibration to its end first.
         seen[phase] = done
-        calibrated = seen["calibrating"] >= totals["calibrating"]
+        calibrated = seen["calibrating"] >= totals["calibrating"] or (request.auto_samples and phase == "evaluating")
         if on_progress is None or (phase == "evaluating" and not calibrated):
             return
         on_progress(done, totals[phase], phase)
@@ -244,14 +260,14 @@ def recalibrate(
                     exc.args = (exc.message,)
                 raise
             failures.append(exc.message)
-    stats = [MomentStats(s["count"], s["mean"], s["var"]) for s in result.stats]
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     unreached = apply_statistics(layers, stats, result.steps)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
     calibrated = [layer for layer in layers if layer.name not in set(unreached)]
     report = build_report(
         request,
         result,
-        [(layer, *old[i], result.calls[i]) for i, layer in enumerate(layers) if layer in calibrated],
+        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
         skipped,
         run={
             "backend": backend,
@@ -269,7 +285,7 @@ def recalibrate(
         report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     if loaded.is_program:
         report["program"] = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
-    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report)
+    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report, stale_buffers)
 
 
 def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
@@ -299,6 +315,10 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
         dataset.name_in(exc)
         raise
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
+
+
+plan_evaluation = _plan_evaluation
+"""The evaluation data described and checked on the driver (also for the INT8 export's accuracy)."""
 
 
 def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:

@@ -2,8 +2,9 @@
 
 What the job was (model, data, options, where each rank ran and how fast), how far each
 BN layer's statistics moved (a chart of mean shift and variance ratio against layer
-depth, with the layers' names, and the table behind it), the layers left alone, and the
-ONNX fold audit. The chart is drawn by matplotlib as inline SVG; nothing in the file
+depth, with the layers' names, and the table behind it), how precisely each layer's new
+statistics are known (its standard errors as error bars, and where ``max_samples: "auto"``
+stopped), the layers left alone, and the ONNX fold audit. The chart is drawn by matplotlib as inline SVG; nothing in the file
 refers to the network (no script, font or stylesheet is fetched).
 """
 
@@ -94,6 +95,21 @@ from 0 and 1 are statistics that were stale.</p>
 <td class="num">{{ fmt(layer.mean_shift) }}</td><td class="num">{{ fmt(layer.var_ratio_min) }}</td>
 <td class="num">{{ fmt(layer.var_ratio_max) }}</td></tr>
 {% endfor %}</table>
+{% if precision %}
+<h2 id="precision">Precision per layer</h2>
+<p class="muted" id="precision-summary">{{ precision }}</p>
+<p class="muted">Standard error of each layer's new statistics, from the spread between the global batches
+(samples in {{ r.order or "given" }} order{% if r.order == "shuffled" %}, seed {{ r.seed }}{% endif %}):
+the mean in units of the channel's standard deviation, the variance relative. The bar runs from the
+median channel to the worst; about 95% of true errors lie within two of them.</p>
+<figure id="precision-chart">{{ precision_chart|safe }}</figure>
+<table id="precision-table">
+<tr><th>#</th><th>layer</th><th>mean &#177; (median)</th><th>mean &#177; (worst)</th><th>variance &#177; (median)</th><th>variance &#177; (worst)</th></tr>
+{% for layer in r.layers %}<tr><td class="num">{{ loop.index0 }}</td><td>{{ layer.name }}</td>
+<td class="num">{{ pct(layer.se_mean_median) }}</td><td class="num">{{ pct(layer.se_mean_max) }}</td>
+<td class="num">{{ pct(layer.se_var_median) }}</td><td class="num">{{ pct(layer.se_var_max) }}</td></tr>
+{% endfor %}</table>
+{% endif %}
 {% if r.skipped %}
 <h2>Layers left alone</h2>
 <table>
@@ -112,6 +128,30 @@ from 0 and 1 are statistics that were stale.</p>
 <table>
 <tr><th>left in the graph</th><th>reason</th></tr>
 {% for item in r.onnx.unfolded %}<tr><td>{{ item.name }}</td><td>{{ item.reason }}</td></tr>
+{% endfor %}</table>
+{% endif %}
+{% endif %}
+{% if r.int8 %}{% set q = r.int8 %}
+<h2 id="int8">INT8 export</h2>
+<table>
+<tr><th>method</th><td>{{ q.method }}</td></tr>
+<tr><th>weights / activations</th><td>{{ q.weight_type }} {{ q.weights }} / {{ q.activation_type }}</td></tr>
+<tr><th>ranges</th><td>{{ q.samples }} samples on {{ q.world_size }} ranks, collectives {{ q.collectives|join(", ") }}</td></tr>
+<tr><th>ops quantized</th><td>{% for op, n in q.ops_quantized.items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
+<tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
+<tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>
+{% if q.latency_ms %}<tr><th>onnxruntime latency, batch 1</th><td>{{ fmt(q.latency_ms.int8) }} ms (FP32 {{ fmt(q.latency_ms.fp32) }} ms)</td></tr>{% endif %}
+</table>
+{% if q.evaluation %}{% set e = q.evaluation %}
+<table class="int8-accuracy">
+<tr><th>on {{ e.samples }} evaluation samples</th><th>top-1</th><th>top-5</th></tr>
+{% for key, label in (("stale_fp32", "FP32, stale statistics"), ("fp32", "FP32, recalibrated"), ("stale_int8", "INT8, stale statistics"), ("int8", "INT8, recalibrated")) %}{% if e[key] %}<tr><td>{{ label }}</td><td class="num">{{ fmt(e[key].top1) }}</td><td class="num">{{ fmt(e[key].top5) }}</td></tr>
+{% endif %}{% endfor %}</table>
+{% endif %}
+{% if q.ops_float %}
+<table class="int8-float">
+<tr><th>left in float</th><th>op</th><th>reason</th></tr>
+{% for item in q.ops_float %}<tr><td>{{ item.name }}</td><td>{{ item.op_type }}</td><td>{{ item.reason }}</td></tr>
 {% endfor %}</table>
 {% endif %}
 {% endif %}
@@ -158,8 +198,10 @@ def render_html_report(report: dict[str, Any]) -> str:
     accuracy_chart = accuracy_chart_svg(evaluation) if evaluation and evaluation.get("before") else ""
     template = _ENVIRONMENT.from_string(_TEMPLATE)
     context = report.get("job") or {}
+    precision = precision_sentence(report)
     return template.render(
-        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format,
+        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format, pct=_percent,
+        precision=precision, precision_chart=precision_chart_svg(report) if precision else "",
         ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
         context=context, versions=context.get("versions") or software_versions(),
     )
@@ -249,6 +291,55 @@ def drift_figure(layers: list[dict[str, Any]]) -> Any:
     return figure
 
 
+def precision_sentence(report: dict[str, Any]) -> str:
+    """Where ``max_samples: "auto"`` stopped, or the worst standard error; empty without any."""
+    worst = report.get("standard_error_max")
+    if not worst:
+        return ""
+    where = f"worst: {worst['layer']}, {worst['statistic']} \u00b1{worst['error']:.1%}"
+    convergence = report.get("convergence")
+    if convergence:
+        seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
+        if convergence["converged"]:
+            return f"Statistics converged at {seen} ({where}; tolerance {convergence['tolerance']:.1%})."
+        return f"Did not converge to \u00b1{convergence['tolerance']:.1%} on all {seen} ({where}): give more data."
+    return f"Statistics on {report.get('samples')} samples ({where})."
+
+
+def precision_chart_svg(report: dict[str, Any]) -> str:
+    """Each layer's standard errors (median to worst channel) against its depth, as inline SVG."""
+    return _inline_svg(precision_figure(report))
+
+
+def precision_figure(report: dict[str, Any]) -> Any:
+    """The error bars per layer: mean (std units) and variance (relative), in percent, with
+    the tolerance of ``max_samples: "auto"`` as a line."""
+    from matplotlib.figure import Figure
+
+    layers = report.get("layers", [])
+    depth = list(range(len(layers)))
+    width = min(40.0, max(8.0, 0.28 * len(layers)))
+    figure = Figure(figsize=(width, 3.2), layout="constrained")
+    axes = figure.subplots()
+    for offset, key, color, label in ((-0.15, "se_mean", "#3b6ea8", "mean (std units)"),
+                                      (0.15, "se_var", "#c0633a", "variance (relative)")):
+        median = [100 * _number(layer.get(f"{key}_median")) for layer in layers]
+        worst = [100 * _number(layer.get(f"{key}_max")) for layer in layers]
+        x = [d + offset for d in depth]
+        axes.vlines(x, median, worst, color=color, linewidth=3)
+        axes.scatter(x, worst, color=color, marker="_", s=60, zorder=3, label=f"{label}: worst")
+        axes.scatter(x, median, color=color, marker="o", s=14, zorder=3, label=f"{label}: median")
+    tolerance = (report.get("convergence") or {}).get("tolerance")
+    if tolerance:
+        axes.axhline(100 * tolerance, color="#555", linestyle="--", linewidth=0.8, label="tolerance")
+    axes.set_ylabel("standard error (%)")
+    axes.set_ylim(bottom=0)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    axes.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
+    axes.grid(axis="y", alpha=0.3)
+    return figure
+
+
 def accuracy_chart_svg(evaluation: dict[str, Any]) -> str:
     """Accuracy before and after recalibration, side by side per metric, as inline SVG."""
     return _inline_svg(accuracy_figure(evaluation))
@@ -294,6 +385,10 @@ def _number(value: Any) -> float:
 def _ratio(value: Any) -> float:
     """A ratio for the log axis: a missing or non-positive one is not drawn (NaN), not 0."""
     return float(value) if isinstance(value, (int, float)) and value > 0 else math.nan
+
+
+def _percent(value: Any) -> str:
+    return f"{100 * value:.2f} %" if isinstance(value, (int, float)) else "n/a"
 
 
 def _format(value: Any) -> str:

@@ -158,7 +158,7 @@ def test_non_finite_calibration_data_fails_the_job_as_bad_data_naming_layer_and_
     np.save(tmp_path / "x.npy", samples.numpy())
     with live_server.client("errors") as client:
         spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, save_state(tmp_path / "m.pt", mixed_net())),
-                "data": upload(client, tmp_path / "x.npy"), "workers": 2, "batch_size": 4}
+                "data": upload(client, tmp_path / "x.npy"), "workers": 2, "batch_size": 4, "order": "given"}
         job = wait_for(client, submit(client, spec)["id"])
     assert job["status"] == "failed"
     error = job["error"]

@@ -141,7 +141,7 @@ def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
         "model_kwargs": {"action": "hang", "hang_s": 5.0},
         "checkpoint": upload(b.client, save_state(tmp_path / "k.pt", marker_net())),
         "data": upload(b.client, save_array(tmp_path / "k.npy", samples)),
-        "batch_size": 4,
+        "batch_size": 4, "order": "given",
     }
     # A cancel sent to the replica that is not running the job stops it (read at a lease renewal).
     stuck = submit(a.client, slow | {"model_kwargs": {"action": "hang", "hang_s": 600.0}})["id"]

@@ -56,7 +56,7 @@ def test_crash_while_running_then_restart(servers, tmp_path):
         "model_kwargs": {"action": "hang"},
         "checkpoint": upload(client, save_state(tmp_path / "k.pt", marker_net())),
         "data": upload(client, save_array(tmp_path / "k.npy", samples)),
-        "batch_size": 4,
+        "batch_size": 4, "order": "given",
     }
     interrupted = wait_for(client, submit(client, hang)["id"], ("running",), progressed=True)
     server.crash()

@@ -43,7 +43,7 @@ def test_cancel_mid_run_stops_the_job_and_frees_its_actors(live_server, tmp_path
             "checkpoint": upload(client, save_state(tmp_path / "m.pt", marker_net())),
             "data": upload(client, save_array(tmp_path / "m.npy", samples)),
             "workers": 2,
-            "batch_size": 4,
+            "batch_size": 4, "order": "given",
         }
         job = submit(client, spec)
         running = wait_for(client, job["id"], ("running",), progressed=True)
@@ -156,7 +156,7 @@ def hanging_spec(client, tmp_path, hang_s: float, marked: bool = True) -> dict:
         "model_kwargs": {"action": "hang", "hang_s": hang_s},
         "checkpoint": upload(client, save_state(tmp_path / f"{name}.pt", marker_net())),
         "data": upload(client, save_array(tmp_path / f"{name}.npy", samples)),
-        "batch_size": 4,
+        "batch_size": 4, "order": "given",
     }
 
 

@@ -21,7 +21,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.api.conftest import KEYS, submit, upload, write_samples
 from tests.nets import mixed_net
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -113,7 +113,7 @@ def test_downloaded_checkpoint_is_the_engines_result_in_the_uploaded_format(
             assert torch.equal(value, original[key]), key
     model = mixed_net()
     model.load_state_dict(downloaded)
-    assert_matches_reference(model, reference_statistics(small_model, samples, batch_size=BATCH))
+    assert_matches_reference(model, reference_statistics(small_model, in_contract_order(samples), batch_size=BATCH))
     report = final["report"]
     assert report["samples"] == engine.report["samples"] == 23
     assert report["world_size"] == 2 and report["steps"] == 4

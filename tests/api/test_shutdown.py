@@ -58,7 +58,7 @@ def test_sigterm_drains_then_requeues(servers, tmp_path):  # noqa: F811 - server
     def spec(name: str, **kwargs: object) -> dict:
         checkpoint = upload(client, save_state(tmp_path / f"{name}.pt", marker_net(**kwargs)))
         return {"arch": "tests.nets:marker_net", "model_kwargs": kwargs, "checkpoint": checkpoint,
-                "data": data, "batch_size": 4, "workers": 1}
+                "data": data, "batch_size": 4, "order": "given", "workers": 1}
 
     slow = submit(client, spec("slow", action="hang", hang_s=SLOW_S))
     stuck = submit(client, spec("stuck", action="hang"))

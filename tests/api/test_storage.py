@@ -99,7 +99,7 @@ def test_delete_jobs_and_blobs(quota_server, tmp_path):
 
         samples = torch.randn(40, 4)
         samples[9, 0] = MARKER  # the third step hangs: the job stays running until cancelled
-        hanging = {"arch": "tests.nets:marker_net", "model_kwargs": {"action": "hang"}, "batch_size": 4,
+        hanging = {"arch": "tests.nets:marker_net", "model_kwargs": {"action": "hang"}, "batch_size": 4, "order": "given",
                    "checkpoint": upload(client, save_state(tmp_path / "h.pt", marker_net())),
                    "data": upload(client, save_array(tmp_path / "h.npy", samples))}
         running = wait_for(client, submit(client, hanging)["id"], ("running",), progressed=True)

@@ -308,7 +308,7 @@ def test_cancel_from_the_job_page_ends_the_job_cancelled(live_server, tab, tmp_p
             "model_kwargs": {"action": "hang"},
             "checkpoint": upload(client, save_state(tmp_path / "m.pt", marker_net())),
             "data": upload(client, save_array(tmp_path / "m.npy", samples)),
-            "batch_size": 4,
+            "batch_size": 4, "order": "given",
         }
         job = submit(client, spec)
     page = tab.page

@@ -26,6 +26,7 @@ import torch
 
 from workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from workers.data.base import CalibrationData
+from workers.data.order import ReadAhead, gather_runs
 from workers.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
@@ -265,21 +266,24 @@ def compact_dtype(stored: str | np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype in _COMPACT_DTYPES else np.dtype(np.float32)
 
 
-class ArrayData(CalibrationData):
+class ArrayData(ReadAhead, CalibrationData):
     """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
 
     Files open lazily on the first ``load``; pickling drops them, so the object can cross
-    process boundaries and reopen on the other side.
+    process boundaries and reopen on the other side. ``order`` (``workers.data.order``) is
+    the row of each sample position when the samples are not taken in file order.
     """
 
-    def __init__(self, path: str, layout: ArrayLayout, num_samples: int) -> None:
+    def __init__(self, path: str, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None) -> None:
         self.path = path
         self.layout = layout
         self.num_samples = num_samples
+        self.order = order
         self.sample_shape = tuple(layout.shape[1:])
         self._rows: np.ndarray | None = None  # memory map, for npy and npz-stored
         self._zip: zipfile.ZipFile | None = None  # open archive, for npz-compressed
         self._stream: IO[bytes] | None = None
+        self.plan_reads([])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -296,17 +300,49 @@ class ArrayData(CalibrationData):
         return torch.from_numpy(rows if rows.dtype == np.float32 else rows.astype(np.float32))
 
     def load_compact(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` in the smallest type that converts to the same float32
+        """Samples ``[start, stop)`` in the smallest type that converts to the same float32
         values: the stored type when it is narrower than 4 bytes (uint8 images travel as
-        uint8, a quarter of the bytes), float32 otherwise."""
+        uint8, a quarter of the bytes), float32 otherwise. With an ``order`` they are the rows
+        at those positions of it, read in file order and put back in the order's."""
         self._check_range(start, stop)
         dtype = compact_dtype(self.layout.dtype)
         if start == stop:
             return np.empty((0, *self.sample_shape), dtype=dtype)
+        if self.order is not None:
+            ahead = self._planned_read(start, stop)
+            return ahead if ahead is not None else self._gather(self.order[start:stop])
+        return self._read_rows(start, stop)
+
+    def _compact_row_bytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * compact_dtype(self.layout.dtype).itemsize
+
+    @property
+    def _reads_ahead(self) -> bool:
+        """Whether rows in a shuffled order are worth reading several steps at a time: a
+        compressed member is one forward pass per read (a memory map needs no help)."""
+        return self.layout.storage == "npz-compressed"
+
+    def _read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Consecutive rows ``[start, stop)`` of the array, in the compact type."""
+        dtype = compact_dtype(self.layout.dtype)
         self._open()
         if self._rows is not None:
             return np.array(self._rows[start:stop], dtype=dtype, order="C")
         return np.array(self._read_compressed(start, stop), dtype=dtype)
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (any order, no repeats) in the compact type: a memory map reads them
+        in one sorted fancy index, a compressed member in one forward pass over their runs."""
+        self._open()
+        permutation = np.argsort(rows, kind="stable")
+        ordered = rows[permutation]
+        if self._rows is not None:
+            found = np.asarray(self._rows[ordered], dtype=compact_dtype(self.layout.dtype), order="C")
+        else:
+            found = gather_runs(ordered, lambda a, b: self._read_rows(a, b), 0)
+        out = np.empty_like(found)
+        out[permutation] = found
+        return out
 
     def _open(self) -> None:
         if self._rows is not None or self._stream is not None:
@@ -353,5 +389,5 @@ class ArrayData(CalibrationData):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_rows=None, _zip=None, _stream=None)
+        state.update(_rows=None, _zip=None, _stream=None, _window={})
         return state

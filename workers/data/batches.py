@@ -57,6 +57,9 @@ def iter_batches(
             raise IndexError(f"sample range [{start}, {stop}) is outside [0, {len(data)})")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    plan = getattr(data, "plan_reads", None)
+    if plan is not None:  # a reader that reads ahead in a shuffled order learns the steps to come
+        plan(checked)
     if num_workers == 0 or not data.decodes or not checked:
         for start, stop in checked:
             batch = data.load(start, stop)

@@ -23,7 +23,7 @@ LABEL_ARRAY = "y"
 def read_labels(spec: DatasetSpec) -> np.ndarray | None:
     """The class index of each of the dataset's samples (int64), or None when it has none.
 
-    Image folders are labelled by their class folders (sorted names, index = position,
+    Labels follow the samples' order (``spec.order``). Image folders are labelled by their class folders (sorted names, index = position,
     as torchvision's ImageFolder); an ``.npz`` by an integer array ``y`` of one label
     per row of ``x``. A ``y`` that does not fit ``x`` is an error, never silently ignored.
     """
@@ -34,7 +34,7 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
             listing = list_remote_images(spec.remote, "evaluation data")
         else:
             listing = list_images(Path(spec.path), strip_wrappers=False)
-        return np.asarray(listing.labels[: spec.num_samples], dtype=np.int64)
+        return np.asarray(listing.labels, dtype=np.int64)[spec.sample_rows()]
     layout = spec.layout
     if layout is None or not layout.storage.startswith("npz"):
         return None
@@ -62,7 +62,7 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
         )
     if not np.issubdtype(labels.dtype, np.integer):
         raise DatasetError(f"{name}: labels {LABEL_ARRAY!r} must be integer class indices, not {labels.dtype}")
-    labels = labels[: spec.num_samples].astype(np.int64)
+    labels = labels[spec.sample_rows()].astype(np.int64)
     if labels.size and int(labels.min()) < 0:
         raise DatasetError(f"{name}: labels {LABEL_ARRAY!r} must be class indices >= 0, found {int(labels.min())}")
     return labels

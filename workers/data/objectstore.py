@@ -30,6 +30,7 @@ import torch
 
 from workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
 from workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
+from workers.data.order import gather_runs
 from workers.data.transform import ImageTransform, load_image
 from workers.errors import DatasetError, SpecError
 
@@ -212,34 +213,74 @@ def open_remote_file(source: RemoteSource) -> IO[bytes]:
     return source.filesystem().open(source.key, "rb", block_size=_STREAM_BLOCK, cache_type="readahead")
 
 
+GATHER_GAP_BYTES = 256 * 1024
+"""Rows of a remote array closer than this are fetched in one ranged read, gap included:
+a request costs about as much as that many bytes of transfer."""
+
+
 class RemoteArrayData(ArrayData):
     """Rows of an ``.npy`` object or ``.npz`` member: ``load`` fetches the byte range of the
     requested rows only (a compressed member is streamed from its start instead)."""
 
-    def __init__(self, source: RemoteSource, layout: ArrayLayout, num_samples: int) -> None:
-        super().__init__(source.uri, layout, num_samples)
+    def __init__(
+        self, source: RemoteSource, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None
+    ) -> None:
+        super().__init__(source.uri, layout, num_samples, order)
         self.source = source
         self._file: IO[bytes] | None = None
 
-    def load_compact(self, start: int, stop: int) -> np.ndarray:
+    def _read_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` in their compact type, fetched by one ranged read."""
         if self.layout.storage == "npz-compressed":
-            return super().load_compact(start, stop)
-        self._check_range(start, stop)
-        dtype = compact_dtype(self.layout.dtype)
-        if start == stop:
-            return np.empty((0, *self.sample_shape), dtype=dtype)
+            return super()._read_rows(start, stop)
+        return self._fetch_runs([(start, stop)])[0]
+
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        """Rows in any order: their runs (rows up to ``GATHER_GAP_BYTES`` apart read through
+        the gap) fetched concurrently in one ``cat_ranges`` call, then put back in order."""
+        if self.layout.storage == "npz-compressed":
+            return super()._gather(rows)
+        row_bytes = self._row_bytes()
+        permutation = np.argsort(rows, kind="stable")
+        found = gather_runs(
+            rows[permutation], None, max(0, GATHER_GAP_BYTES // max(1, row_bytes)), fetch=self._fetch_runs
+        )
+        out = np.empty_like(found)
+        out[permutation] = found
+        return out
+
+    @property
+    def _reads_ahead(self) -> bool:
+        """Every read is a round trip: the rows of the next steps are fetched together."""
+        return True
+
+    def _row_bytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * np.dtype(self.layout.dtype).itemsize
+
+    def _fetch_runs(self, runs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Each run of consecutive rows ``[start, stop)``, fetched concurrently, in the compact type."""
         stored = np.dtype(self.layout.dtype)
-        row_bytes = int(np.prod(self.sample_shape, dtype=np.int64)) * stored.itemsize
-        first = self.layout.data_offset + start * row_bytes
+        dtype = compact_dtype(self.layout.dtype)
+        row_bytes = self._row_bytes()
+        starts = [self.layout.data_offset + a * row_bytes for a, _ in runs]
+        ends = [self.layout.data_offset + b * row_bytes for _, b in runs]
         try:
-            raw = self.source.filesystem().cat_file(self.source.key, start=first, end=first + (stop - start) * row_bytes)
+            fs = self.source.filesystem()
+            if len(runs) == 1:
+                raws = [fs.cat_file(self.source.key, start=starts[0], end=ends[0])]
+            else:
+                raws = fs.cat_ranges([self.source.key] * len(runs), starts, ends)
         except Exception as exc:  # noqa: BLE001
             raise remote_error(exc, self.source, "calibration data") from exc
-        if len(raw) != (stop - start) * row_bytes:
-            raise DatasetError(f"{self.source.uri} changed since it was described (short read)")
-        rows = np.frombuffer(raw, dtype=stored).reshape(stop - start, *self.sample_shape)
-        return np.array(rows, dtype=dtype, order="C")
+        parts = []
+        for (a, b), raw in zip(runs, raws):
+            if isinstance(raw, BaseException):
+                raise remote_error(raw, self.source, "calibration data") from raw
+            if len(raw) != (b - a) * row_bytes:
+                raise DatasetError(f"{self.source.uri} changed since it was described (short read)")
+            rows = np.frombuffer(raw, dtype=stored).reshape(b - a, *self.sample_shape)
+            parts.append(np.array(rows, dtype=dtype, order="C"))
+        return parts
 
     @property
     def memory_map(self) -> None:

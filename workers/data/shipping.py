@@ -108,7 +108,10 @@ def ship_dataset(
     """
     data = spec.open()
     shipped = []
+    plan = getattr(data, "plan_reads", None)
     for ranges in rank_ranges:
+        if plan is not None:  # a shuffled order over costly reads: the rank's rows are read ahead
+            plan(list(ranges))
         blocks: list[ShippedBlock] = []
         pending: list[tuple[int, int]] = []
         parts: list[Any] = []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from workers.data.archive import (
     DEFAULT_MAX_COMPRESSION_RATIO,
     DEFAULT_MAX_MEMBERS,
@@ -33,6 +34,7 @@ from workers.data.objectstore import (
     parse_data_uri,
     stat_object,
 )
+from workers.data.order import ORDERS, order_rows
 from workers.data.transform import ImageTransform, check_image_header, resolve_transform
 from workers.errors import DatasetError
 
@@ -67,6 +69,15 @@ class DatasetSpec:
     files_digest: str | None = None  # images: digest of the sample file list
     name: str | None = None  # the name the user knows, where the file's is an internal one
     remote: RemoteSource | None = None  # data in object storage: ranks fetch their own samples from it
+    order: str = "given"  # "shuffled" (seeded) or "given" (file order)
+    seed: int = 0
+
+    def sample_rows(self) -> np.ndarray:
+        """The file row (array row, or index in the sorted image listing) of each sample position."""
+        return order_rows(self.total_samples, self.num_samples, self.order, self.seed)
+
+    def _array_order(self) -> np.ndarray | None:
+        return None if self.order == "given" else self.sample_rows()
 
     @property
     def display_name(self) -> str:
@@ -85,29 +96,35 @@ class DatasetSpec:
             return self._open_remote(self.remote)
         if self.kind == "array":
             assert self.layout is not None
-            return ArrayData(self.path, self.layout, self.num_samples)
+            return ArrayData(self.path, self.layout, self.num_samples, self._array_order())
         assert self.transform is not None
         listing = list_images(Path(self.path), strip_wrappers=False)
-        files = listing.files[: self.num_samples]
-        if len(files) != self.num_samples or files_digest(files) != self.files_digest:
+        files, labels = self._kept(listing.files, listing.labels)
+        if files is None or files_digest(files) != self.files_digest:
             raise DatasetError(f"image folder {self.display_name} changed since it was described")
-        return ImageData(
-            self.path, files, self.transform,
-            classes=listing.classes, labels=listing.labels[: self.num_samples],
-        )
+        return ImageData(self.path, files, self.transform, classes=listing.classes, labels=labels)
+
+    def _kept(
+        self, files: tuple[str, ...], labels: tuple[int, ...]
+    ) -> tuple[tuple[str, ...] | None, tuple[int, ...]]:
+        """The listed images (and labels) at the sample positions, None when the listing
+        no longer has the described number of images."""
+        if len(files) != self.total_samples:
+            return None, ()
+        rows = self.sample_rows().tolist()
+        return tuple(files[i] for i in rows), tuple(labels[i] for i in rows)
 
     def _open_remote(self, remote: RemoteSource) -> CalibrationData:
         if self.kind == "array":
             assert self.layout is not None
-            return RemoteArrayData(remote, self.layout, self.num_samples)
+            return RemoteArrayData(remote, self.layout, self.num_samples, self._array_order())
         assert self.transform is not None
         listing = list_remote_images(remote, "calibration data")
-        files = listing.files[: self.num_samples]
-        if len(files) != self.num_samples or files_digest(files) != self.files_digest:
+        files, labels = self._kept(listing.files, listing.labels)
+        if files is None or files_digest(files) != self.files_digest:
             raise DatasetError(f"image prefix {remote.uri} changed since it was described")
         return RemoteImageData(
-            remote, str(listing.root), files, self.transform,
-            classes=listing.classes, labels=listing.labels[: self.num_samples],
+            remote, str(listing.root), files, self.transform, classes=listing.classes, labels=labels,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -118,7 +135,10 @@ class DatasetSpec:
             "samples": self.num_samples,
             "total_samples": self.total_samples,
             "sample_shape": list(self.sample_shape),
+            "order": self.order,
         }
+        if self.order == "shuffled":
+            info["seed"] = self.seed
         if self.layout is not None:
             info.update(storage=self.layout.storage, dtype=str(self.layout.dtype), array=self.layout.array_name)
         if self.transform is not None:
@@ -140,11 +160,15 @@ def describe_dataset(
     role: str = "calibration data",
     name: str | None = None,
     endpoint_url: str | None = None,
+    order: str = "given",
+    seed: int = 0,
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
     The format comes from the extension, or from the leading bytes for a file without a
-    known one (an uploaded blob). ``max_samples`` keeps the first samples;
+    known one (an uploaded blob). The samples are taken in ``order`` (``shuffled`` with
+    ``seed``, or ``given``: the file order, this function's default); ``max_samples`` keeps
+    the first samples of that order;
     ``check_images`` reads the header of each kept image so a broken file fails here
     rather than in an actor. ``role`` names the data in messages (e.g. ``evaluation data``);
     ``name`` is what messages and the summary call it instead of the file's own name (the
@@ -158,10 +182,15 @@ def describe_dataset(
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
     ):
         raise DatasetOptionError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
+    if order not in ORDERS:
+        raise DatasetOptionError(f"order must be one of {', '.join(ORDERS)}, got {order!r}", field="order")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DatasetOptionError(f"seed must be an integer >= 0, got {seed!r}", field="seed")
+    ordering = {"order": order, "seed": seed}
     if is_data_uri(path):
         remote = RemoteSource(parse_data_uri(str(path), "data"), endpoint_url)
         return _describe_remote(
-            remote, transform, max_samples, role,
+            remote, transform, max_samples, role, ordering,
             unpack_dir=unpack_dir, unpack_root=unpack_root, max_members=max_members,
             max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
         )
@@ -172,7 +201,7 @@ def describe_dataset(
     unpacked: list[Path] = []
     try:
         spec = _describe(
-            source, transform, max_samples, check_images, role, name, unpacked,
+            source, transform, max_samples, check_images, role, name, unpacked, ordering,
             unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
             unpack_root=Path(unpack_root) if unpack_root is not None else None,
             max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
@@ -193,13 +222,14 @@ def _describe(
     role: str,
     name: str | None,
     unpacked: list[Path],
+    ordering: dict[str, Any],
     **unpack: Any,
 ) -> DatasetSpec:
     """:func:`describe_dataset` on an existing absolute path; an archive's unpack folder goes to ``unpacked``."""
     shown = name or source.name
     try:
         if source.is_dir():
-            return _describe_images(source, source, transform, max_samples, check_images)
+            return _describe_images(source, source, transform, max_samples, check_images, ordering)
         data_format = detect_format(source, role, name)
         if data_format in ("npy", "npz"):
             if transform:
@@ -219,12 +249,13 @@ def _describe(
             return DatasetSpec(
                 kind="array", path=str(source), num_samples=min(total, max_samples or total),
                 sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source), layout=layout,
+                **ordering,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
         folder = unpack_archive(source, data_format, unpack.pop("unpack_dir"), **unpack)
         unpacked.append(folder)
         try:
-            return _describe_images(folder, source, transform, max_samples, check_images)
+            return _describe_images(folder, source, transform, max_samples, check_images, ordering)
         except DatasetError:
             discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
             raise
@@ -237,6 +268,7 @@ def _describe_remote(
     transform: Mapping[str, Any] | None,
     max_samples: int | None,
     role: str,
+    ordering: dict[str, Any],
     **unpack: Any,
 ) -> DatasetSpec:
     """:func:`describe_dataset` for an object or prefix in object storage: arrays and image
@@ -246,11 +278,11 @@ def _describe_remote(
         resolved = resolve_transform(transform)
         listing = list_remote_images(remote, role)
         total = len(listing.files)
-        files = listing.files[: min(total, max_samples or total)]
+        files = _ordered_files(listing.files, max_samples, ordering)
         return DatasetSpec(
             kind="images", path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape,
             total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
-            files_digest=files_digest(files), remote=remote,
+            files_digest=files_digest(files), remote=remote, **ordering,
         )
     data_format = next((f for suffix, f in _SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format is None:
@@ -270,14 +302,14 @@ def _describe_remote(
         return DatasetSpec(
             kind="array", path=remote.uri, num_samples=min(total, max_samples or total),
             sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri, layout=layout,
-            remote=remote,
+            remote=remote, **ordering,
         )
     resolve_transform(transform)  # bad options fail before a long download
     root = Path(unpack["unpack_root"]) if unpack.get("unpack_root") is not None else default_unpack_root()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as staging:
         archive = fetch_object(remote, Path(staging) / remote.name, unpack["max_unpacked_bytes"], role)
-        spec = describe_dataset(archive, transform=transform, max_samples=max_samples, role=role, **unpack)
+        spec = describe_dataset(archive, transform=transform, max_samples=max_samples, role=role, **ordering, **unpack)
     return replace(spec, source=remote.uri)
 
 
@@ -337,19 +369,27 @@ def _describe_images(
     transform: Mapping[str, Any] | None,
     max_samples: int | None,
     check_images: bool,
+    ordering: dict[str, Any],
 ) -> DatasetSpec:
     resolved = resolve_transform(transform)
     listing = list_images(folder)
     total = len(listing.files)
-    files = listing.files[: min(total, max_samples or total)]
+    files = _ordered_files(listing.files, max_samples, ordering)
     if check_images:
         for name in files:
             check_image_header(listing.root / name, name)
     return DatasetSpec(
         kind="images", path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape,
         total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
-        files_digest=files_digest(files),
+        files_digest=files_digest(files), **ordering,
     )
+
+
+def _ordered_files(files: tuple[str, ...], max_samples: int | None, ordering: dict[str, Any]) -> tuple[str, ...]:
+    """The listed images at the first ``max_samples`` positions of the order."""
+    total = len(files)
+    rows = order_rows(total, min(total, max_samples or total), ordering["order"], ordering["seed"])
+    return tuple(files[i] for i in rows.tolist())
 
 
 def array_sample_shape(path: str | Path) -> tuple[int, ...] | None:

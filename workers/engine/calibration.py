@@ -29,6 +29,35 @@ StepCallback = Callable[[int, int], None]
 """Called after each step with (step index, samples this rank processed in it)."""
 
 
+MIN_STEPS = 16
+"""Steps a pass with a :class:`StopRule` runs at least: the standard errors come from the
+spread between steps, and from fewer than about 16 of them that spread is itself too
+uncertain (+-18% at 16) to stop on."""
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """``max_samples: "auto"``: stop after the first step (from ``min_steps`` on) at which every
+    layer's standard errors, mean (std units) and variance (relative), worst channel, are at
+    most ``tolerance``. Only in ``sync`` mode, where every rank sees the same global numbers
+    and so stops at the same step."""
+
+    tolerance: float
+    min_steps: int = MIN_STEPS
+
+
+@dataclass
+class Convergence:
+    """Where a pass with a :class:`StopRule` ended: whether it converged (else the data ran
+    out first), and the worst standard error then, its layer index and statistic."""
+
+    converged: bool
+    error: float | None
+    layer: int | None
+    statistic: str | None
+    min_steps: int = MIN_STEPS
+
+
 @dataclass
 class PassResult:
     """What one rank's pass produced: every layer's combined statistics and counters."""
@@ -40,6 +69,7 @@ class PassResult:
     collectives: int
     seconds: float
     memory_format: str = "contiguous"
+    convergence: Convergence | None = None
 
 
 def calibration_pass(
@@ -56,6 +86,8 @@ def calibration_pass(
     sample_ranges: Sequence[tuple[int, int]] | None = None,
     step_ranges: Sequence[tuple[int, int]] | None = None,
     feed: Feed | None = None,
+    stop: StopRule | None = None,
+    row_of: Callable[[int], int] | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
@@ -71,8 +103,15 @@ def calibration_pass(
     ``DatasetError`` naming the first layer and the samples: ``sample_ranges`` are this
     rank's ``[start, stop)`` per step and ``step_ranges`` the whole global batch's, as
     global sample indices (default: counted from this rank's batches, right for a world of one).
+
+    ``row_of`` maps a sample position to its row in the user's file (a shuffled order), so an
+    error names the row the user can find. With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
+    layer's standard errors are within its tolerance; ``convergence`` says where it ended.
     """
+    if stop is not None and mode != "sync":
+        raise ValueError("a stop rule needs sync mode: local ranks see no global statistics during the pass")
     model.eval()
+    convergence = None
     started = time.perf_counter()
     steps = samples = 0
     layout: str | None = None
@@ -96,11 +135,19 @@ def calibration_pass(
                 own = sample_ranges[steps] if sample_ranges is not None else (samples, samples + size)
                 step = step_ranges[steps] if step_ranges is not None else own
                 shown = batch if isinstance(batch, torch.Tensor) else torch.empty(0)
-                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step)
+                raise non_finite_error(where, steps, shown, own, own if mode == "local" else step, row_of)
+            calibrator.end_step()
             steps += 1
             samples += size
             if on_step is not None:
                 on_step(steps - 1, size)
+            if stop is not None and steps >= stop.min_steps:
+                convergence = _converged(calibrator, stop)
+                if convergence.converged:
+                    break
+        if stop is not None and (convergence is None or not convergence.converged):
+            convergence = _converged(calibrator, stop)  # the data ran out first
+            convergence.converged = convergence.converged and steps >= stop.min_steps
         stats = calibrator.moments()
     if layout == "channels_last":
         to_layout(model, "contiguous", dims)
@@ -114,7 +161,17 @@ def calibration_pass(
         collectives=collective.calls,
         seconds=time.perf_counter() - started,
         memory_format=layout or "contiguous",
+        convergence=convergence,
     )
+
+
+def _converged(calibrator: BatchNormCalibrator, stop: StopRule) -> Convergence:
+    """Whether every layer's standard errors are within the rule's tolerance now."""
+    worst = calibrator.worst_error()
+    if worst is None:
+        return Convergence(False, None, None, None, stop.min_steps)
+    error, layer, statistic = worst
+    return Convergence(error <= stop.tolerance, error, layer, statistic, stop.min_steps)
 
 
 def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
@@ -125,22 +182,30 @@ def _unpack(item: torch.Tensor | Step) -> tuple[Any, int]:
 
 
 def non_finite_error(
-    where: str, step: int, batch: torch.Tensor, own: tuple[int, int], seen: tuple[int, int]
+    where: str,
+    step: int,
+    batch: torch.Tensor,
+    own: tuple[int, int],
+    seen: tuple[int, int],
+    row_of: Callable[[int], int] | None = None,
 ) -> DatasetError:
     """The error of a step whose statistics went non-finite at ``where``: the first sample of
     this rank's ``batch`` (global indices from ``own``) with a NaN or inf when there is one,
     else the samples ``seen`` (the global batch in sync mode, where another rank's slice may
-    hold it; a finite batch can also overflow, or meet non-finite weights)."""
+    hold it; a finite batch can also overflow, or meet non-finite weights). With ``row_of`` (a
+    shuffled order) the sample is named by its row in the file and the ranges as positions of the order."""
+    kind = "samples" if row_of is None else "positions of the shuffled order"
     if batch.numel():
         bad = (~torch.isfinite(batch.reshape(batch.shape[0], -1))).any(dim=1).nonzero()
         if bad.numel():
             sample = own[0] + int(bad[0])
+            row = sample if row_of is None else row_of(sample)
             return DatasetError(
-                f"calibration sample {sample} has non-finite values (NaN or inf), first seen by {where} "
-                f"in step {step} (samples {own[0]}-{own[1] - 1}): fix or leave out that sample"
+                f"calibration sample {row} has non-finite values (NaN or inf), first seen by {where} "
+                f"in step {step} ({kind} {own[0]}-{own[1] - 1}): fix or leave out that sample"
             )
     return DatasetError(
-        f"non-finite values (NaN or inf) first reached {where} in step {step} (samples {seen[0]}-{seen[1] - 1}): "
+        f"non-finite values (NaN or inf) first reached {where} in step {step} ({kind} {seen[0]}-{seen[1] - 1}): "
         "check those samples of the calibration data (values too large for float32?) and the checkpoint's weights"
     )
 

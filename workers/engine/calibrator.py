@@ -44,7 +44,18 @@ from torch.overrides import TorchFunctionMode
 from workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
 from workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
 from workers.engine.collective import Collective, SingleProcessCollective
-from workers.engine.moments import BatchMoments, MomentStats, batch_moments, finalize, pack, packed_size
+from workers.engine.moments import (
+    BatchMoments,
+    MomentStats,
+    accumulate_errors,
+    batch_moments,
+    error_size,
+    finalize,
+    pack,
+    packed_size,
+    standard_errors,
+    worst_standard_error,
+)
 from workers.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
 from workers.suggestions import sample_shape_hint
 
@@ -80,6 +91,11 @@ class BatchNormCalibrator:
             torch.zeros(packed_size(layer.channels), dtype=torch.float64, device=shift.device)
             for layer, shift in zip(self.layers, self.shifts)
         ]
+        self.errors = [
+            torch.zeros(error_size(layer.channels), dtype=torch.float64, device=shift.device)
+            for layer, shift in zip(self.layers, self.shifts)
+        ]
+        self._step_totals = [torch.zeros_like(total) for total in self.totals]  # this step's moments per layer
         self.calls = [0] * len(self.layers)
         self.untracked_calls = 0
         self.order: list[int] = []
@@ -199,6 +215,7 @@ class BatchNormCalibrator:
             layer = self.layers[index]
             self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
         self.totals[index] += packed
+        self._step_totals[index] += packed
         self._note(index, packed)
         self.calls[index] += 1
         if self._record_order:
@@ -241,7 +258,23 @@ class BatchNormCalibrator:
             layer = self.layers[index]
             self._reduce_tagged(index + 1, buffer, f"BN layer {layer.name!r} ({layer.class_name})")
             self.totals[index] += buffer[TAGS:]
+            self._step_totals[index] += buffer[TAGS:]
             self._note(index, buffer[TAGS:])
+
+    def end_step(self) -> None:
+        """Close a step: its moments per layer (the global batch's in ``sync`` mode, where every
+        rank sees the same after its allreduce; the rank's slice in ``local`` mode) go into the
+        error sums the standard errors come from. No communication."""
+        for step, errors in zip(self._step_totals, self.errors):
+            accumulate_errors(step, errors)
+            step.zero_()
+
+    def worst_error(self) -> tuple[float, int, str] | None:
+        """The largest standard error over every layer and channel so far, its layer index
+        and which statistic (``mean``: std units, ``variance``: relative); None until every
+        layer has two steps. In ``sync`` mode every rank computes it from the same global
+        numbers, so every rank takes the same decision from it."""
+        return worst_standard_error(self.totals, self.errors)
 
     def _note(self, call: int, packed: torch.Tensor) -> None:
         """Keep the sum of a call's packed float64 moments (after the allreduce in ``sync``
@@ -270,9 +303,11 @@ class BatchNormCalibrator:
     def moments(self) -> list[MomentStats]:
         """Combined statistics of every layer; in ``local`` mode this is the job's one allreduce."""
         if self.mode == "local" and not self._combined:
-            buffer = torch.cat(self.totals)
+            # The job's one allreduce: every layer's moments and error sums in one buffer.
+            buffer = torch.cat([*self.totals, *self.errors])
             self.collective.allreduce(buffer)
-            self.totals = list(torch.split(buffer, [t.numel() for t in self.totals]))
+            parts = list(torch.split(buffer, [t.numel() for t in (*self.totals, *self.errors)]))
+            self.totals, self.errors = parts[: len(self.totals)], parts[len(self.totals) :]
             self._combined = True
         for layer, total in zip(self.layers, self.totals):  # each step was checked: only overflowing sums are left
             if not bool(torch.isfinite(total).all()):
@@ -280,7 +315,14 @@ class BatchNormCalibrator:
                     f"BN layer {layer.name!r} ({layer.class_name}) saw non-finite values (NaN or inf): "
                     "check the calibration data and the checkpoint's weights"
                 )
-        return [finalize(total, shift) for total, shift in zip(self.totals, self.shifts)]
+        stats = []
+        for total, shift, errors in zip(self.totals, self.shifts, self.errors):
+            stat = finalize(total, shift)
+            found = standard_errors(total, errors)
+            if found is not None:
+                stat.se_mean, stat.se_var = found
+            stats.append(stat)
+        return stats
 
 
 def probe_call_order(

@@ -35,11 +35,18 @@ CHUNK_VALUES = 2048
 
 @dataclass
 class MomentStats:
-    """Mean and biased variance of a set of values, per channel, in float64."""
+    """Mean and biased variance of a set of values, per channel, in float64.
+
+    ``se_mean`` (in units of the channel's std) and ``se_var`` (relative) are the standard
+    errors of the mean and variance per channel when they were estimated (see
+    :func:`standard_errors`), else None.
+    """
 
     count: float
     mean: torch.Tensor
     var: torch.Tensor
+    se_mean: torch.Tensor | None = None
+    se_var: torch.Tensor | None = None
 
     @property
     def unbiased_var(self) -> torch.Tensor:
@@ -144,3 +151,92 @@ def finalize(packed: torch.Tensor, shift: torch.Tensor) -> MomentStats:
     second = packed[1 + channels :] / n
     var = (second - first * first).clamp_min(0.0)
     return MomentStats(n, shift + first, var)
+
+
+ERROR_SLOTS = 5
+"""Float64 slots per channel for the standard errors: the sums over steps of S1^2, S2^2,
+S1*S2, n*S1 and n*S2 of each step's moments (plus two per layer: steps and sum n^2)."""
+
+
+def error_size(channels: int) -> int:
+    """Length of one layer's packed error sums ``[J, sum n^2, 5 x C]``."""
+    return 2 + ERROR_SLOTS * channels
+
+
+def accumulate_errors(step: torch.Tensor, out: torch.Tensor) -> None:
+    """Add one step's packed moments ``[n, S1, S2]`` (the global batch in ``sync`` mode, a
+    rank's slice in ``local``) to the error sums ``out``; an empty step adds nothing.
+
+    These are the sums of products the ratio estimator's variance needs (a step is one
+    cluster of a cluster sample): like the moments themselves they are sums, so ranks
+    combine them with SUM."""
+    n = step[0]
+    channels = (step.numel() - 1) // 2
+    s1, s2 = step[1 : 1 + channels], step[1 + channels :]  # zero, like n, for an empty step
+    out[0] += (n > 0).to(out.dtype)
+    out[1] += n * n
+    slots = out[2:].view(ERROR_SLOTS, channels)
+    slots[0] += s1 * s1
+    slots[1] += s2 * s2
+    slots[2] += s1 * s2
+    slots[3] += n * s1
+    slots[4] += n * s2
+
+
+def standard_errors(packed: torch.Tensor, errors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Standard errors of the mean (in std units) and of the variance (relative), per channel.
+
+    Each step's batch is treated as one draw of a cluster sample (true when the samples are
+    in a fair, shuffled order): the mean ``sum S1 / sum n`` is a ratio estimator, whose
+    variance is ``J/(J-1) * sum_j (S1_j - a n_j)^2 / N^2``; the variance ``b - a^2`` is
+    linearised the same way, with residual ``e_j = S2_j - 2a S1_j + (2a^2 - b) n_j`` per step.
+    None before two non-empty steps. The sums are about the layer's shift, so precision is
+    lost only when the new mean is some 1e4 standard deviations from the old one.
+    """
+    steps = float(errors[0].item())
+    total = float(packed[0].item())
+    if steps < 2 or total <= 0:
+        return None
+    channels = (packed.numel() - 1) // 2
+    slots = errors[2:].view(ERROR_SLOTS, channels)
+    s11, s22, s12, n1, n2 = slots
+    nn = float(errors[1].item())
+    a = packed[1 : 1 + channels] / total
+    b = packed[1 + channels :] / total
+    var = (b - a * a).clamp_min(0.0)
+    scale = steps / (steps - 1.0) / (total * total)
+    mean_spread = (s11 - 2.0 * a * n1 + a * a * nn).clamp_min(0.0) * scale
+    u, w = 2.0 * a, 2.0 * a * a - b
+    var_spread = s22 + u * u * s11 + w * w * nn - 2.0 * u * s12 + 2.0 * w * n2 - 2.0 * u * w * n1
+    var_spread = var_spread.clamp_min(0.0) * scale
+    se_mean = _ratio(mean_spread.sqrt(), var.sqrt())
+    se_var = _ratio(var_spread.sqrt(), var)
+    return se_mean, se_var
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator``, 0 where both are 0 (a constant channel is known exactly)."""
+    out = numerator / denominator
+    return torch.where(numerator == 0, torch.zeros_like(out), out)
+
+
+def worst_standard_error(
+    totals: list[torch.Tensor], errors: list[torch.Tensor]
+) -> tuple[float, int, str] | None:
+    """The largest standard error over every layer's channels: (value, layer index,
+    ``mean`` or ``variance``); None while a layer that normalised has fewer than two steps
+    (a layer the forward never reached has no statistics to wait for)."""
+    worst: tuple[float, int, str] | None = None
+    for index, (total, sums) in enumerate(zip(totals, errors)):
+        found = standard_errors(total, sums)
+        if found is None:
+            if float(total[0].item()) <= 0:
+                continue
+            return None
+        for kind, values in zip(("mean", "variance"), found):
+            value = float(values.max().item()) if values.numel() else 0.0
+            if value != value:  # NaN: not measurable yet
+                return None
+            if worst is None or value > worst[0]:
+                worst = (value, index, kind)
+    return worst

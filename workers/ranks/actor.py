@@ -8,7 +8,7 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -21,7 +21,7 @@ from workers.errors import BnrecalError, RunError, first_line
 from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from workers.ranks.collectives import RayCollective
 from workers.ranks.plan import RankPlan
-from workers.ranks.local import evaluate_rank, rank_batches, stats_payload
+from workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
 
 HEARTBEAT_S = 1.0
 """How often a rank reports while a step is in flight, so the driver can tell a rank
@@ -164,6 +164,8 @@ class CalibrationRank:
                     sample_ranges=ranges,
                     step_ranges=steps,
                     feed=plan.feed,
+                    stop=plan.stop,
+                    row_of=row_of(plan),
                 )
                 evaluation = None
                 if plan.evaluation is not None:
@@ -199,8 +201,8 @@ class CalibrationRank:
             "calls": passed.calls,
             "seconds": passed.seconds,
             "memory_format": passed.memory_format,
-            "stats": stats_payload(passed) if self.rank == 0
-            else None,
+            "stats": stats_payload(passed) if self.rank == 0 else None,
+            "convergence": None if passed.convergence is None else asdict(passed.convergence),
             "evaluation": event.evaluation,
         }
 
@@ -224,6 +226,47 @@ class CalibrationRank:
             )
 
         return evaluate_rank(plan, self.rank, model, calibration, shard, collective, on_samples)
+
+    def collect_ranges(
+        self,
+        model: bytes,
+        request: Any,
+        dataset: Any,
+        batch_size: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+        shard: CalibrationData | None = None,
+    ) -> dict[str, Any]:
+        """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
+        rank's shard of ``dataset``, with the calibration's sharding rule, combined with the
+        peers' in one collective per pass (``workers.ranks.int8_ranges``)."""
+        from workers.data import iter_batches
+        from workers.ranks.int8_ranges import range_pass
+        from workers.ranks.sharding import rank_ranges
+
+        self.jobs += 1
+        self._groups = [group_name]
+        try:
+            self._collective = RayCollective(world_size, self.rank, backend, group_name)
+            data = shard if shard is not None else dataset.open()
+            ranges = rank_ranges(dataset.num_samples, batch_size, world_size, self.rank)
+            result = range_pass(
+                model, request, lambda: iter_batches(data, ranges), self._collective, self.rank,
+                threads=self.num_threads,
+            )
+            return {"rank": self.rank, "node_id": self.node_id, "result": result}
+        except BnrecalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
+            raise RunError(
+                f"rank {self.rank} on node {self.node_id[:12]} failed gathering INT8 ranges: "
+                f"{type(exc).__name__}: {first_line(exc)}",
+                rank=self.rank,
+                node=self.node_id,
+            ) from exc
+        finally:
+            self._leave_group()
 
     def _leave_group(self) -> None:
         if self._collective is not None:

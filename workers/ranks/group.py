@@ -177,6 +177,7 @@ def _follow(
         calls=first["calls"],
         memory_formats=[results[r]["memory_format"] for r in sorted(results)],
         evaluation=first["evaluation"],
+        convergence=first.get("convergence"),
     )
 
 

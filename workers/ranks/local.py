@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ def run_in_process(
     result = calibration_pass(
         model, layers, batches, mode=plan.mode, collective=collective, call_order=plan.call_order, device=device,
         on_step=lambda step, samples: report("calibrating", samples), memory_format=plan.memory_format,
-        sample_ranges=ranges, step_ranges=steps, feed=plan.feed,
+        sample_ranges=ranges, step_ranges=steps, feed=plan.feed, stop=plan.stop, row_of=row_of(plan),
     )
     evaluation = None
     if plan.evaluation is not None:
@@ -132,9 +133,25 @@ def run_in_process(
         calls=list(result.calls),
         memory_formats=[result.memory_format],
         evaluation=evaluation,
+        convergence=None if result.convergence is None else asdict(result.convergence),
     )
 
 
 def stats_payload(result: PassResult) -> list[dict[str, Any]]:
-    """A pass's statistics as rank 0 sends them to the driver (CPU tensors in plain dicts)."""
-    return [{"count": s.count, "mean": s.mean.cpu(), "var": s.var.cpu()} for s in result.stats]
+    """A pass's statistics as rank 0 sends them to the driver (CPU tensors in plain dicts),
+    with each layer's standard errors per channel where they were estimated."""
+    payload = []
+    for stat in result.stats:
+        entry: dict[str, Any] = {"count": stat.count, "mean": stat.mean.cpu(), "var": stat.var.cpu()}
+        if stat.se_mean is not None and stat.se_var is not None:
+            entry.update(se_mean=stat.se_mean.cpu(), se_var=stat.se_var.cpu())
+        payload.append(entry)
+    return payload
+
+
+def row_of(plan: RankPlan) -> Callable[[int], int] | None:
+    """Position -> file row, where the data is read in a shuffled order (errors name the row)."""
+    if isinstance(plan.dataset, LoaderSpec) or plan.dataset.order == "given":
+        return None
+    rows = plan.dataset.sample_rows()
+    return lambda position: int(rows[position])

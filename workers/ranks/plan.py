@@ -10,6 +10,7 @@ import numpy as np
 
 from workers.data import DatasetSpec
 from workers.data.loader import LoaderSpec
+from workers.engine.calibration import StopRule
 from workers.engine.evaluation import EvalTarget
 from workers.models.sources import ModelSource
 
@@ -46,6 +47,7 @@ class RankPlan:
     memory_format: str = "auto"
     evaluation: EvalPlan | None = None
     feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches
+    stop: StopRule | None = None  # max_samples "auto": stop once the statistics have converged
 
 
 @dataclass
@@ -62,6 +64,7 @@ class GroupResult:
     calls: list[int] = field(default_factory=list)
     memory_formats: list[str] = field(default_factory=list)
     evaluation: dict[str, Any] | None = None
+    convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
 
 
 @dataclass(frozen=True)

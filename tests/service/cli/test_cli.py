@@ -18,7 +18,7 @@ from service.cli import main
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, no_norm_net, perturbed, self_stats_net
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_calibrate_writes_checkpoint_and_report(artifacts, tmp_path, capsys):
     assert code == 0, err
     model = mixed_net()
     model.load_state_dict(torch.load(out, weights_only=True))
-    assert_matches_reference(model, reference_statistics(artifacts["model"], artifacts["samples"], 8))
+    assert_matches_reference(model, reference_statistics(artifacts["model"], in_contract_order(artifacts["samples"]), 8))
     content = json.loads(report.read_text())
     for key in ("mode", "world_size", "backend", "device", "samples", "steps", "collectives", "seconds",
                 "samples_per_second", "nodes", "layers"):
@@ -184,7 +184,7 @@ def test_image_folder_with_default_transform(tmp_path, capsys):
     assert spec.classes == tuple(sorted({f"class_{int(t)}" for t in digits.target[:12]}))
     recalibrated = mixed_net()
     recalibrated.load_state_dict(torch.load(out, weights_only=True))
-    assert_matches_reference(recalibrated, reference_statistics(model, samples, 5))
+    assert_matches_reference(recalibrated, reference_statistics(model, in_contract_order(samples), 5))
 
 
 def test_console_script_runs_end_to_end(artifacts, tmp_path):

@@ -96,7 +96,7 @@ def test_a_job_that_kills_the_host_fails_and_the_next_job_gets_a_fresh_host(serv
         "arch": "tests.nets:marker_net",
         "checkpoint": upload(server.client, save_state(tmp_path / "m.pt", marker_net())),
         "data": upload(server.client, save_array(tmp_path / "marked.npy", samples)),
-        "batch_size": 4,
+        "batch_size": 4, "order": "given",
     }
     killed = wait_for(server.client, submit(server.client, spec)["id"], timeout=120)
     assert killed["status"] == "failed"

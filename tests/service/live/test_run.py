@@ -19,7 +19,7 @@ from service.run.recalibrate import recalibrate as recalibrate_files
 import bnrecal
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 from tests.service.live.helpers import assert_only_bn_buffers_changed, state
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -109,7 +109,7 @@ def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settin
     assert_only_bn_buffers_changed(before, live, steps=4)
     cli = recalibrate_files(
         RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, workers=workers,
-                             batch_size=6, mode=mode),
+                             batch_size=6, mode=mode, order="given"),  # the DataLoader's own order
         settings, pool=warm_pool,
     )
     ours = live.state_dict()
@@ -178,7 +178,7 @@ def test_what_data_takes_a_path_runs_on_the_same_engine(mixed, warm_pool):
     live = copy.deepcopy(model)
     before = state(live)
     report = bnrecal.recalibrate(live, data, batch_size=6, workers=2, max_samples=18, progress=False, pool=warm_pool)
-    assert_matches_reference(live, reference_statistics(model, samples[:18], 6))
+    assert_matches_reference(live, reference_statistics(model, in_contract_order(samples)[:18], 6))
     assert_only_bn_buffers_changed(before, live, steps=3)
     assert report["data"]["kind"] == "array" and report["model"]["transport"] == "program"
 

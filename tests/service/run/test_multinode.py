@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_one_rank_per_node_matches_the_reference(two_nodes, tmp_path):
     recalibrated = mixed_net()
     recalibrated.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
     # The K=1 result is the reference within the contract's tolerance (tests/service/run/test_recalibrate.py).
-    assert_matches_reference(recalibrated, reference_statistics(model, samples, 8))
+    assert_matches_reference(recalibrated, reference_statistics(model, in_contract_order(samples), 8))
 
 
 def test_losing_a_node_fails_the_job_naming_it(two_nodes, tmp_path):
@@ -87,6 +87,7 @@ def test_losing_a_node_fails_the_job_naming_it(two_nodes, tmp_path):
     process = cli(
         cluster.address, "--arch", "tests.nets:marker_net", "--model-kwargs", kwargs, "--checkpoint", str(checkpoint),
         "--data", str(data), "--workers", "2", "--batch-size", "4", "--placement", "strict_spread",
+        "--order", "given",  # sample 0 (the driver's probe) is the file's first row
         "--out", str(tmp_path / "never.pt"),
     )
     deadline = time.monotonic() + 180

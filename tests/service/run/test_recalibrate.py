@@ -15,7 +15,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -36,7 +36,7 @@ def run(settings, checkpoint, data, pool=None, **options):
 
 def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
-    expected = reference_statistics(model, samples, batch_size=6)
+    expected = reference_statistics(model, in_contract_order(samples), batch_size=6)
     results = {k: run(settings, checkpoint, data, warm_pool, workers=k, batch_size=6) for k in (1, 2, 3)}
     for k, result in results.items():
         assert_matches_reference(result.model, expected)
@@ -52,7 +52,7 @@ def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings, w
 
 def test_local_mode_matches_per_rank_reference(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
-    expected = reference_statistics(model, samples, batch_size=12, world_size=2, mode="local")
+    expected = reference_statistics(model, in_contract_order(samples), batch_size=12, world_size=2, mode="local")
     result = run(settings, checkpoint, data, warm_pool, workers=2, batch_size=12, mode="local")
     assert_matches_reference(result.model, expected)
     assert result.report["collectives"] == 1  # one allreduce per job
@@ -61,7 +61,7 @@ def test_local_mode_matches_per_rank_reference(mixed, settings, warm_pool):
 def test_empty_slices_take_part_in_every_collective(mixed, settings, warm_pool):
     model, samples, checkpoint, data = mixed
     # 10 samples, batch 4, 3 ranks: the last step has 2 samples, so rank 2's slice is empty.
-    expected = reference_statistics(model, samples[:10], batch_size=4)
+    expected = reference_statistics(model, in_contract_order(samples)[:10], batch_size=4)
     result = run(settings, checkpoint, data, warm_pool, workers=3, batch_size=4, max_samples=10)
     assert_matches_reference(result.model, expected)
     assert result.report["collectives"] == 5 * 3
@@ -94,7 +94,7 @@ def marked_data(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_rank_that_dies_fails_the_job_naming_it(settings, tmp_path):
     checkpoint, data = marked_data(tmp_path)
-    request = RecalibrationRequest(arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4)
+    request = RecalibrationRequest(arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4, order="given")
     with pytest.raises(RunError, match=r"rank 1 .*died") as info:
         recalibrate(request, settings)
     assert info.value.rank == 1
@@ -103,7 +103,7 @@ def test_a_rank_that_dies_fails_the_job_naming_it(settings, tmp_path):
 def test_a_stuck_rank_times_out_naming_it(settings, tmp_path):
     checkpoint, data = marked_data(tmp_path)
     request = RecalibrationRequest(
-        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4,
+        arch="tests.nets:marker_net", checkpoint=checkpoint, data=data, workers=2, batch_size=4, order="given",
         model_kwargs={"action": "hang"},
     )
     quick = settings.model_copy(update={"collective_timeout_s": 4.0})
@@ -178,7 +178,7 @@ def test_object_store_transport_matches_shared_paths(mixed, settings, warm_pool)
     shipped = settings.model_copy(update={"data_transport": "object_store"})
     result = run(shipped, checkpoint, data, warm_pool, workers=2, batch_size=6)
     assert result.report["data_transport"] == "object_store"
-    assert_matches_reference(result.model, reference_statistics(model, samples, 6))
+    assert_matches_reference(result.model, reference_statistics(model, in_contract_order(samples), 6))
 
 
 def cancel_after(cancel: threading.Event, seconds: float) -> float:

@@ -13,7 +13,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array
 from tests.nets import mixed_net, perturbed
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 from tests.workers.models.test_checkpoints import assert_same
 from tests.wrappers import lightning_checkpoint
 
@@ -43,7 +43,7 @@ def test_a_wrapped_checkpoint_calibrates_and_comes_back_in_its_own_layout(settin
         workers=2, batch_size=5,
     )
     result = recalibrate(request, settings, pool=warm_pool)
-    assert_matches_reference(result.model, reference_statistics(model, samples, 5))
+    assert_matches_reference(result.model, reference_statistics(model, in_contract_order(samples), 5))
 
     out = tmp_path / "out.ckpt"
     result.save_model(out)

@@ -20,7 +20,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array
 from tests.nets import perturbed
 from tests.programs import buffers_as_modules, export_program
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 from tests.service.export.helpers import assert_matches_torch
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -59,7 +59,7 @@ def run(settings, program, data, pool=None, **options):
 @pytest.mark.parametrize("mode", ["sync", "local"])
 def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, settings, mode, warm_pool):
     model, samples, program, data = own
-    expected = reference_statistics(model, samples, batch_size=8, world_size=2, mode=mode)
+    expected = reference_statistics(model, in_contract_order(samples), batch_size=8, world_size=2, mode=mode)
     result = run(settings, program, data, warm_pool, workers=2, batch_size=8, mode=mode)
     assert_matches_reference(buffers_as_modules(result.model), expected)
     report = result.report

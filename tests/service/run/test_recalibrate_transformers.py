@@ -30,7 +30,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array
 from tests.hf import SIZE, TINY, save_pretrained, tiny_model
 from tests.programs import buffers_as_modules, export_program
-from tests.reference import assert_matches_reference, assert_metrics_match, reference_metrics, reference_statistics
+from tests.reference import assert_matches_reference, assert_metrics_match, in_contract_order, reference_metrics, reference_statistics
 from tests.service.export.helpers import assert_matches_torch, run_onnx
 from tests.zoo import stale
 
@@ -75,8 +75,8 @@ def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings,
     )
     result = recalibrate(request, settings, pool=pool)
 
-    expected = reference_statistics(model, samples, BATCH)
-    float32 = reference_statistics(model, samples, BATCH, dtype=torch.float32)
+    expected = reference_statistics(model, in_contract_order(samples), BATCH)
+    float32 = reference_statistics(model, in_contract_order(samples), BATCH, dtype=torch.float32)
     assert_matches_reference(result.model, expected, float32_reference=float32)
     report = result.report
     layers = len(find_batchnorm_layers(model)[0])
@@ -120,8 +120,8 @@ def test_a_transformers_model_goes_through_as_a_program(settings, pool, tmp_path
     program = export_program(model, samples[:1], tmp_path / "resnet.pt2")
     request = RecalibrationRequest(program=program, data=data, workers=2, batch_size=BATCH)
     result = recalibrate(request, settings, pool=pool)
-    expected = reference_statistics(model, samples, BATCH)
-    float32 = reference_statistics(model, samples, BATCH, dtype=torch.float32)
+    expected = reference_statistics(model, in_contract_order(samples), BATCH)
+    float32 = reference_statistics(model, in_contract_order(samples), BATCH, dtype=torch.float32)
     assert_matches_reference(buffers_as_modules(result.model), expected, float32_reference=float32)
     assert len(result.report["layers"]) == len(find_batchnorm_layers(model)[0])
     onnx = export_recalibrated(result, tmp_path / "model.onnx")

@@ -13,7 +13,7 @@ from service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import branching_net, perturbed, self_stats_net, subclass_net, sync_bn_net, untracked_net
-from tests.reference import assert_matches_reference, reference_statistics
+from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -29,7 +29,7 @@ def test_sync_batchnorm_model_on_two_gloo_actors_never_uses_its_own_sync(setting
         data=save_array(tmp_path / "x.npy", samples), workers=2, batch_size=6,
     )
     result = recalibrate(request, settings, pool=warm_pool)
-    assert_matches_reference(result.model, reference_statistics(model, samples, 6))
+    assert_matches_reference(result.model, reference_statistics(model, in_contract_order(samples), 6))
     report = result.report
     assert {entry["class"] for entry in report["layers"]} == {"SyncBatchNorm"}
     assert report["collectives"] == 4 * 4  # bn, shared twice, bn_act: 4 calls a step, 4 steps
@@ -50,7 +50,7 @@ def test_a_layer_without_running_statistics_normalises_with_the_global_batch(set
         )
         return recalibrate(request, settings, pool=warm_pool)
 
-    expected = reference_statistics(model, samples, 8)
+    expected = reference_statistics(model, in_contract_order(samples), 8)
     results = {k: run(k) for k in (1, 2, 4)}  # the last step of 2 samples leaves ranks 2 and 3 empty at K=4
     for k, result in results.items():
         assert_matches_reference(result.model, expected)
@@ -60,7 +60,7 @@ def test_a_layer_without_running_statistics_normalises_with_the_global_batch(set
         for key, value in results[k].updates.items():
             torch.testing.assert_close(value.double(), results[1].updates[key].double(), rtol=1e-5, atol=1e-7)
     local = run(2, "local")
-    assert_matches_reference(local.model, reference_statistics(model, samples, 8, world_size=2, mode="local"))
+    assert_matches_reference(local.model, reference_statistics(model, in_contract_order(samples), 8, world_size=2, mode="local"))
     assert local.report["collectives"] == 1
 
 
@@ -74,7 +74,7 @@ def test_subclass_and_twice_called_layer_on_two_ranks(settings, tmp_path, warm_p
         workers=2, batch_size=5, mode="local",
     )
     result = recalibrate(request, settings, pool=warm_pool)
-    assert_matches_reference(result.model, reference_statistics(model, samples, 5, world_size=2, mode="local"))
+    assert_matches_reference(result.model, reference_statistics(model, in_contract_order(samples), 5, world_size=2, mode="local"))
     classes = {entry["name"]: entry["class"] for entry in result.report["layers"]}
     assert classes == {"bn": "ActBatchNorm2d", "shared": "BatchNorm2d", "bn_act": "BatchNormAct2d"}
     assert {entry["name"]: entry["calls"] for entry in result.report["layers"]}["shared"] == 2 * 4

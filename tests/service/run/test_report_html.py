@@ -49,7 +49,9 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     page = html.read_text()
     summary = json.loads(report.read_text())
     assert page.startswith("<!doctype html>")
-    assert page.count("<svg") == 1 and 'id="drift-chart"' in page
+    # Two charts: the drift, and the standard errors as error bars per layer (the precision section).
+    assert page.count("<svg") == 2 and 'id="drift-chart"' in page and 'id="precision-chart"' in page
+    assert "Statistics on " in page and 'id="precision-table"' in page
     for layer in summary["layers"]:
         assert layer["name"] in page and layer["class"] in page
     assert "ONNX export" in page and f"<td>{summary['onnx']['folded']}</td>" in page

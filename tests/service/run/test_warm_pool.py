@@ -158,7 +158,7 @@ def test_ranks_of_a_failed_or_cancelled_job_are_killed_not_kept(settings, tmp_pa
     checkpoint, data = marked(tmp_path)
     clean = save_array(tmp_path / "clean.npy", torch.randn(16, 4))
     pool = WarmPool(idle_s=120)
-    base = {"arch": "tests.nets:marker_net", "checkpoint": checkpoint, "workers": 2, "batch_size": 4}
+    base = {"arch": "tests.nets:marker_net", "checkpoint": checkpoint, "workers": 2, "batch_size": 4, "order": "given"}
     try:
         recalibrate(RecalibrationRequest(**base, data=clean), settings, pool=pool)
         [warm] = idle_states(pool)

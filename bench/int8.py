@@ -1,0 +1,200 @@
+"""INT8: onnxruntime latency of the QDQ file against the folded FP32, and range collection
+on K Ray ranks against onnxruntime's own single-process ``quantize_static``.
+
+Each mode is one fresh process, so a whole-process timer (``/usr/bin/time -v``, or a pair
+of them run in turn) measures it the way a user meets it:
+
+    .venv/bin/python bench/int8.py prepare DIR            # the digits demo's model, FP32 export, data
+    .venv/bin/python bench/int8.py ranks DIR --workers 2  # bnrecal: pre-process, ranges on 2 ranks, QDQ, top-1
+    .venv/bin/python bench/int8.py ort DIR                # quantize_static on the same model and data, top-1
+    .venv/bin/python bench/int8.py latency DIR            # FP32 vs INT8 in onnxruntime, batch 1 and 8
+
+``prepare`` recalibrates the demo's stale resnet18 (``service.demo``) with torch's ``update_bn``, exports it
+folded (``DIR/fp32.onnx``) and also exports a torchvision resnet18 at 3x224x224 (random
+weights, BN statistics from a train-mode pass; ``DIR/fp32-224.onnx``) for latency at a size
+where compute, not overhead, dominates. ``ranks`` and ``ort`` append one JSON line (mode,
+seconds, top-1 on the demo's held-out scans) to ``DIR/results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BATCH = 64
+
+
+def prepare(folder: Path) -> None:
+    """Demo inputs, the recalibrated demo model's folded export, and a 224x224 resnet18's."""
+    import torch
+    import torchvision
+
+    from service.demo import write_demo_inputs
+    from service.export import export_folded_onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoint = folder / "resnet18-stale.pt"
+    if not all((folder / name).exists() for name in ("resnet18-stale.pt", "calib.npy", "eval.npz")):
+        checkpoint = write_demo_inputs(folder).checkpoint  # else the demo's inputs, copied in, are used
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    calib = torch.from_numpy(np.load(folder / "calib.npy"))
+    torch.optim.swa_utils.update_bn([(calib[i : i + BATCH],) for i in range(0, len(calib), BATCH)], model)
+    export_folded_onnx(model.eval(), calib[:8], folder / "fp32.onnx")
+    torch.manual_seed(0)
+    large = torchvision.models.resnet18()
+    large.train()
+    with torch.no_grad():
+        large(torch.randn(16, 3, 224, 224))
+    export_folded_onnx(large.eval(), torch.randn(8, 3, 224, 224), folder / "fp32-224.onnx")
+
+
+def _evaluation(folder: Path):
+    from service.export.int8.checks import LabelledBatches
+
+    held = np.load(folder / "eval.npz")
+    x, y = held["x"].astype(np.float32), held["y"].astype(np.int64)
+    return LabelledBatches([x[i : i + BATCH] for i in range(0, len(x), BATCH)],
+                           [y[i : i + BATCH] for i in range(0, len(y), BATCH)])
+
+
+def _record(folder: Path, entry: dict) -> None:
+    with (folder / "results.jsonl").open("a") as out:
+        out.write(json.dumps(entry) + "\n")
+    print(json.dumps(entry))
+
+
+def ranks(folder: Path, workers: int) -> None:
+    """bnrecal's path: pre-process, ranges on ``workers`` Ray ranks (embedded Ray), QDQ, top-1."""
+    started = time.perf_counter()
+    from workers.data import describe_dataset
+
+    from service.export.int8.checks import accuracy
+    from service.export.int8.options import Int8Options
+    from service.run.cluster import ensure_ray
+    from service.run.int8 import on_ranks, quantize_export
+    from service.settings import Settings
+
+    ensure_ray(None, min_cpus=workers)
+    dataset = describe_dataset(folder / "calib.npy")
+    gather = on_ranks(dataset, BATCH, workers, "cpu", Settings())
+    verify = np.load(folder / "calib.npy", mmap_mode="r")[:8]
+    import torch
+
+    quantized = quantize_export((folder / "fp32.onnx").read_bytes(), Int8Options(), gather, torch.from_numpy(
+        np.array(verify)))
+    (folder / f"int8-k{workers}.onnx").write_bytes(quantized.model)
+    top1 = accuracy(quantized.model, _evaluation(folder))["top1"]
+    _record(folder, {"mode": f"ranks-k{workers}", "seconds": time.perf_counter() - started, "top1": top1,
+                     "range_seconds": quantized.section["range_seconds"]})
+
+
+def ort(folder: Path) -> None:
+    """onnxruntime's own: ``quant_pre_process`` then ``quantize_static`` (QDQ, MinMax, per
+    channel int8 weights, uint8 activations) over the same batches, top-1."""
+    started = time.perf_counter()
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quant_pre_process,
+        quantize_static,
+    )
+
+    from service.export.int8.checks import accuracy
+
+    calib = np.load(folder / "calib.npy").astype(np.float32)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"input": calib[i : i + BATCH]} for i in range(0, len(calib), BATCH)])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    pre, out = folder / "ort-pre.onnx", folder / "int8-ort.onnx"
+    with contextlib.redirect_stdout(io.StringIO()):
+        quant_pre_process(str(folder / "fp32.onnx"), str(pre))
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=CalibrationMethod.MinMax)
+    top1 = accuracy(out.read_bytes(), _evaluation(folder))["top1"]
+    _record(folder, {"mode": "ort-quantize-static", "seconds": time.perf_counter() - started, "top1": top1,
+                     "same_bytes_as_ranks": [
+                         (folder / f"int8-k{k}.onnx").read_bytes() == out.read_bytes()
+                         for k in (1, 2) if (folder / f"int8-k{k}.onnx").exists()]})
+
+
+def latency(folder: Path, repeats: int, threads: int) -> None:
+    """FP32 and INT8 alternately in onnxruntime (full optimizations), median ms per run."""
+    import onnxruntime
+
+    from service.export.int8.options import Int8Options
+    from service.run.int8 import in_process, quantize_export
+    from workers.data import describe_dataset
+
+    rows = []
+    for name, shape in (("fp32.onnx", (3, 16, 16)), ("fp32-224.onnx", (3, 224, 224))):
+        fp32 = (folder / name).read_bytes()
+        rng = np.random.default_rng(0)
+        calib = rng.standard_normal((64, *shape)).astype(np.float32)
+        if name == "fp32.onnx":
+            calib = np.load(folder / "calib.npy")[:256].astype(np.float32)
+        np.save(folder / "latency-calib.npy", calib)
+        import torch
+
+        int8 = quantize_export(fp32, Int8Options(), in_process(describe_dataset(folder / "latency-calib.npy"), 32),
+                               torch.from_numpy(calib[:8])).model
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        sessions = {kind: onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+                    for kind, data in (("fp32", fp32), ("int8", int8))}
+        for batch in (1, 8):
+            feed = calib[:batch] if len(calib) >= batch else np.repeat(calib[:1], batch, axis=0)
+            times: dict[str, list[float]] = {"fp32": [], "int8": []}
+            for _ in range(3):
+                for session in sessions.values():
+                    session.run(None, {"input": feed})
+            for _ in range(repeats):
+                for kind, session in sessions.items():
+                    begun = time.perf_counter()
+                    session.run(None, {"input": feed})
+                    times[kind].append(1000 * (time.perf_counter() - begun))
+            fp32_ms, int8_ms = statistics.median(times["fp32"]), statistics.median(times["int8"])
+            rows.append(f"| resnet18 {'x'.join(map(str, shape))} | {batch} | {fp32_ms:.2f} | {int8_ms:.2f} | "
+                        f"{fp32_ms / int8_ms:.2f}x | {len(fp32) / 2**20:.1f} / {len(int8) / 2**20:.1f} |")
+    print(f"onnxruntime {onnxruntime.__version__}, {threads} intra-op thread(s), median of {repeats}\n")
+    print("| model | batch | FP32 ms | INT8 ms | speed-up | MiB FP32 / INT8 |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("prepare", "ranks", "ort", "latency"))
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.mode == "prepare":
+        prepare(args.folder)
+    elif args.mode == "ranks":
+        ranks(args.folder, args.workers)
+    elif args.mode == "ort":
+        ort(args.folder)
+    else:
+        latency(args.folder, args.repeats, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

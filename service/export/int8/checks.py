@@ -1,0 +1,114 @@
+"""The INT8 file checked like the FP32 export (contract sections 6 and 10): ``onnx.checker``
+full check, runs in onnxruntime, its outputs against the FP32 export's on calibration
+samples; and top-1/top-5 on labelled evaluation data.
+
+Sessions here run with onnxruntime's default graph optimizations, as a deployment runs
+the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.errors import ExportError, first_line
+from workers.engine.ranges import fixed_batch, in_batches_of
+
+
+def session(model: bytes, threads: int | None = None):
+    """An onnxruntime CPU session with the default (full) graph optimizations."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or min(4, os.cpu_count() or 1)
+    options.log_severity_level = 3
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> dict[str, float]:
+    """Full checker, then the INT8 and FP32 files on ``batches``: the largest absolute
+    difference of their outputs and the FP32 outputs' scale. Raises ``ExportError`` when the
+    file fails the checker, does not run, or gives non-finite or misshapen outputs."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(onnx.load_from_string(int8_model), full_check=True)
+    except Exception as exc:  # noqa: BLE001 - the checker raises its own types
+        raise ExportError(f"INT8 model fails onnx.checker: {first_line(exc)}; no file written") from exc
+    try:
+        quantized, reference = session(int8_model), session(fp32_model)
+    except Exception as exc:  # noqa: BLE001
+        raise ExportError(f"onnxruntime cannot load the INT8 model: {first_line(exc)}; no file written") from exc
+    name = quantized.get_inputs()[0].name
+    fixed = fixed_batch(quantized)
+    if fixed is not None:  # a model exported at a static batch runs only there
+        batches = [batch[:fixed] for batch in batches if len(batch) >= fixed]
+    worst, scale = 0.0, 0.0
+    for batch in batches:
+        try:
+            got = quantized.run(None, {name: batch})
+        except Exception as exc:  # noqa: BLE001
+            raise ExportError(f"onnxruntime fails on the INT8 model: {first_line(exc)}; no file written") from exc
+        expected = reference.run(None, {reference.get_inputs()[0].name: batch})
+        for index, (a, b) in enumerate(zip(got, expected)):
+            if a.shape != b.shape:
+                raise ExportError(f"INT8 output {index} has shape {list(a.shape)}, FP32 {list(b.shape)}")
+            if not np.issubdtype(b.dtype, np.floating) or b.size == 0:
+                continue
+            if not np.all(np.isfinite(a)):
+                raise ExportError(f"INT8 output {index} is not finite; no file written")
+            worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b))))
+            scale = max(scale, float(np.max(np.abs(b))))
+    return {"max_abs_diff": worst, "fp32_max_abs": scale}
+
+
+@dataclass(frozen=True)
+class LabelledBatches:
+    """Evaluation data held for repeated measurement: float32 batches and int64 labels."""
+
+    batches: list[np.ndarray]
+    labels: list[np.ndarray]
+
+    @property
+    def samples(self) -> int:
+        """How many samples the batches hold."""
+        return sum(len(labels) for labels in self.labels)
+
+
+def accuracy(model: bytes, data: LabelledBatches) -> dict[str, float]:
+    """Top-1 and top-5 (fractions, as the report's ``evaluation``) of the model's first output
+    taken as class scores."""
+    runner = session(model)
+    name = runner.get_inputs()[0].name
+    top1 = top5 = 0
+    fixed = fixed_batch(runner)
+    for whole, labels in zip(data.batches, data.labels):
+        parts = [runner.run(None, {name: part})[0] for part in in_batches_of(whole, fixed)]
+        scores = np.concatenate(parts).reshape(len(whole), -1)
+        ranked = np.argsort(-scores, axis=1, kind="stable")[:, :5]
+        top1 += int(np.sum(ranked[:, 0] == labels))
+        top5 += int(np.sum(np.any(ranked == labels[:, None], axis=1)))
+    total = max(1, data.samples)
+    return {"top1": top1 / total, "top5": top5 / total, "samples": data.samples}
+
+
+def latency_ms(model: bytes, sample: np.ndarray, *, budget_s: float = 0.5, runs: int = 50) -> float:
+    """onnxruntime's median latency (milliseconds) on one batch ``sample``, as deployed (full
+    graph optimizations, one intra-op thread: a server answering requests side by side), after
+    warm-up runs; at most ``runs`` runs or about ``budget_s``."""
+    import time
+
+    runner = session(model, threads=1)
+    feed = {runner.get_inputs()[0].name: sample}
+    for _ in range(3):
+        runner.run(None, feed)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
+        started = time.perf_counter()
+        runner.run(None, feed)
+        times.append(time.perf_counter() - started)
+    return 1000.0 * float(np.median(times))

@@ -1,0 +1,311 @@
+"""The INT8 export of a run (contract section 10): ranges gathered by the ranks over the
+calibration samples with the calibration's sharding, the QDQ graph written by
+onnxruntime's tooling (``service.export.int8``), verified, measured on the evaluation
+data beside the FP32 model and the stale model quantized alike, and guarded.
+
+``quantize_export`` is the one path; where the ranges come from is a ``RangeGatherer``:
+the job's Ray ranks (``on_ranks``), or this process as the world of one (``in_process``:
+``bnrecal export`` and the Python API), which gives the same file.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from workers.data import DatasetSpec, iter_batches
+from workers.engine.collective import SingleProcessCollective
+from workers.errors import ExportError
+from workers.files import atomic_write
+from workers.ranks.int8_ranges import RangeRequest, range_pass
+from workers.ranks.range_group import GroupRanges
+from workers.ranks.sharding import rank_ranges
+
+from service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
+from service.export.int8.guard import enforce_top1_drop
+from service.export.int8.options import Int8Options
+from service.export.int8.quantizer import PreparedModel, graph_summary, prepare, resolve_keep_float, tensors_data, write_qdq
+from service.run.recalibrate import Recalibration, RecalibrationRequest
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.ranks.pool import WarmPool
+
+RangeGatherer = Callable[[bytes, RangeRequest], GroupRanges]
+"""Gathers the ranges of a prepared FP32 model (serialized) over the calibration samples."""
+
+VERIFY_SAMPLES = 8
+
+
+def in_process(dataset: DatasetSpec, batch_size: int) -> RangeGatherer:
+    """Gather in this process, over ``dataset`` at global batch ``batch_size`` (a world of one)."""
+
+    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
+        ranges = rank_ranges(dataset.num_samples, batch_size, 1, 0)
+        with dataset.open() as data:
+            result = range_pass(model, request, lambda: iter_batches(data, ranges), SingleProcessCollective(), 0)
+        return GroupRanges(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
+
+    return gather
+
+
+@dataclass
+class Quantized:
+    """An INT8 model ready to write, and its report section."""
+
+    model: bytes
+    section: dict[str, Any]
+
+    def write(self, path: str | Path) -> None:
+        """Write the file atomically."""
+        atomic_write(Path(path), lambda scratch: scratch.write_bytes(self.model))
+
+
+def quantize_export(
+    fp32_model: bytes,
+    options: Int8Options,
+    gather: RangeGatherer,
+    verify: torch.Tensor,
+    *,
+    evaluation: LabelledBatches | None = None,
+    stale_fp32_model: bytes | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> Quantized:
+    """Quantize the folded FP32 export: ranges by ``gather``, QDQ by onnxruntime's quantizer,
+    checked on the ``verify`` samples, measured and guarded on ``evaluation`` (with the
+    stale model's export quantized alike when given). Raises ``ExportError`` on a failed check
+    or a guard that cannot hold."""
+    phase = on_phase or (lambda _: None)
+    if options.max_top1_drop is not None and evaluation is None:
+        raise ExportError(
+            "int8.max_top1_drop needs labelled evaluation data (eval data with labels) to measure top-1 on"
+        )
+    phase("collecting INT8 ranges")
+    prepared = prepare(fp32_model)
+    request = RangeRequest(
+        prepared.tensors, options.method, options.histogram_bins() if options.method != "minmax" else 0,
+        options.absolute,
+    )
+    gathered = gather(prepared.model, request)
+    data = tensors_data(gathered.result.ranges, gathered.result.histograms, gathered.result.edges, options)
+    reasons = resolve_keep_float(prepared, options.keep_float)
+    phase("writing and verifying INT8")
+    model = write_qdq(prepared, data, options, list(reasons))
+    section: dict[str, Any] = {
+        "method": options.method,
+        "weight_type": "int8",
+        "weights": "symmetric, per output channel" if options.per_channel else "symmetric, per tensor",
+        "activation_type": options.activation_type,
+        "per_channel": options.per_channel,
+        "format": "QDQ",
+        "writer": _writer(),
+        "tensors_calibrated": len(prepared.tensors),
+        "samples": sum(gathered.samples),
+        "world_size": len(gathered.samples),
+        "collectives": gathered.collectives,
+        "range_seconds": gathered.seconds,
+    }
+    if options.method != "minmax":
+        section["bins"] = options.histogram_bins()
+        if options.method == "percentile":
+            section["percentile"] = options.percentile
+    if evaluation is not None:
+        phase("evaluating INT8")
+        fp32 = accuracy(fp32_model, evaluation)
+        quantized = accuracy(model, evaluation)
+        scores: dict[str, Any] = {"samples": evaluation.samples, "fp32": _top(fp32), "int8": _top(quantized)}
+        guarded = enforce_top1_drop(
+            prepared, data, options, list(reasons), model, fp32["top1"], quantized["top1"],
+            lambda candidate: accuracy(candidate, evaluation)["top1"],
+        )
+        if guarded.kept:
+            model = guarded.model
+            scores["int8"] = _top(accuracy(model, evaluation))
+            for kept in guarded.kept:
+                reasons[kept["name"]] = (
+                    f"kept float by int8.max_top1_drop (recovers {100 * kept['top1_recovered_alone']:+.2f} top-1 points alone)"
+                )
+        if options.max_top1_drop is not None:
+            section["guard"] = {
+                "max_top1_drop": options.max_top1_drop, "kept_float": guarded.kept,
+                "models_measured": guarded.measured,
+            }
+        if stale_fp32_model is not None:
+            phase("quantizing the stale model alike")
+            stale = _quantize_alike(stale_fp32_model, options, gather, request, set(reasons))
+            scores["stale_fp32"] = _top(accuracy(stale_fp32_model, evaluation))
+            scores["stale_int8"] = _top(accuracy(stale, evaluation))
+        scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
+        section["evaluation"] = scores
+    samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
+    section.update(check_int8(model, fp32_model, [samples[:1], samples]))
+    section["verified_batches"] = [1, len(samples)]
+    section.update(graph_summary(model, prepared, reasons))
+    section["bytes"] = len(model)
+    section["fp32_bytes"] = len(fp32_model)
+    one = samples[:1]  # batch 1, as a deployed model answers one request
+    section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
+    return Quantized(model, section)
+
+
+def _quantize_alike(
+    fp32_model: bytes, options: Int8Options, gather: RangeGatherer, like: RangeRequest, float_ops: set[str]
+) -> bytes:
+    """Another export (the stale model's) quantized with the same options and float ops."""
+    prepared: PreparedModel = prepare(fp32_model)
+    request = RangeRequest(prepared.tensors, like.method, like.bins, like.absolute)
+    gathered = gather(prepared.model, request)
+    data = tensors_data(gathered.result.ranges, gathered.result.histograms, gathered.result.edges, options)
+    return write_qdq(prepared, data, options, sorted(float_ops & set(prepared.node_names)))
+
+
+def _top(scores: dict[str, float]) -> dict[str, float]:
+    return {"top1": scores["top1"], "top5": scores["top5"]}
+
+
+def _writer() -> str:
+    import onnxruntime
+
+    return f"onnxruntime {onnxruntime.__version__} QDQQuantizer"
+
+
+def labelled_batches(dataset: DatasetSpec, labels: np.ndarray, batch_size: int) -> LabelledBatches:
+    """The evaluation data read once, to measure several models on."""
+    batches, targets = [], []
+    with dataset.open() as data:
+        for start in range(0, dataset.num_samples, batch_size):
+            stop = min(start + batch_size, dataset.num_samples)
+            batches.append(data.load(start, stop).numpy().astype(np.float32, copy=False))
+            targets.append(np.asarray(labels[start:stop], dtype=np.int64))
+    return LabelledBatches(batches, targets)
+
+
+def fp32_bytes_for(export: Callable[[Path], Any]) -> bytes:
+    """Run ``export`` into a scratch file and return its bytes (an FP32 export to quantize
+    that the user did not ask to keep)."""
+    with tempfile.TemporaryDirectory(prefix="bnrecal-int8-") as tmp:
+        path = Path(tmp) / "fp32.onnx"
+        export(path)
+        return path.read_bytes()
+
+
+def quantize_file(
+    fp32_path: str | Path,
+    data: str | Path,
+    path: str | Path,
+    options: Int8Options,
+    settings: Settings,
+    *,
+    transform: dict[str, Any] | None = None,
+    batch_size: int = 32,
+) -> dict[str, Any]:
+    """Quantize a folded FP32 export as it is (``bnrecal export --onnx-int8``), its ranges
+    gathered in this process over every sample of ``data``; returns the ``int8`` section."""
+    from workers.data import describe_dataset
+
+    dataset = describe_dataset(data, transform=transform, **settings.unpack_options())
+    with dataset.open() as opened:
+        verify = opened.load(0, min(VERIFY_SAMPLES, dataset.num_samples))
+    quantized = quantize_export(Path(fp32_path).read_bytes(), options, in_process(dataset, batch_size), verify)
+    quantized.write(path)
+    return quantized.section
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Stop between phases when the job was cancelled."""
+    from workers.errors import CancelledError
+
+    if cancel is not None and cancel.is_set():
+        raise CancelledError("the job was cancelled")
+
+
+def on_ranks(
+    dataset: DatasetSpec,
+    batch_size: int,
+    workers: int,
+    device: str,
+    settings: Settings,
+    *,
+    placement: str | None = None,
+    pool: WarmPool | None = None,
+    cancel: threading.Event | None = None,
+) -> RangeGatherer:
+    """Gather on ``workers`` Ray rank actors, each over its shard of ``dataset`` by the
+    calibration's sharding rule, placed and fed like the calibration's ranks."""
+    from workers.ranks.collectives import backend_for_device
+    from workers.ranks.group import GroupOptions
+    from workers.ranks.range_group import run_range_group
+
+    from service.run.recalibrate import cpus_per_worker, resolve_data_transport, ship_rank_shards
+
+    options = GroupOptions(
+        cpus_per_worker=cpus_per_worker(settings, workers),
+        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
+        placement_strategy=(placement or settings.placement_strategy).upper(),
+        collective_timeout_s=settings.collective_timeout_s,
+        placement_timeout_s=settings.placement_timeout_s,
+    )
+    shards = None
+    if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
+        shards = ship_rank_shards(dataset, batch_size, workers)
+
+    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
+        check_cancel(cancel)
+        return run_range_group(
+            model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
+            shards=shards, pool=pool, cancel=cancel,
+        )
+
+    return gather
+
+
+def quantize_recalibrated(
+    result: Recalibration,
+    request: RecalibrationRequest,
+    settings: Settings,
+    path: str | Path,
+    options: Int8Options,
+    *,
+    fp32_model: bytes | None = None,
+    export_options: dict[str, Any] | None = None,
+    pool: WarmPool | None = None,
+    cancel: threading.Event | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The INT8 export of a recalibration, written to ``path``; returns the report's ``int8``
+    section. ``fp32_model`` is the run's folded FP32 export when it wrote one (float32),
+    else one is made with ``export_options`` (opset, dynamic_batch, input_shape)."""
+    from service.run.exporting import export_recalibrated
+    from service.run.recalibrate import plan_evaluation
+
+    kwargs = {key: value for key, value in (export_options or {}).items() if key != "dtype"}
+    if fp32_model is None:
+        fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
+    if result.report.get("backend") == "in-process":
+        gather = in_process(result.dataset, request.batch_size)
+    else:
+        gather = on_ranks(
+            result.dataset, request.batch_size, request.workers, request.device, settings,
+            placement=request.placement, pool=pool, cancel=cancel,
+        )
+    evaluation = stale = None
+    if request.eval_data is not None:
+        plan = plan_evaluation(request, result.model, settings)
+        if plan.labels is not None and plan.target.labelled:
+            evaluation = labelled_batches(plan.dataset, plan.labels, request.batch_size)
+            stale_model = result.stale_model()
+            stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, **kwargs))
+    quantized = quantize_export(
+        fp32_model, options, gather, result.calibration_samples(VERIFY_SAMPLES),
+        evaluation=evaluation, stale_fp32_model=stale, on_phase=on_phase,
+    )
+    check_cancel(cancel)
+    quantized.write(path)
+    return quantized.section

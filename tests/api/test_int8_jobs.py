@@ -1,0 +1,77 @@
+"""INT8 over HTTP: a job's ``onnx_int8`` output (here of a torch.export program exported at
+a static batch of 1, calibrated by 2 ranks), downloadable with its digest; bad ``int8``
+options refused at submission naming the field; ``bnrecal submit --onnx-int8``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from service.cli import main
+from service.client import BnrecalClient
+from tests.api.conftest import KEYS, upload
+from tests.api.test_programs import team  # noqa: F401 - the module fixture: a team's program and data
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+KEY = "programs"
+
+
+def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_path):  # noqa: F811
+    _, samples, program, data = team
+    np.savez(tmp_path / "labelled.npz", x=samples.numpy(), y=np.arange(len(samples)) % 3)
+    with BnrecalClient(live_server.url, KEYS[KEY]) as client:
+        spec = {
+            "program": client.upload(program)["digest"], "data": client.upload(data)["digest"],
+            "workers": 2, "batch_size": 8, "outputs": ["program", "onnx_int8"], "int8": {"method": "entropy"},
+            "eval": {"data": client.upload(tmp_path / "labelled.npz")["digest"]},
+        }
+        job = client.wait(client.submit(spec)["id"])
+        assert job["status"] == "succeeded", job["error"]
+        assert set(job["artifacts"]) == {"program", "onnx_int8", "report", "report.html"}
+        client.download(job["id"], "onnx_int8", tmp_path / "int8.onnx")
+    payload = (tmp_path / "int8.onnx").read_bytes()
+    assert job["artifacts"]["onnx_int8"]["digest"] == "sha256:" + hashlib.sha256(payload).hexdigest()
+    onnx.checker.check_model(onnx.load(tmp_path / "int8.onnx"), full_check=True)
+    section = job["report"]["int8"]
+    assert section["method"] == "entropy" and section["collectives"] == [2, 2] and section["samples"] == 30
+    assert section["ops_quantized"].get("Conv") == 2
+    assert set(section["evaluation"]) >= {"fp32", "int8", "stale_fp32", "stale_int8"}  # the stale program, alike
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"outputs": ["program", "onnx_int8"], "int8": {"method": "kl"}}, "int8.method"),
+        ({"outputs": ["program", "onnx_int8"], "int8": {"max_top1_drop": 101}}, "int8.max_top1_drop"),
+        ({"outputs": ["program", "onnx_int8"], "int8": {"keep": ["Conv"]}}, "int8.keep"),
+        ({"outputs": ["program"], "int8": {"method": "entropy"}}, "int8"),
+        ({"outputs": ["program", "onnx_int8"], "int8": {"max_top1_drop": 1}}, "int8.max_top1_drop"),  # no eval
+    ],
+)
+def test_bad_int8_options_are_422_naming_the_field(live_server, team, change, field):  # noqa: F811
+    _, _, program, data = team
+    with live_server.client(KEY) as client:
+        response = client.post("/v1/jobs", json={"program": upload(client, program), "data": upload(client, data)} | change)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["field"] == field
+
+
+def test_submit_downloads_the_int8_model(live_server, team, tmp_path, capsys):  # noqa: F811
+    _, _, program, data = team
+    main([
+        "submit", "--server", live_server.url, "--api-key", KEYS[KEY], "--program", str(program), "--data", str(data),
+        "--workers", "2", "--batch-size", "8", "--out", str(tmp_path / "out.pt2"),
+        "--onnx-int8", str(tmp_path / "int8.onnx"), "--int8", json.dumps({"per_channel": False}),
+        "--report", str(tmp_path / "report.json"),
+    ])
+    err = capsys.readouterr().err
+    assert "INT8" in err and str(tmp_path / "int8.onnx") in err
+    section = json.loads((tmp_path / "report.json").read_text())["int8"]
+    assert section["per_channel"] is False
+    onnx.checker.check_model(onnx.load(tmp_path / "int8.onnx"), full_check=True)

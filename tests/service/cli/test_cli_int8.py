@@ -1,0 +1,92 @@
+"""`--onnx-int8` on calibrate and on `bnrecal export --data`: a checked INT8 file and its
+report section; bad INT8 options exit 2 naming the field, before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from tests.conftest import save_array, save_state
+from tests.nets import classifier_net, perturbed
+from tests.service.cli.test_cli import run_cli
+
+
+@pytest.fixture(autouse=True)
+def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
+    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    torch.manual_seed(5)
+    model = perturbed(classifier_net(6))
+    calibration = torch.randn(40, 3, 8, 8) * 1.5 + 0.3
+    evaluation = torch.randn(30, 3, 8, 8) * 1.5 + 0.3
+    np.savez(tmp_path / "eval.npz", x=evaluation.numpy(), y=np.arange(30) % 6)
+    return {
+        "checkpoint": save_state(tmp_path / "m.pt", model),
+        "data": save_array(tmp_path / "x.npy", calibration.numpy()),
+        "eval": tmp_path / "eval.npz",
+    }
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, inputs):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
+        "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--eval-data", str(inputs["eval"]),
+        "--workers", "2", "--batch-size", "16", "--out", str(tmp_path / "out.pt"),
+        "--onnx-int8", str(tmp_path / "m-int8.onnx"), "--int8", '{"method": "percentile"}',
+        "--report", str(tmp_path / "r.json"),
+    )
+    assert code == 0, err
+    onnx.checker.check_model(onnx.load(tmp_path / "m-int8.onnx"), full_check=True)
+    section = json.loads((tmp_path / "r.json").read_text())["int8"]
+    assert section["method"] == "percentile" and section["world_size"] == 2
+    assert section["collectives"] == [2, 2] and section["samples"] == 40
+    assert section["ops_quantized"]["Conv"] == 1
+    assert set(section["evaluation"]) >= {"fp32", "int8", "stale_fp32", "stale_int8", "top1_drop_points"}
+    assert "INT8" in err and "stale INT8" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--onnx-int8", "q.onnx", "--int8", '{"method": "kl"}'], "--int8.method"),
+        (["--onnx-int8", "q.onnx", "--int8", '{"max_top1_drop": "one"}'], "--int8.max_top1_drop"),
+        (["--int8", '{"method": "entropy"}'], "--onnx-int8"),
+        (["--onnx-int8", "q.onnx", "--int8", '{"max_top1_drop": 1}'], "--eval-data"),
+    ],
+)
+def test_bad_int8_options_exit_2_naming_the_field(tmp_path, capsys, inputs, args, named):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--checkpoint", str(inputs["checkpoint"]),
+        "--data", str(inputs["data"]), "--out", str(tmp_path / "out.pt"), *args,
+    )
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0], err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_export_quantizes_a_checkpoint_as_it_is(tmp_path, capsys, inputs):
+    code, err = run_cli(
+        capsys, "export", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
+        "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--out", str(tmp_path / "m.onnx"),
+        "--onnx-int8", str(tmp_path / "m-int8.onnx"), "--report", str(tmp_path / "r.json"),
+    )
+    assert code == 0, err
+    section = json.loads((tmp_path / "r.json").read_text())["int8"]
+    assert section["world_size"] == 1 and section["samples"] == 40 and section["collectives"] == [1]
+    onnx.checker.check_model(onnx.load(tmp_path / "m-int8.onnx"), full_check=True)
+    code, err = run_cli(
+        capsys, "export", "--arch", "tests.nets:classifier_net", "--checkpoint", str(inputs["checkpoint"]),
+        "--input-shape", "3,8,8", "--out", str(tmp_path / "n.onnx"), "--onnx-int8", str(tmp_path / "n-int8.onnx"),
+    )
+    assert code == 2 and "--onnx-int8 needs --data" in err

@@ -1,0 +1,99 @@
+"""Small models and data for the INT8 tests, and onnxruntime's own single-process tooling
+to compare with."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from workers.data import DatasetSpec, describe_dataset
+
+from service.export import export_folded_onnx
+
+
+def fp32_export(model: nn.Module, samples: torch.Tensor, path: Path) -> bytes:
+    """The folded, verified FP32 export's bytes."""
+    export_folded_onnx(model.eval(), samples[:8], path)
+    return path.read_bytes()
+
+
+def array_dataset(path: Path, samples: torch.Tensor) -> DatasetSpec:
+    """``samples`` saved as .npy and described as calibration data (in the given order)."""
+    np.save(path, samples.numpy())
+    return describe_dataset(path)
+
+
+def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path) -> bytes:
+    """onnxruntime's own single-process ``quantize_static`` (QDQ, per-channel int8 weights,
+    uint8 activations) over ``samples`` in batches of ``batch``."""
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    source, target = tmp / "prepared.onnx", tmp / "ort-int8.onnx"
+    source.write_bytes(prepared)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"input": samples[i : i + batch].numpy()} for i in range(0, len(samples), batch)])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+               "entropy": CalibrationMethod.Entropy}
+    with contextlib.redirect_stdout(io.StringIO()):
+        quantize_static(
+            str(source), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
+        )
+    return target.read_bytes()
+
+
+def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path):
+    """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges."""
+    from onnxruntime.quantization.calibrate import CalibrationDataReader, CalibrationMethod, create_calibrator
+
+    from service.export.int8.quantizer import quantizable_op_types
+
+    source = tmp / "prepared.onnx"
+    source.write_bytes(prepared)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"input": samples[i : i + batch].numpy()} for i in range(0, len(samples), batch)])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    methods = {"percentile": CalibrationMethod.Percentile, "entropy": CalibrationMethod.Entropy}
+    with contextlib.redirect_stdout(io.StringIO()):
+        calibrator = create_calibrator(
+            source, quantizable_op_types(), augmented_model_path=str(tmp / "augmented.onnx"),
+            calibrate_method=methods[method],
+        )
+        calibrator.collect_data(Reader())
+        ranges = calibrator.compute_data()
+    edges = {name: entry[1] for name, entry in calibrator.collector.histogram_dict.items()}
+    return ranges, edges
+
+
+class OutlierNet(nn.Module):
+    """A net INT8 per-tensor activations hurt: one channel of the BN output is a thousand
+    times larger than the others (and read back scaled down by the head), so a per-tensor
+    range fitted to it leaves the other channels a level or two."""
+
+    def __init__(self, classes: int = 6, size: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * size * size, classes)
+        with torch.no_grad():
+            self.bn.weight[0] = 1000.0
+            self.head.weight.view(classes, 8, size * size)[:, 0] /= 1000.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.conv(x)).flatten(1))

@@ -1,0 +1,164 @@
+"""INT8 export in one process (the world of one): onnxruntime's own tooling gives the same
+file, the checks hold on real zoo models, the options and the accuracy guard behave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torchvision
+
+from workers.engine.collective import SingleProcessCollective
+from workers.errors import ExportError, SpecError
+from workers.ranks.int8_ranges import RangeRequest, range_pass
+
+from service.export.int8.checks import LabelledBatches, accuracy
+from service.export.int8.options import Int8Options, int8_options
+from service.export.int8.quantizer import prepare, tensors_data, write_qdq
+from service.run.int8 import in_process, quantize_export
+from tests.service.export.int8_helpers import (
+    OutlierNet,
+    array_dataset,
+    fp32_export,
+    ort_calibrator_ranges,
+    ort_quantize_static,
+)
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, torch.Tensor]:
+    """A torchvision resnet18 at 32x32 and 48 samples (three full batches)."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    samples = torch.randn(48, 3, 32, 32)
+    return fp32_export(model, samples, tmp_path_factory.mktemp("resnet") / "fp32.onnx"), samples
+
+
+def ranges_here(prepared, samples: torch.Tensor, options: Int8Options):
+    request = RangeRequest(prepared.tensors, options.method,
+                           options.histogram_bins() if options.method != "minmax" else 0, options.absolute)
+    batches = lambda: (samples[i : i + BATCH] for i in range(0, len(samples), BATCH))  # noqa: E731
+    return range_pass(prepared.model, request, batches, SingleProcessCollective(), 0)
+
+
+def test_minmax_file_is_byte_for_byte_what_quantize_static_writes(resnet, tmp_path):
+    fp32, samples = resnet
+    prepared = prepare(fp32)
+    options = Int8Options()
+    gathered = ranges_here(prepared, samples, options)
+    ours = write_qdq(prepared, tensors_data(gathered.ranges, None, None, options), options, [])
+    assert ours == ort_quantize_static(prepared.model, samples, BATCH, "minmax", tmp_path)
+    assert gathered.collectives == 1
+
+
+@pytest.mark.parametrize("method", ["percentile", "entropy"])
+def test_histogram_ranges_agree_with_onnxruntime_within_a_bin(resnet, tmp_path, method):
+    fp32, samples = resnet
+    prepared = prepare(fp32)
+    options = Int8Options(method=method)
+    gathered = ranges_here(prepared, samples, options)
+    ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, options)
+    theirs, their_edges = ort_calibrator_ranges(prepared.model, samples, BATCH, method, tmp_path)
+    assert set(ours.keys()) == set(theirs.keys()) == set(prepared.tensors)
+    assert gathered.collectives == 2  # min/max, then the histograms
+    for index, name in enumerate(prepared.tensors):
+        bin_width = max(float(np.diff(gathered.edges[index][:2])[0]), float(np.diff(their_edges[name][:2])[0]))
+        for a, b in zip(ours[name].range_value, theirs[name].range_value):
+            assert abs(float(a) - float(b)) <= bin_width * 1.001, (name, a, b, bin_width)
+
+
+@pytest.mark.parametrize("arch", ["mobilenet_v2", "timm:resnet10t"])
+def test_zoo_models_quantize_checker_clean_and_run(arch, tmp_path):
+    torch.manual_seed(1)
+    if arch.startswith("timm:"):
+        timm = pytest.importorskip("timm")
+        model = timm.create_model(arch.split(":")[1], pretrained=False, num_classes=7)
+    else:
+        model = torchvision.models.get_model(arch, weights=None, num_classes=7)
+    samples = torch.randn(24, 3, 32, 32)
+    fp32 = fp32_export(model, samples, tmp_path / "fp32.onnx")
+    quantized = quantize_export(fp32, Int8Options(), in_process(array_dataset(tmp_path / "x.npy", samples), 8), samples)
+    onnx.checker.check_model(onnx.load_from_string(quantized.model), full_check=True)
+    section = quantized.section
+    assert section["ops_quantized"]["Conv"] >= 10
+    assert section["collectives"] == [1] and section["samples"] == 24
+    assert len(quantized.model) < 0.4 * len(fp32)
+    assert np.isfinite(section["max_abs_diff"]) and section["max_abs_diff"] < 0.5 * max(1.0, section["fp32_max_abs"])
+
+
+def test_keep_float_by_op_type_leaves_those_ops_float_with_the_reason(resnet, tmp_path):
+    fp32, samples = resnet
+    dataset = array_dataset(tmp_path / "x.npy", samples)
+    section = quantize_export(fp32, Int8Options(keep_float=["Gemm"]), in_process(dataset, BATCH), samples).section
+    assert "Gemm" not in section["ops_quantized"]
+    gemm = [op for op in section["ops_float"] if op["op_type"] == "Gemm"]
+    assert len(gemm) == 1 and "int8.keep_float" in gemm[0]["reason"]
+    with pytest.raises(ExportError, match="int8.keep_float: 'NoSuchOp'"):
+        quantize_export(fp32, Int8Options(keep_float=["NoSuchOp"]), in_process(dataset, BATCH), samples)
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [({"method": "kl"}, "int8.method"), ({"per_channel": "yes"}, "int8.per_channel"),
+     ({"max_top1_drop": -1}, "int8.max_top1_drop"), ({"max_top1_drop": "1"}, "int8.max_top1_drop"), ({"bins": 3}, "int8.bins"), ({"typo": 1}, "int8.typo"),
+     ({"activation_type": "int4"}, "int8.activation_type")],
+)
+def test_bad_options_are_refused_naming_the_field(value, field):
+    with pytest.raises(SpecError) as caught:
+        int8_options(value)
+    assert caught.value.field == field and str(caught.value).startswith(field)
+
+
+@pytest.fixture(scope="module")
+def outlier(tmp_path_factory: pytest.TempPathFactory):
+    """The outlier net, its FP32 export, calibration data and evaluation data labelled by the
+    FP32 model itself (so FP32 top-1 is 1 and every INT8 miss is quantization's)."""
+    torch.manual_seed(3)
+    tmp = tmp_path_factory.mktemp("outlier")
+    model = OutlierNet().eval()
+    with torch.no_grad():
+        model.bn.running_mean.normal_(0, 0.1)
+    samples = torch.randn(64, 3, 8, 8)
+    evaluation = torch.randn(256, 3, 8, 8)
+    with torch.no_grad():
+        labels = model(evaluation).argmax(dim=1).numpy()
+    fp32 = fp32_export(model, samples, tmp / "fp32.onnx")
+    data = LabelledBatches([evaluation[i : i + 64].numpy() for i in range(0, 256, 64)],
+                           [labels[i : i + 64] for i in range(0, 256, 64)])
+    return fp32, samples, array_dataset(tmp / "x.npy", samples), data
+
+
+def test_guard_keeps_the_measured_most_sensitive_ops_float_until_the_bound_holds(outlier):
+    fp32, samples, dataset, data = outlier
+    plain = quantize_export(fp32, Int8Options(), in_process(dataset, 32), samples, evaluation=data).section
+    assert accuracy(fp32, data)["top1"] == 1.0
+    assert plain["evaluation"]["top1_drop_points"] > 5  # the outlier channel costs real accuracy
+    guarded = quantize_export(
+        fp32, Int8Options(max_top1_drop=1.0, max_float_ops=2), in_process(dataset, 32), samples, evaluation=data
+    ).section
+    kept = guarded["guard"]["kept_float"]
+    assert kept and guarded["evaluation"]["top1_drop_points"] <= 1.0
+    assert all("top1_recovered_alone" in op and "top1_after" in op for op in kept)
+    listed = {op["name"]: op["reason"] for op in guarded["ops_float"]}
+    assert all("max_top1_drop" in listed[op["name"]] for op in kept)
+
+
+def test_guard_that_cannot_hold_fails_saying_so(outlier):
+    fp32, samples, dataset, data = outlier
+    with pytest.raises(ExportError, match=r"max_top1_drop 0\.5.*no file written"):
+        quantize_export(fp32, Int8Options(max_top1_drop=0.5, max_float_ops=0), in_process(dataset, 32), samples,
+                        evaluation=data)
+
+
+def test_file_does_not_depend_on_the_batches_it_was_gathered_in(resnet, tmp_path):
+    """The same samples in other batch splits (what K ranks see) give the same bytes."""
+    fp32, samples = resnet
+    dataset = array_dataset(tmp_path / "x.npy", samples)
+    files = {batch: quantize_export(fp32, Int8Options(), in_process(dataset, batch), samples).model
+             for batch in (5, 16, 48)}
+    assert len(set(files.values())) == 1

@@ -1,0 +1,30 @@
+"""The HTML report's INT8 section: accuracy of FP32 and INT8, stale and recalibrated side by
+side, and every op left in float with its reason (escaped, offline)."""
+
+from __future__ import annotations
+
+from service.run.report_html import render_html_report
+from tests.service.run.test_report_html import assert_offline
+
+
+def test_int8_section_shows_accuracy_side_by_side_and_ops_left_float():
+    report = {
+        "arch": "torchvision:resnet18", "mode": "sync", "world_size": 2, "samples": 64, "steps": 1, "seconds": 0.5,
+        "layers": [], "nodes": ["n1"],
+        "int8": {
+            "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
+            "activation_type": "uint8", "samples": 64, "world_size": 2, "collectives": [1, 1],
+            "ops_quantized": {"Conv": 20, "Gemm": 1}, "bytes": 11 * 2**20, "fp32_bytes": 44 * 2**20,
+            "max_abs_diff": 0.25, "fp32_max_abs": 20.0,
+            "ops_float": [{"name": "head<fc>", "op_type": "Gemm", "reason": "kept float as asked (int8.keep_float)"}],
+            "evaluation": {"samples": 360, "fp32": {"top1": 0.975, "top5": 1.0}, "int8": {"top1": 0.972, "top5": 1.0},
+                           "stale_fp32": {"top1": 0.35, "top5": 0.81}, "stale_int8": {"top1": 0.34, "top5": 0.80}},
+        },
+    }
+    page = render_html_report(report)
+    assert 'id="int8"' in page and "Conv 20, Gemm 1" in page
+    for label in ("FP32, stale statistics", "FP32, recalibrated", "INT8, stale statistics", "INT8, recalibrated"):
+        assert label in page
+    assert "0.972" in page and "0.34" in page
+    assert "head&lt;fc&gt;" in page and "int8.keep_float" in page
+    assert_offline(page)
