@@ -38,7 +38,8 @@ def test_in_process_gives_the_ray_ranks_statistics(mixed, settings, warm_pool, m
 
     def run(workers: int, in_process: bool = False):
         request = RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data,
-                                       workers=workers, batch_size=6, mode=mode, max_samples=22)
+                                       workers=workers, batch_size=6, mode=mode, max_samples=22,
+                                       order="given")  # the file's first 22, as the reference reads them
         return recalibrate(request, settings, pool=None if in_process else warm_pool, in_process=in_process)
 
     here = run(1, in_process=True)
@@ -70,7 +71,7 @@ def test_the_cli_runs_one_worker_without_ray(mixed, tmp_path):
     model, samples, checkpoint, data = mixed
     out, report = tmp_path / "out.pt", tmp_path / "report.json"
     done = _cli("calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint), "--data", str(data),
-                "--batch-size", "6", "--out", str(out), "--report", str(report))
+                "--batch-size", "6", "--order", "given", "--out", str(out), "--report", str(report))
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "False"  # Ray never imported
     written = json.loads(report.read_text())
