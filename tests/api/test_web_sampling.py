@@ -10,7 +10,7 @@ import pytest
 import torch
 from playwright.sync_api import expect
 
-from tests.api.conftest import submit, upload, wait_for, write_samples
+from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.api.test_web_page import JOB_TIMEOUT_MS, browser, screenshot, sign_in, tab  # noqa: F401
 from tests.conftest import save_state
 from tests.nets import mixed_net, perturbed
@@ -65,7 +65,9 @@ def test_auto_through_the_api_reports_convergence(live_server, sampling_files):
 
 def test_the_form_submits_auto_and_the_job_page_says_where_it_converged(live_server, tab, sampling_files):  # noqa: F811
     page = tab.page
-    sign_in(page, f"{live_server.url}/")
+    # A key of its own: the list holds this job alone, so its first row is this job's (with the
+    # shared web key, an earlier test's finished job may still be first when the status is read).
+    sign_in(page, f"{live_server.url}/", key=KEYS["sampling"])
     page.fill("#arch", "tests.nets:mixed_net")
     page.set_input_files("#checkpoint", str(sampling_files["checkpoint"]))
     page.set_input_files("#data", str(sampling_files["data"]))
@@ -73,6 +75,8 @@ def test_the_form_submits_auto_and_the_job_page_says_where_it_converged(live_ser
     page.fill("#max-samples", "auto")
     page.fill("#tolerance", "0.1")
     page.click("#submit-button")
+    expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=JOB_TIMEOUT_MS)
+    expect(page.locator("#jobs-body tr")).to_have_count(1, timeout=JOB_TIMEOUT_MS)
     row = page.locator("#jobs-body tr").first
     expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
     row.locator("a").click()
