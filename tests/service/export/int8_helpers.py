@@ -28,13 +28,9 @@ def array_dataset(path: Path, samples: torch.Tensor) -> DatasetSpec:
     return describe_dataset(path)
 
 
-def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path) -> bytes:
-    """onnxruntime's own single-process ``quantize_static`` (QDQ, per-channel int8 weights,
-    uint8 activations) over ``samples`` in batches of ``batch``."""
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
-
-    source, target = tmp / "prepared.onnx", tmp / "ort-int8.onnx"
-    source.write_bytes(prepared)
+def batch_reader(samples: torch.Tensor, batch: int):
+    """onnxruntime's calibration data reader over ``samples`` in batches of ``batch``."""
+    from onnxruntime.quantization import CalibrationDataReader
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -43,11 +39,22 @@ def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, meth
         def get_next(self) -> dict | None:
             return next(self.batches, None)
 
+    return Reader()
+
+
+def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path) -> bytes:
+    """onnxruntime's own single-process ``quantize_static`` (QDQ, per-channel int8 weights,
+    uint8 activations) over ``samples`` in batches of ``batch``."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    source, target = tmp / "prepared.onnx", tmp / "ort-int8.onnx"
+    source.write_bytes(prepared)
+
     methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
                "entropy": CalibrationMethod.Entropy}
     with contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
-            str(source), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+            str(source), str(target), batch_reader(samples, batch), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
         )
     return target.read_bytes()
@@ -55,19 +62,12 @@ def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, meth
 
 def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path):
     """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges."""
-    from onnxruntime.quantization.calibrate import CalibrationDataReader, CalibrationMethod, create_calibrator
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
     from service.export.int8.quantizer import quantizable_op_types
 
     source = tmp / "prepared.onnx"
     source.write_bytes(prepared)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.batches = iter([{"input": samples[i : i + batch].numpy()} for i in range(0, len(samples), batch)])
-
-        def get_next(self) -> dict | None:
-            return next(self.batches, None)
 
     methods = {"percentile": CalibrationMethod.Percentile, "entropy": CalibrationMethod.Entropy}
     with contextlib.redirect_stdout(io.StringIO()):
@@ -75,7 +75,7 @@ def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, me
             source, quantizable_op_types(), augmented_model_path=str(tmp / "augmented.onnx"),
             calibrate_method=methods[method],
         )
-        calibrator.collect_data(Reader())
+        calibrator.collect_data(batch_reader(samples, batch))
         ranges = calibrator.compute_data()
     edges = {name: entry[1] for name, entry in calibrator.collector.histogram_dict.items()}
     return ranges, edges
