@@ -8,6 +8,7 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,18 +111,8 @@ class CalibrationRank:
         filesystem).
         """
         self.jobs += 1
-        try:
+        with self._rank_named():
             yield from self._run(plan, weights, shard, eval_shard)
-        except BnrecalError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
-            raise RunError(
-                f"rank {self.rank} on node {self.node_id[:12]} failed: {type(exc).__name__}: {first_line(exc)}",
-                rank=self.rank,
-                node=self.node_id,
-            ) from exc
-        finally:
-            self._leave_group()
 
     def _run(
         self,
@@ -247,7 +238,7 @@ class CalibrationRank:
 
         self.jobs += 1
         self._groups = [group_name]
-        try:
+        with self._rank_named(" gathering INT8 ranges"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
             data = shard if shard is not None else dataset.open()
             ranges = rank_ranges(dataset.num_samples, batch_size, world_size, self.rank)
@@ -256,12 +247,18 @@ class CalibrationRank:
                 threads=self.num_threads,
             )
             return {"rank": self.rank, "node_id": self.node_id, "result": result}
+
+    @contextmanager
+    def _rank_named(self, doing: str = "") -> Iterator[None]:
+        """Re-raise an unexpected error as a ``RunError`` that names this rank and its node
+        (our own errors pass as they are), and leave the job's group whatever happens."""
+        try:
+            yield
         except BnrecalError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named
             raise RunError(
-                f"rank {self.rank} on node {self.node_id[:12]} failed gathering INT8 ranges: "
-                f"{type(exc).__name__}: {first_line(exc)}",
+                f"rank {self.rank} on node {self.node_id[:12]} failed{doing}: {type(exc).__name__}: {first_line(exc)}",
                 rank=self.rank,
                 node=self.node_id,
             ) from exc
