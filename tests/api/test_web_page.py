@@ -89,12 +89,16 @@ def tab(browser: Browser) -> Iterator[Tab]:
         context.close()
 
 
-def sign_in(page: Page, url: str, key: str = KEY) -> None:
-    """Open ``url`` and give the page the key it asks for."""
+def sign_in(page: Page, url: str, key: str = KEY, accepted: bool = True) -> None:
+    """Open ``url``, give the page the key it asks for, and (if ``accepted``) wait for the app."""
     page.goto(url)
     expect(page.locator("#key-panel")).to_be_visible()
     page.fill("#key-input", key)
     page.click("#key-form button[type=submit]")
+    if accepted:
+        # The key is checked against the server before the page starts; until then the form
+        # has no listeners (a file chosen earlier would not switch the model kind).
+        expect(page.locator("#app")).to_be_visible()
 
 
 def screenshot(page: Page, name: str) -> None:
@@ -254,7 +258,7 @@ def test_the_key_lives_in_session_storage_only(live_server, tab):
 
 def test_a_wrong_key_shows_the_401_detail_and_is_not_kept(live_server, tab):
     page = tab.page
-    sign_in(page, f"{live_server.url}/", key="not-a-key")
+    sign_in(page, f"{live_server.url}/", key="not-a-key", accepted=False)
     expect(page.locator("#key-error")).to_have_text("401 Unauthorized: invalid API key")
     expect(page.locator("#app")).to_be_hidden()
     assert page.evaluate("sessionStorage.length") == 0
