@@ -44,11 +44,12 @@ RangeGatherer = Callable[[bytes, RangeRequest], GroupRanges]
 VERIFY_SAMPLES = 8
 
 
-def in_process(dataset: DatasetSpec, batch_size: int) -> RangeGatherer:
-    """Gather in this process, over ``dataset`` at global batch ``batch_size`` (a world of one)."""
+def in_process(dataset: DatasetSpec, batch_size: int, samples: int | None = None) -> RangeGatherer:
+    """Gather in this process, over the first ``samples`` (default: all) of ``dataset`` at
+    global batch ``batch_size`` (a world of one)."""
 
     def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        ranges = rank_ranges(dataset.num_samples, batch_size, 1, 0)
+        ranges = rank_ranges(_samples(dataset, samples), batch_size, 1, 0)
         with dataset.open() as data:
             result = range_pass(model, request, lambda: iter_batches(data, ranges), SingleProcessCollective(), 0)
         return GroupRanges(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
@@ -218,6 +219,11 @@ def quantize_file(
     return quantized.section
 
 
+def _samples(dataset: DatasetSpec, samples: int | None) -> int:
+    """How many samples of ``dataset`` (in its order) a range pass reads."""
+    return dataset.num_samples if samples is None else min(samples, dataset.num_samples)
+
+
 def check_cancel(cancel: threading.Event | None) -> None:
     """Stop between phases when the job was cancelled."""
     from workers.errors import CancelledError
@@ -234,11 +240,13 @@ def on_ranks(
     settings: Settings,
     *,
     placement: str | None = None,
+    samples: int | None = None,
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
 ) -> RangeGatherer:
-    """Gather on ``workers`` Ray rank actors, each over its shard of ``dataset`` by the
-    calibration's sharding rule, placed and fed like the calibration's ranks."""
+    """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
+    (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
+    the calibration's ranks."""
     from workers.ranks.collectives import backend_for_device
     from workers.ranks.group import GroupOptions
     from workers.ranks.range_group import run_range_group
@@ -260,7 +268,7 @@ def on_ranks(
         check_cancel(cancel)
         return run_range_group(
             model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
-            shards=shards, pool=pool, cancel=cancel,
+            num_samples=_samples(dataset, samples), shards=shards, pool=pool, cancel=cancel,
         )
 
     return gather
@@ -288,12 +296,15 @@ def quantize_recalibrated(
     kwargs = {key: value for key, value in (export_options or {}).items() if key != "dtype"}
     if fp32_model is None:
         fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
+    # The ranges are gathered over the samples the statistics were computed on (contract
+    # section 10): with max_samples "auto", the prefix of the order where they converged.
+    samples = int(result.report["samples"])
     if result.report.get("backend") == "in-process":
-        gather = in_process(result.dataset, request.batch_size)
+        gather = in_process(result.dataset, request.batch_size, samples)
     else:
         gather = on_ranks(
             result.dataset, request.batch_size, request.workers, request.device, settings,
-            placement=request.placement, pool=pool, cancel=cancel,
+            placement=request.placement, samples=samples, pool=pool, cancel=cancel,
         )
     evaluation = stale = None
     if request.eval_data is not None:

@@ -228,10 +228,12 @@ class CalibrationRank:
         backend: str,
         group_name: str,
         shard: CalibrationData | None = None,
+        num_samples: int | None = None,
     ) -> dict[str, Any]:
         """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
-        rank's shard of ``dataset``, with the calibration's sharding rule, combined with the
-        peers' in one collective per pass (``workers.ranks.int8_ranges``)."""
+        rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
+        calibration's sharding rule, combined with the peers' in one collective per pass
+        (``workers.ranks.int8_ranges``)."""
         from workers.data import iter_batches
         from workers.ranks.int8_ranges import range_pass
         from workers.ranks.sharding import rank_ranges
@@ -241,7 +243,8 @@ class CalibrationRank:
         with self._rank_named(" gathering INT8 ranges"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
             data = shard if shard is not None else dataset.open()
-            ranges = rank_ranges(dataset.num_samples, batch_size, world_size, self.rank)
+            total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
+            ranges = rank_ranges(total, batch_size, world_size, self.rank)
             result = range_pass(
                 model, request, lambda: iter_batches(data, ranges), self._collective, self.rank,
                 threads=self.num_threads,

@@ -48,12 +48,14 @@ def run_range_group(
     backend: str,
     options: GroupOptions,
     *,
+    num_samples: int | None = None,
     shards: Sequence[Any] | None = None,
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
 ) -> GroupRanges:
-    """Gather the ranges on ``world_size`` rank actors; ``shards`` (one per rank) carry the
-    data through the object store, else every rank opens ``dataset`` from its path."""
+    """Gather the ranges on ``world_size`` rank actors over the first ``num_samples``
+    (default: all) of ``dataset``; ``shards`` (one per rank) carry the data through the
+    object store, else every rank opens ``dataset`` from its path."""
     key = GangKey(world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, device)
     gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
     if gang is None:
@@ -66,7 +68,7 @@ def run_range_group(
         calls = [
             actor.collect_ranges.remote(
                 model_ref, request, dataset, batch_size, world_size, backend, group_name,
-                shards[rank] if shards is not None else None,
+                shards[rank] if shards is not None else None, num_samples,
             )
             for rank, actor in enumerate(gang.actors)
         ]

@@ -100,3 +100,34 @@ def test_auto_in_local_mode_is_refused_naming_the_field(mixed):
             arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, mode="local", max_samples="auto"
         )
     assert caught.value.field == "max_samples"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, warm_pool, tmp_path, workers):
+    """Contract section 10: the INT8 ranges are gathered over the samples the statistics
+    came from. With "auto" that is the converged prefix of the order, so the file is the
+    one a run told that many samples writes, and not the one over all the data."""
+    from service.export.int8.options import Int8Options
+    from service.run.int8 import quantize_recalibrated
+
+    _, samples, checkpoint, data = mixed
+    options = dict(workers=workers, batch_size=16, seed=2)
+    in_process = {"in_process": True} if workers == 1 else {}
+
+    def int8(max_samples, name):
+        request = RecalibrationRequest(
+            arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, max_samples=max_samples, **options
+        )
+        result = recalibrate(request, settings, pool=warm_pool, **in_process)
+        section = quantize_recalibrated(result, request, settings, tmp_path / name, Int8Options())
+        return result.report, section, (tmp_path / name).read_bytes()
+
+    auto, auto_section, auto_file = int8("auto", "auto.onnx")
+    converged = auto["samples"]
+    assert auto["convergence"]["converged"] and converged < len(samples)
+    assert auto_section["samples"] == converged
+    fixed, _, fixed_file = int8(converged, "fixed.onnx")
+    assert fixed["samples"] == converged
+    assert auto_file == fixed_file
+    _, everything_section, everything_file = int8(len(samples), "all.onnx")
+    assert everything_section["samples"] == len(samples) and everything_file != auto_file
