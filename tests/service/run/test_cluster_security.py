@@ -189,3 +189,55 @@ def test_the_token_is_neither_written_nor_logged(embedded):
     assert any(p.suffix in (".out", ".err", ".log") for p in files), "no logs to search"
     leaked = [str(p) for p in files if embedded["token"].encode() in p.read_bytes()]
     assert leaked == []
+
+
+SHUTDOWN_CHILD = """
+import json, os, sys
+from pathlib import Path
+import ray
+from ray._private import ray_constants
+from ray._raylet import AuthenticationTokenLoader
+from service.run.cluster import ensure_ray, shutdown_embedded
+
+assert ensure_ray(None, min_cpus=2)
+holder = ray.remote(num_cpus=1)(type("Holder", (), {"pid": lambda self: os.getpid()})).remote()
+worker = ray.get(holder.pid.remote())
+token = AuthenticationTokenLoader.instance().get_raw_token()
+node = ray._private.worker._global_node
+monitor = [info.process.pid for info in node.all_processes[ray_constants.PROCESS_TYPE_MONITOR]]
+shutdown_embedded()
+needle = f"RAY_AUTH_TOKEN={token}".encode()
+left = []
+for entry in Path("/proc").iterdir():
+    if entry.name.isdigit() and int(entry.name) != os.getpid():
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\\0"):
+                left.append(int(entry.name))
+        except OSError:
+            pass
+print(json.dumps({"monitor": monitor, "worker": worker, "left": left}))
+"""
+
+
+def test_shutdown_leaves_no_process_of_the_embedded_instance(tmp_path):
+    """shutdown_embedded stops every process of the instance it started, the autoscaler
+    monitor (killed first: it ignores SIGTERM) and the rank-like worker included."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_CHILD], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found["monitor"]) == 1
+    assert found["left"] == []
+    assert not any(alive(pid) for pid in (*found["monitor"], found["worker"]))
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (exited and not yet reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
