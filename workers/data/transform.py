@@ -12,8 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as TF
 
 from workers.data.base import DatasetOptionError
 from workers.errors import DatasetError
@@ -119,6 +117,11 @@ def apply_transform(image: Image.Image, transform: ImageTransform) -> torch.Tens
     Same steps as the torchvision ImageNet evaluation preset: bilinear antialiased resize
     of the shorter side, centre crop, scale to [0, 1], normalise by mean/std.
     """
+    # torchvision is imported here, on the first image, not with the module: importing it
+    # takes ~1.3 s (it imports torch._dynamo), which every rank would pay for array data too.
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
     image = TF.resize(image, [transform.resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
     image = TF.center_crop(image, [transform.crop, transform.crop])
     tensor = TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True)

@@ -21,8 +21,8 @@ from workers.engine.calibration import PassResult, calibration_pass
 from workers.errors import BnrecalError, RunError, first_line
 from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from workers.ranks.collectives import RayCollective
-from workers.ranks.plan import RankPlan
 from workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
+from workers.ranks.plan import RankPlan
 
 HEARTBEAT_S = 1.0
 """How often a rank reports while a step is in flight, so the driver can tell a rank
