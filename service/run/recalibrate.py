@@ -271,7 +271,7 @@ def recalibrate(
         skipped,
         run={
             "backend": backend,
-            "placement": options.placement_strategy,
+            "placement": IN_PROCESS if in_process else options.placement_strategy,
             "data_transport": "remote" if dataset.remote is not None else transport,
             "object_store_bytes": sum(shard.nbytes for shard in [*(shards or []), *(eval_shards or [])]),
             "attempts": len(failures) + 1,

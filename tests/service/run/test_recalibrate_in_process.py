@@ -50,6 +50,7 @@ def test_in_process_gives_the_ray_ranks_statistics(mixed, settings, warm_pool, m
             torch.testing.assert_close(here.updates[key].double(), value.double(), rtol=1e-5, atol=1e-7, msg=f"K={k} {key}")
     report = here.report
     assert report["backend"] == "in-process" and report["world_size"] == 1 and report["embedded_cluster"] is False
+    assert report["placement"] == report["data_transport"] == "in-process"  # no Ray placement group was made
     assert report["samples"] == 22 and report["steps"] == 4 and len(report["nodes"]) == 1
     assert report["collectives"] == others[1].report["collectives"]
     assert [layer["name"] for layer in report["layers"]] == [layer["name"] for layer in others[1].report["layers"]]
