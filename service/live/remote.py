@@ -122,8 +122,9 @@ def recalibrate_on_server(
         else:
             job_spec.update(order=options.order, seed=options.seed)
         with BnrecalClient(server, api_key=api_key) as client:
-            job_spec["program"] = client.upload(program_file)["digest"]
-            job_spec["data"] = client.upload(data_file)["digest"]
+            # A file the server already holds for this key (the same data, again) is not sent twice.
+            job_spec["program"] = client.upload_missing(program_file)[0]
+            job_spec["data"] = client.upload_missing(data_file)[0]
             job = client.submit(job_spec)
             with progress() as update:
                 job = client.wait(job["id"], on_progress=update)

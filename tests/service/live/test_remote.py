@@ -62,3 +62,24 @@ def test_server_errors_come_back_typed(live_server):  # noqa: F811
     model = perturbed(mixed_net()).eval()
     with pytest.raises(bnrecal.AuthenticationError):
         bnrecal.recalibrate(model, [torch.randn(4, 3, 6, 6)], server=live_server.url, api_key="wrong", progress=False)
+
+
+def test_a_second_call_with_the_same_model_and_data_sends_nothing_again(live_server, tmp_path):  # noqa: F811
+    """The blobs are asked for by digest (HEAD) first: what the server holds is not uploaded."""
+    from tests.api.test_cli_submit import uploaded_bytes
+
+    torch.manual_seed(6)
+    model = perturbed(mixed_net()).eval()
+    path = tmp_path / "calib.npy"
+    np.save(path, (torch.randn(24, 3, 6, 6) * 1.3).numpy())
+    results = []
+    for _ in range(2):
+        live = copy.deepcopy(model)
+        sent_before = uploaded_bytes(live_server)
+        bnrecal.recalibrate(live, str(path), server=live_server.url, api_key=KEY, progress=False, batch_size=8)
+        results.append((live, uploaded_bytes(live_server) - sent_before))
+    (first, first_sent), (second, second_sent) = results
+    assert first_sent >= path.stat().st_size
+    assert second_sent == 0
+    for key, value in first.state_dict().items():
+        torch.testing.assert_close(second.state_dict()[key], value)
