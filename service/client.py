@@ -61,11 +61,21 @@ def _error_classes() -> dict[str, type[BnrecalError]]:
     return classes
 
 
+_BY_STATUS: dict[int, type[BnrecalError]] = {
+    cls.status: cls
+    for cls in (
+        error_types.AuthenticationError, error_types.NotFoundError, error_types.PayloadTooLargeError,
+        error_types.TooManyJobsError, error_types.HeadersTooLargeError, error_types.ServiceUnavailableError,
+    )
+}
+"""The statuses that name one error class: how an answer without a body (to ``HEAD``) is typed."""
+
+
 def error_from_problem(problem: dict[str, Any]) -> BnrecalError:
     """The typed error a problem object stands for (by its ``type``; else by its status)."""
     detail = str(problem.get("detail") or problem.get("title") or "unknown error")
     status = int(problem.get("status") or 500)
-    cls = _error_classes().get(str(problem.get("type")))
+    cls = _error_classes().get(str(problem.get("type"))) or _BY_STATUS.get(status)
     if cls is None:
         cls = InputError if 400 <= status < 500 else RunError
     error = cls(detail)
@@ -277,7 +287,8 @@ class BnrecalClient:
         except ValueError:
             problem = None
         if not isinstance(problem, dict):
-            problem = {"status": response.status_code, "detail": f"HTTP {response.status_code}: {response.text[:200]}"}
+            text = response.text[:200] or response.reason_phrase  # a HEAD answer has no body
+            problem = {"status": response.status_code, "detail": f"HTTP {response.status_code}: {text}"}
         problem.setdefault("status", response.status_code)
         return error_from_problem(problem)
 

@@ -57,6 +57,10 @@ def test_a_large_model_never_lives_in_the_api_process(server, tmp_path):
         "workers": 1,
         "batch_size": 4,
     }
+    # A dry run first: checking the spec imports torchvision in the API process (once, ~160
+    # MiB of code, the same for any size of model), which is not the model living there.
+    checked = server.client.post("/v1/jobs", params={"dry_run": "true"}, json=spec)
+    assert checked.status_code == 200, checked.text
     pid = server.process.pid
     before = memory(pid)
     peak = [before["VmRSS"]]
