@@ -91,8 +91,10 @@ def follow(server: ServerProcess, job_id: str) -> list[dict]:
 
 @pytest.mark.slow  # two server starts, a Ray head and ~24 jobs: ~2 min on a busy 2-core machine
 def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
-    servers, ray_head, postgres, s3_server, tmp_path
+    ray_head, postgres, s3_server, servers, tmp_path
 ):
+    # ``servers`` last: fixtures are torn down in reverse, so the replicas stop while their
+    # Ray head still runs (the other way round, a replica's shutdown waits on a dead head).
     database_url = postgres.create_database()
     env = ray_head | {
         "BNRECAL_DATABASE_URL": database_url,
