@@ -25,7 +25,7 @@ from workers.engine.calibrator import probe_call_order
 from workers.engine.moments import MomentStats
 from workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
 from workers.ranks.local import run_in_process
-from workers.ranks.plan import GroupOptions, RankPlan
+from workers.ranks.plan import RankPlan
 
 from service.run.options import STARTING_PHASE, RunOptions, default
 from service.run.progress import progress_bar
@@ -207,20 +207,16 @@ def _run_on_ray(
     from workers.ranks.group import run_rank_group
 
     from service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
-    from service.run.recalibrate import cpus_per_worker, resolve_data_transport, ship_rank_shards
+    from service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
 
     started_local = ensure_ray(ray_address, min_cpus=plan.world_size)
     try:
-        cpus = cpus_per_worker(settings, plan.world_size)
-        gpus = settings.gpus_per_worker if plan.device == "cuda" else 0.0
+        group = group_options(settings, plan.world_size, plan.device)
+        cpus = group.cpus_per_worker
         backend = backend_for_device(plan.device)
         plan = replace(
             plan, backend=backend,
             loader_workers=0 if spec.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1),
-        )
-        group = GroupOptions(
-            cpus_per_worker=cpus, gpus_per_worker=gpus, placement_strategy=settings.placement_strategy.upper(),
-            collective_timeout_s=settings.collective_timeout_s, placement_timeout_s=settings.placement_timeout_s,
         )
         transport, shards = "python", None
         if isinstance(spec, DatasetSpec):

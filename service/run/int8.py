@@ -248,18 +248,11 @@ def on_ranks(
     (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
     the calibration's ranks."""
     from workers.ranks.collectives import backend_for_device
-    from workers.ranks.group import GroupOptions
     from workers.ranks.range_group import run_range_group
 
-    from service.run.recalibrate import cpus_per_worker, resolve_data_transport, ship_rank_shards
+    from service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
 
-    options = GroupOptions(
-        cpus_per_worker=cpus_per_worker(settings, workers),
-        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
-        placement_strategy=(placement or settings.placement_strategy).upper(),
-        collective_timeout_s=settings.collective_timeout_s,
-        placement_timeout_s=settings.placement_timeout_s,
-    )
+    options = group_options(settings, workers, device, placement)
     shards = None
     if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
         shards = ship_rank_shards(dataset, batch_size, workers)

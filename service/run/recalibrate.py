@@ -173,12 +173,12 @@ def recalibrate(
         raise ValueError("a run in the calling process has one worker")
     started_local = False
     if in_process:
-        cpus, gpus, backend = float(torch.get_num_threads()), 0.0, IN_PROCESS
+        cpus, backend = float(torch.get_num_threads()), IN_PROCESS
     else:
         from service.run.cluster import ensure_ray
 
         started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-        cpus, gpus = rank_resources(settings, request)
+        cpus, _ = rank_resources(settings, request)
         backend = backend_for_device(request.device)
     plan = RankPlan(
         model=loaded.source,
@@ -196,13 +196,7 @@ def recalibrate(
         evaluation=evaluation,
         stop=StopRule(request.stop_tolerance) if request.auto_samples else None,
     )
-    options = GroupOptions(
-        cpus_per_worker=cpus,
-        gpus_per_worker=gpus,
-        placement_strategy=(request.placement or settings.placement_strategy).upper(),
-        collective_timeout_s=settings.collective_timeout_s,
-        placement_timeout_s=settings.placement_timeout_s,
-    )
+    options = group_options(settings, request.workers, request.device, request.placement, cpus=cpus)
     totals = {"calibrating": dataset.num_samples}
     if evaluation is not None:
         totals["evaluating"] = evaluation.dataset.num_samples
@@ -357,6 +351,21 @@ def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, floa
     """CPUs and GPUs each rank of a job asks Ray for (the runner counts them the same way)."""
     gpus = settings.gpus_per_worker if options.device == "cuda" else 0.0
     return cpus_per_worker(settings, options.workers), gpus
+
+
+def group_options(
+    settings: Settings, workers: int, device: str, placement: str | None = None, *, cpus: float | None = None
+) -> GroupOptions:
+    """How a job's ``workers`` ranks are placed and timed, from the settings: CPUs (``cpus``
+    when already decided) and GPUs per rank, the placement strategy (``placement`` over the
+    setting) and the timeouts; the same for the calibration's ranks and the INT8 range pass's."""
+    return GroupOptions(
+        cpus_per_worker=cpus_per_worker(settings, workers) if cpus is None else cpus,
+        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
+        placement_strategy=(placement or settings.placement_strategy).upper(),
+        collective_timeout_s=settings.collective_timeout_s,
+        placement_timeout_s=settings.placement_timeout_s,
+    )
 
 
 def cpus_per_worker(settings: Settings, workers: int) -> float:
