@@ -38,7 +38,7 @@ serve: $(STAMP)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
 demo: $(STAMP)
-	$(BIN)/python -m service.demo demo
+	$(BIN)/python -m bnrecal.service.demo demo
 	$(BIN)/bnrecal calibrate --arch torchvision:resnet18 --model-kwargs '{"num_classes": 10}' \
 		--checkpoint demo/resnet18-stale.pt --data demo/calib.npy --eval-data demo/eval.npz \
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from api.app import create_app
-from api.deps import ServicesDep, TenantDep, get_services, get_tenant
-from api.limits import BodySizeLimit
-from api.problems import Problem, install_problem_handlers, problem_response
-from api.routes import blobs, health, jobs
+from bnrecal.api.app import create_app
+from bnrecal.api.deps import ServicesDep, TenantDep, get_services, get_tenant
+from bnrecal.api.limits import BodySizeLimit
+from bnrecal.api.problems import Problem, install_problem_handlers, problem_response
+from bnrecal.api.routes import blobs, health, jobs
 
 __all__ = [
     "BodySizeLimit",

@@ -17,8 +17,8 @@ from types import FrameType
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from service.jobserver.server import Services, open_services
-from service.settings import Settings, get_settings
+from bnrecal.service.jobserver.server import Services, open_services
+from bnrecal.service.settings import Settings, get_settings
 
 from .limits import BodySizeLimit
 from .problems import install_problem_handlers

@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.jobserver.server import PUBLIC_TENANT, Services, tenant_of_key
-from workers.errors import AuthenticationError, RunError
+from bnrecal.service.jobserver.server import PUBLIC_TENANT, Services, tenant_of_key
+from bnrecal.workers.errors import AuthenticationError, RunError
 
 bearer_scheme = HTTPBearer(auto_error=False, description="An API key from BNRECAL_API_KEYS.")
 

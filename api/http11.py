@@ -19,8 +19,8 @@ import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from service.jobserver.jobs import problem_of
-from workers.errors import BnrecalError, HeadersTooLargeError, InputError
+from bnrecal.service.jobserver.jobs import problem_of
+from bnrecal.workers.errors import BnrecalError, HeadersTooLargeError, InputError
 
 from .problems import PROBLEM_MEDIA_TYPE
 

@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.jobserver.jobs import problem_of
-from workers.errors import BnrecalError
+from bnrecal.service.jobserver.jobs import problem_of
+from bnrecal.workers.errors import BnrecalError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 VALIDATION_TYPE = "https://bnrecal.dev/problems/validation"

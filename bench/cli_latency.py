@@ -2,7 +2,7 @@
 
 ``bnrecal --help``, ``jobs`` (table and ``--json``), ``status``, ``cancel`` (of a finished
 job), ``delete`` (of an unknown job) and an argument error, each started ``--runs`` times
-(after one warm-up run not counted) as ``python -m service.cli ...``, against a real server
+(after one warm-up run not counted) as ``python -m bnrecal.service.cli ...``, against a real server
 (uvicorn on loopback in this process, its embedded Ray) holding a few finished jobs. Beside
 them, measured the same way in the same run, the two yardsticks: the bare interpreter
 (``python -c pass``: the floor) and ``python -c "import torch, ray"`` (what every command
@@ -45,7 +45,7 @@ def timed(argv: list[str]) -> tuple[float, int, str]:
 
 def cli(*args: str) -> list[str]:
     """``bnrecal ARGS`` in a fresh interpreter, reporting at exit whether torch or Ray was imported."""
-    return [sys.executable, "-c", f"{REPORT}\nimport sys\nfrom service.cli import main\nmain(sys.argv[1:])", *args]
+    return [sys.executable, "-c", f"{REPORT}\nimport sys\nfrom bnrecal.service.cli import main\nmain(sys.argv[1:])", *args]
 
 
 def measure(argv: list[str], runs: int) -> tuple[list[float], int, list[str]]:

@@ -37,8 +37,8 @@ def prepare(folder: Path) -> None:
     import torch
     import torchvision
 
-    from service.demo import write_demo_inputs
-    from service.export import export_folded_onnx
+    from bnrecal.service.demo import write_demo_inputs
+    from bnrecal.service.export import export_folded_onnx
 
     folder.mkdir(parents=True, exist_ok=True)
     checkpoint = folder / "resnet18-stale.pt"
@@ -58,7 +58,7 @@ def prepare(folder: Path) -> None:
 
 
 def _evaluation(folder: Path):
-    from service.export.int8.checks import LabelledBatches
+    from bnrecal.service.export.int8.checks import LabelledBatches
 
     held = np.load(folder / "eval.npz")
     x, y = held["x"].astype(np.float32), held["y"].astype(np.int64)
@@ -75,13 +75,13 @@ def _record(folder: Path, entry: dict) -> None:
 def ranks(folder: Path, workers: int) -> None:
     """bnrecal's path: pre-process, ranges on ``workers`` Ray ranks (embedded Ray), QDQ, top-1."""
     started = time.perf_counter()
-    from workers.data import describe_dataset
+    from bnrecal.workers.data import describe_dataset
 
-    from service.export.int8.checks import accuracy
-    from service.export.int8.options import Int8Options
-    from service.run.cluster import ensure_ray
-    from service.run.int8 import on_ranks, quantize_export
-    from service.settings import Settings
+    from bnrecal.service.export.int8.checks import accuracy
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.run.cluster import ensure_ray
+    from bnrecal.service.run.int8 import on_ranks, quantize_export
+    from bnrecal.service.settings import Settings
 
     ensure_ray(None, min_cpus=workers)
     dataset = describe_dataset(folder / "calib.npy")
@@ -110,7 +110,7 @@ def ort(folder: Path) -> None:
         quantize_static,
     )
 
-    from service.export.int8.checks import accuracy
+    from bnrecal.service.export.int8.checks import accuracy
 
     calib = np.load(folder / "calib.npy").astype(np.float32)
 
@@ -138,9 +138,9 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
     """FP32 and INT8 alternately in onnxruntime (full optimizations), median ms per run."""
     import onnxruntime
 
-    from service.export.int8.options import Int8Options
-    from service.run.int8 import in_process, quantize_export
-    from workers.data import describe_dataset
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.run.int8 import in_process, quantize_export
+    from bnrecal.workers.data import describe_dataset
 
     rows = []
     for name, shape in (("fp32.onnx", (3, 16, 16)), ("fp32-224.onnx", (3, 224, 224))):

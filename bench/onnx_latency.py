@@ -27,9 +27,9 @@ import onnxruntime as ort
 import torch
 import torchvision
 
-from service.export import export_folded_onnx
-from service.export.exporters import export_unfolded
-from service.export.graph_passes import finalize, fold_constants
+from bnrecal.service.export import export_folded_onnx
+from bnrecal.service.export.exporters import export_unfolded
+from bnrecal.service.export.graph_passes import finalize, fold_constants
 
 SHAPE = (3, 224, 224)
 MODELS = ("resnet18", "mobilenet_v3_small")

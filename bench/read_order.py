@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from workers.data import describe_dataset, iter_batches
-from workers.data import objectstore
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.data import describe_dataset, iter_batches
+from bnrecal.workers.data import objectstore
+from bnrecal.workers.ranks.sharding import rank_ranges
 
 
 def read_pass(spec_for: Callable[[str], object], order: str, batch: int, workers: int) -> float:

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 import torchvision
 
-from service import demo
-from workers.data import describe_dataset, iter_batches
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import MIN_STEPS, StopRule, apply_statistics, calibration_pass
-from workers.engine.collective import SingleProcessCollective
-from workers.ranks.sharding import step_ranges
+from bnrecal.service import demo
+from bnrecal.workers.data import describe_dataset, iter_batches
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import MIN_STEPS, StopRule, apply_statistics, calibration_pass
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.ranks.sharding import step_ranges
 
 BATCH = 32
 COUNTS = (64, 128, 300, 600, 1437)

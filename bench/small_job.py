@@ -53,8 +53,8 @@ def inputs(folder: Path, samples: int) -> tuple[Path, Path]:
 
 def serve(data_dir: Path, idle_s: float) -> tuple[uvicorn.Server, threading.Thread, str]:
     """A real server on a free loopback port, as ``bnrecal serve`` runs it."""
-    from api.app import create_app
-    from service.settings import Settings
+    from bnrecal.api.app import create_app
+    from bnrecal.service.settings import Settings
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 
 MODELS = {"resnet18": "torchvision:resnet18", "efficientnet_b0": "timm:efficientnet_b0"}
 BIN = Path(sys.executable).parent
@@ -168,9 +168,9 @@ def table(rows: list[Row], rate: dict[str, float]) -> None:
 
 def warm(key: str, data: Path, args: argparse.Namespace, folder: Path, cold: dict[str, float]) -> None:
     """The same bnrecal jobs in this process on warm ranks (the server's warm pool)."""
-    from service.run.cluster import ensure_ray
-    from service.run.recalibrate import RecalibrationRequest, recalibrate
-    from service.settings import Settings
+    from bnrecal.service.run.cluster import ensure_ray
+    from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
+    from bnrecal.service.settings import Settings
 
     ensure_ray(None, min_cpus=args.threads)
     print(f"\nwarm ({MODELS[key]}, in one process, ranks kept by a first job):\n")

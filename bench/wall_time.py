@@ -61,8 +61,8 @@ import torch  # the driver has it already, as every caller does
 started = time.perf_counter()
 import ray
 imported = time.perf_counter()
-from service.run.cluster import ensure_ray, shutdown_embedded
-from workers.ranks.pool import Gang, GangKey
+from bnrecal.service.run.cluster import ensure_ray, shutdown_embedded
+from bnrecal.workers.ranks.pool import Gang, GangKey
 ready = time.perf_counter()
 ensure_ray(None, min_cpus=2)
 up = time.perf_counter()
@@ -100,7 +100,7 @@ def commands(folder: Path, checkpoint: Path, data: Path) -> dict[str, list[str]]
     """Each command of a job, as a fresh process."""
     python = sys.executable
     api = PYTHON_API.replace("{batch}", str(BATCH))
-    cli = [python, "-m", "service.cli", "calibrate", "--arch", "torchvision:resnet18",
+    cli = [python, "-m", "bnrecal.service.cli", "calibrate", "--arch", "torchvision:resnet18",
            "--model-kwargs", '{"num_classes": 10}', "--checkpoint", str(checkpoint), "--data", str(data),
            "--batch-size", str(BATCH), "--out", str(folder / "out.pt")]
     return {

@@ -7,38 +7,36 @@
     bnrecal.export_onnx(model, "model.onnx", sample)          # folded, verified ONNX
     bnrecal.quantize(model, "model-int8.onnx", calibration)   # folded, INT8 (QDQ), checked
 
-See docs/python.md. This package is only the public face: the code lives in ``service``
-(``service.live``) and ``workers``.
+See docs/python.md. This package is the public face and the one installed name: the
+repository's folders install beneath it (``bnrecal.service``, ``bnrecal.workers``,
+``bnrecal.api``). Public names are imported on first use, so ``import bnrecal`` (and a rank
+process importing ``bnrecal.workers``) loads neither torch nor Ray until one is used.
 """
 
 from __future__ import annotations
 
-from service.client import BnrecalClient
-from service.live import RecalibrationReport, export_onnx, quantize, recalibrate
-from service.live.errors import (
-    ArchitectureError,
-    AuthenticationError,
-    BnrecalError,
-    CallOrderError,
-    CancelledError,
-    CheckpointError,
-    DatasetError,
-    ExportError,
-    InputError,
-    ModelInputError,
-    NoBatchNormError,
-    NotFoundError,
-    PayloadTooLargeError,
-    ProgramError,
-    RunError,
-    ServiceUnavailableError,
-    SpecError,
-    UnsupportedLayerError,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ArchitectureError", "AuthenticationError", "BnrecalClient", "BnrecalError", "CallOrderError",
-    "CancelledError", "CheckpointError", "DatasetError", "ExportError", "InputError", "ModelInputError",
-    "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "ProgramError", "RecalibrationReport", "RunError",
-    "ServiceUnavailableError", "SpecError", "UnsupportedLayerError", "export_onnx", "quantize", "recalibrate",
-]
+from bnrecal.workers.lazy import lazy_exports
+
+_ERRORS = (
+    "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
+    "CheckpointError", "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError",
+    "NotFoundError", "PayloadTooLargeError", "ProgramError", "RunError", "ServiceUnavailableError", "SpecError",
+    "UnsupportedLayerError",
+)
+_HOMES = {
+    "service.client": ("BnrecalClient",),
+    "service.live": ("RecalibrationReport", "export_onnx", "quantize", "recalibrate"),
+    "service.live.errors": _ERRORS,
+}
+__getattr__, __all__ = lazy_exports(__name__, _HOMES)
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time each name loads on first use
+    from bnrecal.service.client import BnrecalClient
+    from bnrecal.service.live import RecalibrationReport, export_onnx, quantize, recalibrate
+    from bnrecal.service.live.errors import (
+        ArchitectureError, AuthenticationError, BnrecalError, CallOrderError, CancelledError, CheckpointError,
+        DatasetError, ExportError, InputError, ModelInputError, NoBatchNormError, NotFoundError,
+        PayloadTooLargeError, ProgramError, RunError, ServiceUnavailableError, SpecError, UnsupportedLayerError,
+    )

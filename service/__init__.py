@@ -6,7 +6,7 @@ Public names are imported on first use, so the CLI starts without loading torch 
 
 from __future__ import annotations
 
-from workers.lazy import lazy_exports
+from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
     "run.recalibrate": ("Recalibration", "RecalibrationRequest", "recalibrate"),

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-from workers import errors as error_types
-from workers.errors import BnrecalError, InputError, RunError
-from workers.files import atomic_write
+from bnrecal.workers import errors as error_types
+from bnrecal.workers.errors import BnrecalError, InputError, RunError
+from bnrecal.workers.files import atomic_write
 
 from .jobserver.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 

@@ -1,6 +1,6 @@
 """Inputs for the quick-start demo: a resnet18 whose BN statistics are stale after a camera change.
 
-``python -m service.demo DIR`` trains a real model and makes the mistake bnrecal exists
+``python -m bnrecal.service.demo DIR`` trains a real model and makes the mistake bnrecal exists
 to repair, in under a minute on two CPU cores with nothing downloaded:
 
 1. Data: scikit-learn's handwritten digits (1797 scans of 8x8 pixels, 10 classes, shipped
@@ -155,14 +155,14 @@ def write_demo_inputs(folder: Path, seed: int = 0) -> DemoInputs:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m service.demo [DIR]`` (default ``demo``); prints the paths and the time."""
+    """CLI: ``python -m bnrecal.service.demo [DIR]`` (default ``demo``); prints the paths and the time."""
     args = list(sys.argv[1:] if argv is None else argv)
     target = Path(args[0] if args else "demo")
     start = time.perf_counter()
     try:
         paths = write_demo_inputs(target)
     except MissingDemoExtra as exc:
-        print(f"service.demo: {exc}", file=sys.stderr)
+        print(f"bnrecal.service.demo: {exc}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)

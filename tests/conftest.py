@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.settings import Settings
+from bnrecal.service.settings import Settings
 
 from tests.postgres import PostgresServer, postgres_server
 from tests.s3 import FAKE_CREDENTIALS, S3Server, start_s3_server
@@ -24,7 +24,7 @@ def ray_cluster() -> Iterator[None]:
     """A real local Ray instance (8 logical CPUs on any machine), started once."""
     import ray
 
-    from service.run.cluster import ensure_ray
+    from bnrecal.service.run.cluster import ensure_ray
 
     ensure_ray(None, min_cpus=8)
     yield
@@ -36,7 +36,7 @@ def warm_pool(ray_cluster: None) -> Iterator[Any]:
     """Warm rank actors shared by a test module's jobs, as the server shares them: a job
     pays the ranks' start-up (a process importing torch, ~6 s here) once per shape, not
     once per call. A failed or cancelled job's ranks are killed, never reused."""
-    from workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.pool import WarmPool
 
     pool = WarmPool(idle_s=600)
     yield pool

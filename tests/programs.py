@@ -101,7 +101,7 @@ def buffers_as_modules(program: nn.Module) -> nn.Module:
     """A module tree holding a program's BN buffers at their layers' paths, so the
     reference check (``tests/reference.py``, which looks layers up by module name) reads
     a program's recalibrated statistics as it reads an eager model's."""
-    from workers.engine.batchnorm import find_batchnorm_layers
+    from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 
     root = nn.Module()
     for layer in find_batchnorm_layers(program)[0]:

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import bnrecal
-from service.client import BnrecalClient
-from workers import errors
+from bnrecal.service.client import BnrecalClient
+from bnrecal.workers import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,10 @@ directions (``ROOMS``), so the layout shows the architecture: the engine imports
 data and models know nothing of the ranks, the run pipeline nothing of the job server.
 
 Every import statement counts, also one inside a function: a lazy import is still a
-dependency. The graph is read from the source with ``ast``; nothing is imported.
+dependency. The graph is read from the source with ``ast``; nothing is imported. The
+folders install as ``bnrecal.service``, ``bnrecal.workers`` and ``bnrecal.api`` (one
+top-level name, docs/architecture.md), so the code imports them by those names only; the
+graph names a module by its folder (``service.run.report``).
 """
 
 from __future__ import annotations
@@ -56,20 +59,42 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
+INSTALLED = "bnrecal."
+
+
+def folder_name(module: str) -> str:
+    """``bnrecal.service.run`` -> ``service.run``: the graph's name of an installed module."""
+    if module.startswith(INSTALLED) and module[len(INSTALLED):].split(".")[0] in ("api", "service", "workers"):
+        return module[len(INSTALLED):]
+    return module
+
+
+def bare_imports(path: Path) -> list[str]:
+    """Absolute imports of ``service``/``workers``/``api`` without the ``bnrecal.`` in front:
+    they would import a user's own package of that name once installed."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append(node.module)
+    return [name for name in found if name.split(".")[0] in ("api", "service", "workers")]
+
+
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The project modules ``name`` imports (resolved to existing modules)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            candidates = [alias.name for alias in node.names]
+            candidates = [folder_name(alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
                 base = base[: len(base) - node.level + 1]
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
-                prefix = node.module or ""
+                prefix = folder_name(node.module or "")
             candidates = [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -103,6 +128,19 @@ def external_imports(path: Path) -> set[str]:
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def test_code_imports_only_the_installed_names():
+    """``from bnrecal.service...``, never ``from service...``: a user's ``service`` package
+    beside their script would be imported instead (tests/test_packaging.py shows it)."""
+    root = Path(__file__).resolve().parents[1]
+    bare = [
+        f"{path.relative_to(root)}: {name}"
+        for folder in (*PACKAGES, "tests", "bench")
+        for path in (root / folder).rglob("*.py")
+        for name in bare_imports(path)
+    ]
+    assert bare == [], "import the installed names (bnrecal.service, ...):\n" + "\n".join(sorted(bare))
 
 
 def test_imports_run_one_way():
@@ -166,7 +204,7 @@ def test_bnrecal_only_reexports_from_service():
         f"{source} imports {target}"
         for source, targets in edges.items()
         for target in targets
-        if (source.startswith("bnrecal") and not target.startswith("service"))
+        if (source.startswith("bnrecal") and not target.startswith(("service", "workers.lazy")))
         or (target.startswith("bnrecal") and not source.startswith("bnrecal"))
     ]
     assert wrong == [], "bnrecal -> service -> workers:\n" + "\n".join(sorted(wrong))

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from api.routes import blobs, health, jobs, pages
+from bnrecal.api.routes import blobs, health, jobs, pages
 
 __all__ = ["blobs", "health", "jobs", "pages"]

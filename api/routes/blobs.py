@@ -8,11 +8,11 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from api.deps import ServicesDep, TenantDep
-from api.files import blob_response
-from api.problems import PROBLEM_RESPONSES, problem_responses
-from service.jobserver.blobs import MAX_FILENAME_CHARS
-from workers.errors import InputError
+from bnrecal.api.deps import ServicesDep, TenantDep
+from bnrecal.api.files import blob_response
+from bnrecal.api.problems import PROBLEM_RESPONSES, problem_responses
+from bnrecal.service.jobserver.blobs import MAX_FILENAME_CHARS
+from bnrecal.workers.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)
 

@@ -7,9 +7,9 @@ from typing import Any
 import ray
 from fastapi import APIRouter, Response
 
-from api.deps import ServicesDep
-from api.problems import problem_response
-from service.jobserver.metrics import CONTENT_TYPE
+from bnrecal.api.deps import ServicesDep
+from bnrecal.api.problems import problem_response
+from bnrecal.service.jobserver.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["operations"])
 

@@ -9,12 +9,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import ServicesDep, TenantDep
-from api.files import blob_response
-from api.json_body import JsonBodyRoute
-from api.problems import PROBLEM_RESPONSES, problem_responses
-from service.jobserver.events import job_event_stream, tenant_event_stream
-from service.jobserver.jobs import JobList, JobSpec, JobStatus, JobView
+from bnrecal.api.deps import ServicesDep, TenantDep
+from bnrecal.api.files import blob_response
+from bnrecal.api.json_body import JsonBodyRoute
+from bnrecal.api.problems import PROBLEM_RESPONSES, problem_responses
+from bnrecal.service.jobserver.events import job_event_stream, tenant_event_stream
+from bnrecal.service.jobserver.jobs import JobList, JobSpec, JobStatus, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES, route_class=JsonBodyRoute)
 

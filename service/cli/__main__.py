@@ -1,4 +1,4 @@
-"""``python -m service.cli``: the ``bnrecal`` command line."""
+"""``python -m bnrecal.service.cli``: the ``bnrecal`` command line."""
 
 import sys
 

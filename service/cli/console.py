@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.run.progress import stderr
+from bnrecal.service.run.progress import stderr
 
 if TYPE_CHECKING:
     from ..client import BnrecalClient

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.run.options import STARTING_PHASE, check_model_choice
-from service.run.progress import progress_bar
+from bnrecal.service.run.options import STARTING_PHASE, check_model_choice
+from bnrecal.service.run.progress import progress_bar
 
 from . import options as opt
 from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
@@ -64,7 +64,7 @@ def calibrate(
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
         order=order, seed=seed, tolerance=tolerance,
     )
-    from service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
+    from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
 
     request = RecalibrationRequest(
         **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
@@ -85,13 +85,13 @@ def calibrate(
                 cancel.set()
                 raise
             if onnx is not None:
-                from service.run.exporting import export_recalibrated
+                from bnrecal.service.run.exporting import export_recalibrated
 
                 update(0, 1, "exporting and verifying ONNX")
                 result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
                 update(1, 1, "exporting and verifying ONNX")
             if onnx_int8 is not None:
-                from service.run.int8 import quantize_recalibrated
+                from bnrecal.service.run.int8 import quantize_recalibrated
 
                 fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
                 result.report["int8"] = quantize_recalibrated(
@@ -108,7 +108,7 @@ def calibrate(
         if report is not None:
             result.save_report(report)
         if report_html is not None:
-            from service.run.report_html import write_html_report
+            from bnrecal.service.run.report_html import write_html_report
 
             write_html_report(result.report, report_html)
         update(1, 1, "writing")
@@ -123,7 +123,7 @@ def calibrate(
 
 def _command_pool() -> Any:
     """A warm pool for one command: the INT8 range passes run on the calibration's rank actors."""
-    from workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.pool import WarmPool
 
     return WarmPool(idle_s=300)
 
@@ -169,15 +169,15 @@ def export_command(
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
     if onnx_int8 is not None and onnx_dtype.value != "float32":
         raise SpecError("--onnx-int8 quantizes a float32 export: drop --onnx-dtype float16", field="--onnx-dtype")
-    from service.run.exporting import export_checkpoint  # the flags are fine: now load torch
-    from service.run.report import write_report
+    from bnrecal.service.run.exporting import export_checkpoint  # the flags are fine: now load torch
+    from bnrecal.service.run.report import write_report
 
     result = export_checkpoint(
         arch, checkpoint, out, Settings(), model_kwargs=kwargs, data=data, transform=transform_values, input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
     if onnx_int8 is not None:
-        from service.run.int8 import quantize_file
+        from bnrecal.service.run.int8 import quantize_file
 
         assert data is not None
         result["int8"] = quantize_file(

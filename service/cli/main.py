@@ -10,7 +10,7 @@ import os
 
 import typer
 
-from workers.errors import BnrecalError, first_line
+from bnrecal.workers.errors import BnrecalError, first_line
 
 from . import jobs, local, remote, storage
 from .console import fail

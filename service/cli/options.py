@@ -20,13 +20,13 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from workers.engine.modes import Mode as ModeChoice
-from workers.errors import SpecError
+from bnrecal.workers.engine.modes import Mode as ModeChoice
+from bnrecal.workers.errors import SpecError
 
-from service.run.options import DEFAULT_OPSET, RunOptions, default, description
-from service.run.options import Device as DeviceChoice
-from service.run.options import Order as OrderChoice
-from service.run.options import Placement as PlacementChoice
+from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, default, description
+from bnrecal.service.run.options import Device as DeviceChoice
+from bnrecal.service.run.options import Order as OrderChoice
+from bnrecal.service.run.options import Placement as PlacementChoice
 
 from .console import parse_json_object
 
@@ -117,7 +117,7 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
     if value is None:
         return None
     if "://" in value:  # only a URI needs the object-storage reader (and torch, which it imports)
-        from workers.data.objectstore import is_data_uri, parse_data_uri
+        from bnrecal.workers.data.objectstore import is_data_uri, parse_data_uri
 
         if is_data_uri(value):
             return parse_data_uri(value, flag)
@@ -165,7 +165,7 @@ def run_options(
 def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:
     """The ``--int8`` options checked before any work (exit 2 naming the field), or None
     without ``--onnx-int8``."""
-    from service.export.int8.options import int8_options as checked
+    from bnrecal.service.export.int8.options import int8_options as checked
 
     if int8 is not None and onnx_int8 is None:
         raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 PATH too", field="--int8")

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from workers.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, SpecError
 
-from service.run.options import check_model_choice
-from service.run.progress import progress_bar
+from bnrecal.service.run.options import check_model_choice
+from bnrecal.service.run.progress import progress_bar
 
 from . import options as opt
 from .console import connect, fail, parse_json_object, print_line, summary_lines
@@ -22,9 +22,9 @@ from .jobs import cancel_and_wait
 if TYPE_CHECKING:
     from ..client import BnrecalClient
 
-APP_FACTORY = "api.app:create_app"
+APP_FACTORY = "bnrecal.api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
-HTTP_PROTOCOL = "api.http11:ProblemH11Protocol"
+HTTP_PROTOCOL = "bnrecal.api.http11:ProblemH11Protocol"
 """uvicorn's h11 protocol answering unparseable requests (headers too large: 431) with
 problem+json the client receives, by name for the same reason."""
 

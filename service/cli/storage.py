@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from workers.errors import InputError
+from bnrecal.workers.errors import InputError
 
 from . import options as opt
 from .console import connect, print_line

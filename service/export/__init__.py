@@ -9,7 +9,7 @@ This room imports ``workers`` only: the run pipeline (``service.run``) builds on
 
 from __future__ import annotations
 
-from workers.lazy import lazy_exports
+from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
     "opsets": ("DEFAULT_OPSET", "SUPPORTED_OPSETS"),

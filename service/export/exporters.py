@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
-from service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET, TORCHSCRIPT_MAX_OPSET, TORCHSCRIPT_MIN_OPSET
+from bnrecal.service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET, TORCHSCRIPT_MAX_OPSET, TORCHSCRIPT_MIN_OPSET
 
 logger = logging.getLogger(__name__)
 

@@ -14,16 +14,16 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
-from workers.errors import BnrecalError, ExportError
-from workers.files import atomic_write
+from bnrecal.workers.errors import BnrecalError, ExportError
+from bnrecal.workers.files import atomic_write
 
-from service.export.exporters import export_unfolded
-from service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
-from service.export.float16 import convert_to_float16
-from service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
-from service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
-from service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
-from service.export.verification import flatten_outputs, reference_outputs, verify_onnx
+from bnrecal.service.export.exporters import export_unfolded
+from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
+from bnrecal.service.export.float16 import convert_to_float16
+from bnrecal.service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
+from bnrecal.service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
+from bnrecal.service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
+from bnrecal.service.export.verification import flatten_outputs, reference_outputs, verify_onnx
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import ray
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.run.options import RunOptions
-from service.run.recalibrate import rank_resources
+from bnrecal.service.run.options import RunOptions
+from bnrecal.service.run.recalibrate import rank_resources
 
 from ..settings import Settings
 

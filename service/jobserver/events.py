@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from workers.errors import InputError
+from bnrecal.workers.errors import InputError
 
 from .jobs import JobRecord, JobView
 from .ledger import Ledger

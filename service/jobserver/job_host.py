@@ -30,10 +30,10 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers.errors import BnrecalError, CancelledError, RunError
-from workers.ranks.pool import GangKey, WarmPool
+from bnrecal.workers.errors import BnrecalError, CancelledError, RunError
+from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
-from service.run.recalibrate import RecalibrationRequest
+from bnrecal.service.run.recalibrate import RecalibrationRequest
 
 from ..settings import Settings
 from .job_work import Event, JobFiles, JobLabel, run_job

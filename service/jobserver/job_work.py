@@ -14,12 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workers.errors import CancelledError
-from workers.ranks.pool import WarmPool
+from bnrecal.workers.errors import CancelledError
+from bnrecal.workers.ranks.pool import WarmPool
 
-from service.run.exporting import export_recalibrated
-from service.run.recalibrate import RecalibrationRequest, recalibrate
-from service.run.report_html import job_section, write_html_report
+from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.report_html import job_section, write_html_report
 
 from ..settings import Settings
 from .jobs import JobSpec
@@ -80,8 +80,8 @@ def run_job(
         )
         files["onnx"] = (onnx_file, OCTET_STREAM)
     if "onnx_int8" in spec.outputs:
-        from service.export.int8.options import int8_options
-        from service.run.int8 import quantize_recalibrated
+        from bnrecal.service.export.int8.options import int8_options
+        from bnrecal.service.run.int8 import quantize_recalibrated
 
         _check_cancel(cancel)
         report((None, None, "quantizing to INT8"))

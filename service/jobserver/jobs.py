@@ -25,16 +25,16 @@ from pydantic import (
     field_validator,
 )
 
-from workers.data.objectstore import parse_data_uri, uri_allowed
-from workers.data.spec import array_sample_shape
-from workers.errors import InputError, SpecError
-from workers.models.architectures import check_architecture_exists as check_reference
-from workers.models.architectures import check_model_kwargs
-from workers.models.model_check import check_checkpoint_fits, check_data_fits
-from workers.programs import check_program
+from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
+from bnrecal.workers.data.spec import array_sample_shape
+from bnrecal.workers.errors import InputError, SpecError
+from bnrecal.workers.models.architectures import check_architecture_exists as check_reference
+from bnrecal.workers.models.architectures import check_model_kwargs
+from bnrecal.workers.models.model_check import check_checkpoint_fits, check_data_fits
+from bnrecal.workers.programs import check_program
 
-from service.export.int8.options import Int8Options
-from service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
 
 from ..settings import Settings
 from .blobs import DIGEST_PATTERN, BlobStore

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.errors import (
+from bnrecal.workers.errors import (
     ArchitectureError,
     BnrecalError,
     CheckpointError,

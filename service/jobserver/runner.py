@@ -31,10 +31,10 @@ from typing import Any
 
 import ray
 
-from workers.errors import BnrecalError, CancelledError, NotFoundError
+from bnrecal.workers.errors import BnrecalError, CancelledError, NotFoundError
 
-from service.run.options import STARTING_PHASE
-from service.run.recalibrate import RecalibrationRequest, rank_resources
+from bnrecal.service.run.options import STARTING_PHASE
+from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore

@@ -22,10 +22,10 @@ from typing import Any
 import anyio
 import ray
 
-from workers.data.archive import mark_collected_root
-from workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
+from bnrecal.workers.data.archive import mark_collected_root
+from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 
-from service.run.cluster import ensure_ray
+from bnrecal.service.run.cluster import ensure_ray
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore, open_blob_store

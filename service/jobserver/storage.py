@@ -32,8 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from workers.data.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
-from workers.errors import NotFoundError
+from bnrecal.workers.data.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
+from bnrecal.workers.errors import NotFoundError
 
 from ..settings import Settings
 from .blobs import BlobStore, is_digest

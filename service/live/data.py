@@ -23,10 +23,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from workers.data import DatasetSpec, describe_dataset
-from workers.data.loader import LoaderSpec, batch_length, sample_shape, slice_batch
-from workers.data.objectstore import is_data_uri
-from workers.errors import DatasetError, SpecError
+from bnrecal.workers.data import DatasetSpec, describe_dataset
+from bnrecal.workers.data.loader import LoaderSpec, batch_length, sample_shape, slice_batch
+from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.errors import DatasetError, SpecError
 
 from ..settings import Settings
 

@@ -3,7 +3,7 @@ subclass with a one-line message (the same types the CLI and the HTTP API report
 
 from __future__ import annotations
 
-from workers.errors import (
+from bnrecal.workers.errors import (
     ArchitectureError,
     AuthenticationError,
     BnrecalError,

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.errors import SpecError, first_line
-from workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
+from bnrecal.workers.errors import SpecError, first_line
+from bnrecal.workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
 
 IN_PROCESS = "in-process"
 
@@ -65,7 +65,7 @@ def guest_view(model: nn.Module) -> nn.Module:
     copies (a forward that updates a buffer in place updates the copy's). A forward that
     assigns an attribute (a cached grid), an export (which leaves fake tensors in such
     attributes), ``eval()`` or a memory-layout change touch the view only."""
-    from workers.engine.batchnorm import find_batchnorm_layers
+    from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 
     layers, _ = find_batchnorm_layers(model)
     running = {id(tensor) for layer in layers for tensor in _running_buffers(layer)}
@@ -237,14 +237,14 @@ def _pickle_problem(model: nn.Module) -> str | None:
 def _program(
     data: bytes, name: str, write_back: Callable[[dict[str, torch.Tensor]], None], notes: list[str] | None = None
 ) -> ShippedModel:
-    from workers.programs import load_program
+    from bnrecal.workers.programs import load_program
 
     return ShippedModel(ProgramSource(name), data, load_program(data, name).eval(), "program", write_back, notes or [])
 
 
 def _check_names(program: nn.Module, model: nn.Module) -> None:
     """Every running buffer the program calibrates is a buffer of the live model, same shape."""
-    from workers.engine.batchnorm import find_batchnorm_layers
+    from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 
     buffers = dict(model.named_buffers())
     layers, _ = find_batchnorm_layers(program)

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.run.options import DEFAULT_OPSET
+from bnrecal.service.run.options import DEFAULT_OPSET
 
 VERIFY_SAMPLES = 8
 """Samples of ``sample`` the export is verified on (batch 1 and a batch of these)."""
@@ -66,7 +66,7 @@ def quantize(
 
     import numpy as np
 
-    from workers.data import describe_dataset
+    from bnrecal.workers.data import describe_dataset
 
     from ..export.int8.checks import LabelledBatches
     from ..export.int8.options import int8_options

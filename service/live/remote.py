@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from workers.data import DatasetSpec
-from workers.data.loader import LoaderSpec
-from workers.errors import CancelledError, SpecError
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.errors import CancelledError, SpecError
 
-from service.run.options import RunOptions
+from bnrecal.service.run.options import RunOptions
 
 from ..client import BnrecalClient, error_from_problem
 from ..settings import Settings
@@ -220,8 +220,8 @@ def _fill(template: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _write_back(model: nn.Module, program: Path, prefix: str) -> None:
     """Copy the recalibrated program's running buffers into the caller's model."""
-    from workers.engine.batchnorm import find_batchnorm_layers
-    from workers.programs import load_program
+    from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+    from bnrecal.workers.programs import load_program
 
     result = load_program(program, program.name)
     buffers = dict(model.named_buffers())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from service.run.report import write_report
+from bnrecal.service.run.report import write_report
 
 
 class RecalibrationReport(dict[str, Any]):

@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from workers.data import DatasetSpec
-from workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
-from workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import StopRule, apply_statistics
-from workers.engine.calibrator import probe_call_order
-from workers.engine.moments import MomentStats
-from workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
-from workers.ranks.local import run_in_process
-from workers.ranks.plan import RankPlan
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
+from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
+from bnrecal.workers.engine.calibration import StopRule, apply_statistics
+from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.moments import MomentStats
+from bnrecal.workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
+from bnrecal.workers.ranks.local import run_in_process
+from bnrecal.workers.ranks.plan import RankPlan
 
-from service.run.options import STARTING_PHASE, RunOptions, default
-from service.run.progress import progress_bar
-from service.run.recalibrate import bn_buffer_updates
-from service.run.report import build_report
+from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
+from bnrecal.service.run.progress import progress_bar
+from bnrecal.service.run.recalibrate import bn_buffer_updates
+from bnrecal.service.run.report import build_report
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
@@ -38,7 +38,7 @@ from .model import IN_PROCESS, ShippedModel, run_here, ship_model
 from .report import RecalibrationReport
 
 if TYPE_CHECKING:
-    from workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.pool import WarmPool
 
 Forward = Callable[[nn.Module, Any], Any]
 
@@ -203,11 +203,11 @@ def _run_on_ray(
     """Run the ranks on Ray (an embedded instance started for the call is shut down after it)."""
     from dataclasses import replace
 
-    from workers.ranks.collectives import backend_for_device
-    from workers.ranks.group import run_rank_group
+    from bnrecal.workers.ranks.collectives import backend_for_device
+    from bnrecal.workers.ranks.group import run_rank_group
 
-    from service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
-    from service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
+    from bnrecal.service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
+    from bnrecal.service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
 
     started_local = ensure_ray(ray_address, min_cpus=plan.world_size)
     try:
@@ -252,7 +252,7 @@ def _transport(spec: DatasetSpec | LoaderSpec, forward: Forward | None, ray_addr
     caller joined, when it exports."""
     import ray
 
-    from service.run.cluster import EMBEDDED_ADDRESSES
+    from bnrecal.service.run.cluster import EMBEDDED_ADDRESSES
 
     joined = ray.is_initialized() or (ray_address or os.environ.get("RAY_ADDRESS") or "") not in EMBEDDED_ADDRESSES
     if not joined or forward is not None:

@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from workers.data import describe_dataset
-from workers.errors import SpecError
-from workers.models.architectures import build_model
-from workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.errors import SpecError
+from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
-from service.run.options import DEFAULT_OPSET
-from service.run.recalibrate import Recalibration
-from service.settings import Settings
+from bnrecal.service.run.options import DEFAULT_OPSET
+from bnrecal.service.run.recalibrate import Recalibration
+from bnrecal.service.settings import Settings
 
 VERIFY_SAMPLES = 8
 """Calibration samples used to verify an export (batch 1 and this batch)."""
@@ -37,9 +37,9 @@ def export_recalibrated(
     Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
     when the export cannot be verified.
     """
-    from workers.programs import ProgramModule
+    from bnrecal.workers.programs import ProgramModule
 
-    from service.export import export_folded_onnx
+    from bnrecal.service.export import export_folded_onnx
 
     fixed = 1
     if isinstance(result.model, ProgramModule) and result.model.batch.static:
@@ -72,7 +72,7 @@ def export_checkpoint(
     data, on seeded random samples of ``input_shape``. Returns a report with the
     ``onnx`` section.
     """
-    from service.export import export_folded_onnx
+    from bnrecal.service.export import export_folded_onnx
 
     if data is None and input_shape is None:
         raise SpecError("give --data (samples to verify the export on) or --input-shape", field="data")

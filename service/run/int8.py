@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from workers.data import DatasetSpec, iter_batches
-from workers.engine.collective import SingleProcessCollective
-from workers.errors import ExportError
-from workers.files import atomic_write
-from workers.ranks.int8_ranges import RangeRequest, range_pass
-from workers.ranks.range_group import GroupRanges
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.data import DatasetSpec, iter_batches
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.errors import ExportError
+from bnrecal.workers.files import atomic_write
+from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
+from bnrecal.workers.ranks.range_group import GroupRanges
+from bnrecal.workers.ranks.sharding import rank_ranges
 
-from service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
-from service.export.int8.guard import enforce_top1_drop
-from service.export.int8.options import Int8Options
-from service.export.int8.quantizer import PreparedModel, graph_summary, prepare, resolve_keep_float, tensors_data, write_qdq
-from service.run.recalibrate import Recalibration, RecalibrationRequest
-from service.settings import Settings
+from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
+from bnrecal.service.export.int8.guard import enforce_top1_drop
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.int8.quantizer import PreparedModel, graph_summary, prepare, resolve_keep_float, tensors_data, write_qdq
+from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest
+from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:
-    from workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.pool import WarmPool
 
 RangeGatherer = Callable[[bytes, RangeRequest], GroupRanges]
 """Gathers the ranges of a prepared FP32 model (serialized) over the calibration samples."""
@@ -209,7 +209,7 @@ def quantize_file(
 ) -> dict[str, Any]:
     """Quantize a folded FP32 export as it is (``bnrecal export --onnx-int8``), its ranges
     gathered in this process over every sample of ``data``; returns the ``int8`` section."""
-    from workers.data import describe_dataset
+    from bnrecal.workers.data import describe_dataset
 
     dataset = describe_dataset(data, transform=transform, **settings.unpack_options())
     with dataset.open() as opened:
@@ -226,7 +226,7 @@ def _samples(dataset: DatasetSpec, samples: int | None) -> int:
 
 def check_cancel(cancel: threading.Event | None) -> None:
     """Stop between phases when the job was cancelled."""
-    from workers.errors import CancelledError
+    from bnrecal.workers.errors import CancelledError
 
     if cancel is not None and cancel.is_set():
         raise CancelledError("the job was cancelled")
@@ -247,10 +247,10 @@ def on_ranks(
     """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
     (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
     the calibration's ranks."""
-    from workers.ranks.collectives import backend_for_device
-    from workers.ranks.range_group import run_range_group
+    from bnrecal.workers.ranks.collectives import backend_for_device
+    from bnrecal.workers.ranks.range_group import run_range_group
 
-    from service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
+    from bnrecal.service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
 
     options = group_options(settings, workers, device, placement)
     shards = None
@@ -283,8 +283,8 @@ def quantize_recalibrated(
     """The INT8 export of a recalibration, written to ``path``; returns the report's ``int8``
     section. ``fp32_model`` is the run's folded FP32 export when it wrote one (float32),
     else one is made with ``export_options`` (opset, dynamic_batch, input_shape)."""
-    from service.run.exporting import export_recalibrated
-    from service.run.recalibrate import plan_evaluation
+    from bnrecal.service.run.exporting import export_recalibrated
+    from bnrecal.service.run.recalibrate import plan_evaluation
 
     kwargs = {key: value for key, value in (export_options or {}).items() if key != "dtype"}
     if fp32_model is None:

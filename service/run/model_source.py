@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.architectures import build_model
-from workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
-from workers.models.model_check import check_checkpoint_fits
-from workers.models.sources import ArchitectureSource, ModelSource, ProgramSource
+from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
+from bnrecal.workers.models.model_check import check_checkpoint_fits
+from bnrecal.workers.models.sources import ArchitectureSource, ModelSource, ProgramSource
 
-from service.run.options import check_model_choice
-from service.settings import Settings
+from bnrecal.service.run.options import check_model_choice
+from bnrecal.service.settings import Settings
 
 PROGRAM_SUFFIX = ".pt2"
 CHECKPOINT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
@@ -57,7 +57,7 @@ class LoadedModel:
         if self.checkpoint is not None:
             save_checkpoint(self.checkpoint, updates, path)
         else:
-            from workers.programs import write_archive
+            from bnrecal.workers.programs import write_archive
 
             assert self.program is not None
             write_archive(self.program, updates, path)
@@ -80,7 +80,7 @@ def load_model(
     """
     check_model_choice(arch, checkpoint, program, model_kwargs)
     if program is not None:
-        from workers.programs import load_program
+        from bnrecal.workers.programs import load_program
 
         name = program_name or Path(program).name
         data = Path(program).read_bytes()

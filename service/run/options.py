@@ -13,11 +13,11 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError, PydanticKnownError
 
-from workers.engine.modes import Mode
-from workers.errors import SpecError
+from bnrecal.workers.engine.modes import Mode
+from bnrecal.workers.errors import SpecError
 
-from service.export.opsets import DEFAULT_OPSET
-from service.settings import Placement
+from bnrecal.service.export.opsets import DEFAULT_OPSET
+from bnrecal.service.settings import Placement
 
 Device = Literal["cpu", "cuda"]
 

@@ -20,27 +20,27 @@ import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
-from workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
-from workers.data.objectstore import is_data_uri
-from workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
-from workers.engine.calibration import StopRule, apply_statistics
-from workers.engine.calibrator import probe_call_order
-from workers.engine.evaluation import check_eval_output
-from workers.engine.moments import MomentStats
-from workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
-from workers.models.checkpoints import Checkpoint
-from workers.ranks.collectives import backend_for_device
-from workers.ranks.local import IN_PROCESS, run_in_process
-from workers.ranks.plan import EvalPlan, GroupOptions, RankPlan
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
+from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
+from bnrecal.workers.engine.calibration import StopRule, apply_statistics
+from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.evaluation import check_eval_output
+from bnrecal.workers.engine.moments import MomentStats
+from bnrecal.workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.workers.models.checkpoints import Checkpoint
+from bnrecal.workers.ranks.collectives import backend_for_device
+from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
+from bnrecal.workers.ranks.plan import EvalPlan, GroupOptions, RankPlan
+from bnrecal.workers.ranks.sharding import rank_ranges
 
-from service.run.model_source import LoadedModel, load_model
-from service.run.options import STARTING_PHASE, RunOptions, check_model_choice
-from service.run.report import build_report, write_report
-from service.settings import Settings
+from bnrecal.service.run.model_source import LoadedModel, load_model
+from bnrecal.service.run.options import STARTING_PHASE, RunOptions, check_model_choice
+from bnrecal.service.run.report import build_report, write_report
+from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
-    from workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.pool import WarmPool
 
 ProgressCallback = Callable[[int, int, str], None]
 """Called with (samples done, samples total, phase) as the ranks report progress; the
@@ -175,7 +175,7 @@ def recalibrate(
     if in_process:
         cpus, backend = float(torch.get_num_threads()), IN_PROCESS
     else:
-        from service.run.cluster import ensure_ray
+        from bnrecal.service.run.cluster import ensure_ray
 
         started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
         cpus, _ = rank_resources(settings, request)
@@ -230,7 +230,7 @@ def recalibrate(
             if in_process:  # the one rank calibrates the driver's own model: nothing to ship
                 result = run_in_process(plan, model, on_progress=progress, cancel=cancel)
                 break
-            from workers.ranks.group import run_rank_group
+            from bnrecal.workers.ranks.group import run_rank_group
 
             result = run_rank_group(
                 plan, loaded.weights, options, on_progress=progress, cancel=cancel,
@@ -331,7 +331,7 @@ def bn_buffer_updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
 
 
 def _is_local_instance() -> bool:
-    from service.run.cluster import is_local_instance
+    from bnrecal.service.run.cluster import is_local_instance
 
     return is_local_instance()
 
@@ -373,7 +373,7 @@ def cpus_per_worker(settings: Settings, workers: int) -> float:
     between the ranks on a single-node cluster, else one."""
     import ray
 
-    from service.run.cluster import is_local_instance
+    from bnrecal.service.run.cluster import is_local_instance
 
     if settings.cpus_per_worker:
         return settings.cpus_per_worker

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workers.engine.batchnorm import BatchNormLayer, SkippedLayer
-from workers.files import atomic_write
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
+from bnrecal.workers.files import atomic_write
 
-from service.run.options import AUTO, RunOptions
+from bnrecal.service.run.options import AUTO, RunOptions
 
 if TYPE_CHECKING:  # annotations only: writing a report (bnrecal export) needs neither Ray nor the data readers
-    from workers.data import DatasetSpec
-    from workers.engine.moments import MomentStats
-    from workers.ranks.group import GroupResult
+    from bnrecal.workers.data import DatasetSpec
+    from bnrecal.workers.engine.moments import MomentStats
+    from bnrecal.workers.ranks.group import GroupResult
 
 LayerDrift = tuple[BatchNormLayer, torch.Tensor, torch.Tensor, int] | tuple[
     BatchNormLayer, torch.Tensor, torch.Tensor, int, "MomentStats"

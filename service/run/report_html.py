@@ -22,7 +22,7 @@ from typing import Any
 
 from jinja2 import Environment, select_autoescape
 
-from workers.files import atomic_write
+from bnrecal.workers.files import atomic_write
 
 _TEMPLATE = """<!doctype html>
 <html lang="en">

@@ -21,10 +21,10 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from api.app import create_app
-from service.cli.remote import HTTP_PROTOCOL
-from service.jobserver.server import Services
-from service.settings import Settings
+from bnrecal.api.app import create_app
+from bnrecal.service.cli.remote import HTTP_PROTOCOL
+from bnrecal.service.jobserver.server import Services
+from bnrecal.service.settings import Settings
 from tests.nets import mixed_net, perturbed
 
 KEYS = {name: f"test-key-{name}" for name in ("alice", "bob", "carol", "load", "fuzz", "web", "cli", "s3", "programs", "abuse", "errors", "python", "feed", "feed2", "pages", "weblist", "submit", "int8", "sampling")}

@@ -15,8 +15,8 @@ import pytest
 import torch
 from fastapi.routing import APIRoute
 
-from api.json_body import JsonBodyRoute
-from api.routes import blobs, health, jobs, pages
+from bnrecal.api.json_body import JsonBodyRoute
+from bnrecal.api.routes import blobs, health, jobs, pages
 from tests.api.conftest import LiveServer, submit, upload, wait_for
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
 from tests.conftest import save_state

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
+from bnrecal.service.cli import main
 
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_state
@@ -82,7 +82,7 @@ def test_jobs_status_and_cancel(live_server, inputs, capsys):
 def test_ctrl_c_on_submit_cancels_the_job_and_exits_130(live_server, inputs, tmp_path):
     checkpoint, data = inputs
     command = [
-        sys.executable, "-m", "service.cli", "submit", "--server", live_server.url, "--api-key", KEY,
+        sys.executable, "-m", "bnrecal.service.cli", "submit", "--server", live_server.url, "--api-key", KEY,
         "--arch", "tests.nets:slow_start_net", "--checkpoint", str(checkpoint), "--data", str(data),
         "--workers", "1", "--batch-size", "4", "--out", str(tmp_path / "out.pt"),
     ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.cli import main
+from bnrecal.service.cli import main
 
 from tests.api.conftest import KEYS, upload, wait_for, write_samples
 from tests.conftest import save_state
@@ -141,7 +141,7 @@ def test_a_failed_jobs_problem_names_the_field_at_fault(live_server, files, tmp_
 
 
 def test_each_phase_is_one_event(live_server, files):
-    from service.client import parse_events
+    from bnrecal.service.client import parse_events
 
     with live_server.client("submit") as client:
         spec = {"arch": "tests.nets:mixed_net", "checkpoint": upload(client, files["checkpoint"]),

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 
-from service.cli import main
-from service.client import BnrecalClient
+from bnrecal.service.cli import main
+from bnrecal.service.client import BnrecalClient
 from tests.api.conftest import KEYS, upload
 from tests.api.test_programs import team  # noqa: F401 - the module fixture: a team's program and data
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
-from service.client import ServerEvent, parse_events
-from service.jobserver.server import tenant_of_key
+from bnrecal.service.client import ServerEvent, parse_events
+from bnrecal.service.jobserver.server import tenant_of_key
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed

@@ -15,13 +15,13 @@ import ray
 import torch
 from torch import nn
 
-from service.cli import main
-from service.client import BnrecalClient
+from bnrecal.service.cli import main
+from bnrecal.service.client import BnrecalClient
 from tests.api.conftest import KEYS, submit, upload, wait_for
 from tests.nets import perturbed
 from tests.programs import buffers_as_modules, code_pickle, export_program, rewrite, rewrite_graph
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
-from workers.programs import load_program
+from bnrecal.workers.programs import load_program
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

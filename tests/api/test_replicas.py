@@ -22,7 +22,7 @@ import pytest
 import torch
 from sqlalchemy import create_engine, select
 
-from service.jobserver.ledger import JobRow
+from bnrecal.service.jobserver.ledger import JobRow
 from tests.api.conftest import free_port, submit, upload, wait_for, write_samples
 from tests.api.server_process import REPO, ServerProcess, servers  # noqa: F401 - servers is a fixture
 from tests.conftest import save_array, save_state

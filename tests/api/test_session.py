@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.cli import main
-from service.client import BnrecalClient, parse_events
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.cli import main
+from bnrecal.service.client import BnrecalClient, parse_events
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.api.conftest import KEYS, submit, upload, write_samples
 from tests.nets import mixed_net

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
-from service.jobserver.jobs import JobStatus
-from service.jobserver.ledger import Ledger, sqlite_url
+from bnrecal.service.jobserver.jobs import JobStatus
+from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from tests.api.conftest import submit, upload, wait_for
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture
 from tests.conftest import save_array, save_state

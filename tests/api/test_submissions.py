@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.client import parse_events
+from bnrecal.service.client import parse_events
 from tests.api.conftest import KEYS, MAX_UPLOAD_BYTES, submit, upload, wait_for, write_samples
 from tests.conftest import save_state
 from tests.nets import mixed_net
@@ -120,7 +120,7 @@ UNKNOWN_FORMAT = (
 
 
 def test_errors_name_the_files_as_uploaded_not_their_digests(live_server, tmp_path):
-    from service.client import BnrecalClient
+    from bnrecal.service.client import BnrecalClient
 
     good = save_state(tmp_path / "good.pt", mixed_net())
     whole = good.read_bytes()
@@ -252,7 +252,7 @@ def write_images(folder: Path, count: int, seed: int) -> Path:
 
 @pytest.mark.slow  # two more jobs
 def test_image_folders_submitted_from_the_shell_as_archives(live_server, tmp_path, capsys):
-    from service.cli import main
+    from bnrecal.service.cli import main
 
     checkpoint = save_state(tmp_path / "m.pt", mixed_net())
     for run, count in enumerate((5, 7)):  # two different archives: each unpacked on its own

@@ -22,9 +22,9 @@ import torch
 from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
 
-from service.settings import Settings
+from bnrecal.service.settings import Settings
 
-from api.app import create_app
+from bnrecal.api.app import create_app
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed

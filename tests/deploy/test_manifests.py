@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import AliasChoices
 
-from service.settings import Settings
+from bnrecal.service.settings import Settings
 from tests.deploy.deployfiles import (
     DEFAULT_GCS_PORT,
     DEPLOY,
@@ -300,7 +300,7 @@ def test_api_is_one_recreated_replica_without_service_links() -> None:
 def test_the_api_command_uses_flags_the_cli_has() -> None:
     import typer
 
-    from service.cli import app
+    from bnrecal.service.cli import app
 
     commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
     if "serve" not in commands:

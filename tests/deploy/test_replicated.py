@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from service.settings import Settings
+from bnrecal.service.settings import Settings
 from tests.deploy.deployfiles import (
     GUIDE,
     REPLICATED,

@@ -20,7 +20,7 @@ def main(out: Path) -> None:
     """Start the embedded instance, exercise it, report, and wait for stdin to close."""
     import ray
 
-    from service.run.cluster import ensure_ray
+    from bnrecal.service.run.cluster import ensure_ray
 
     assert ensure_ray(None, min_cpus=2), "ensure_ray did not start an embedded instance"
 

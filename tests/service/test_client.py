@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.client import BnrecalClient, error_from_problem, parse_events
-from service.jobserver.jobs import ConflictError
-from workers.errors import (
+from bnrecal.service.client import BnrecalClient, error_from_problem, parse_events
+from bnrecal.service.jobserver.jobs import ConflictError
+from bnrecal.workers.errors import (
     CancelledError,
     CheckpointError,
     InputError,

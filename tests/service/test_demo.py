@@ -16,7 +16,7 @@ import torch
 import torchvision
 from torch.optim.swa_utils import update_bn
 
-from service import demo
+from bnrecal.service import demo
 
 # Held-out top-1 on the new camera, stale -> recomputed with update_bn, measured on seeds 0-2
 # of the demo's recipe (the seed stands in for another machine's float rounding):
@@ -90,8 +90,8 @@ def test_class_ordered_data_with_300_samples_calibrates_as_well_as_all_of_it(
     """The calibration scans written class by class (as class folders are read): 300 samples
     of the default fair order do as well as all 1437 (within noise), and the report says the
     order was seeded; the first 300 of the file (three classes) do measurably worse."""
-    from service.run.recalibrate import RecalibrationRequest, recalibrate
-    from service.settings import Settings
+    from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
+    from bnrecal.service.settings import Settings
 
     labels = demo.load_digits_split(0).train_y.numpy()
     by_class = tmp_path / "calib-by-class.npy"

@@ -10,20 +10,20 @@ object store (``shipping``) and the shared helpers at the top of ``workers``: no
 
 from __future__ import annotations
 
-from workers.data.archive import (
+from bnrecal.workers.data.archive import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
     default_unpack_root,
     discard_unpack,
 )
-from workers.data.arrays import ArrayData, ArrayLayout
-from workers.data.base import CalibrationData, DatasetOptionError
-from workers.data.batches import iter_batches
-from workers.data.images import IMAGE_EXTENSIONS, ImageData
-from workers.data.labels import read_labels
-from workers.data.shipping import ShippedData, ship_dataset
-from workers.data.spec import DatasetSpec, describe_dataset, detect_format
-from workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
+from bnrecal.workers.data.arrays import ArrayData, ArrayLayout
+from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.batches import iter_batches
+from bnrecal.workers.data.images import IMAGE_EXTENSIONS, ImageData
+from bnrecal.workers.data.labels import read_labels
+from bnrecal.workers.data.shipping import ShippedData, ship_dataset
+from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format
+from bnrecal.workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 
 __all__ = [
     "DEFAULT_MAX_MEMBERS",

@@ -7,7 +7,7 @@ from types import TracebackType
 
 import torch
 
-from workers.errors import DatasetError, SpecError
+from bnrecal.workers.errors import DatasetError, SpecError
 
 
 class DatasetOptionError(DatasetError, SpecError):

@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from workers.data.base import CalibrationData
-from workers.errors import BnrecalError
+from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.errors import BnrecalError
 
 
 class _LoadFailure:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from workers.data.base import CalibrationData
-from workers.data.transform import ImageTransform, load_image
-from workers.errors import DatasetError
+from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.errors import DatasetError
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.data.images import list_images
-from workers.data.objectstore import list_remote_images, open_remote_file, remote_error
-from workers.data.spec import DatasetSpec
-from workers.errors import DatasetError
+from bnrecal.workers.data.images import list_images
+from bnrecal.workers.data.objectstore import list_remote_images, open_remote_file, remote_error
+from bnrecal.workers.data.spec import DatasetSpec
+from bnrecal.workers.errors import DatasetError
 
 LABEL_ARRAY = "y"
 """The ``.npz`` member holding one class index per sample of ``x``."""

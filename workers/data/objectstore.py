@@ -28,11 +28,11 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
-from workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
-from workers.data.order import gather_runs
-from workers.data.transform import ImageTransform, load_image
-from workers.errors import DatasetError, SpecError
+from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
+from bnrecal.workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
+from bnrecal.workers.data.order import gather_runs
+from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.errors import DatasetError, SpecError
 
 SCHEMES = ("s3",)
 _URI_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

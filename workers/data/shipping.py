@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from workers.data.arrays import ArrayData
-from workers.data.base import CalibrationData
-from workers.data.images import ImageData
-from workers.data.spec import DatasetSpec
-from workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.arrays import ArrayData
+from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.images import ImageData
+from bnrecal.workers.data.spec import DatasetSpec
+from bnrecal.workers.data.transform import ImageTransform, load_image
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 

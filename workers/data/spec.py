@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from workers.data.archive import (
+from bnrecal.workers.data.archive import (
     DEFAULT_MAX_COMPRESSION_RATIO,
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
@@ -20,10 +20,10 @@ from workers.data.archive import (
     discard_unpack,
     unpack_archive,
 )
-from workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
-from workers.data.base import CalibrationData, DatasetOptionError
-from workers.data.images import ImageData, files_digest, list_images
-from workers.data.objectstore import (
+from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
+from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.images import ImageData, files_digest, list_images
+from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
     RemoteImageData,
     RemoteSource,
@@ -34,9 +34,9 @@ from workers.data.objectstore import (
     parse_data_uri,
     stat_object,
 )
-from workers.data.order import ORDERS, order_rows
-from workers.data.transform import ImageTransform, check_image_header, resolve_transform
-from workers.errors import DatasetError
+from bnrecal.workers.data.order import ORDERS, order_rows
+from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
+from bnrecal.workers.errors import DatasetError
 
 _SUFFIX_FORMATS = (
     (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),

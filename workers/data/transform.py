@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from workers.data.base import DatasetOptionError
-from workers.errors import DatasetError
+from bnrecal.workers.data.base import DatasetOptionError
+from bnrecal.workers.errors import DatasetError
 
 DEFAULT_TRANSFORM: dict[str, Any] = {
     "resize": 256,

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from workers.engine.modes import MODES
-from workers.errors import RunError, UnsupportedLayerError
+from bnrecal.workers.engine.modes import MODES
+from bnrecal.workers.errors import RunError, UnsupportedLayerError
 
 __all__ = [
     "MODES", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "layers_named", "unsupported_layer",

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.data.loader import Step, move_to
-from workers.engine.batchnorm import BatchNormLayer
-from workers.engine.calibrator import BatchNormCalibrator
-from workers.engine.collective import Collective
-from workers.engine.memory_format import rank_layout, to_layout, torch_format
-from workers.engine.moments import MomentStats
-from workers.errors import DatasetError
+from bnrecal.workers.data.loader import Step, move_to
+from bnrecal.workers.engine.batchnorm import BatchNormLayer
+from bnrecal.workers.engine.calibrator import BatchNormCalibrator
+from bnrecal.workers.engine.collective import Collective
+from bnrecal.workers.engine.memory_format import rank_layout, to_layout, torch_format
+from bnrecal.workers.engine.moments import MomentStats
+from bnrecal.workers.errors import DatasetError
 
 Feed = Callable[[nn.Module, Any], Any]
 """``forward(model, batch)``: how a user's batches reach the model (``bnrecal.recalibrate``)."""

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
-from workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
-from workers.engine.collective import Collective, SingleProcessCollective
-from workers.engine.moments import (
+from bnrecal.workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
+from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
+from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
+from bnrecal.workers.engine.moments import (
     BatchMoments,
     MomentStats,
     accumulate_errors,
@@ -56,8 +56,8 @@ from workers.engine.moments import (
     standard_errors,
     worst_standard_error,
 )
-from workers.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
-from workers.suggestions import sample_shape_hint
+from bnrecal.workers.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
+from bnrecal.workers.suggestions import sample_shape_hint
 
 TAGS = 2
 """Packed slots ahead of a sync allreduce's moments: the layer tag and its square. With

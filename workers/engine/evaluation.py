@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.batchnorm import layers_named
-from workers.engine.calibration import apply_statistics
-from workers.engine.collective import Collective
-from workers.errors import InputError
+from bnrecal.workers.engine.batchnorm import layers_named
+from bnrecal.workers.engine.calibration import apply_statistics
+from bnrecal.workers.engine.collective import Collective
+from bnrecal.workers.errors import InputError
 
 TOP5_MIN_CLASSES = 10
 """Top-5 accuracy is reported for models with at least this many classes."""

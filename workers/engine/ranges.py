@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.engine.collective import Collective
+from bnrecal.workers.engine.collective import Collective
 
 HISTOGRAM_METHODS = ("percentile", "entropy")
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from workers.errors import ArchitectureError, SpecError, one_line
-from workers.models.huggingface import build_transformers_model, is_model_class_name, model_class
-from workers.suggestions import did_you_mean as _suggestion
+from bnrecal.workers.errors import ArchitectureError, SpecError, one_line
+from bnrecal.workers.models.huggingface import build_transformers_model, is_model_class_name, model_class
+from bnrecal.workers.suggestions import did_you_mean as _suggestion
 
 ALLOWED_MODULES_SETTING = "BNRECAL_MODEL_MODULES"
 

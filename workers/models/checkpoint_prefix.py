@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.errors import CheckpointError
-from workers.models.fit_hints import checkpoint_hint
+from bnrecal.workers.errors import CheckpointError
+from bnrecal.workers.models.fit_hints import checkpoint_hint
 
 _LISTED = 5  # how many keys of each kind an error message names
 

@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workers.errors import CheckpointError, one_line
-from workers.files import atomic_write
-from workers.models.checkpoint_prefix import choose_prefix, model_keys
+from bnrecal.workers.errors import CheckpointError, one_line
+from bnrecal.workers.files import atomic_write
+from bnrecal.workers.models.checkpoint_prefix import choose_prefix, model_keys
 
 STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 

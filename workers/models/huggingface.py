@@ -33,8 +33,8 @@ from typing import Any
 
 from torch import nn
 
-from workers.errors import ArchitectureError, SpecError, one_line
-from workers.suggestions import did_you_mean
+from bnrecal.workers.errors import ArchitectureError, SpecError, one_line
+from bnrecal.workers.suggestions import did_you_mean
 
 SOURCE = "transformers"
 EXTRA = "pip install 'bnrecal[transformers]'"

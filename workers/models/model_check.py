@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
-from workers.models.architectures import build_model, check_architecture
-from workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
-from workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
-from workers.suggestions import sample_shape_hint
+from bnrecal.workers.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
+from bnrecal.workers.models.architectures import build_model, check_architecture
+from bnrecal.workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
+from bnrecal.workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
+from bnrecal.workers.suggestions import sample_shape_hint
 
 CHILD_TIMEOUT_S = 120.0
 """Longest a child process may take to build an architecture the meta device cannot."""
@@ -167,7 +167,7 @@ def _layout_in_child(
     """Build the model for real in a child process, killed once its memory passes the bound."""
     request = json.dumps({"arch": arch, "kwargs": dict(model_kwargs), "allowed": list(allowed_modules)})
     child = subprocess.Popen(
-        [sys.executable, "-m", "workers.models.model_check"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "bnrecal.workers.models.model_check"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )
     outgrown = threading.Event()

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from workers.models.architectures import build_model
+from bnrecal.workers.models.architectures import build_model
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ProgramSource:
 
     def build(self, weights: bytes) -> nn.Module:
         """The program, loaded without running anything the archive holds."""
-        from workers.programs import load_program
+        from bnrecal.workers.programs import load_program
 
         return load_program(weights, self.name)
 

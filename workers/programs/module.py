@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.engine.batchnorm import BatchNormLayer, SkippedLayer
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 
 from ..errors import ModelInputError, ProgramError
 from .sites import BatchNormSites, find_sites

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workers.engine.bn_calls import BATCH_NORM_FORMS, form_of, looks_like_batch_norm
+from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, form_of, looks_like_batch_norm
 
 from ..errors import ProgramError
 

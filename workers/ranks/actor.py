@@ -15,14 +15,14 @@ from typing import Any
 import ray
 import torch
 
-from workers.data import CalibrationData
-from workers.engine.batchnorm import layers_named
-from workers.engine.calibration import PassResult, calibration_pass
-from workers.errors import BnrecalError, RunError, first_line
-from workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
-from workers.ranks.collectives import RayCollective
-from workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
-from workers.ranks.plan import RankPlan
+from bnrecal.workers.data import CalibrationData
+from bnrecal.workers.engine.batchnorm import layers_named
+from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.errors import BnrecalError, RunError, first_line
+from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
+from bnrecal.workers.ranks.collectives import RayCollective
+from bnrecal.workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
+from bnrecal.workers.ranks.plan import RankPlan
 
 HEARTBEAT_S = 1.0
 """How often a rank reports while a step is in flight, so the driver can tell a rank
@@ -234,9 +234,9 @@ class CalibrationRank:
         rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
         calibration's sharding rule, combined with the peers' in one collective per pass
         (``workers.ranks.int8_ranges``)."""
-        from workers.data import iter_batches
-        from workers.ranks.int8_ranges import range_pass
-        from workers.ranks.sharding import rank_ranges
+        from bnrecal.workers.data import iter_batches
+        from bnrecal.workers.ranks.int8_ranges import range_pass
+        from bnrecal.workers.ranks.sharding import rank_ranges
 
         self.jobs += 1
         self._groups = [group_name]

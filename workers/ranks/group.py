@@ -22,9 +22,9 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
-from workers.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
-from workers.ranks.plan import GroupOptions, GroupResult, RankPlan
-from workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
+from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
+from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 
 ProgressCallback = Callable[[str, int], None]
 """Called with the phase (``calibrating``, ``evaluating``) and the number of samples all

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.engine.collective import Collective
-from workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch, in_batches_of
+from bnrecal.workers.engine.collective import Collective
+from bnrecal.workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch, in_batches_of
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from workers.data import CalibrationData, iter_batches
-from workers.data.loader import LoaderSpec
-from workers.engine.batchnorm import layers_named
-from workers.engine.calibration import PassResult, calibration_pass
-from workers.engine.collective import Collective, SingleProcessCollective
-from workers.engine.evaluation import evaluation_pass, with_statistics
-from workers.errors import CancelledError
-from workers.ranks.plan import GroupResult, RankPlan
-from workers.ranks.sharding import rank_ranges, step_ranges
+from bnrecal.workers.data import CalibrationData, iter_batches
+from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.engine.batchnorm import layers_named
+from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
+from bnrecal.workers.engine.evaluation import evaluation_pass, with_statistics
+from bnrecal.workers.errors import CancelledError
+from bnrecal.workers.ranks.plan import GroupResult, RankPlan
+from bnrecal.workers.ranks.sharding import rank_ranges, step_ranges
 
 IN_PROCESS = "in-process"
 """The report's ``backend`` (and node) of a one-worker run without Ray."""

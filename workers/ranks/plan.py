@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from workers.data import DatasetSpec
-from workers.data.loader import LoaderSpec
-from workers.engine.calibration import StopRule
-from workers.engine.evaluation import EvalTarget
-from workers.models.sources import ModelSource
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.engine.calibration import StopRule
+from bnrecal.workers.engine.evaluation import EvalTarget
+from bnrecal.workers.models.sources import ModelSource
 
 
 @dataclass(frozen=True)

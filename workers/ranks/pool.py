@@ -35,9 +35,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.errors import CancelledError, RunError
-from workers.ranks.actor import CalibrationActor
-from workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.workers.ranks.actor import CalibrationActor
+from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 
 log = logging.getLogger("bnrecal.pool")
 

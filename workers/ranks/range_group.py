@@ -19,11 +19,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from workers.data import DatasetSpec
-from workers.errors import BnrecalError, CancelledError, RunError, first_line
-from workers.ranks.group import GroupOptions
-from workers.ranks.int8_ranges import RangeRequest, RangeResult
-from workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.errors import BnrecalError, CancelledError, RunError, first_line
+from bnrecal.workers.ranks.group import GroupOptions
+from bnrecal.workers.ranks.int8_ranges import RangeRequest, RangeResult
+from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.errors import ExportError, first_line
-from workers.engine.ranges import fixed_batch, in_batches_of
+from bnrecal.workers.errors import ExportError, first_line
+from bnrecal.workers.engine.ranges import fixed_batch, in_batches_of
 
 
 def session(model: bytes, threads: int | None = None):

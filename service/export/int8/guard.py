@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.errors import ExportError
+from bnrecal.workers.errors import ExportError
 
-from service.export.int8.options import Int8Options
-from service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
 
 
 @dataclass

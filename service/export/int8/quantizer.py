@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from workers.engine.ranges import TensorRanges
-from workers.errors import ExportError, first_line
+from bnrecal.workers.engine.ranges import TensorRanges
+from bnrecal.workers.errors import ExportError, first_line
 
-from service.export.int8.options import Int8Options
+from bnrecal.service.export.int8.options import Int8Options
 
 QDQ = "QuantizeLinear", "DequantizeLinear"
 

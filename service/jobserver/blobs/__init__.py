@@ -9,7 +9,7 @@ client, which only needs ``MAX_FILENAME_CHARS``) never loads the S3 one's depend
 
 from __future__ import annotations
 
-from workers.lazy import lazy_exports
+from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
     "files": ("DIGEST_PATTERN", "MAX_FILENAME_CHARS", "BlobInfo", "BlobStore", "WriteChunks", "clean_filename", "is_digest"),

@@ -27,8 +27,8 @@ from typing import BinaryIO
 
 import anyio
 
-from workers.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
-from workers.files import atomic_write, sync_directory
+from bnrecal.workers.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
+from bnrecal.workers.files import atomic_write, sync_directory
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 _DIGEST = re.compile(DIGEST_PATTERN)

@@ -25,8 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workers.data.objectstore import s3_filesystem
-from workers.errors import NotFoundError, SpecError
+from bnrecal.workers.data.objectstore import s3_filesystem
+from bnrecal.workers.errors import NotFoundError, SpecError
 
 from .files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, is_digest
 

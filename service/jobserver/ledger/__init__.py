@@ -23,9 +23,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-from workers.errors import InputError, NotFoundError, TooManyJobsError
+from bnrecal.workers.errors import InputError, NotFoundError, TooManyJobsError
 
-from service.run.options import STARTING_PHASE
+from bnrecal.service.run.options import STARTING_PHASE
 
 from ..jobs import ConflictError, JobRecord, JobStatus
 from .engines import lock_tenant, make_engine, prepare_schema

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from service.cli import main
+from bnrecal.service.cli import main
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, no_norm_net, perturbed, self_stats_net
@@ -176,7 +176,7 @@ def test_image_folder_with_default_transform(tmp_path, capsys):
         "--data", str(tmp_path / "digits"), "--batch-size", "5", "--out", str(out),
     )
     assert code == 0, err
-    from workers.data import describe_dataset
+    from bnrecal.workers.data import describe_dataset
 
     spec = describe_dataset(tmp_path / "digits")  # the default: ImageNet evaluation preset
     samples = spec.open().load(0, spec.num_samples)
@@ -210,7 +210,7 @@ def test_console_script_runs_end_to_end(artifacts, tmp_path):
 def test_submit_takes_every_calibrate_flag():
     import typer.main
 
-    from service.cli import app
+    from bnrecal.service.cli import app
 
     commands = typer.main.get_command(app).commands
     flags = {name: {opt for param in commands[name].params for opt in param.opts} for name in ("calibrate", "submit")}

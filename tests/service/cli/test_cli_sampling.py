@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.cli.main import main
+from bnrecal.service.cli.main import main
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed

@@ -20,7 +20,7 @@ HEAVY = ("torch", "ray", "numpy")
 WRAPPER = """
 import atexit, json, sys
 atexit.register(lambda: sys.stderr.write("\\nIMPORTED " + json.dumps([m for m in HEAVY if m in sys.modules]) + "\\n"))
-from service.cli import main
+from bnrecal.service.cli import main
 main(sys.argv[1:])
 """
 

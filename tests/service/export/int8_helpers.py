@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from workers.data import DatasetSpec, describe_dataset
+from bnrecal.workers.data import DatasetSpec, describe_dataset
 
-from service.export import export_folded_onnx
+from bnrecal.service.export import export_folded_onnx
 
 
 def fp32_export(model: nn.Module, samples: torch.Tensor, path: Path) -> bytes:
@@ -64,7 +64,7 @@ def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, me
     """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
-    from service.export.int8.quantizer import quantizable_op_types
+    from bnrecal.service.export.int8.quantizer import quantizable_op_types
 
     source = tmp / "prepared.onnx"
     source.write_bytes(prepared)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from service.export import export_folded_onnx
+from bnrecal.service.export import export_folded_onnx
 from tests.service.export.helpers import (
     FP16_TOLERANCE,
     assert_matches_torch,
@@ -20,7 +20,7 @@ from tests.service.export.helpers import (
     run_onnx,
     set_batchnorm_statistics,
 )
-from workers.errors import ExportError
+from bnrecal.workers.errors import ExportError
 
 
 def small_cnn() -> nn.Module:

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torchvision
 
-from workers.engine.collective import SingleProcessCollective
-from workers.errors import ExportError, SpecError
-from workers.ranks.int8_ranges import RangeRequest, range_pass
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.errors import ExportError, SpecError
+from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 
-from service.export.int8.checks import LabelledBatches, accuracy
-from service.export.int8.options import Int8Options, int8_options
-from service.export.int8.quantizer import prepare, tensors_data, write_qdq
-from service.run.int8 import in_process, quantize_export
+from bnrecal.service.export.int8.checks import LabelledBatches, accuracy
+from bnrecal.service.export.int8.options import Int8Options, int8_options
+from bnrecal.service.export.int8.quantizer import prepare, tensors_data, write_qdq
+from bnrecal.service.run.int8 import in_process, quantize_export
 from tests.service.export.int8_helpers import (
     OutlierNet,
     array_dataset,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.export import export_folded_onnx
+from bnrecal.service.export import export_folded_onnx
 from tests.service.export.helpers import assert_matches_torch, op_counts, set_batchnorm_statistics
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from service.export import export_folded_onnx
-from service.export.torch_fold import fold_batchnorm_modules
+from bnrecal.service.export import export_folded_onnx
+from bnrecal.service.export.torch_fold import fold_batchnorm_modules
 from tests.service.export.helpers import assert_matches_torch, set_batchnorm_statistics
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import ray
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
-from service.run.options import RunOptions
-from service.run.recalibrate import rank_resources
-from service.settings import Settings
+from bnrecal.service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
+from bnrecal.service.run.options import RunOptions
+from bnrecal.service.run.recalibrate import rank_resources
+from bnrecal.service.settings import Settings
 
 TWO_NODES = [Node(cpus=8, gpus=1), Node(cpus=4, gpus=0)]
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service.jobserver.blobs import BlobStore
-from service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
-from service.settings import Settings
+from bnrecal.service.jobserver.blobs import BlobStore
+from bnrecal.service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
+from bnrecal.service.settings import Settings
 from tests.nets import mixed_net
-from workers.errors import ArchitectureError, CheckpointError, SpecError
+from bnrecal.workers.errors import ArchitectureError, CheckpointError, SpecError
 
 DIGEST = "sha256:" + "a" * 64
 

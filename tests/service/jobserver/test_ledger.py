@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from service.jobserver.jobs import ConflictError, JobStatus
-from service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
-from service.jobserver.ledger.engines import normalise_url
-from workers.errors import NotFoundError, SpecError, TooManyJobsError
+from bnrecal.service.jobserver.jobs import ConflictError, JobStatus
+from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
+from bnrecal.service.jobserver.ledger.engines import normalise_url
+from bnrecal.workers.errors import NotFoundError, SpecError, TooManyJobsError
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 

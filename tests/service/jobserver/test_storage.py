@@ -19,14 +19,14 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from service.cli.main import main
-from service.jobserver.blobs import BlobStore
-from service.jobserver.jobs import ConflictError, JobStatus
-from service.jobserver.ledger import Ledger, sqlite_url
-from service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
-from service.settings import Settings
-from workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
-from workers.errors import InsufficientStorageError, NotFoundError
+from bnrecal.service.cli.main import main
+from bnrecal.service.jobserver.blobs import BlobStore
+from bnrecal.service.jobserver.jobs import ConflictError, JobStatus
+from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
+from bnrecal.service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
+from bnrecal.service.settings import Settings
+from bnrecal.workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
+from bnrecal.workers.errors import InsufficientStorageError, NotFoundError
 
 DAY = 86400.0
 T = "tenant-a"

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 import ray
 import bnrecal
-from service.run.cluster import ensure_ray
+from bnrecal.service.run.cluster import ensure_ray
 from tests.nets import mixed_net
 
 ensure_ray(None)  # the caller's own Ray: both calls use it, and it stays up

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from service.run.recalibrate import RecalibrationRequest
-from service.run.recalibrate import recalibrate as recalibrate_files
+from bnrecal.service.run.recalibrate import RecalibrationRequest
+from bnrecal.service.run.recalibrate import recalibrate as recalibrate_files
 
 import bnrecal
 from tests.conftest import save_array, save_state

@@ -197,7 +197,7 @@ from pathlib import Path
 import ray
 from ray._private import ray_constants
 from ray._raylet import AuthenticationTokenLoader
-from service.run.cluster import ensure_ray, shutdown_embedded
+from bnrecal.service.run.cluster import ensure_ray, shutdown_embedded
 
 assert ensure_ray(None, min_cpus=2)
 holder = ray.remote(num_cpus=1)(type("Holder", (), {"pid": lambda self: os.getpid()})).remote()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import classifier_net, perturbed, segmenter_net
@@ -45,7 +45,7 @@ def stale(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def expected_metrics(arch: str, checkpoint: Path, after: torch.nn.Module, x: torch.Tensor, y: np.ndarray | None):
     """The metrics from the model's own forward: uploaded statistics vs the recalibrated model."""
-    from workers.models.architectures import build_model
+    from bnrecal.workers.models.architectures import build_model
 
     before = build_model(arch, {}, allowed_modules=("tests",))
     load_into_model(before, load_checkpoint(checkpoint))

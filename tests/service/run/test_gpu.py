@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed

@@ -3,7 +3,7 @@ side, and every op left in float with its reason (escaped, offline)."""
 
 from __future__ import annotations
 
-from service.run.report_html import render_html_report
+from bnrecal.service.run.report_html import render_html_report
 from tests.service.run.test_report_html import assert_offline
 
 

@@ -24,15 +24,15 @@ import pytest
 import ray
 import torch
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import apply_statistics, calibration_pass
-from workers.engine.moments import MomentStats
-from workers.models.architectures import build_model
-from workers.programs import load_program
-from workers.ranks.collectives import RayCollective
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.moments import MomentStats
+from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.programs import load_program
+from bnrecal.workers.ranks.collectives import RayCollective
+from bnrecal.workers.ranks.sharding import rank_ranges
 
-from service.export import export_folded_onnx
+from bnrecal.service.export import export_folded_onnx
 
 from tests.programs import export_program
 from tests.reference import assert_matches_reference, reference_statistics

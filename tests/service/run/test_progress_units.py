@@ -9,8 +9,8 @@ import re
 import pytest
 from rich.console import Console
 
-from service.run import progress
-from service.run.progress import count_text, phase_unit, progress_bar
+from bnrecal.service.run import progress
+from bnrecal.service.run.progress import count_text, phase_unit, progress_bar
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.errors import CancelledError, RunError
-from workers.models.checkpoints import load_checkpoint
+from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.workers.models.checkpoints import load_checkpoint
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed

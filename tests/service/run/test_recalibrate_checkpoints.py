@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array
 from tests.nets import mixed_net, perturbed

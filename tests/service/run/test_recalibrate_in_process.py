@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
@@ -59,7 +59,7 @@ def test_in_process_gives_the_ray_ranks_statistics(mixed, settings, warm_pool, m
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``bnrecal`` in a fresh process, which then says whether it imported Ray."""
     script = (
-        "import sys\nfrom service.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "import sys\nfrom bnrecal.service.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
         "    print('ray' in sys.modules, file=sys.stderr); raise\nprint('ray' in sys.modules, file=sys.stderr)\n"
     )
     environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers.errors import NoBatchNormError, ProgramError, SpecError
+from bnrecal.workers.errors import NoBatchNormError, ProgramError, SpecError
 
-from service.run.exporting import export_recalibrated
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array
 from tests.nets import perturbed

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from workers.errors import DatasetError
-from workers.ranks.pool import WarmPool
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.errors import DatasetError
+from bnrecal.workers.ranks.pool import WarmPool
+from bnrecal.workers.ranks.sharding import rank_ranges
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
-from service.settings import Settings
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.settings import Settings
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed

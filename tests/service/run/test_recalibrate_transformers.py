@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.errors import ArchitectureError
-from workers.ranks.pool import WarmPool
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.errors import ArchitectureError
+from bnrecal.workers.ranks.pool import WarmPool
 
-from service.jobserver.jobs import check_architecture
-from service.run.exporting import export_recalibrated
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.jobserver.jobs import check_architecture
+from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array
 from tests.hf import SIZE, TINY, save_pretrained, tiny_model

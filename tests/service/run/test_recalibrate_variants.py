@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from workers.errors import CallOrderError, UnsupportedLayerError
+from bnrecal.workers.errors import CallOrderError, UnsupportedLayerError
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import branching_net, perturbed, self_stats_net, subclass_net, sync_bn_net, untracked_net

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from service.cli import main
-from service.run.report_html import render_html_report
+from bnrecal.service.cli import main
+from bnrecal.service.run.report_html import render_html_report
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
@@ -75,7 +75,7 @@ def test_names_are_escaped_and_missing_values_shown():
 def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
     from datetime import UTC, datetime
 
-    from service.run.report_html import accuracy_figure, drift_figure, job_section
+    from bnrecal.service.run.report_html import accuracy_figure, drift_figure, job_section
 
     digest = "sha256:" + "ab" * 32
     report = {

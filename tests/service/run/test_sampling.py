@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.errors import SpecError
+from bnrecal.workers.errors import SpecError
 
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
@@ -107,8 +107,8 @@ def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, w
     """Contract section 10: the INT8 ranges are gathered over the samples the statistics
     came from. With "auto" that is the converged prefix of the order, so the file is the
     one a run told that many samples writes, and not the one over all the data."""
-    from service.export.int8.options import Int8Options
-    from service.run.int8 import quantize_recalibrated
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.run.int8 import quantize_recalibrated
 
     _, samples, checkpoint, data = mixed
     options = dict(workers=workers, batch_size=16, seed=2)

@@ -11,12 +11,12 @@ import pytest
 import ray
 import torch
 
-from workers.errors import CancelledError, RunError
-from workers.ranks.allocator import RANK_ENV_VARS
-from workers.ranks.pool import WarmPool
+from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.pool import WarmPool
 
-from service.jobserver.jobs import JobSpec
-from service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.jobserver.jobs import JobSpec
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
@@ -189,7 +189,7 @@ def test_a_disabled_pool_keeps_nothing(two_models, settings):
 
 
 def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
-    from service.jobserver.server import open_services
+    from bnrecal.service.jobserver.server import open_services
 
     services = open_services(settings.model_copy(update={"cpus_per_worker": 1.0, "warm_pool_idle_s": 300}))
     host = services.pool  # the job host: the server's jobs run there, and their warm ranks live there

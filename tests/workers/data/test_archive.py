@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from workers.data import describe_dataset
-from workers.errors import DatasetError
+from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.errors import DatasetError
 
 SMALL = {"resize": 6, "crop": 6}
 

@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from workers.data.loader import LoaderSpec, batch_length, model_input, slice_batch
-from workers.errors import DatasetError, ModelInputError
+from bnrecal.workers.data.loader import LoaderSpec, batch_length, model_input, slice_batch
+from bnrecal.workers.errors import DatasetError, ModelInputError
 
 
 class Indexed(Dataset):

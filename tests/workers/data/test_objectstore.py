@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from workers.data import describe_dataset, read_labels
-from workers.data.objectstore import parse_data_uri, uri_allowed
-from workers.errors import DatasetError, SpecError
+from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
+from bnrecal.workers.errors import DatasetError, SpecError
 
 from tests.s3 import S3Server
 

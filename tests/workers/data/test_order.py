@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
-from workers.data.order import order_rows, sorted_runs
+from bnrecal.workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
+from bnrecal.workers.data.order import order_rows, sorted_runs
 
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.ranks.sharding import rank_ranges
 
 from tests.s3 import S3Server
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from workers.data import describe_dataset, ship_dataset
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.data import describe_dataset, ship_dataset
+from bnrecal.workers.ranks.sharding import rank_ranges
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import apply_statistics, calibration_pass
-from workers.engine.calibrator import probe_call_order
-from workers.engine.collective import SingleProcessCollective
-from workers.errors import UnsupportedLayerError
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.errors import UnsupportedLayerError
 
 from tests.nets import far_from_zero_net, mixed_net, perturbed, self_stats_net, subclass_net, sync_bn_net, volume_net
 from tests.reference import assert_matches_reference, reference_statistics
@@ -163,7 +163,7 @@ def test_cuda_kernels_give_the_reference_statistics(mode):
 def test_statistics_are_exact_in_every_layout(shape):
     """torch's channels-last (and 2-D) statistics kernel sums a channel's values one by one
     in float32: about 1e-4 off at these sizes. The engine's measurement must not be."""
-    from workers.engine.moments import batch_moments
+    from bnrecal.workers.engine.moments import batch_moments
 
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(shape, generator=generator) * 2 + 3  # mean 4, std 0.58

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import apply_statistics, calibration_pass
-from workers.engine.calibrator import BatchNormCalibrator, probe_call_order
-from workers.engine.collective import SingleProcessCollective
-from workers.engine.moments import batch_moments, finalize, pack, packed_size
-from workers.errors import DatasetError, ModelInputError
-from workers.ranks.sharding import num_steps, rank_ranges
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.calibrator import BatchNormCalibrator, probe_call_order
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.engine.moments import batch_moments, finalize, pack, packed_size
+from bnrecal.workers.errors import DatasetError, ModelInputError
+from bnrecal.workers.ranks.sharding import num_steps, rank_ranges
 
 from tests.nets import far_from_zero_net, mixed_net, no_norm_net, perturbed, volume_net
 from tests.reference import assert_matches_reference, reference_statistics

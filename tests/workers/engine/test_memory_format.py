@@ -1,6 +1,6 @@
 import pytest
 
-from workers.engine.memory_format import rank_layout
+from bnrecal.workers.engine.memory_format import rank_layout
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.engine.collective import SingleProcessCollective
-from workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.engine.ranges import HistogramAccumulator, MinMaxAccumulator, TensorRanges
 
 
 class SummingWorld:

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import StopRule, calibration_pass
-from workers.engine.collective import SingleProcessCollective
-from workers.engine.moments import accumulate_errors, error_size, pack, batch_moments, standard_errors
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import StopRule, calibration_pass
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.engine.moments import accumulate_errors, error_size, pack, batch_moments, standard_errors
 
 BATCH = 32
 

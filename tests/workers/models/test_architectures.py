@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from workers.errors import ArchitectureError, SpecError
-from workers.models.architectures import (
+from bnrecal.workers.errors import ArchitectureError, SpecError
+from bnrecal.workers.models.architectures import (
     MAX_KWARGS_DEPTH,
     build_model,
     check_model_kwargs,

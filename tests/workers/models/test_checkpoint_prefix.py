@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_model
 from torch import nn
 
-from workers.errors import CheckpointError
-from workers.models.checkpoint_prefix import shared_prefixes
-from workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
+from bnrecal.workers.errors import CheckpointError
+from bnrecal.workers.models.checkpoint_prefix import shared_prefixes
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 
 from tests.workers.models.model_zoo import SmallCNN, TiedNet
 from tests.workers.models.test_checkpoints import assert_same, bn_updates, trained_like_model

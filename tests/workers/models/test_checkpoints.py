@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file, save_model
 
-from workers.errors import CheckpointError
-from workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
+from bnrecal.workers.errors import CheckpointError
+from bnrecal.workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 
 from tests.workers.models.model_zoo import SmallCNN, TiedNet
 

@@ -11,11 +11,11 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from workers.errors import ArchitectureError, CheckpointError, ModelInputError
-from workers.models.architectures import build_model, check_architecture
-from workers.models.checkpoints import load_checkpoint, load_into_model
-from workers.models.model_check import check_checkpoint_fits, check_data_fits
-from workers.suggestions import sample_shape_hint
+from bnrecal.workers.errors import ArchitectureError, CheckpointError, ModelInputError
+from bnrecal.workers.models.architectures import build_model, check_architecture
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.models.model_check import check_checkpoint_fits, check_data_fits
+from bnrecal.workers.suggestions import sample_shape_hint
 
 from tests.workers.models.model_zoo import small_cnn
 

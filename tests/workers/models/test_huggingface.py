@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.evaluation import model_logits
-from workers.errors import ArchitectureError, SpecError
-from workers.models.architectures import build_model, check_architecture_exists
-from workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
+from bnrecal.workers.engine.evaluation import model_logits
+from bnrecal.workers.errors import ArchitectureError, SpecError
+from bnrecal.workers.models.architectures import build_model, check_architecture_exists
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 
 from tests.hf import SIZE, TINY, save_pretrained, tiny_model
 
@@ -140,7 +140,7 @@ def test_build_runs_with_the_hub_offline_and_restores_the_setting():
     from huggingface_hub.errors import OfflineModeIsEnabled
     from huggingface_hub.utils import get_session
 
-    from workers.models.huggingface import hub_offline
+    from bnrecal.workers.models.huggingface import hub_offline
 
     before = constants.HF_HUB_OFFLINE
     with hub_offline():

@@ -10,10 +10,10 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from workers.errors import CheckpointError, SpecError
-from workers.models.architectures import build_model
-from workers.models.checkpoints import load_checkpoint, load_into_model
-from workers.models.model_check import check_checkpoint_fits, checkpoint_shapes, model_layout
+from bnrecal.workers.errors import CheckpointError, SpecError
+from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.models.model_check import check_checkpoint_fits, checkpoint_shapes, model_layout
 
 from tests.wrappers import lightning_checkpoint
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.errors import ProgramError
-from workers.programs import check_program, load_program
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.errors import ProgramError
+from bnrecal.workers.programs import check_program, load_program
 
 from tests.programs import code_pickle, export_program, members, rewrite, rewrite_graph, rewrite_json, write_members
 

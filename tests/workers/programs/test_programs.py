@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.batchnorm import find_batchnorm_layers
-from workers.engine.calibration import apply_statistics, calibration_pass
-from workers.engine.calibrator import probe_call_order
-from workers.engine.collective import SingleProcessCollective
-from workers.errors import ModelInputError, ProgramError
-from workers.programs import load_program, write_archive
-from workers.ranks.sharding import rank_ranges
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.errors import ModelInputError, ProgramError
+from bnrecal.workers.programs import load_program, write_archive
+from bnrecal.workers.ranks.sharding import rank_ranges
 
 from tests.nets import perturbed
 from tests.programs import buffers_as_modules, export_program

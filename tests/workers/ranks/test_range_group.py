@@ -9,13 +9,13 @@ import pytest
 import torch
 import torchvision
 
-from workers.ranks.group import GroupOptions
-from workers.ranks.int8_ranges import RangeRequest
-from workers.ranks.range_group import run_range_group
+from bnrecal.workers.ranks.group import GroupOptions
+from bnrecal.workers.ranks.int8_ranges import RangeRequest
+from bnrecal.workers.ranks.range_group import run_range_group
 
-from service.export.int8.options import Int8Options
-from service.export.int8.quantizer import prepare, tensors_data, write_qdq
-from service.run.int8 import in_process
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.int8.quantizer import prepare, tensors_data, write_qdq
+from bnrecal.service.run.int8 import in_process
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 SAMPLES, BATCH = 41, 16  # the last step has one sample: ranks 1..K-1 take an empty slice

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from service.jobserver.blobs import BlobStore
-from service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
-from service.jobserver.ledger import Ledger, sqlite_url
-from service.jobserver.storage import StorageCollector
-from service.settings import Settings
-from workers.errors import NotFoundError, PayloadTooLargeError, SpecError
+from bnrecal.service.jobserver.blobs import BlobStore
+from bnrecal.service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
+from bnrecal.service.jobserver.storage import StorageCollector
+from bnrecal.service.settings import Settings
+from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError, SpecError
 
 
 async def _chunks(parts: list[bytes], consumed: list[int]) -> AsyncIterator[bytes]:
