@@ -88,13 +88,13 @@ def calibrate(
                 from bnrecal.service.run.exporting import export_recalibrated
 
                 update(0, 1, "exporting and verifying ONNX")
-                result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+                result.report.onnx = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
                 update(1, 1, "exporting and verifying ONNX")
             if onnx_int8 is not None:
                 from bnrecal.service.run.int8 import quantize_recalibrated
 
                 fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
-                result.report["int8"] = quantize_recalibrated(
+                result.report.int8 = quantize_recalibrated(
                     result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
                     export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
                     on_phase=lambda phase: update(0, 1, phase),

@@ -74,7 +74,7 @@ def run_job(
         report((None, None, "exporting"))
         onnx_file = workdir / "recalibrated.onnx"
         options = spec.onnx
-        summary["onnx"] = export_recalibrated(
+        summary.onnx = export_recalibrated(
             result, onnx_file, opset=options.opset, dtype=options.dtype,
             dynamic_batch=options.dynamic_batch, input_shape=options.input_shape,
         )
@@ -88,7 +88,7 @@ def run_job(
         int8_file = workdir / "recalibrated-int8.onnx"
         onnx_options = spec.onnx
         fp32 = files["onnx"][0].read_bytes() if "onnx" in files and onnx_options.dtype == "float32" else None
-        summary["int8"] = quantize_recalibrated(
+        summary.int8 = quantize_recalibrated(
             result, request, settings, int8_file, int8_options(spec.int8), fp32_model=fp32,
             export_options={
                 "opset": onnx_options.opset, "dynamic_batch": onnx_options.dynamic_batch,
@@ -105,14 +105,14 @@ def run_job(
             result.save_model(model_file)
             files[name] = (model_file, OCTET_STREAM)
     if label is not None:  # the report names its job, and the hosts its ranks ran on
-        summary["job"] = job_section(label.id, label.submitted_at, label.inputs, summary.get("nodes"))
+        summary.job = job_section(label.id, label.submitted_at, label.inputs, summary.nodes)
     report_file = workdir / "report.json"
     result.save_report(report_file)
     files["report"] = (report_file, "application/json")
     html_file = workdir / "report.html"
     write_html_report(summary, html_file)
     files["report.html"] = (html_file, "text/html; charset=utf-8")
-    return JobFiles(files, summary)
+    return JobFiles(files, summary.to_dict())
 
 
 def _check_cancel(cancel: threading.Event) -> None:

@@ -135,8 +135,8 @@ def recalibrate_on_server(
             result = Path(folder) / "recalibrated.pt2"
             client.download(job["id"], "program", result)
         _write_back(model, result, prefix)
-    report = RecalibrationReport(job["report"])
-    report["model"] = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job["id"]}
+    report = RecalibrationReport.from_dict(job["report"])
+    report.model = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job["id"]}
     return report
 
 

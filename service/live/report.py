@@ -1,40 +1,48 @@
-"""The report ``bnrecal.recalibrate`` returns: ``report.json``'s fields, readable at a glance."""
+"""The report ``bnrecal.recalibrate`` returns: the run's typed report, readable at a glance."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
 from typing import Any
 
-from bnrecal.service.run.report import write_report
+from bnrecal.service.run.report import Report, write_report
 
 
-class RecalibrationReport(dict[str, Any]):
-    """The run report (contract section 5; docs/report.md): a ``dict`` with the same keys as
-    ``report.json`` (``mode``, ``world_size``, ``samples``, ``steps``, ``layers``...), whose
-    ``repr`` is a short summary; :meth:`save` writes it as ``report.json``."""
+@dataclass(repr=False)
+class RecalibrationReport(Report):
+    """The run report (docs/report.md): the typed :class:`~bnrecal.service.run.report.Report`
+    the run core builds, read by attribute (``report.samples``) or as ``report.json``'s
+    mapping (``report["samples"]``), whose ``repr`` is a short summary; :meth:`save`
+    writes it as ``report.json``."""
+
+    @classmethod
+    def of(cls, report: Report) -> RecalibrationReport:
+        """The same report, with the Python API's summary and ``save``."""
+        return cls(**{item.name: getattr(report, item.name) for item in fields(report)})
 
     def summary(self) -> str:
         """A few lines: what ran where, and the layers whose statistics moved most."""
         lines = [
-            f"recalibrated {len(self.get('layers', []))} BN layers on {self.get('samples')} samples in "
-            f"{self.get('steps')} steps ({self.get('world_size')} x {self.get('backend')}, {self.get('mode')}, "
-            f"{self.get('device')}) in {self.get('seconds', 0):.2f} s"
+            f"recalibrated {len(self.layers)} BN layers on {self.samples} samples in "
+            f"{self.steps} steps ({self.world_size} x {self.backend}, {self.mode}, "
+            f"{self.device}) in {self.seconds or 0:.2f} s"
         ]
-        layers = sorted(self.get("layers", []), key=lambda layer: -(layer.get("mean_shift") or 0))
+        layers = sorted(self.layers, key=lambda layer: -(layer.mean_shift or 0))
         for layer in layers[:5]:
             lines.append(
-                f"  {layer['name']}: mean shift {_number(layer.get('mean_shift'))} std, "
-                f"var ratio {_number(layer.get('var_ratio_min'))}..{_number(layer.get('var_ratio_max'))}"
+                f"  {layer.name}: mean shift {_number(layer.mean_shift)} std, "
+                f"var ratio {_number(layer.var_ratio_min)}..{_number(layer.var_ratio_max)}"
             )
         if len(layers) > 5:
             lines.append(f"  ... {len(layers) - 5} more layers")
-        for skipped in self.get("skipped", []):
-            lines.append(f"  skipped {skipped['name']}: {skipped['reason']}")
+        for skipped in self.skipped:
+            lines.append(f"  skipped {skipped.name}: {skipped.reason}")
         return "\n".join(lines)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the report as ``report.json`` (indented JSON, atomically)."""
-        write_report(dict(self), path)
+        write_report(self, path)
 
     def __repr__(self) -> str:
         return f"<RecalibrationReport\n{self.summary()}\n>"

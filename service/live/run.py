@@ -1,11 +1,10 @@
 """``bnrecal.recalibrate``: recalibrate a caller's live model in place, here or on Ray.
 
-The driver describes the data, decides where the pass runs and how the model gets there
-(``model.py``), checks on one batch that the model takes the data (the same probe as the
-CLI's), then runs the engine's pass: in this process for one worker without a Ray
-cluster (``workers.ranks.local``, no Ray imported), else on the same rank group as every
-recalibration (``workers.ranks.group``). It writes the statistics into the model's own BN
-buffers, as ``torch.optim.swa_utils.update_bn`` does, and changes nothing else of it.
+The caller's side of the one run core (``service.run.core``): describe the data, decide
+where the pass runs and how the model gets there (``model.py``), then ``run`` it, in this
+process for one worker without a Ray cluster (no Ray imported), else on the same rank
+group as every recalibration. The statistics go into the model's own BN buffers, as
+``torch.optim.swa_utils.update_bn`` does, and nothing else of it changes.
 """
 
 from __future__ import annotations
@@ -20,21 +19,15 @@ from torch import nn
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
 from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from bnrecal.workers.engine.calibration import StopRule, apply_statistics
-from bnrecal.workers.engine.calibrator import probe_call_order
-from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
-from bnrecal.workers.ranks.local import run_in_process
-from bnrecal.workers.ranks.plan import RankPlan
 
+from bnrecal.service.run.core import Executor, FailurePolicy, InProcess, RayRanks, RunPlan, run
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
 from bnrecal.service.run.progress import progress_bar
-from bnrecal.service.run.recalibrate import bn_buffer_updates
-from bnrecal.service.run.report import build_report
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
-from .model import IN_PROCESS, ShippedModel, run_here, ship_model
+from .model import ShippedModel, run_here, ship_model
 from .report import RecalibrationReport
 
 if TYPE_CHECKING:
@@ -135,114 +128,31 @@ def recalibrate(
     else:
         _check_split(spec)
         shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, ray_address))
-    try:
-        layers, skipped = find_batchnorm_layers(shipped.driver)
-        if not layers:
-            raise _no_batchnorm(model, skipped)
+    if isinstance(spec, LoaderSpec):
+        options = options.model_copy(update={"batch_size": max(spec.sizes)})
+    plan = RunPlan(
+        model=shipped.driver, source=shipped.source, weights=shipped.weights, label=f"model {type(model).__name__}",
+        data=spec, probe=sample, options=options, feed=feed,
+        # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
+        memory_format="contiguous" if shipped.restore is not None else settings.memory_format,
+        release=shipped.restore,
+    )
+    executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
+    with _bar(progress) as update:
         try:
-            call_order = probe_call_order(shipped.driver, layers, sample, feed)
+            result = run(plan, executor, policy=FailurePolicy(settings.max_retries), on_progress=update)
         except ModelInputError as exc:
             raise _dtype_advice(model, sample, forward) or exc from None
-        old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
-        if isinstance(spec, LoaderSpec):
-            options = options.model_copy(update={"batch_size": max(spec.sizes)})
-        plan = RankPlan(
-            model=shipped.source, dataset=spec, batch_size=options.batch_size, mode=options.mode,
-            world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
-            layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order), loader_workers=0,
-            # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
-            memory_format="contiguous" if shipped.restore is not None else settings.memory_format, feed=feed,
-            stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
-        )
-        if here:
-            result, run = _run_here(shipped, plan, spec, progress)
-        else:
-            result, run = _run_on_ray(shipped, plan, spec, settings, ray_address, progress, pool)
-    finally:
-        if shipped.restore is not None:
-            shipped.restore()
-    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
-    unreached = apply_statistics(layers, stats, result.steps)
-    calibrated = [layer for layer in layers if layer.name not in set(unreached)]
+        except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
+            if "serialize" not in str(exc):
+                raise
+            raise _not_picklable(shipped, spec, plan.feed, exc) from None
     if shipped.write_back is not None:
-        shipped.write_back(bn_buffer_updates(calibrated))
-    skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
-    report = build_report(
-        options, result,
-        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
-        skipped, run,
-    )
-    report["model"] = shipped.describe()
-    report["data"] = spec.summary()
-    return RecalibrationReport(report)
-
-
-def _run_here(
-    shipped: ShippedModel, plan: RankPlan, spec: DatasetSpec | LoaderSpec, progress: bool
-) -> tuple[Any, dict[str, Any]]:
-    """Run the one rank in this process, on the driver's own view of the model."""
-    if isinstance(spec, DatasetSpec) and spec.kind != "array":
-        from dataclasses import replace
-
-        plan = replace(plan, loader_workers=max(0, torch.get_num_threads() - 1))
-    total = spec.num_samples
-    with _bar(progress) as update:
-        result = run_in_process(plan, shipped.driver, on_progress=lambda phase, done: update(done, total, phase))
-    run = {
-        "backend": IN_PROCESS, "placement": IN_PROCESS, "data_transport": IN_PROCESS, "object_store_bytes": 0,
-        "attempts": 1, "retried_failures": [], "cpus_per_worker": float(torch.get_num_threads()), "dataset": spec,
-        "embedded_cluster": False,
-    }
-    return result, run
-
-
-def _run_on_ray(
-    shipped: ShippedModel, plan: RankPlan, spec: DatasetSpec | LoaderSpec, settings: Settings,
-    ray_address: str | None, progress: bool, pool: WarmPool | None,
-) -> tuple[Any, dict[str, Any]]:
-    """Run the ranks on Ray (an embedded instance started for the call is shut down after it)."""
-    from dataclasses import replace
-
-    from bnrecal.workers.ranks.collectives import backend_for_device
-    from bnrecal.workers.ranks.group import run_rank_group
-
-    from bnrecal.service.run.cluster import ensure_ray, is_local_instance, shutdown_embedded
-    from bnrecal.service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
-
-    started_local = ensure_ray(ray_address, min_cpus=plan.world_size)
-    try:
-        group = group_options(settings, plan.world_size, plan.device)
-        cpus = group.cpus_per_worker
-        backend = backend_for_device(plan.device)
-        plan = replace(
-            plan, backend=backend,
-            loader_workers=0 if spec.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1),
-        )
-        transport, shards = "python", None
-        if isinstance(spec, DatasetSpec):
-            transport = "remote" if spec.remote is not None else resolve_data_transport(settings.data_transport)
-            if transport == "object_store":
-                shards = ship_rank_shards(spec, plan.batch_size, plan.world_size)
-        total = spec.num_samples
-        with _bar(progress) as update:
-            try:
-                result = run_rank_group(
-                    plan, shipped.weights, group, shards=shards, pool=pool,
-                    on_progress=lambda phase, done: update(done, total, phase),
-                )
-            except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
-                if "serialize" not in str(exc):
-                    raise
-                raise _not_picklable(shipped, spec, plan.feed, exc) from None
-        run = {
-            "backend": backend, "placement": group.placement_strategy, "data_transport": transport,
-            "object_store_bytes": sum(shard.nbytes for shard in shards or []), "attempts": 1, "retried_failures": [],
-            "cpus_per_worker": cpus, "dataset": spec, "embedded_cluster": started_local or is_local_instance(),
-        }
-    finally:
-        if started_local:
-            shutdown_embedded()
-    return result, run
+        shipped.write_back(result.updates)
+    report = result.report
+    report.model = shipped.describe()
+    report.data = spec.summary()
+    return RecalibrationReport.of(report)
 
 
 def _transport(spec: DatasetSpec | LoaderSpec, forward: Forward | None, ray_address: str | None) -> str:

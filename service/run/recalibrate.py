@@ -1,17 +1,17 @@
-"""One recalibration, end to end: the function the CLI and the job runner both call.
+"""A recalibration of files: a checkpoint (or program) and data given as paths, for the
+command line and the job server.
 
 It validates everything it can on the driver first (architecture and checkpoint, or
 program; data; that the model accepts the data) so bad input fails in seconds with a
-clear error, then runs the ranks on Ray and writes the statistics back into the model's
-own BN buffers, from where they go into the checkpoint in its uploaded format and layout,
-or into the same program archive.
+clear error, then runs the one run core (``service.run.core``) and keeps what the files
+need: the statistics go into the checkpoint in its uploaded format and layout, or into
+the same program archive.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,31 +20,35 @@ import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
-from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, discard_unpack, read_labels, ship_dataset
+from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, read_labels
 from bnrecal.workers.data.objectstore import is_data_uri
-from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
-from bnrecal.workers.engine.calibration import StopRule, apply_statistics
-from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.workers.engine.evaluation import check_eval_output
-from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.workers.errors import DatasetError, NoBatchNormError
 from bnrecal.workers.models.checkpoints import Checkpoint
-from bnrecal.workers.ranks.collectives import backend_for_device
-from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
-from bnrecal.workers.ranks.plan import EvalPlan, GroupOptions, RankPlan
-from bnrecal.workers.ranks.sharding import rank_ranges
+from bnrecal.workers.ranks.plan import EvalPlan
 
+from bnrecal.service.run.core import (  # noqa: F401 - re-exported for the INT8 range pass and the runner
+    Executor,
+    FailurePolicy,
+    InProcess,
+    ProgressCallback,
+    RayRanks,
+    RunPlan,
+    bn_buffer_updates,
+    cpus_per_worker,
+    group_options,
+    resolve_data_transport,
+    run,
+    ship_rank_shards,
+)
 from bnrecal.service.run.model_source import LoadedModel, load_model
-from bnrecal.service.run.options import STARTING_PHASE, RunOptions, check_model_choice
-from bnrecal.service.run.report import build_report, write_report
+from bnrecal.service.run.options import RunOptions, check_model_choice
+from bnrecal.service.run.report import Report, write_report
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
     from bnrecal.workers.ranks.pool import WarmPool
-
-ProgressCallback = Callable[[int, int, str], None]
-"""Called with (samples done, samples total, phase) as the ranks report progress; the
-phase is ``calibrating``, then ``evaluating`` when the request evaluates."""
 
 
 class RecalibrationRequest(RunOptions):
@@ -90,7 +94,7 @@ class Recalibration:
     loaded: LoadedModel
     updates: dict[str, torch.Tensor]
     dataset: DatasetSpec
-    report: dict[str, Any]
+    report: Report
     stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -135,18 +139,19 @@ def recalibrate(
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
 
-    With a ``pool`` (the server's), the ranks are warm actors of an earlier job of the
-    same shape when there are some, and stay warm for the next one. With ``in_process``
-    (``bnrecal calibrate --workers 1`` without a Ray address) the one rank runs in this
-    process, without Ray (``workers.ranks.local``): the same pass, the same statistics.
+    The files' side of the one run core (``service.run.core``): load the model, describe
+    and probe the data, plan the evaluation, then ``run`` it. With a ``pool`` (the
+    server's), the ranks are warm actors of an earlier job of the same shape when there are
+    some, and stay warm for the next one. With ``in_process`` (``bnrecal calibrate
+    --workers 1`` without a Ray address) the one rank runs in this process, without Ray.
     """
     loaded = load_model(
         settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
         checkpoint_name=request.checkpoint_name, program=request.program, program_name=request.program_name,
     )
     model = loaded.model
-    layers, skipped = find_batchnorm_layers(model)
-    if not layers:
+    if not find_batchnorm_layers(model)[0]:  # before the data is read: nothing to do
+        skipped = find_batchnorm_layers(model)[1]
         detail = f" ({len(skipped)} without running statistics)" if skipped else ""
         raise NoBatchNormError(f"{loaded.label} has no BatchNorm layer to recalibrate{detail}")
     dataset = describe_dataset(
@@ -161,125 +166,32 @@ def recalibrate(
     )
     try:
         with dataset.open() as data:
-            call_order = probe_call_order(model, layers, data.load(0, 1))
+            probe = data.load(0, 1)
     except DatasetError as exc:
         dataset.name_in(exc)
         raise
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
-    old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
-    stale_buffers = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
-
+    plan = RunPlan(
+        model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
+        options=request, evaluation=evaluation, memory_format=settings.memory_format,
+    )
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")
-    started_local = False
-    if in_process:
-        cpus, backend = float(torch.get_num_threads()), IN_PROCESS
-    else:
-        from bnrecal.service.run.cluster import ensure_ray
-
-        started_local = ensure_ray(settings.ray_address, min_cpus=request.workers)
-        cpus, _ = rank_resources(settings, request)
-        backend = backend_for_device(request.device)
-    plan = RankPlan(
-        model=loaded.source,
-        dataset=dataset,
-        batch_size=request.batch_size,
-        mode=request.mode,
-        world_size=request.workers,
-        device=request.device,
-        backend=backend,
-        group_name="",
-        layer_names=tuple(layer.name for layer in layers),
-        call_order=tuple(call_order),
-        loader_workers=0 if dataset.kind == "array" else max(0, int(cpus) - 1),
-        memory_format=settings.memory_format,
-        evaluation=evaluation,
-        stop=StopRule(request.stop_tolerance) if request.auto_samples else None,
+    executor: Executor = (
+        InProcess() if in_process
+        else RayRanks(settings, address=settings.ray_address, pool=pool, placement=request.placement)
     )
-    options = group_options(settings, request.workers, request.device, request.placement, cpus=cpus)
-    totals = {"calibrating": dataset.num_samples}
-    if evaluation is not None:
-        totals["evaluating"] = evaluation.dataset.num_samples
-
-    seen = dict.fromkeys(totals, 0)
-
-    def progress(phase: str, done: int) -> None:
-        # A rank may start evaluating while a peer's last calibration steps are still on
-        # their way: the phases are reported in order, calibration to its end first.
-        seen[phase] = done
-        calibrated = seen["calibrating"] >= totals["calibrating"] or (request.auto_samples and phase == "evaluating")
-        if on_progress is None or (phase == "evaluating" and not calibrated):
-            return
-        on_progress(done, totals[phase], phase)
-        if phase == "calibrating" and calibrated and seen.get("evaluating"):
-            on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
-
-    transport = IN_PROCESS if in_process else resolve_data_transport(settings.data_transport)
-    shards = eval_shards = None
-    if transport == "object_store":  # data in object storage is fetched by each rank itself
-        shards = ship_rank_shards(dataset, request.batch_size, request.workers) if dataset.remote is None else None
-        if evaluation is not None and evaluation.dataset.remote is None:
-            eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, request.workers)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
-    failures: list[str] = []
-    while True:
-        seen.update(dict.fromkeys(totals, 0))
-        if on_progress is not None:  # the samples to calibrate are known before any worker starts
-            on_progress(0, totals["calibrating"], STARTING_PHASE)
-        try:
-            if in_process:  # the one rank calibrates the driver's own model: nothing to ship
-                result = run_in_process(plan, model, on_progress=progress, cancel=cancel)
-                break
-            from bnrecal.workers.ranks.group import run_rank_group
-
-            result = run_rank_group(
-                plan, loaded.weights, options, on_progress=progress, cancel=cancel,
-                shards=shards, eval_shards=eval_shards, pool=pool,
-            )
-            break
-        except CancelledError:
-            raise
-        except DatasetError as exc:
-            # The content of an archive is bad (an image that does not decode): keep nothing of it.
-            for spec in (dataset, evaluation.dataset if evaluation is not None else None):
-                if spec is not None and spec.kind == "images" and spec.path != spec.source:
-                    discard_unpack(spec.path)
-                if spec is not None:
-                    spec.name_in(exc)
-            raise
-        except RunError as exc:
-            if len(failures) >= retries:
-                if failures:
-                    exc.message = f"{exc.message} (after {len(failures)} retries)"
-                    exc.args = (exc.message,)
-                raise
-            failures.append(exc.message)
-    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
-    unreached = apply_statistics(layers, stats, result.steps)
-    skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in unreached]
-    calibrated = [layer for layer in layers if layer.name not in set(unreached)]
-    report = build_report(
-        request,
-        result,
-        [(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers) if layer in calibrated],
-        skipped,
-        run={
-            "backend": backend,
-            "placement": IN_PROCESS if in_process else options.placement_strategy,
-            "data_transport": "remote" if dataset.remote is not None else transport,
-            "object_store_bytes": sum(shard.nbytes for shard in [*(shards or []), *(eval_shards or [])]),
-            "attempts": len(failures) + 1,
-            "retried_failures": failures,
-            "cpus_per_worker": cpus,
-            "dataset": dataset,
-            "embedded_cluster": started_local or (not in_process and _is_local_instance()),
-        },
-    )
-    if evaluation is not None and result.evaluation is not None:
-        report["evaluation"] = {"data": evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
+    try:
+        result = run(plan, executor, policy=FailurePolicy(retries), on_progress=on_progress, cancel=cancel)
+    except DatasetError as exc:
+        for spec in plan.datasets():
+            if isinstance(spec, DatasetSpec):
+                spec.name_in(exc)
+        raise
     if loaded.is_program:
-        report["program"] = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
-    return Recalibration(model, loaded, bn_buffer_updates(calibrated), dataset, report, stale_buffers)
+        result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
+    return Recalibration(model, loaded, result.updates, dataset, result.report, result.stale_buffers)
 
 
 def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
@@ -315,69 +227,7 @@ plan_evaluation = _plan_evaluation
 """The evaluation data described and checked on the driver (also for the INT8 export's accuracy)."""
 
 
-def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
-    """Each rank's samples of ``dataset``, put in the object store."""
-    ranges = [rank_ranges(dataset.num_samples, batch_size, workers, r) for r in range(workers)]
-    return ship_dataset(dataset, ranges)
-
-
-def bn_buffer_updates(layers: list[BatchNormLayer]) -> dict[str, torch.Tensor]:
-    """The checkpoint entries a recalibration changes, keyed by model key."""
-    updates: dict[str, torch.Tensor] = {}
-    for layer in layers:
-        for role, key in layer.buffer_names().items():
-            updates[key] = getattr(layer, role).detach().cpu()
-    return updates
-
-
-def _is_local_instance() -> bool:
-    from bnrecal.service.run.cluster import is_local_instance
-
-    return is_local_instance()
-
-
-def resolve_data_transport(setting: str) -> str:
-    """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
-    if setting != "auto":
-        return setting
-    import ray
-
-    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    here = ray.get_runtime_context().get_node_id()
-    return "shared" if alive == [here] else "object_store"
-
-
 def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, float]:
     """CPUs and GPUs each rank of a job asks Ray for (the runner counts them the same way)."""
     gpus = settings.gpus_per_worker if options.device == "cuda" else 0.0
     return cpus_per_worker(settings, options.workers), gpus
-
-
-def group_options(
-    settings: Settings, workers: int, device: str, placement: str | None = None, *, cpus: float | None = None
-) -> GroupOptions:
-    """How a job's ``workers`` ranks are placed and timed, from the settings: CPUs (``cpus``
-    when already decided) and GPUs per rank, the placement strategy (``placement`` over the
-    setting) and the timeouts; the same for the calibration's ranks and the INT8 range pass's."""
-    return GroupOptions(
-        cpus_per_worker=cpus_per_worker(settings, workers) if cpus is None else cpus,
-        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
-        placement_strategy=(placement or settings.placement_strategy).upper(),
-        collective_timeout_s=settings.collective_timeout_s,
-        placement_timeout_s=settings.placement_timeout_s,
-    )
-
-
-def cpus_per_worker(settings: Settings, workers: int) -> float:
-    """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
-    between the ranks on a single-node cluster, else one."""
-    import ray
-
-    from bnrecal.service.run.cluster import is_local_instance
-
-    if settings.cpus_per_worker:
-        return settings.cpus_per_worker
-    if ray.is_initialized() and not is_local_instance():
-        return 1.0
-    return float(max(1, (os.cpu_count() or 1) // workers))
-

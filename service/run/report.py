@@ -1,11 +1,20 @@
-"""The run report (contract section 5): what was done, where, how fast, and per layer."""
+"""The run report (docs/report.md): what was done, where, how fast, and per layer.
+
+One typed object, :class:`Report`, built once by the run core (``service.run.core``) from
+what the ranks returned; the phases after the statistics (the ONNX and INT8 exports, the
+server's job label) fill their own section, and the report is serialised once
+(:meth:`Report.to_dict`, :func:`write_report`). It reads like the JSON it becomes
+(``report["samples"]``, ``report.get("onnx")``: a read-only mapping of ``to_dict()``), so
+code that reads a ``report.json`` reads the object the same way.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,15 +26,212 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.run.options import AUTO, RunOptions
 
 if TYPE_CHECKING:  # annotations only: writing a report (bnrecal export) needs neither Ray nor the data readers
-    from bnrecal.workers.data import DatasetSpec
     from bnrecal.workers.engine.moments import MomentStats
-    from bnrecal.workers.ranks.group import GroupResult
+    from bnrecal.workers.ranks.plan import GroupResult
 
-LayerDrift = tuple[BatchNormLayer, torch.Tensor, torch.Tensor, int] | tuple[
-    BatchNormLayer, torch.Tensor, torch.Tensor, int, "MomentStats"
-]
-"""A calibrated layer with its old running mean and variance and its call count, and its
-new statistics when they carry standard errors."""
+Section = dict[str, Any]
+"""A section written by a phase after the statistics (``onnx``, ``int8``, ``evaluation``,
+``job``, ...): plain JSON, its fields listed in docs/report.md and the phase's own page."""
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """A calibrated layer with its old running mean and variance, its call count on rank 0
+    and its new statistics (with standard errors when estimated)."""
+
+    layer: BatchNormLayer
+    old_mean: torch.Tensor
+    old_var: torch.Tensor
+    calls: int
+    stats: MomentStats | None = None
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """How far one layer's statistics moved, and how precisely they are known (``layers[]``)."""
+
+    name: str
+    class_name: str
+    channels: int
+    calls: int
+    mean_shift: float | None
+    var_ratio_max: float | None
+    var_ratio_min: float | None
+    se_mean_max: float | None = None
+    se_mean_median: float | None = None
+    se_var_max: float | None = None
+    se_var_median: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON entry (``class_name`` is written as ``class``)."""
+        entry = asdict(self)
+        entry["class"] = entry.pop("class_name")
+        return {key: entry[key] for key in LAYER_KEYS}
+
+
+LAYER_KEYS = (
+    "name", "class", "channels", "calls", "mean_shift", "var_ratio_max", "var_ratio_min",
+    "se_mean_max", "se_mean_median", "se_var_max", "se_var_median",
+)
+
+
+@dataclass(frozen=True)
+class SkippedLayerReport:
+    """A BN layer left as it was, and why (``skipped[]``)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorstError:
+    """The largest standard error of any layer's new statistics (``standard_error_max``)."""
+
+    layer: str
+    statistic: str
+    error: float
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """Where a ``max_samples: "auto"`` run stopped (``convergence``)."""
+
+    tolerance: float
+    converged: bool
+    samples: int
+    available_samples: int
+    steps: int
+    min_steps: int | None
+    worst: WorstError | None
+
+
+@dataclass(frozen=True)
+class DatasetReport:
+    """The calibration data as used (``dataset``)."""
+
+    kind: str
+    samples: int
+    sample_shape: list[int]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how the ranks ran: facts only the executor knows."""
+
+    backend: str
+    placement: str
+    data_transport: str
+    cpus_per_worker: float
+    embedded_cluster: bool
+    object_store_bytes: int = 0
+
+
+@dataclass
+class Report(Mapping[str, Any]):
+    """The run report: built once by the run core; the phases after the statistics set their
+    own section (``onnx``, ``int8``, ``evaluation``, ``job``...). Read it as its JSON
+    (``report["layers"][0]["name"]``), or by attribute (``report.layers[0].name``)."""
+
+    arch: str | None
+    mode: str
+    world_size: int
+    backend: str
+    device: str
+    batch_size: int
+    samples: int
+    steps: int
+    collectives: int
+    collectives_per_rank: list[int]
+    seconds: float
+    samples_per_second: float | None
+    nodes: list[str]
+    memory_formats: list[str]
+    placement: str
+    data_transport: str
+    object_store_bytes: int
+    attempts: int
+    retried_failures: list[str]
+    cpus_per_worker: float
+    dataset: DatasetReport
+    layers: list[LayerReport]
+    skipped: list[SkippedLayerReport]
+    embedded_cluster: bool
+    order: str
+    seed: int | None
+    standard_error_max: WorstError | None
+    convergence: Convergence | None = None
+    model: Section | None = None
+    data: Section | None = None
+    program: Section | None = None
+    evaluation: Section | None = None
+    onnx: Section | None = None
+    int8: Section | None = None
+    job: Section | None = None
+    extra: Section = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data, in ``report.json``'s field order (a section a run
+        did not have is left out; ``standard_error_max`` and ``seed`` are kept as null)."""
+        out: dict[str, Any] = {}
+        for item in fields(self):
+            if item.name == "extra":
+                continue
+            value = getattr(self, item.name)
+            if value is None and item.name in OPTIONAL_SECTIONS:
+                continue
+            out[item.name] = _plain(value)
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        """A report read back from its JSON (a server job's ``report``)."""
+        known = {item.name for item in fields(cls)} - {"extra"}
+        values: dict[str, Any] = {name: data.get(name) for name in known}
+        values["dataset"] = DatasetReport(**data["dataset"]) if data.get("dataset") else None
+        values["layers"] = [_layer_from(entry) for entry in data.get("layers", [])]
+        values["skipped"] = [SkippedLayerReport(**entry) for entry in data.get("skipped", [])]
+        values["standard_error_max"] = _worst_from(data.get("standard_error_max"))
+        reached = data.get("convergence")
+        values["convergence"] = (
+            Convergence(**{**reached, "worst": _worst_from(reached.get("worst"))}) if reached else None
+        )
+        return cls(**values, extra={key: value for key, value in data.items() if key not in known})
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
+
+
+OPTIONAL_SECTIONS = ("convergence", "model", "data", "program", "evaluation", "onnx", "int8", "job")
+
+
+def _plain(value: Any) -> Any:
+    """A field's JSON form: dataclasses by their ``to_dict``/fields, lists item by item."""
+    if isinstance(value, LayerReport):
+        return value.to_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        return {item.name: _plain(getattr(value, item.name)) for item in fields(value)}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _layer_from(entry: Mapping[str, Any]) -> LayerReport:
+    values = {key: entry.get(key) for key in LAYER_KEYS if key != "class"}
+    return LayerReport(class_name=entry.get("class", ""), **values)
+
+
+def _worst_from(entry: Mapping[str, Any] | None) -> WorstError | None:
+    return WorstError(**entry) if entry else None
 
 
 def build_report(
@@ -33,114 +239,94 @@ def build_report(
     result: GroupResult,
     layers: Sequence[LayerDrift],
     skipped: Sequence[SkippedLayer],
-    run: dict[str, Any],
-) -> dict[str, Any]:
-    """The run report (see docs/report.md): the options, what the ranks did, and per layer
-    how far its statistics moved. ``run`` holds the facts only the run knows (backend,
-    placement, transport, attempts, resources, the dataset, whether Ray was embedded)."""
-    dataset: DatasetSpec = run["dataset"]
-    entries = [layer_entry(*drift) for drift in layers]
-    report = {
-        "arch": options.arch,
-        "mode": options.mode,
-        "world_size": options.workers,
-        "backend": run["backend"],
-        "device": options.device,
-        "batch_size": options.batch_size,
-        "samples": result.samples,
-        "steps": result.steps,
-        "collectives": result.collectives[0],
-        "collectives_per_rank": result.collectives,
-        "seconds": round(result.seconds, 6),
-        "samples_per_second": round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
-        "nodes": result.nodes,
-        "memory_formats": result.memory_formats,
-        "placement": run["placement"],
-        "data_transport": run["data_transport"],
-        "object_store_bytes": run.get("object_store_bytes", 0),
-        "attempts": run["attempts"],
-        "retried_failures": run["retried_failures"],
-        "cpus_per_worker": run["cpus_per_worker"],
-        "dataset": {"kind": dataset.kind, "samples": dataset.num_samples, "sample_shape": list(dataset.sample_shape)},
-        "layers": entries,
-        "skipped": skipped_entries(skipped),
-        "embedded_cluster": run["embedded_cluster"],
-    }
-    report.update(sampling_entries(options, dataset, result, entries))
-    return report
-
-
-def sampling_entries(
-    options: RunOptions, dataset: Any, result: GroupResult, layers: Sequence[dict[str, Any]]
-) -> dict[str, Any]:
-    """How the samples were drawn (``order``, ``seed``: data in memory keeps its own order,
-    ``given``) and, with ``max_samples: "auto"``, where the run stopped (``convergence``)."""
+    placement: Placement,
+    dataset: Any,
+    attempts: Sequence[str] = (),
+) -> Report:
+    """The run report (see docs/report.md): the options, what the ranks did, where, and per
+    layer how far its statistics moved. ``attempts`` are the messages of the failed passes
+    that were retried; ``dataset`` the data as described (a file's or the caller's)."""
+    entries = [layer_entry(drift) for drift in layers]
+    worst = worst_standard_error(entries)
     order = getattr(dataset, "order", "given")
-    entries: dict[str, Any] = {"order": order, "seed": getattr(dataset, "seed", 0) if order == "shuffled" else None}
-    worst = worst_standard_error(layers)
-    entries["standard_error_max"] = worst
+    convergence = None
     if getattr(options, "max_samples", None) == AUTO:
         reached = result.convergence or {}
-        entries["convergence"] = {
-            "tolerance": options.stop_tolerance,
-            "converged": bool(reached.get("converged")),
-            "samples": result.samples,
-            "available_samples": dataset.num_samples,
-            "steps": result.steps,
-            "min_steps": reached.get("min_steps"),
-            "worst": worst,
-        }
-    return entries
+        convergence = Convergence(
+            tolerance=options.stop_tolerance, converged=bool(reached.get("converged")), samples=result.samples,
+            available_samples=dataset.num_samples, steps=result.steps, min_steps=reached.get("min_steps"),
+            worst=worst,
+        )
+    return Report(
+        arch=options.arch,
+        mode=options.mode,
+        world_size=options.workers,
+        backend=placement.backend,
+        device=options.device,
+        batch_size=options.batch_size,
+        samples=result.samples,
+        steps=result.steps,
+        collectives=result.collectives[0],
+        collectives_per_rank=list(result.collectives),
+        seconds=round(result.seconds, 6),
+        samples_per_second=round(result.samples / result.seconds, 3) if result.seconds > 0 else None,
+        nodes=list(result.nodes),
+        memory_formats=list(result.memory_formats),
+        placement=placement.placement,
+        data_transport=placement.data_transport,
+        object_store_bytes=placement.object_store_bytes,
+        attempts=len(attempts) + 1,
+        retried_failures=list(attempts),
+        cpus_per_worker=placement.cpus_per_worker,
+        dataset=DatasetReport(dataset.kind, dataset.num_samples, list(dataset.sample_shape)),
+        layers=entries,
+        skipped=[SkippedLayerReport(s.name, s.reason) for s in skipped],
+        embedded_cluster=placement.embedded_cluster,
+        order=order,
+        seed=getattr(dataset, "seed", 0) if order == "shuffled" else None,
+        standard_error_max=worst,
+        convergence=convergence,
+    )
 
 
-def worst_standard_error(layers: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The layer and statistic with the largest standard error (worst channel): ``layer``,
-    ``statistic`` (``mean``, std units; ``variance``, relative) and ``error``; None without
-    standard errors (fewer than two steps)."""
-    worst: dict[str, Any] | None = None
+def worst_standard_error(layers: Sequence[LayerReport]) -> WorstError | None:
+    """The layer and statistic with the largest standard error (worst channel): ``mean``
+    (std units) or ``variance`` (relative); None without standard errors (fewer than two steps)."""
+    worst: WorstError | None = None
     for entry in layers:
-        for statistic, key in (("mean", "se_mean_max"), ("variance", "se_var_max")):
-            value = entry.get(key)
-            if value is not None and (worst is None or value > worst["error"]):
-                worst = {"layer": entry["name"], "statistic": statistic, "error": value}
+        for statistic, value in (("mean", entry.se_mean_max), ("variance", entry.se_var_max)):
+            if value is not None and (worst is None or value > worst.error):
+                worst = WorstError(entry.name, statistic, value)
     return worst
 
 
-def layer_entry(
-    layer: BatchNormLayer, old_mean: torch.Tensor, old_var: torch.Tensor, calls: int, stat: MomentStats | None = None
-) -> dict[str, Any]:
-    """How far one layer's statistics moved, and how precisely they are known: the report's
-    per-layer entry.
+def layer_entry(drift: LayerDrift) -> LayerReport:
+    """How far one layer's statistics moved, and how precisely they are known.
 
     ``mean_shift`` is the largest channel's mean change in units of its old standard
     deviation; ``var_ratio_max`` and ``var_ratio_min`` the largest and smallest new/old
-    variance ratio over channels (null where an old variance was zero), so a channel that
-    shrank is visible beside one that grew. ``se_mean_max``/``se_mean_median`` (std units)
-    and ``se_var_max``/``se_var_median`` (relative) are the standard errors of the new mean
-    and variance, worst and median channel, null when not estimated (fewer than two steps).
+    variance ratio over channels (None where an old variance was zero), so a channel that
+    shrank is visible beside one that grew. The standard errors of the new mean (std units)
+    and variance (relative), worst and median channel, are None when not estimated.
     """
+    layer = drift.layer
     new_mean = layer.running_mean.detach().double().cpu()
     new_var = layer.running_var.detach().double().cpu()
-    old_mean, old_var = old_mean.double().cpu(), old_var.double().cpu()
+    old_mean, old_var = drift.old_mean.double().cpu(), drift.old_var.double().cpu()
     shift = ((new_mean - old_mean).abs() / torch.sqrt(old_var + layer.epsilon)).max().item()
     ratio_max = ratio_min = None
     if bool((old_var > 0).all()):
         ratios = new_var / old_var
         ratio_max, ratio_min = ratios.max().item(), ratios.min().item()
-    return {
-        "name": layer.name,
-        "class": layer.class_name,
-        "channels": layer.channels,
-        "calls": calls,
-        "mean_shift": _finite(shift),
-        "var_ratio_max": _finite(ratio_max),
-        "var_ratio_min": _finite(ratio_min),
-        **standard_error_entries(stat),
-    }
+    return LayerReport(
+        name=layer.name, class_name=layer.class_name, channels=layer.channels, calls=drift.calls,
+        mean_shift=_finite(shift), var_ratio_max=_finite(ratio_max), var_ratio_min=_finite(ratio_min),
+        **standard_errors(drift.stats),
+    )
 
 
-def standard_error_entries(stat: MomentStats | None) -> dict[str, float | None]:
-    """Worst and median channel of a layer's standard errors (null when not estimated)."""
+def standard_errors(stat: MomentStats | None) -> dict[str, float | None]:
+    """Worst and median channel of a layer's standard errors (None when not estimated)."""
     entries: dict[str, float | None] = dict.fromkeys(("se_mean_max", "se_mean_median", "se_var_max", "se_var_median"))
     if stat is None or stat.se_mean is None or stat.se_var is None or not stat.se_mean.numel():
         return entries
@@ -155,14 +341,11 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def skipped_entries(skipped: Sequence[SkippedLayer]) -> list[dict[str, str]]:
-    """The layers left alone, each with its reason."""
-    return [{"name": s.name, "reason": s.reason} for s in skipped]
-
-
-def write_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the report as indented JSON, atomically."""
+def write_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the report (a :class:`Report`, or a report section's plain data) as indented
+    JSON, atomically."""
+    data = report.to_dict() if isinstance(report, Report) else dict(report)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     atomic_write(target, lambda temp: temp.write_text(text))

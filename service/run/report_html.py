@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -250,11 +251,11 @@ def node_hosts(nodes: list[str]) -> dict[str, str]:
     }
 
 
-def write_html_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the HTML report, atomically."""
+def write_html_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the HTML report (of a :class:`~bnrecal.service.run.report.Report`, or its JSON), atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = render_html_report(report)
+    text = render_html_report(report.to_dict() if hasattr(report, "to_dict") else dict(report))
     atomic_write(target, lambda temp: temp.write_text(text, encoding="utf-8"))
 
 

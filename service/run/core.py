@@ -1,0 +1,413 @@
+"""The one run core: ``run(plan, executor)``, for the command line, the job server and the
+Python API alike.
+
+A :class:`RunPlan` says what a surface has prepared: the driver's model (probed here; its
+BN buffers receive the statistics), how the ranks build it (a model source and the weights
+that travel), the data, the evaluation, and the run options. An executor says where the
+ranks run: :class:`InProcess` (one rank in the calling process, no Ray) or
+:class:`RayRanks` (a rank group on Ray, warm from a pool when there is one). A
+:class:`FailurePolicy` decides whether a failed pass runs again. The core finds the BN
+layers, probes the call order on the first batch, runs the pass (statistics, and the
+evaluation after them, fused on the ranks), writes the statistics into the driver's model
+and builds the typed report (docs/report.md). What each surface does before (load a
+checkpoint, ship a live model) and after (save, export, write back into a caller's
+model) stays with the surface.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from bnrecal.workers.data import DatasetSpec, discard_unpack
+from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
+from bnrecal.workers.engine.calibration import StopRule, apply_statistics
+from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.moments import MomentStats
+from bnrecal.workers.errors import CallOrderError, CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.workers.models.sources import ModelSource
+from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
+from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
+
+from bnrecal.service.run.options import STARTING_PHASE, RunOptions
+from bnrecal.service.run.report import LayerDrift, Placement, Report, build_report
+from bnrecal.service.settings import Settings
+
+if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
+    from bnrecal.workers.ranks.pool import WarmPool
+
+ProgressCallback = Callable[[int, int, str], None]
+"""Called with (samples done, samples total, phase): ``starting workers`` before each
+attempt, then ``calibrating``, then ``evaluating`` when the plan evaluates."""
+
+Feed = Callable[[nn.Module, Any], Any]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A recalibration as a surface prepared it.
+
+    ``model`` is the driver's model: the core probes its call order and writes the new
+    statistics into its BN buffers. ``source`` and ``weights`` are how the ranks build it
+    (a Ray run puts ``weights`` in the object store once). ``probe`` is a batch of the
+    first samples as the ranks feed it (through ``feed`` when given). ``label`` names the
+    model in messages. ``release``, when given, runs once the ranks are done, before the
+    statistics are written (a caller's own modules put back as they were).
+    """
+
+    model: nn.Module
+    source: ModelSource
+    weights: Any
+    label: str
+    data: DatasetSpec | LoaderSpec
+    probe: Any
+    options: RunOptions
+    evaluation: EvalPlan | None = None
+    feed: Feed | None = None
+    memory_format: str = "auto"
+    release: Callable[[], None] | None = None
+
+    def datasets(self) -> list[DatasetSpec | LoaderSpec]:
+        """The data the run reads: calibration, then evaluation."""
+        return [self.data] + ([self.evaluation.dataset] if self.evaluation is not None else [])
+
+
+@dataclass
+class RunResult:
+    """A finished run: the driver's calibrated layers (their buffers hold the new
+    statistics), the statistics as they were before, and the report."""
+
+    report: Report
+    calibrated: list[BatchNormLayer]
+    stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def updates(self) -> dict[str, torch.Tensor]:
+        """The checkpoint entries the run changed, keyed by model key."""
+        return bn_buffer_updates(self.calibrated)
+
+
+class FailureDecision(Enum):
+    """What the policy decided for a failed pass."""
+
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """Whether a failed pass on the ranks runs again (docs/calibration.md, "Faults and
+    retries"): a lost rank or a timed-out collective is retried up to ``max_retries``
+    times, from the start of the pass; bad input, a call order that differs between ranks
+    (it would differ again) and a cancellation never are."""
+
+    max_retries: int = 0
+
+    def make_decision(self, error: BaseException, failures: Sequence[str]) -> FailureDecision:
+        """RETRY while retries are left for a failure a new attempt can cure, else RAISE."""
+        if not isinstance(error, RunError) or isinstance(error, (CancelledError, CallOrderError)):
+            return FailureDecision.RAISE
+        return FailureDecision.RETRY if len(failures) < self.max_retries else FailureDecision.RAISE
+
+
+class Executor(Protocol):
+    """Where the ranks of a run execute."""
+
+    def start(self, plan: RunPlan) -> None:
+        """Make the ranks' world ready (start or join Ray); called once per run."""
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """The rank plan completed with what only the executor knows (backend, loaders)."""
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """One attempt of the pass; raises a ``RunError`` when a rank fails."""
+
+    def placement(self, run: RunPlan) -> Placement:
+        """Where and how the ranks ran, for the report."""
+
+    def close(self) -> None:
+        """Stop what ``start`` started for this run only."""
+
+
+def run(
+    plan: RunPlan,
+    executor: Executor,
+    *,
+    policy: FailurePolicy | None = None,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> RunResult:
+    """Recompute every BN layer's running statistics of ``plan.model`` on the executor's
+    ranks (docs/calibration.md), evaluate when the plan says so, and return the report."""
+    options = plan.options
+    try:
+        layers, skipped = find_batchnorm_layers(plan.model)
+        if not layers:
+            detail = f" ({len(skipped)} without running statistics)" if skipped else ""
+            raise NoBatchNormError(f"{plan.label} has no BatchNorm layer to recalibrate{detail}")
+        call_order = probe_call_order(plan.model, layers, plan.probe, plan.feed)
+        old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+        stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
+        executor.start(plan)
+        rank_plan = executor.rank_plan(RankPlan(
+            model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
+            world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
+            layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
+            memory_format=plan.memory_format, evaluation=plan.evaluation, feed=plan.feed,
+            stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
+        ))
+        result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+        placement = executor.placement(plan)
+    finally:
+        try:
+            if plan.release is not None:
+                plan.release()
+        finally:
+            executor.close()
+    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
+    not_called = apply_statistics(layers, stats, result.steps)  # in layer order
+    unreached = set(not_called)
+    skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in not_called]
+    drifts = [
+        LayerDrift(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers)
+        if layer.name not in unreached
+    ]
+    report = build_report(options, result, drifts, skipped, placement, plan.data, failures)
+    if plan.evaluation is not None and result.evaluation is not None:
+        report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
+    calibrated = [layer for layer in layers if layer.name not in unreached]
+    return RunResult(report, calibrated, stale)
+
+
+def _attempts(
+    plan: RunPlan,
+    executor: Executor,
+    rank_plan: RankPlan,
+    policy: FailurePolicy,
+    on_progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+) -> tuple[GroupResult, list[str]]:
+    """Run the pass until it succeeds or the policy says to stop; the messages of the
+    failures that were retried come back with the result."""
+    failures: list[str] = []
+    while True:
+        progress = _phase_ordered_progress(plan, on_progress)
+        if on_progress is not None:  # the samples to calibrate are known before any worker starts
+            on_progress(0, plan.data.num_samples, STARTING_PHASE)
+        try:
+            return executor.execute(rank_plan, plan, progress, cancel), failures
+        except DatasetError:
+            _discard_unpacked(plan)
+            raise
+        except RunError as exc:
+            if policy.make_decision(exc, failures) is FailureDecision.RAISE:
+                if failures and not isinstance(exc, CancelledError):
+                    raise type(exc)(f"{exc.message} (after {len(failures)} retries)", exc.rank, exc.node) from exc
+                raise
+            failures.append(exc.message)
+
+
+def _phase_ordered_progress(plan: RunPlan, on_progress: ProgressCallback | None) -> Callable[[str, int], None]:
+    """The ranks' (phase, done) reports as (done, total, phase), calibration to its end
+    first: a rank may start evaluating while a peer's last steps are on their way."""
+    totals = {"calibrating": plan.data.num_samples}
+    if plan.evaluation is not None:
+        totals["evaluating"] = plan.evaluation.dataset.num_samples
+    seen = dict.fromkeys(totals, 0)
+    auto = plan.options.auto_samples
+
+    def progress(phase: str, done: int) -> None:
+        seen[phase] = done
+        calibrated = seen["calibrating"] >= totals["calibrating"] or (auto and phase == "evaluating")
+        if on_progress is None or (phase == "evaluating" and not calibrated):
+            return
+        on_progress(done, totals.get(phase, totals["calibrating"]), phase)
+        if phase == "calibrating" and calibrated and seen.get("evaluating"):
+            on_progress(seen["evaluating"], totals["evaluating"], "evaluating")
+
+    return progress
+
+
+def _discard_unpacked(plan: RunPlan) -> None:
+    """Bad content in an unpacked archive (an image that does not decode): keep nothing of it."""
+    for spec in plan.datasets():
+        if isinstance(spec, DatasetSpec) and spec.kind == "images" and spec.path != spec.source:
+            discard_unpack(spec.path)
+
+
+def bn_buffer_updates(layers: Sequence[BatchNormLayer]) -> dict[str, torch.Tensor]:
+    """The checkpoint entries a recalibration changes, keyed by model key."""
+    updates: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        for role, key in layer.buffer_names().items():
+            updates[key] = getattr(layer, role).detach().cpu()
+    return updates
+
+
+class InProcess:
+    """The one rank in the calling process, without Ray: it calibrates the driver's own
+    model, so nothing is shipped (``workers.ranks.local``)."""
+
+    def start(self, plan: RunPlan) -> None:
+        """Nothing to start; a run here has one worker."""
+        if plan.options.workers != 1:
+            raise ValueError("a run in the calling process has one worker")
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """Loader processes for decoded data: the threads this process has, less one."""
+        return replace(plan, loader_workers=_loader_workers(plan.dataset, float(torch.get_num_threads())))
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """The pass, here."""
+        return run_in_process(plan, run.model, on_progress=on_progress, cancel=cancel)
+
+    def placement(self, run: RunPlan) -> Placement:
+        """In process, all of it."""
+        return Placement(IN_PROCESS, IN_PROCESS, IN_PROCESS, float(torch.get_num_threads()), False)
+
+    def close(self) -> None:
+        """Nothing was started."""
+
+
+class RayRanks:
+    """A rank group on Ray (``workers.ranks.group``): the cluster at ``address`` (else
+    ``RAY_ADDRESS``, else an embedded local instance, shut down again after the run with
+    ``stop_embedded``), warm ranks from ``pool`` when it has a gang of the same shape."""
+
+    def __init__(
+        self, settings: Settings, *, address: str | None = None, pool: WarmPool | None = None,
+        placement: str | None = None, stop_embedded: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.address = address
+        self.pool = pool
+        self.placement_strategy = placement
+        self.stop_embedded = stop_embedded
+        self.started_local = False
+        self.transport = "python"
+        self.shards: list[Any] | None = None
+        self.eval_shards: list[Any] | None = None
+
+    def start(self, plan: RunPlan) -> None:
+        """Start or join Ray, place nothing yet; decide how the data reaches the ranks."""
+        from bnrecal.service.run.cluster import ensure_ray
+
+        options = plan.options
+        self.started_local = ensure_ray(self.address, min_cpus=options.workers)
+        self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
+        if isinstance(plan.data, DatasetSpec):
+            self.transport = "remote" if plan.data.remote is not None else resolve_data_transport(self.settings.data_transport)
+        if self.transport == "object_store":  # data in object storage is fetched by each rank itself
+            if isinstance(plan.data, DatasetSpec) and plan.data.remote is None:
+                self.shards = ship_rank_shards(plan.data, options.batch_size, options.workers)
+            evaluation = plan.evaluation
+            if evaluation is not None and evaluation.dataset.remote is None:
+                self.eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, options.workers)
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """The collective's backend by device (NCCL on CUDA, GLOO on CPU), and loader processes."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+
+        return replace(
+            plan, backend=backend_for_device(plan.device),
+            loader_workers=_loader_workers(plan.dataset, self.group.cpus_per_worker),
+        )
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """The pass on the rank group."""
+        from bnrecal.workers.ranks.group import run_rank_group
+
+        return run_rank_group(
+            plan, run.weights, self.group, on_progress=on_progress, cancel=cancel,
+            shards=self.shards, eval_shards=self.eval_shards, pool=self.pool,
+        )
+
+    def placement(self, run: RunPlan) -> Placement:
+        """The backend, placement strategy, transport and resources the ranks had."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+
+        from bnrecal.service.run.cluster import is_local_instance
+
+        shipped = [*(self.shards or []), *(self.eval_shards or [])]
+        return Placement(
+            backend=backend_for_device(run.options.device), placement=self.group.placement_strategy,
+            data_transport=self.transport, cpus_per_worker=self.group.cpus_per_worker,
+            embedded_cluster=self.started_local or is_local_instance(),
+            object_store_bytes=sum(shard.nbytes for shard in shipped),
+        )
+
+    def close(self) -> None:
+        """Shut down an embedded instance this run started, when asked to."""
+        if self.stop_embedded and self.started_local:
+            from bnrecal.service.run.cluster import shutdown_embedded
+
+            shutdown_embedded()
+
+
+def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:
+    """Loader processes of a rank: none for arrays and the caller's Python data (read as
+    they are), else one per CPU beyond the first (images decode in parallel)."""
+    return 0 if data.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1)
+
+
+def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
+    """Each rank's samples of ``dataset``, put in the object store."""
+    from bnrecal.workers.data import ship_dataset
+    from bnrecal.workers.ranks.sharding import rank_ranges
+
+    ranges = [rank_ranges(dataset.num_samples, batch_size, workers, r) for r in range(workers)]
+    return ship_dataset(dataset, ranges)
+
+
+def resolve_data_transport(setting: str) -> str:
+    """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
+    if setting != "auto":
+        return setting
+    import ray
+
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    here = ray.get_runtime_context().get_node_id()
+    return "shared" if alive == [here] else "object_store"
+
+
+def group_options(settings: Settings, workers: int, device: str, placement: str | None = None) -> Any:
+    """How a job's ``workers`` ranks are placed and timed, from the settings: CPUs and GPUs
+    per rank, the placement strategy (``placement`` over the setting) and the timeouts; the
+    same for the calibration's ranks and the INT8 range pass's."""
+    from bnrecal.workers.ranks.plan import GroupOptions
+
+    return GroupOptions(
+        cpus_per_worker=cpus_per_worker(settings, workers),
+        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
+        placement_strategy=(placement or settings.placement_strategy).upper(),
+        collective_timeout_s=settings.collective_timeout_s,
+        placement_timeout_s=settings.placement_timeout_s,
+    )
+
+
+def cpus_per_worker(settings: Settings, workers: int) -> float:
+    """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
+    between the ranks on a single-node cluster, else one."""
+    import ray
+
+    from bnrecal.service.run.cluster import is_local_instance
+
+    if settings.cpus_per_worker:
+        return settings.cpus_per_worker
+    if ray.is_initialized() and not is_local_instance():
+        return 1.0
+    return float(max(1, (os.cpu_count() or 1) // workers))

@@ -1,0 +1,120 @@
+"""The one run core (``service.run.core``): ``run(plan, executor)`` gives the contract's
+statistics through either executor, and its ``FailurePolicy`` decides retries: a lost
+pass runs again from the start (the report says so), bad input, a call order that
+differs and a cancellation never do, and the error after the last retry says how many."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from bnrecal.workers.errors import CallOrderError, CancelledError, DatasetError, RunError
+from bnrecal.workers.models.sources import LiveModuleSource
+
+from bnrecal.service.run.core import FailureDecision, FailurePolicy, InProcess, RunPlan, run
+from bnrecal.service.run.options import RunOptions
+from bnrecal.service.run.report import Report
+from bnrecal.service.live.data import describe_python_data
+from bnrecal.service.settings import Settings
+
+from tests.nets import mixed_net, perturbed
+from tests.reference import assert_matches_reference, reference_statistics
+
+
+def test_the_policy_retries_what_a_new_attempt_can_cure():
+    policy = FailurePolicy(max_retries=2)
+    lost = RunError("rank 1 died", rank=1)
+    assert policy.make_decision(lost, []) is FailureDecision.RETRY
+    assert policy.make_decision(lost, ["a"]) is FailureDecision.RETRY
+    assert policy.make_decision(lost, ["a", "b"]) is FailureDecision.RAISE
+    for never in (CancelledError("cancelled"), CallOrderError("order differs"), DatasetError("bad image"),
+                  ValueError("a bug")):
+        assert policy.make_decision(never, []) is FailureDecision.RAISE, type(never).__name__
+    assert FailurePolicy().make_decision(lost, []) is FailureDecision.RAISE  # no retries unless asked
+
+
+class LosesPasses(InProcess):
+    """The real in-process executor, whose first ``losses`` passes end as a lost rank would:
+    after the pass ran (its statistics thrown away), a ``RunError``."""
+
+    def __init__(self, losses: int) -> None:
+        self.losses = losses
+        self.passes = 0
+
+    def execute(self, plan, run_plan, on_progress, cancel):
+        result = super().execute(plan, run_plan, on_progress, cancel)
+        self.passes += 1
+        if self.passes <= self.losses:
+            raise RunError(f"rank 0 was lost in pass {self.passes}", rank=0, node="node-a")
+        return result
+
+
+def plan_for(model: torch.nn.Module, samples: torch.Tensor, batch_size: int = 8) -> RunPlan:
+    spec = describe_python_data(samples, batch_size=batch_size, max_samples=None, select_input=True, settings=Settings())
+    options = RunOptions.checked(workers=1, batch_size=batch_size)
+    return RunPlan(
+        model=model, source=LiveModuleSource("mixed"), weights=model, label="model Mixed", data=spec,
+        probe=samples[:2], options=options, memory_format="contiguous",
+    )
+
+
+@pytest.fixture()
+def stale() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(3)
+    return perturbed(mixed_net()), torch.randn(29, 3, 6, 5) * 2 + 0.5
+
+
+def test_run_gives_the_reference_statistics_and_a_typed_report(stale):
+    model, samples = stale
+    reference = reference_statistics(model, samples, batch_size=8)
+    phases: list[str] = []
+    result = run(plan_for(model, samples), InProcess(), on_progress=lambda done, total, phase: phases.append(phase))
+    assert_matches_reference(model, reference)
+    report = result.report
+    assert isinstance(report, Report) and report.samples == 29 and report.steps == 4 and report.attempts == 1
+    assert report["layers"][0]["name"] == report.layers[0].name and report.to_dict()["backend"] == "in-process"
+    assert phases[0] == "starting workers" and phases[-1] == "calibrating"
+    assert set(result.updates) >= {f"{layer.name}.running_var" for layer in report.layers}
+
+
+def test_a_lost_pass_runs_again_and_gives_the_same_statistics(stale):
+    model, samples = stale
+    clean = run(plan_for(copy.deepcopy(model), samples), InProcess())
+    executor = LosesPasses(losses=1)
+    result = run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=1))
+    assert executor.passes == 2
+    assert result.report.attempts == 2 and result.report.retried_failures == ["rank 0 was lost in pass 1"]
+    for key, value in clean.updates.items():
+        assert torch.equal(result.updates[key], value), key  # a retry gives identical statistics
+
+
+def test_the_error_after_the_last_retry_says_how_many_and_nothing_is_written(stale):
+    model, samples = stale
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RunError, match=r"rank 0 was lost in pass 3 \(after 2 retries\)") as caught:
+        run(plan_for(model, samples), LosesPasses(losses=5), policy=FailurePolicy(max_retries=2))
+    assert caught.value.rank == 0 and caught.value.node == "node-a"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_cancelled_pass_is_not_retried(stale):
+    model, samples = stale
+    cancel = threading.Event()
+    cancel.set()
+    executor = LosesPasses(losses=0)
+    with pytest.raises(CancelledError):
+        run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=3), cancel=cancel)
+    assert executor.passes == 0
+
+
+def test_release_runs_even_when_the_run_fails_early():
+    released = []
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))  # no BN: refused before any pass
+    plan = plan_for(model, torch.randn(4, 3))
+    plan = RunPlan(**{**plan.__dict__, "release": lambda: released.append(True)})
+    with pytest.raises(Exception, match="no BatchNorm layer"):
+        run(plan, InProcess())
+    assert released == [True]
