@@ -21,7 +21,8 @@ from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable
 from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
 from bnrecal.workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
 
-from bnrecal.service.run.core import Executor, FailurePolicy, InProcess, RayRanks, RunPlan, run
+from bnrecal.service.run.core import Executor, FailurePolicy, RunPlan, run
+from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
 from bnrecal.service.run.progress import progress_bar
 

@@ -28,18 +28,13 @@ from bnrecal.workers.errors import DatasetError, NoBatchNormError
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
 
-from bnrecal.service.run.core import (  # noqa: F401 - re-exported for the INT8 range pass and the runner
-    Executor,
-    FailurePolicy,
+from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, RunPlan, run
+from bnrecal.service.run.executors import (  # noqa: F401 - also the INT8 range pass's and the runner's
     InProcess,
-    ProgressCallback,
     RayRanks,
-    RunPlan,
-    bn_buffer_updates,
     cpus_per_worker,
     group_options,
     resolve_data_transport,
-    run,
     ship_rank_shards,
 )
 from bnrecal.service.run.model_source import LoadedModel, load_model

@@ -14,7 +14,8 @@ import torch
 from bnrecal.workers.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import LiveModuleSource
 
-from bnrecal.service.run.core import FailureDecision, FailurePolicy, InProcess, RunPlan, run
+from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunPlan, run
+from bnrecal.service.run.executors import InProcess
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.report import Report
 from bnrecal.service.live.data import describe_python_data

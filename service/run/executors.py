@@ -1,0 +1,189 @@
+"""Where the ranks of a run execute (the run core's executors, ``service.run.core``).
+
+:class:`InProcess` runs the one rank in the calling process, without Ray
+(``workers.ranks.local``): ``bnrecal calibrate --workers 1`` and ``bnrecal.recalibrate(...,
+workers=1)`` without a Ray address. :class:`RayRanks` runs a rank group on Ray
+(``workers.ranks.group``), warm from a pool when there is one: it starts or joins Ray,
+decides how the data reaches the ranks, and places them by the settings.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
+from bnrecal.workers.ranks.plan import GroupResult, RankPlan
+
+from bnrecal.service.run.core import RunPlan
+from bnrecal.service.run.report import Placement
+from bnrecal.service.settings import Settings
+
+if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
+    from bnrecal.workers.ranks.pool import WarmPool
+
+
+class InProcess:
+    """The one rank in the calling process, without Ray: it calibrates the driver's own
+    model, so nothing is shipped (``workers.ranks.local``)."""
+
+    def start(self, plan: RunPlan) -> None:
+        """Nothing to start; a run here has one worker."""
+        if plan.options.workers != 1:
+            raise ValueError("a run in the calling process has one worker")
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """Loader processes for decoded data: the threads this process has, less one."""
+        return replace(plan, loader_workers=_loader_workers(plan.dataset, float(torch.get_num_threads())))
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """The pass, here."""
+        return run_in_process(plan, run.model, on_progress=on_progress, cancel=cancel)
+
+    def placement(self, run: RunPlan) -> Placement:
+        """In process, all of it."""
+        return Placement(IN_PROCESS, IN_PROCESS, IN_PROCESS, float(torch.get_num_threads()), False)
+
+    def close(self) -> None:
+        """Nothing was started."""
+
+
+class RayRanks:
+    """A rank group on Ray (``workers.ranks.group``): the cluster at ``address`` (else
+    ``RAY_ADDRESS``, else an embedded local instance, shut down again after the run with
+    ``stop_embedded``), warm ranks from ``pool`` when it has a gang of the same shape."""
+
+    def __init__(
+        self, settings: Settings, *, address: str | None = None, pool: WarmPool | None = None,
+        placement: str | None = None, stop_embedded: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.address = address
+        self.pool = pool
+        self.placement_strategy = placement
+        self.stop_embedded = stop_embedded
+        self.started_local = False
+        self.transport = "python"
+        self.shards: list[Any] | None = None
+        self.eval_shards: list[Any] | None = None
+
+    def start(self, plan: RunPlan) -> None:
+        """Start or join Ray, place nothing yet; decide how the data reaches the ranks."""
+        from bnrecal.service.run.cluster import ensure_ray
+
+        options = plan.options
+        self.started_local = ensure_ray(self.address, min_cpus=options.workers)
+        self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
+        if isinstance(plan.data, DatasetSpec):
+            self.transport = "remote" if plan.data.remote is not None else resolve_data_transport(self.settings.data_transport)
+        if self.transport == "object_store":  # data in object storage is fetched by each rank itself
+            if isinstance(plan.data, DatasetSpec) and plan.data.remote is None:
+                self.shards = ship_rank_shards(plan.data, options.batch_size, options.workers)
+            evaluation = plan.evaluation
+            if evaluation is not None and evaluation.dataset.remote is None:
+                self.eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, options.workers)
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """The collective's backend by device (NCCL on CUDA, GLOO on CPU), and loader processes."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+
+        return replace(
+            plan, backend=backend_for_device(plan.device),
+            loader_workers=_loader_workers(plan.dataset, self.group.cpus_per_worker),
+        )
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """The pass on the rank group."""
+        from bnrecal.workers.ranks.group import run_rank_group
+
+        return run_rank_group(
+            plan, run.weights, self.group, on_progress=on_progress, cancel=cancel,
+            shards=self.shards, eval_shards=self.eval_shards, pool=self.pool,
+        )
+
+    def placement(self, run: RunPlan) -> Placement:
+        """The backend, placement strategy, transport and resources the ranks had."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+
+        from bnrecal.service.run.cluster import is_local_instance
+
+        shipped = [*(self.shards or []), *(self.eval_shards or [])]
+        return Placement(
+            backend=backend_for_device(run.options.device), placement=self.group.placement_strategy,
+            data_transport=self.transport, cpus_per_worker=self.group.cpus_per_worker,
+            embedded_cluster=self.started_local or is_local_instance(),
+            object_store_bytes=sum(shard.nbytes for shard in shipped),
+        )
+
+    def close(self) -> None:
+        """Shut down an embedded instance this run started, when asked to."""
+        if self.stop_embedded and self.started_local:
+            from bnrecal.service.run.cluster import shutdown_embedded
+
+            shutdown_embedded()
+
+
+def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:
+    """Loader processes of a rank: none for arrays and the caller's Python data (read as
+    they are), else one per CPU beyond the first (images decode in parallel)."""
+    return 0 if data.kind in ("array", "loader", "batches") else max(0, int(cpus) - 1)
+
+
+def ship_rank_shards(dataset: DatasetSpec, batch_size: int, workers: int) -> list[Any]:
+    """Each rank's samples of ``dataset``, put in the object store."""
+    from bnrecal.workers.data import ship_dataset
+    from bnrecal.workers.ranks.sharding import rank_ranges
+
+    ranges = [rank_ranges(dataset.num_samples, batch_size, workers, r) for r in range(workers)]
+    return ship_dataset(dataset, ranges)
+
+
+def resolve_data_transport(setting: str) -> str:
+    """Resolve ``auto``: share paths only on a single-node cluster this process is part of."""
+    if setting != "auto":
+        return setting
+    import ray
+
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    here = ray.get_runtime_context().get_node_id()
+    return "shared" if alive == [here] else "object_store"
+
+
+def group_options(settings: Settings, workers: int, device: str, placement: str | None = None) -> Any:
+    """How a job's ``workers`` ranks are placed and timed, from the settings: CPUs and GPUs
+    per rank, the placement strategy (``placement`` over the setting) and the timeouts; the
+    same for the calibration's ranks and the INT8 range pass's."""
+    from bnrecal.workers.ranks.plan import GroupOptions
+
+    return GroupOptions(
+        cpus_per_worker=cpus_per_worker(settings, workers),
+        gpus_per_worker=settings.gpus_per_worker if device == "cuda" else 0.0,
+        placement_strategy=(placement or settings.placement_strategy).upper(),
+        collective_timeout_s=settings.collective_timeout_s,
+        placement_timeout_s=settings.placement_timeout_s,
+    )
+
+
+def cpus_per_worker(settings: Settings, workers: int) -> float:
+    """CPUs (and torch threads) each rank asks for: the setting, else the local CPUs split
+    between the ranks on a single-node cluster, else one."""
+    import ray
+
+    from bnrecal.service.run.cluster import is_local_instance
+
+    if settings.cpus_per_worker:
+        return settings.cpus_per_worker
+    if ray.is_initialized() and not is_local_instance():
+        return 1.0
+    return float(max(1, (os.cpu_count() or 1) // workers))
