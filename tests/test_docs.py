@@ -6,8 +6,8 @@ points at them arrives.
   "Order")`` in a comment, a relative link in markdown.
 - Every relative link of the README and the docs pages reaches a file, and a heading of it
   when the link names one (GitHub's anchors).
-- Every ``docs/<page>.md, "<Heading>"`` citation in the code names a page that exists and a
-  heading it has; every ``docs/<page>.md`` named anywhere exists.
+- Every ``docs/<page>.md, "<Heading>"`` (or ``docs/<page>.md#anchor``) citation in the code
+  names a page that exists and a heading it has; every ``docs/<page>.md`` named exists.
 - Every docs page can be reached from the README by following links.
 """
 
@@ -34,6 +34,7 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 # (docs/page.md, "Heading") or docs/page.md ("Heading"), possibly wrapped over comment lines.
 CODE_CITATION = re.compile(r"docs/([\w.-]+\.md)(?:,\s*|\s*\(\s*)\"([^\"]+)\"")
 PAGE_MENTION = re.compile(r"(?<![\w./-])docs/([\w.-]+\.md)")
+ANCHORED_MENTION = re.compile(r"(?<![\w./-])docs/([\w.-]+\.md)#([\w-]+)")
 
 
 def tracked_files() -> list[str]:
@@ -179,6 +180,10 @@ def test_code_cites_pages_and_headings_that_exist() -> None:
         for page in sorted(set(PAGE_MENTION.findall(text))):
             if not (ROOT / "docs" / page).is_file():
                 wrong.append(f"{name}: docs/{page} does not exist")
+        for page, anchor in ANCHORED_MENTION.findall(text):
+            path = ROOT / "docs" / page
+            if path.is_file() and anchor not in anchors(path):
+                wrong.append(f"{name}: docs/{page} has no heading with anchor #{anchor}")
         for page, heading in CODE_CITATION.findall(joined):
             path = ROOT / "docs" / page
             if path.is_file() and heading not in headings(path):
