@@ -1,4 +1,5 @@
-"""Independent references: float64 statistics (contract section 1) and evaluation metrics.
+"""Independent references: float64 statistics (docs/calibration.md, "The statistics") and
+evaluation metrics.
 
 The statistics reference shares no code with the engine: it runs a float64 copy of the model, each BN
 module's own forward in torch's training mode (batch statistics, biased variance; only
@@ -20,9 +21,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def in_contract_order(samples: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """The samples of a dataset given by path in the order the contract reads them
-    (``order: "shuffled"``, the default): numpy's PCG64 permutation of all rows from ``seed``,
-    written out here rather than taken from the engine. ``max_samples = M`` is the first M."""
+    """The samples of a dataset given by path in the order bnrecal reads them
+    (docs/calibration.md, "Order"; ``order: "shuffled"``, the default): numpy's PCG64
+    permutation of all rows from ``seed``, written out here rather than taken from the
+    engine. ``max_samples = M`` is the first M."""
     return samples[torch.from_numpy(np.random.Generator(np.random.PCG64(seed)).permutation(len(samples)))]
 
 
@@ -34,7 +36,8 @@ def reference_statistics(
     mode: str = "sync",
     dtype: torch.dtype = torch.float64,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{layer name: (running_mean, running_var)}`` in float64, as the contract defines them.
+    """``{layer name: (running_mean, running_var)}`` in float64, as docs/calibration.md
+    defines them ("Result per BN layer").
 
     ``dtype`` is the precision the model runs in: float64 for the reference itself,
     float32 to tell a float32 model's own rounding from an error of the engine.
@@ -78,7 +81,8 @@ def assert_matches_reference(
     float32_reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     noise_factor: float = 4.0,
 ) -> None:
-    """Contract tolerances: |var err| <= rel * var and |mean err| <= rel * std, per channel.
+    """The documented tolerances (docs/calibration.md, "Accuracy"): |var err| <= rel * var
+    and |mean err| <= rel * std, per channel.
 
     The mean is also allowed the rounding of the buffer that stores it (half an ulp of
     its dtype): a float32 running_mean of 1e3 cannot be closer than 3e-5 to the truth.

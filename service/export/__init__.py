@@ -1,4 +1,5 @@
-"""Folded, verified ONNX export of a recalibrated model (contract sections 5 and 6).
+"""Folded, verified ONNX export of a recalibrated model (docs/onnx.md; its report section:
+docs/report.md, "The `onnx` section").
 
 BatchNorm layers are folded in PyTorch on the traced dataflow, then on the exported
 ONNX graph for whatever is left; the file is checked with ``onnx.checker`` (full check)

@@ -1,7 +1,7 @@
 """Run one of torch's ONNX exporters without letting it fold or split anything.
 
 Both exporters in torch 2.14 fold the plain Conv -> BN case themselves, in float32 and
-without the legality checks of contract section 6, so neither is allowed to: the
+without the legality checks of docs/onnx.md, "What is folded", so neither is allowed to: the
 ``torch.export`` (dynamo) exporter runs with ``optimize=False`` (its optimizer applies
 onnxscript's BatchNorm fusion rules), the TorchScript exporter with
 ``training=TrainingMode.PRESERVE`` on an eval model (which skips its eval-mode peephole

@@ -1,6 +1,6 @@
 """Fold the BatchNormalization nodes left in an exported ONNX graph (an ``onnx_ir`` model).
 
-The graph is the real dataflow, so the legality checks of contract section 6 are exact
+The graph is the real dataflow, so the legality checks of docs/onnx.md, "What is folded", are exact
 here: the BN input must come from a Conv, ConvTranspose, Gemm or 2-D MatMul whose output
 feeds only the BN and whose weights feed only that node; otherwise the BN output must
 feed only a Conv (any group) without zero padding. Folded weights are computed in

@@ -3,10 +3,10 @@
 The dataflow comes from a ``torch.fx`` trace where the model traces (standard conv,
 linear and BatchNorm modules kept as leaves); where it does not, only the children of
 plain ``nn.Sequential`` containers are paired, and a forward pass with hooks checks that
-each module runs exactly once. A fold is made only when it is legal (contract section 6):
-the producer's output feeds the BN alone, no weight is shared with another call site,
-and a BN -> Conv fold needs a conv that does not pad with zeros. Everything else is left
-to the ONNX graph pass, which sees the exported graph.
+each module runs exactly once. A fold is made only when it is legal (docs/onnx.md, "What
+is folded"): the producer's output feeds the BN alone, no weight is shared with another
+call site, and a BN -> Conv fold needs a conv that does not pad with zeros. Everything
+else is left to the ONNX graph pass, which sees the exported graph.
 """
 
 from __future__ import annotations

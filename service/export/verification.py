@@ -4,7 +4,7 @@ onnxruntime runs with graph optimizations disabled, so the file is judged as wri
 (its own fusions could otherwise hide or cause a difference). Tolerances, with
 ``scale = max(1, max|y|)`` over the PyTorch outputs of a batch:
 
-- float32 export: ``max|y_onnx - y_torch| <= 1e-4 * scale`` (contract section 6);
+- float32 export: ``max|y_onnx - y_torch| <= 1e-4 * scale`` (docs/onnx.md, "The file");
 - float16 export: ``max|y_onnx - y_torch| <= 2e-2 * scale``; float16 keeps about 3
   significant digits per op, so the error of a deep network compounds to ~1e-3..1e-2
   of the output scale (measured on resnet18, mobilenet_v3_small, efficientnet_b0 and

@@ -1,6 +1,6 @@
 """Jobs as users see them: the validated job spec, the status set, and the job resource.
 
-A job spec (contract section 7) is checked completely when it is submitted: its fields
+A job spec (docs/api.md, "Jobs") is checked completely when it is submitted: its fields
 by pydantic (a 422 names the field), the blobs it names against the tenant's store, a
 server-side data path against ``BNRECAL_DATA_ROOTS``, the architecture against the
 allowlist and its ranks against the cluster's nodes, so a job that is accepted can only

@@ -8,7 +8,7 @@
   its batches are read on the driver (up to ``max_samples``), kept in memory and sent to
   the ranks, each of which slices its part of every step;
 - a map-style ``Dataset`` (or a tensor or array of samples) with ``batch_size``;
-- a path or ``s3://`` URI: what ``--data`` takes (contract section 3).
+- a path or ``s3://`` URI: what ``--data`` takes (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How a caller's live model is run or reaches the ranks, and how the statistics come back
 into it. bnrecal is a guest in the caller's process: it never traces, exports or mutates
-the caller's module itself (contract section 8).
+the caller's module itself (docs/python.md, "What differs, and why").
 
 - **In the calling process** (one worker, no Ray): the pass runs on a *view* of the model
   (:func:`guest_view`): module objects of its own over the caller's parameter storage, so

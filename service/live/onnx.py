@@ -1,4 +1,4 @@
-"""``bnrecal.export_onnx``: a live model to folded, verified ONNX (contract section 6)."""
+"""``bnrecal.export_onnx``: a live model to folded, verified ONNX (docs/onnx.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The INT8 export of a run (contract section 10): ranges gathered by the ranks over the
+"""The INT8 export of a run (docs/int8.md): ranges gathered by the ranks over the
 calibration samples with the calibration's sharding, the QDQ graph written by
 onnxruntime's tooling (``service.export.int8``), verified, measured on the evaluation
 data beside the FP32 model and the stale model quantized alike, and guarded.
@@ -289,8 +289,9 @@ def quantize_recalibrated(
     kwargs = {key: value for key, value in (export_options or {}).items() if key != "dtype"}
     if fp32_model is None:
         fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
-    # The ranges are gathered over the samples the statistics were computed on (contract
-    # section 10): with max_samples "auto", the prefix of the order where they converged.
+    # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
+    # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
+    # they converged.
     samples = int(result.report["samples"])
     if result.report.get("backend") == "in-process":
         gather = in_process(result.dataset, request.batch_size, samples)

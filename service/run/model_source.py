@@ -1,5 +1,5 @@
 """The model of a recalibration, as the user gave it: an architecture and a checkpoint,
-or a ``torch.export`` program (contract section 2).
+or a ``torch.export`` program (docs/models.md).
 
 ``load_model`` builds the driver's copy and what the ranks need (the source and its
 weights); ``LoadedModel.save`` writes the recalibrated result in the form it came in: the

@@ -3,7 +3,7 @@
 
 A :class:`LoaderSpec` is described once on the driver and sent to every rank. Its steps
 are the global batches, in order; rank k takes the k-th part of ``numpy.array_split`` of
-every step's samples (contract section 1), also when that part is empty, so the ranks'
+every step's samples (docs/calibration.md, "Sharding"), also when that part is empty, so the ranks'
 collectives pair up. A map-style dataset travels as the dataset object with its
 ``collate_fn`` and every step's sample indices: each rank decodes only its own samples, with
 its own DataLoader workers. Materialised batches travel whole; each rank slices its part.

@@ -1,4 +1,4 @@
-"""The order a dataset's samples are taken in (contract section 1, "Order").
+"""The order a dataset's samples are taken in (docs/calibration.md, "Order").
 
 ``shuffled`` (the default of a run) takes the samples of a dataset given by path, upload or
 URI in a seeded pseudo-random order, so that every prefix (``max_samples``) and every global

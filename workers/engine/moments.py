@@ -2,7 +2,7 @@
 
 A layer's moments are packed in one float64 vector ``[n, S1[0..C), S2[0..C)]`` with
 ``S1 = sum(x - c)`` and ``S2 = sum((x - c)^2)`` per channel, where the shift ``c`` is the
-layer's old running mean (contract section 1). Packing the count and both sums in one
+layer's old running mean (docs/calibration.md, "Numerics"). Packing the count and both sums in one
 tensor is what lets a step synchronise a layer with a single allreduce, and what lets
 ``local`` mode send every layer in one buffer: moments of disjoint sets simply add.
 
@@ -79,7 +79,7 @@ def batch_moments(x: torch.Tensor) -> BatchMoments:
 
     One statistics pass in the common case; a second pass over ``x - mean`` only for
     channels far from zero relative to their spread, where float32 statistics of the raw
-    values would be off (contract section 1, "Numerics").
+    values would be off (docs/calibration.md, "Numerics").
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0

@@ -1,4 +1,5 @@
-"""Activation ranges for INT8 quantization, and how ranks combine them (contract section 10).
+"""Activation ranges for INT8 quantization, and how ranks combine them (docs/int8.md, "How
+the ranges are gathered").
 
 Pure numpy and torch: no Ray, no onnxruntime session. A rank adds every batch's values
 of each calibrated tensor to a :class:`MinMaxAccumulator` (pass 1) and, for the

@@ -1,4 +1,4 @@
-"""Build untrained models from an architecture reference (contract section 2).
+"""Build untrained models from an architecture reference (docs/models.md, "Named architectures").
 
 Four forms are accepted:
 
@@ -84,7 +84,7 @@ def build_model(
     allowed_modules: Sequence[str] = (),
     device: str = "cpu",
 ) -> torch.nn.Module:
-    """Build an untrained model from an architecture reference (contract section 2).
+    """Build an untrained model from an architecture reference (docs/models.md, "Named architectures").
 
     The model comes back in float32 on ``device`` (the CPU; ``meta`` to know its shapes
     without memory, built under ``torch.device("meta")``), with random weights: the

@@ -1,4 +1,5 @@
-"""Which key prefix a checkpoint carries, decided against the model's own keys (contract section 2).
+"""Which key prefix a checkpoint carries, decided against the model's own keys
+(docs/models.md, "Checkpoint layouts").
 
 Wrappers put one prefix in front of every key of a state dict: DDP's ``module.``,
 ``torch.compile``'s ``_orig_mod.``, a Lightning module's attribute (``model.``, ``net.``),

@@ -1,4 +1,5 @@
-"""Read, load and write checkpoints without ever running code from them (contract section 2).
+"""Read, load and write checkpoints without ever running code from them (docs/models.md,
+"Checkpoint layouts").
 
 A checkpoint is either a safetensors file or a torch file read with
 ``torch.load(weights_only=True)``. The state dict may be the whole file or sit one level

@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` models as a model source: ``transformers:<ModelClass>``
-(contract section 2, "Hugging Face").
+(docs/models.md, "Hugging Face transformers").
 
 The model is built from its configuration alone: ``model_kwargs`` is the content of the
 ``config.json`` that ``save_pretrained`` writes, turned into the class's own config with

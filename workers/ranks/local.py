@@ -6,8 +6,8 @@
 one, in the calling process, with the engine's calibration pass and a
 ``SingleProcessCollective``: ``bnrecal.recalibrate(..., workers=1)`` and ``bnrecal
 calibrate --workers 1`` run here when no Ray cluster is named. The statistics are those of
-every other path (contract section 1): the same data, the same pass, a world of one.
-This module never imports Ray.
+every other path (docs/calibration.md, "The statistics"): the same data, the same pass, a
+world of one. This module never imports Ray.
 """
 
 from __future__ import annotations

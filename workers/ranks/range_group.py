@@ -1,5 +1,5 @@
 """The driver's side of INT8 range collection: K rank actors gather the activation
-ranges of the folded FP32 model over their shards (contract section 10).
+ranges of the folded FP32 model over their shards (docs/int8.md, "How the ranges are gathered").
 
 The ranks are placed and supervised like a calibration's (``workers.ranks.group``): a warm
 gang of the same shape from the pool when one is idle, else a new one; any failure names

@@ -1,4 +1,4 @@
-"""The deterministic sharding rule of contract section 1."""
+"""The deterministic sharding rule (docs/calibration.md, "Sharding")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""INT8 (QDQ) export of a folded FP32 ONNX model (contract section 10).
+"""INT8 (QDQ) export of a folded FP32 ONNX model (docs/int8.md).
 
 The options (``options.Int8Options``, pure pydantic: the job spec and the command line
 take them without loading onnxruntime), onnxruntime's pre-processing and the tensors to

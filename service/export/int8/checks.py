@@ -1,6 +1,7 @@
-"""The INT8 file checked like the FP32 export (contract sections 6 and 10): ``onnx.checker``
-full check, runs in onnxruntime, its outputs against the FP32 export's on calibration
-samples; and top-1/top-5 on labelled evaluation data.
+"""The INT8 file checked like the FP32 export (docs/onnx.md, "The file"; docs/int8.md,
+"Checks and the report's `int8` section"): ``onnx.checker`` full check, runs in
+onnxruntime, its outputs against the FP32 export's on calibration samples; and
+top-1/top-5 on labelled evaluation data.
 
 Sessions here run with onnxruntime's default graph optimizations, as a deployment runs
 the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels.

@@ -1,5 +1,5 @@
-"""Each fold pattern of contract section 6 on a small synthetic model: node counts of the
-exported graph, the report, and an independent numeric match in onnxruntime.
+"""Each fold pattern of docs/onnx.md, "What is folded", on a small synthetic model: node
+counts of the exported graph, the report, and an independent numeric match in onnxruntime.
 
 Every pattern runs three ways: the public path (PyTorch fold, then the graph pass, on the
 dynamo exporter's graph), and the graph pass alone on each exporter's graph (dynamo and

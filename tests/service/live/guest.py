@@ -1,6 +1,6 @@
-"""What "only the BN statistics changed" means for a caller's model (contract section 8),
-checked against a snapshot taken before the call, and an independent reference for models
-whose batches are not one tensor (lists of images, varying shapes)."""
+"""What "only the BN statistics changed" means for a caller's model (docs/python.md, "What
+differs, and why"), checked against a snapshot taken before the call, and an independent
+reference for models whose batches are not one tensor (lists of images, varying shapes)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def hooked_reference(
 
 
 def assert_statistics(model: nn.Module, expected: dict[str, tuple[torch.Tensor, torch.Tensor]], rel: float = 1e-4) -> None:
-    """Every BN layer of ``model`` carries ``expected`` (contract section 1's accuracy)."""
+    """Every BN layer of ``model`` carries ``expected`` (docs/calibration.md, "Accuracy")."""
     assert expected
     modules = dict(model.named_modules())
     for name, (mean, var) in expected.items():

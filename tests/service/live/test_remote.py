@@ -43,7 +43,7 @@ def test_a_tensor_loader_and_a_path_through_a_server(live_server, tmp_path):  # 
     torch.manual_seed(4)
     model = perturbed(mixed_net()).eval()
     samples = torch.randn(20, 3, 6, 6) * 1.2
-    # A loader keeps its own order; a path is read in the contract's fair order.
+    # A loader keeps its own order; a path is read in the seeded fair order (docs/calibration.md, "Order").
     for data, options, first in (
         (DataLoader(TensorDataset(samples, torch.arange(20)), batch_size=8), {"max_samples": 16}, samples[:16]),
         (str(tmp_path / "x.npy"), {"max_samples": 16, "batch_size": 8}, in_contract_order(samples)[:16]),

@@ -1,8 +1,8 @@
-"""Only BN statistics change on the caller's model (contract section 8), for models users
-bring: mixed train/eval submodules, a YOLO-like detect head that caches its anchors, a
-pruned resnet (``torch.nn.utils.prune``: forward pre-hooks that assign the weight) with a
-forward hook of the caller's, a float64 model fed by ``forward=``, torchvision's
-detection and segmentation models, a Hugging Face model. After the call every
+"""Only BN statistics change on the caller's model (docs/python.md, "What differs, and
+why"), for models users bring: mixed train/eval submodules, a YOLO-like detect head that
+caches its anchors, a pruned resnet (``torch.nn.utils.prune``: forward pre-hooks that
+assign the weight) with a forward hook of the caller's, a float64 model fed by ``forward=``,
+torchvision's detection and segmentation models, a Hugging Face model. After the call every
 parameter, non-BN buffer, tensor attribute, ``training`` flag, ``requires_grad`` and hook
 is as before, the model deep-copies, saves and runs, and its statistics are the
 independent reference's. In the calling process (one worker) for all; on two Ray ranks

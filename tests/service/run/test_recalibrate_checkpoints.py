@@ -1,5 +1,5 @@
 """Checkpoints as training wrappers save them, recalibrated on a real local Ray cluster and
-written back in their own layout (contract section 2)."""
+written back in their own layout (docs/models.md, "Checkpoint layouts")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""One worker in the calling process (contract section 8): ``bnrecal calibrate --workers 1``
-without a Ray address runs the engine's pass here, without Ray, to the statistics of
-the Ray ranks at every K (sync) and of one Ray rank (local), with ``backend: in-process``."""
+"""One worker in the calling process (docs/python.md, "Where it runs, and how the model
+gets there"; docs/cli.md, "One worker, no Ray"): ``bnrecal calibrate --workers 1`` without
+a Ray address runs the engine's pass here, without Ray, to the statistics of the Ray
+ranks at every K (sync) and of one Ray rank (local), with ``backend: in-process``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fair order, standard errors and ``max_samples: "auto"`` on a real local Ray cluster
-(contract sections 1 and 5): the seeded order gives the reference's statistics at any K,
-the standard errors are the same at any K in sync mode, and every rank stops at the same
-step once every layer is within the tolerance."""
+(docs/calibration.md, "Order" and "How many samples"): the seeded order gives the
+reference's statistics at any K, the standard errors are the same at any K in sync mode, and
+every rank stops at the same step once every layer is within the tolerance."""
 
 from __future__ import annotations
 
@@ -104,9 +104,10 @@ def test_auto_in_local_mode_is_refused_naming_the_field(mixed):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, warm_pool, tmp_path, workers):
-    """Contract section 10: the INT8 ranges are gathered over the samples the statistics
-    came from. With "auto" that is the converged prefix of the order, so the file is the
-    one a run told that many samples writes, and not the one over all the data."""
+    """docs/int8.md, "How the ranges are gathered": the INT8 ranges are gathered over the
+    samples the statistics came from. With "auto" that is the converged prefix of the order,
+    so the file is the one a run told that many samples writes, and not the one over all the
+    data."""
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.run.int8 import quantize_recalibrated
 

@@ -203,7 +203,7 @@ def test_sklearn_digits_read_back_from_class_folders(tmp_path: Path) -> None:
 
 
 def step_ranges(num_samples: int, batch: int, world: int, rank: int) -> list[tuple[int, int]]:
-    """The contract's sharding for one rank: its part of every global step."""
+    """The sharding for one rank (docs/calibration.md, "Sharding"): its part of every global step."""
     ranges = []
     for start in range(0, num_samples, batch):
         part = np.array_split(np.arange(start, min(start + batch, num_samples)), world)[rank]

@@ -1,5 +1,5 @@
 """Python-object calibration data (``workers.data.loader``): each rank's part of every step
-is its ``numpy.array_split`` part (contract section 1), for a dataset read through the
+is its ``numpy.array_split`` part (docs/calibration.md, "Sharding"), for a dataset read through the
 rank's own DataLoader and for batches materialised on the driver alike."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seeded sample order (contract section 1, "Order"): a prefix and every batch are a fair
+"""The seeded sample order (docs/calibration.md, "Order"): a prefix and every batch are a fair
 draw, the same rows for every reader (local arrays, npz members, image folders, object
 storage), labels follow their samples, and reads stay coalesced."""
 
@@ -22,7 +22,7 @@ IDENTITY = {"resize": 8, "crop": 8, "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1
 
 
 def contract_order(total: int, seed: int = 0) -> np.ndarray:
-    """The order as the contract states it, written out here: numpy's PCG64 permutation."""
+    """The order as docs/calibration.md ("Order") states it, written out here: numpy's PCG64 permutation."""
     return np.random.Generator(np.random.PCG64(seed)).permutation(total)
 
 

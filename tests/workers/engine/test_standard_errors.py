@@ -1,5 +1,6 @@
-"""The standard errors of the recalibrated statistics are honest (contract section 5), and a
-pass with a stop rule ends at the first step where they are all within the tolerance.
+"""The standard errors of the recalibrated statistics are honest (docs/calibration.md, "How
+many samples"), and a pass with a stop rule ends at the first step where they are all within
+the tolerance.
 
 The model's BN inputs are linear in the data (a convolution, and a 1x1 convolution beside
 it), so their true statistics are those of a large reference population pushed through the

@@ -1,5 +1,5 @@
 """Key prefixes of wrapped models (DDP, ``torch.compile``, Lightning), found against the
-model's own keys on load and written back on save (contract section 2)."""
+model's own keys on load and written back on save (docs/models.md, "Checkpoint layouts")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Loading an uploaded program never runs code from it (contract section 2, "Programs").
+"""Loading an uploaded program never runs code from it (docs/models.md, "torch.export programs").
 
 Each crafted archive starts from a real ``torch.export.save`` file and plants code that
 would create a marker file if anything ran it: a pickle in a member, a graph node naming a
