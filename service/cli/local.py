@@ -71,7 +71,7 @@ def calibrate(
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
     cancel = threading.Event()
-    in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
+    in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).

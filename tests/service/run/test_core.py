@@ -1,4 +1,4 @@
-"""The one run core (``service.run.core``): ``run(plan, executor)`` gives the contract's
+"""The one run core (``service.run.core``): ``run(plan, executor)`` gives the documented
 statistics through either executor, and its ``FailurePolicy`` decides retries: a lost
 pass runs again from the start (the report says so), bad input, a call order that
 differs and a cancellation never do, and the error after the last retry says how many."""
