@@ -55,6 +55,9 @@ def summary_lines(
     precision = statistics_line(report)
     if precision:
         lines.append(precision)
+    if report.get("attempts", 1) > 1:
+        failures = report.get("retried_failures") or []
+        lines.append(f"retried {len(failures)} time{'s' * (len(failures) != 1)} after: {'; '.join(failures)}")
     others = [str(path) for path in also_wrote if path is not None]
     if others:
         lines.append(f"also wrote {', '.join(others)}")

@@ -198,7 +198,9 @@ def _attempts(
     while True:
         progress = _phase_ordered_progress(plan, on_progress)
         if on_progress is not None:  # the samples to calibrate are known before any worker starts
-            on_progress(0, plan.data.num_samples, STARTING_PHASE)
+            # a retry says so, and why, where the user watches (the terminal, the job's phase)
+            phase = f"{STARTING_PHASE} again after: {failures[-1]}" if failures else STARTING_PHASE
+            on_progress(0, plan.data.num_samples, phase)
         try:
             return executor.execute(rank_plan, plan, progress, cancel), failures
         except DatasetError:

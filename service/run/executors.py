@@ -50,8 +50,9 @@ class InProcess:
         return run_in_process(plan, run.model, on_progress=on_progress, cancel=cancel)
 
     def placement(self, run: RunPlan) -> Placement:
-        """In process, all of it."""
-        return Placement(IN_PROCESS, IN_PROCESS, IN_PROCESS, float(torch.get_num_threads()), False)
+        """In process, all of it; data in object storage is still fetched from there (``remote``)."""
+        remote = isinstance(run.data, DatasetSpec) and run.data.remote is not None
+        return Placement(IN_PROCESS, IN_PROCESS, "remote" if remote else IN_PROCESS, float(torch.get_num_threads()), False)
 
     def close(self) -> None:
         """Nothing was started."""

@@ -85,8 +85,11 @@ def test_a_lost_pass_runs_again_and_gives_the_same_statistics(stale):
     model, samples = stale
     clean = run(plan_for(copy.deepcopy(model), samples), InProcess())
     executor = LosesPasses(losses=1)
-    result = run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=1))
+    phases: list[str] = []
+    result = run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=1),
+                 on_progress=lambda done, total, phase: phases.append(phase))
     assert executor.passes == 2
+    assert "starting workers again after: rank 0 was lost in pass 1" in phases  # the user sees the retry
     assert result.report.attempts == 2 and result.report.retried_failures == ["rank 0 was lost in pass 1"]
     for key, value in clean.updates.items():
         assert torch.equal(result.updates[key], value), key  # a retry gives identical statistics
