@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import STARTING_PHASE, check_model_choice
 from bnrecal.service.run.progress import progress_bar

@@ -21,7 +21,7 @@ from typing import Annotated, Any, get_args
 import typer
 
 from bnrecal.workers.engine.modes import Mode as ModeChoice
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, default, description
 from bnrecal.service.run.options import Device as DeviceChoice

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.errors import BnrecalError, CancelledError, InputError, SpecError
 
 from bnrecal.service.run.options import check_model_choice
 from bnrecal.service.run.progress import progress_bar

@@ -23,7 +23,7 @@ from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
+from bnrecal.errors import ModelInputError, NoBatchNormError, SpecError, first_line
 from bnrecal.workers.ranks.local import run_in_process
 from bnrecal.workers.ranks.plan import RankPlan
 

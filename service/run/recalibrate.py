@@ -27,7 +27,7 @@ from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.evaluation import check_eval_output
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.errors import CancelledError, DatasetError, NoBatchNormError, RunError
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.collectives import backend_for_device
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process

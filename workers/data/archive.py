@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from bnrecal.workers.data.base import DatasetOptionError
 from bnrecal.workers.data.images import is_ignored_part, is_image_name
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_MAX_MEMBERS = 1_000_000
 DEFAULT_MAX_UNPACKED_BYTES = 64 * 2**30

@@ -27,7 +27,7 @@ import torch
 from bnrecal.workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.order import ReadAhead, gather_runs
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
 

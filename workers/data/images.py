@@ -27,7 +27,7 @@ import torch
 
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.transform import ImageTransform, load_image
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 

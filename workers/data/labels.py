@@ -14,7 +14,7 @@ import numpy as np
 from bnrecal.workers.data.images import list_images
 from bnrecal.workers.data.objectstore import list_remote_images, open_remote_file, remote_error
 from bnrecal.workers.data.spec import DatasetSpec
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 LABEL_ARRAY = "y"
 """The ``.npz`` member holding one class index per sample of ``x``."""

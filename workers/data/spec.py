@@ -21,7 +21,7 @@ from bnrecal.workers.data.archive import (
     unpack_archive,
 )
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
-from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
@@ -36,7 +36,7 @@ from bnrecal.workers.data.objectstore import (
 )
 from bnrecal.workers.data.order import ORDERS, order_rows
 from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 _SUFFIX_FORMATS = (
     (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),

@@ -21,12 +21,13 @@ from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
 from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.jobs import ConflictError, JobStatus
+from bnrecal.service.jobserver.jobs import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
 from bnrecal.workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
-from bnrecal.workers.errors import InsufficientStorageError, NotFoundError
+from bnrecal.errors import ConflictError, InsufficientStorageError, NotFoundError
+from bnrecal.service.jobserver.problems import http_status
 
 DAY = 86400.0
 T = "tenant-a"
@@ -237,7 +238,7 @@ def test_a_full_disk_keeps_nothing_of_the_upload(store):
     assert written and store.blobs.staging_files() == []
     assert [digest for digest, _ in store.blobs.stored(T)] == [kept]
     assert store.blobs.path(T, kept).read_bytes() == b"stored before"
-    assert InsufficientStorageError.status == 507
+    assert http_status(InsufficientStorageError) == 507
 
 
 def test_gc_command_lists_then_deletes(store, tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.errors import ArchitectureError
+from bnrecal.errors import ArchitectureError
 from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.jobserver.jobs import check_architecture

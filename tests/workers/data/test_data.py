@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
-from bnrecal.workers.errors import DatasetError, SpecError
+from bnrecal.workers.data import describe_dataset, iter_batches, read_labels
+from bnrecal.errors import DatasetError, DatasetOptionError, SpecError
 
 
 def test_npy_float32_is_memory_mapped_and_read_by_rows(tmp_path: Path) -> None:
