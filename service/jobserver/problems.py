@@ -6,7 +6,7 @@ answer. It lives with the job server rather than in ``api`` because the job serv
 a failed job's problem (and the client reads one back into the error it stands for), and
 ``service`` never imports ``api``. ``api.problems`` renders it. Each class of the tree has
 its own row; a class defined elsewhere takes the row of its nearest ancestor, the same way
-a class attribute would be found (``test_problems_table`` keeps the table complete).
+a class attribute would be found (tests/service/jobserver/test_problems.py keeps the table complete).
 
 Every input error names the field to fix, so a client (the web page's form, the CLI's
 one line) can point at it: the error's own ``field`` where it has one, else the field
