@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from bnrecal.service.jobserver.server import PUBLIC_TENANT, Services, tenant_of_key
-from bnrecal.workers.errors import AuthenticationError, RunError
+from bnrecal.errors import AuthenticationError, RunError
 
 bearer_scheme = HTTPBearer(auto_error=False, description="An API key from BNRECAL_API_KEYS.")
 

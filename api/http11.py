@@ -19,8 +19,8 @@ import h11
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from bnrecal.service.jobserver.jobs import problem_of
-from bnrecal.workers.errors import BnrecalError, HeadersTooLargeError, InputError
+from bnrecal.service.jobserver.problems import http_status, problem_of
+from bnrecal.errors import BnrecalError, HeadersTooLargeError, InputError
 
 from .problems import PROBLEM_MEDIA_TYPE
 
@@ -70,7 +70,7 @@ class ProblemH11Protocol(H11Protocol):
         ]
         try:
             for event in (
-                h11.Response(status_code=error.status, headers=headers, reason=STATUS_PHRASES[error.status]),
+                h11.Response(status_code=http_status(error), headers=headers, reason=STATUS_PHRASES[http_status(error)]),
                 h11.Data(data=body),
                 h11.EndOfMessage(),
             ):

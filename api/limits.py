@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bnrecal.service.jobserver.jobs import problem_of
-from bnrecal.workers.errors import PayloadTooLargeError
+from bnrecal.service.jobserver.problems import problem_of
+from bnrecal.errors import PayloadTooLargeError
 
 from .problems import problem_response
 

@@ -1,6 +1,7 @@
 """Every error as ``application/problem+json`` (RFC 9457): the typed errors, validation, the rest.
 
-A :class:`~workers.errors.BnrecalError` carries its own status and title; a request
+A :class:`~bnrecal.errors.BnrecalError` answers with the status and title its class has in
+``service.jobserver.problems.PROBLEM_KINDS`` (the one table of them); a request
 that fails validation is a 422 whose ``field`` names the first bad field; anything
 unexpected is a 500 that says so without a stack trace (the server log has it).
 """
@@ -18,8 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bnrecal.service.jobserver.jobs import problem_of
-from bnrecal.workers.errors import BnrecalError
+from bnrecal.service.jobserver.problems import http_status, problem_of
+from bnrecal.errors import BnrecalError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 VALIDATION_TYPE = "https://bnrecal.dev/problems/validation"
@@ -64,9 +65,10 @@ def _is_union_tag(part: Any) -> bool:
 async def _bnrecal_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BnrecalError)
     headers = None
-    if exc.status == 401:
+    status = http_status(exc)
+    if status == 401:
         headers = {"WWW-Authenticate": 'Bearer realm="bnrecal"'}
-    elif exc.status in (429, 503):
+    elif status in (429, 503):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     return problem_response(problem_of(exc), headers)
 

@@ -17,26 +17,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnrecal import errors
 from bnrecal.workers.lazy import lazy_exports
 
-_ERRORS = (
-    "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
-    "CheckpointError", "DatasetError", "ExportError", "InputError", "ModelInputError", "NoBatchNormError",
-    "NotFoundError", "PayloadTooLargeError", "ProgramError", "RunError", "ServiceUnavailableError", "SpecError",
-    "UnsupportedLayerError",
-)
 _HOMES = {
     "service.client": ("BnrecalClient",),
     "service.live": ("RecalibrationReport", "export_onnx", "quantize", "recalibrate"),
-    "service.live.errors": _ERRORS,
+    "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name loads on first use
+    from bnrecal.errors import *  # noqa: F403 - the names bnrecal.errors.__all__ lists
     from bnrecal.service.client import BnrecalClient
     from bnrecal.service.live import RecalibrationReport, export_onnx, quantize, recalibrate
-    from bnrecal.service.live.errors import (
-        ArchitectureError, AuthenticationError, BnrecalError, CallOrderError, CancelledError, CheckpointError,
-        DatasetError, ExportError, InputError, ModelInputError, NoBatchNormError, NotFoundError,
-        PayloadTooLargeError, ProgramError, RunError, ServiceUnavailableError, SpecError, UnsupportedLayerError,
-    )

@@ -28,11 +28,22 @@ from typing import Any
 
 import httpx
 
-from bnrecal.workers import errors as error_types
-from bnrecal.workers.errors import BnrecalError, InputError, RunError
+from bnrecal.errors import (
+    AuthenticationError,
+    BnrecalError,
+    HeadersTooLargeError,
+    InputError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RunError,
+    ServiceUnavailableError,
+    SpecError,
+    TooManyJobsError,
+)
 from bnrecal.workers.files import atomic_write
 
 from .jobserver.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
+from .jobserver.problems import error_classes, http_status
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 COUNTED_PHASES = ("calibrating", "evaluating")
@@ -51,21 +62,11 @@ class ServerEvent:
     data: dict[str, Any]
 
 
-def _error_classes() -> dict[str, type[BnrecalError]]:
-    classes: dict[str, type[BnrecalError]] = {}
-    pending: list[type[BnrecalError]] = [BnrecalError]
-    while pending:
-        cls = pending.pop()
-        classes[cls("").type] = cls
-        pending.extend(cls.__subclasses__())
-    return classes
-
-
 _BY_STATUS: dict[int, type[BnrecalError]] = {
-    cls.status: cls
+    http_status(cls): cls
     for cls in (
-        error_types.AuthenticationError, error_types.NotFoundError, error_types.PayloadTooLargeError,
-        error_types.TooManyJobsError, error_types.HeadersTooLargeError, error_types.ServiceUnavailableError,
+        AuthenticationError, NotFoundError, PayloadTooLargeError,
+        TooManyJobsError, HeadersTooLargeError, ServiceUnavailableError,
     )
 }
 """The statuses that name one error class: how an answer without a body (to ``HEAD``) is typed."""
@@ -75,11 +76,11 @@ def error_from_problem(problem: dict[str, Any]) -> BnrecalError:
     """The typed error a problem object stands for (by its ``type``; else by its status)."""
     detail = str(problem.get("detail") or problem.get("title") or "unknown error")
     status = int(problem.get("status") or 500)
-    cls = _error_classes().get(str(problem.get("type"))) or _BY_STATUS.get(status)
+    cls = error_classes().get(str(problem.get("type"))) or _BY_STATUS.get(status)
     if cls is None:
         cls = InputError if 400 <= status < 500 else RunError
     error = cls(detail)
-    if isinstance(error, error_types.SpecError):
+    if isinstance(error, SpecError):
         error.field = problem.get("field")
     return error
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bnrecal.service.cli.main import main
 from bnrecal.service.settings import Settings
 
 from tests.postgres import PostgresServer, postgres_server
@@ -83,6 +84,17 @@ def save_state(path: Path, model: torch.nn.Module) -> Path:
     """Write a plain state_dict checkpoint."""
     torch.save(model.state_dict(), path)
     return path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run ``bnrecal ARGS`` in this process as the script would: exit code, stdout, stderr."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import bnrecal
 from bnrecal.service.client import BnrecalClient
-from bnrecal.workers import errors
+import bnrecal.errors as errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +20,23 @@ def test_the_public_names_are_the_products_own():
     assert bnrecal.BnrecalClient is BnrecalClient
     assert bnrecal.BnrecalError is errors.BnrecalError and bnrecal.NoBatchNormError is errors.NoBatchNormError
     assert issubclass(bnrecal.ModelInputError, bnrecal.BnrecalError)
+    for name in errors.__all__:  # the whole tree, by the names bnrecal.errors gives it
+        assert getattr(bnrecal, name) is getattr(errors, name) and name in bnrecal.__all__
+
+
+def test_the_error_names_load_without_torch_in_a_fresh_interpreter():
+    """Catching ``bnrecal.SpecError`` costs nothing: the error tree imports nothing of ours."""
+    probe = (
+        "import sys, bnrecal; bnrecal.SpecError; bnrecal.RunError; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'numpy') "
+        "or m.startswith(('bnrecal.service', 'bnrecal.api'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_help_works_in_a_fresh_interpreter():

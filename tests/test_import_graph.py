@@ -1,6 +1,7 @@
 """The house rules of the code: imports run one way (api -> service -> workers, and
 bnrecal -> service -> workers: the ``bnrecal`` package is only a public face that
-re-exports from ``service``) and no module imports, directly or through others, a module
+re-exports from ``service``), every layer may import the leaves beneath them all
+(``bnrecal.errors``, the one error tree, which imports nothing of the project), and no module imports, directly or through others, a module
 that imports it back. Inside ``workers`` and ``service`` the rooms have their own
 directions (``ROOMS``), so the layout shows the architecture: the engine imports no Ray,
 data and models know nothing of the ranks, the run pipeline nothing of the job server.
@@ -20,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "bnrecal", "service", "workers")
 LAYER = {"api": 2, "bnrecal": 2, "service": 1, "workers": 0}
+LEAVES = ("bnrecal.errors",)
+"""Modules below every layer: any module may import them, and they import nothing of ours."""
 
 # The rooms of a package and the other rooms of it each may import directly. Modules at a
 # package's top (its shared helpers: errors, files, settings, the client, ...) are not
@@ -143,12 +146,17 @@ def test_code_imports_only_the_installed_names():
     assert bare == [], "import the installed names (bnrecal.service, ...):\n" + "\n".join(sorted(bare))
 
 
+def layer(module: str) -> int:
+    """How high a module sits: a leaf below everything, else its package's layer."""
+    return -1 if module in LEAVES else LAYER[module.split(".")[0]]
+
+
 def test_imports_run_one_way():
     upward = [
         f"{source} imports {target}"
         for source, targets in graph().items()
         for target in targets
-        if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]
+        if layer(target) > layer(source)
     ]
     assert upward == [], "imports must run api -> service -> workers:\n" + "\n".join(sorted(upward))
 
@@ -197,15 +205,30 @@ def test_packages_keep_few_loose_modules():
         assert len(loose) <= 8, f"{package}/ has {len(loose)} loose modules: {loose}"
 
 
+def test_leaves_import_nothing_of_ours():
+    """``bnrecal.errors`` is imported by every layer, so it may import none of them (nor torch):
+    anything it imported would sit beneath every module of the product."""
+    edges = graph()
+    for leaf in LEAVES:
+        assert leaf in edges, f"{leaf} is not in the graph"
+        assert edges[leaf] == set(), f"{leaf} imports {sorted(edges[leaf])}"
+        path = ROOT / (leaf.replace(".", "/") + ".py")
+        assert external_imports(path) <= {"__future__"}, f"{leaf} imports {sorted(external_imports(path))}"
+    assert "bnrecal.errors" in edges["workers.engine.calibrator"] and "bnrecal.errors" in edges["api.problems"]
+
+
 def test_bnrecal_only_reexports_from_service():
-    """``bnrecal`` imports ``service`` and nothing else of the project, and nothing imports it."""
+    """``bnrecal`` imports ``service`` (and the error tree) and nothing else of the project, and
+    nothing imports it but for the error tree."""
     edges = graph()
     wrong = [
         f"{source} imports {target}"
         for source, targets in edges.items()
         for target in targets
-        if (source.startswith("bnrecal") and not target.startswith(("service", "workers.lazy")))
-        or (target.startswith("bnrecal") and not source.startswith("bnrecal"))
+        if target not in LEAVES and (
+            (source.startswith("bnrecal") and not target.startswith(("service", "workers.lazy")))
+            or (target.startswith("bnrecal") and not source.startswith("bnrecal"))
+        )
     ]
     assert wrong == [], "bnrecal -> service -> workers:\n" + "\n".join(sorted(wrong))
     assert "service.live" in edges["bnrecal"]
@@ -257,8 +280,8 @@ def test_the_graph_sees_real_imports():
     """The test above would pass on an empty graph: make sure it reads what is there."""
     edges = graph()
     assert "service.jobserver.server" in edges["api.app"]
-    assert "workers.errors" in edges["service.cli.main"]
+    assert "bnrecal.errors" in edges["service.cli.main"]
     assert "service.cli.local" in edges["service.cli.main"]
     assert "workers.engine.calibrator" in edges["workers.engine.calibration"]
     assert "service.run.recalibrate" in edges["service.jobserver.job_work"]
-    assert room_of("workers.ranks.actor") == ("workers", "ranks") and room_of("workers.errors") is None
+    assert room_of("workers.ranks.actor") == ("workers", "ranks") and room_of("workers.files") is None

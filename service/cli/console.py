@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import BnrecalError, InputError, SpecError
 
 from bnrecal.service.run.progress import stderr
 
@@ -122,6 +122,17 @@ def evaluation_line(evaluation: dict[str, Any]) -> str:
         parts.append(f"top-5 {before['top5']:.3f} -> {after['top5']:.3f}")
     parts.append(f"cross-entropy {before['cross_entropy']:.3f} -> {after['cross_entropy']:.3f}")
     return f"evaluation on {evaluation['samples']} samples: {', '.join(parts)}; {changed}"
+
+
+INPUT_EXIT_CODE = 2
+"""The exit code of bad input (a flag, a file, the architecture, the data): fix it and run again."""
+FAILURE_EXIT_CODE = 1
+"""The exit code of a run that failed for any other reason."""
+
+
+def exit_code(error: BnrecalError) -> int:
+    """The exit code a command ends with on ``error``: 2 for an :class:`InputError`, else 1."""
+    return INPUT_EXIT_CODE if isinstance(error, InputError) else FAILURE_EXIT_CODE
 
 
 def fail(message: str, code: int) -> NoReturn:

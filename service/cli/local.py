@@ -9,73 +9,46 @@ from typing import Annotated, Any
 
 import typer
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
-from bnrecal.service.run.options import STARTING_PHASE, check_model_choice
+from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.progress import progress_bar
 
 from . import options as opt
 from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
 
+@opt.run_command(ray_address="transform")
 def calibrate(
-    data: opt.DataOpt,
-    out: opt.OutOpt,
-    arch: opt.ArchOpt = None,
-    checkpoint: opt.CheckpointOpt = None,
-    program: opt.ProgramOpt = None,
-    model_kwargs: opt.ModelKwargsOpt = None,
-    workers: opt.WorkersOpt = opt.WORKERS,
-    batch_size: opt.BatchOpt = opt.BATCH_SIZE,
-    mode: opt.ModeOpt = opt.MODE,
-    max_samples: opt.MaxSamplesOpt = None,
-    order: opt.OrderOpt = opt.ORDER,
-    seed: opt.SeedOpt = opt.SEED,
-    tolerance: opt.ToleranceOpt = None,
-    device: opt.DeviceOpt = opt.DEVICE,
-    transform: opt.TransformOpt = None,
+    flags: opt.RunFlags,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
-    placement: opt.PlacementOpt = None,
-    max_retries: opt.MaxRetriesOpt = None,
-    onnx: opt.OnnxOpt = None,
-    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
-    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
-    report: opt.ReportOpt = None,
-    report_html: opt.ReportHtmlOpt = None,
-    eval_data: opt.EvalDataOpt = None,
-    eval_max_samples: opt.EvalMaxSamplesOpt = None,
-    onnx_int8: opt.OnnxInt8Opt = None,
-    int8: opt.Int8Opt = None,
 ) -> None:
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
     it changed)."""
     from ..settings import Settings
 
-    check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
-    int8_options = opt.int8_options(onnx_int8, int8)
-    if int8_options is not None and int8_options.max_top1_drop is not None and eval_data is None:
+    flags.check_model()
+    int8_options = flags.int8_options()
+    if int8_options is not None and int8_options.max_top1_drop is not None and flags.eval_data is None:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
-    options = opt.run_options(
-        arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
-        max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
-        order=order, seed=seed, tolerance=tolerance,
-    )
+    options = flags.run_options()
     from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
 
     request = RecalibrationRequest(
-        **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
-        eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
+        **options.run_options(), checkpoint=flags.checkpoint, program=flags.program,
+        data=opt.data_source(flags.data, "--data"), eval_data=opt.data_source(flags.eval_data, "--eval-data"),
+        eval_max_samples=flags.eval_max_samples,
     )
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
-        pool = _command_pool() if onnx_int8 is not None and not in_process else None
+        pool = _command_pool() if flags.onnx_int8 is not None and not in_process else None
         try:
             try:
                 result = recalibrate(
@@ -84,19 +57,22 @@ def calibrate(
             except KeyboardInterrupt:
                 cancel.set()
                 raise
-            if onnx is not None:
+            if flags.onnx is not None:
                 from bnrecal.service.run.exporting import export_recalibrated
 
                 update(0, 1, "exporting and verifying ONNX")
-                result.report.onnx = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
+                result.report.onnx = export_recalibrated(
+                    result, flags.onnx, opset=flags.onnx_opset, dtype=flags.onnx_dtype.value
+                )
                 update(1, 1, "exporting and verifying ONNX")
-            if onnx_int8 is not None:
+            if flags.onnx_int8 is not None:
                 from bnrecal.service.run.int8 import quantize_recalibrated
 
-                fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
+                float32 = flags.onnx is not None and flags.onnx_dtype.value == "float32"
+                fp32 = flags.onnx.read_bytes() if float32 else None
                 result.report.int8 = quantize_recalibrated(
-                    result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
-                    export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
+                    result, request, settings, flags.onnx_int8, int8_options, fp32_model=fp32,
+                    export_options={"opset": flags.onnx_opset}, pool=pool, cancel=cancel,
                     on_phase=lambda phase: update(0, 1, phase),
                 )
                 update(1, 1, "writing and verifying INT8")
@@ -104,19 +80,20 @@ def calibrate(
             if pool is not None:
                 pool.close()
         update(0, 1, "writing")
-        result.save_model(out)
-        if report is not None:
-            result.save_report(report)
-        if report_html is not None:
+        result.save_model(flags.out)
+        if flags.report is not None:
+            result.save_report(flags.report)
+        if flags.report_html is not None:
             from bnrecal.service.run.report_html import write_html_report
 
-            write_html_report(result.report, report_html)
+            write_html_report(result.report, flags.report_html)
         update(1, 1, "writing")
         if not connected_before:  # an instance this command started takes seconds to stop: before the summary
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
-    for line in summary_lines(result.report, out, also_wrote=(onnx, onnx_int8, report, report_html)):
+    also_wrote = (flags.onnx, flags.onnx_int8, flags.report, flags.report_html)
+    for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
         print_line(line)
 
 

@@ -10,10 +10,10 @@ import os
 
 import typer
 
-from bnrecal.workers.errors import BnrecalError, first_line
+from bnrecal.errors import BnrecalError, first_line
 
 from . import jobs, local, remote, storage
-from .console import fail
+from .console import exit_code, fail
 
 app = typer.Typer(
     name="bnrecal",
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     except BnrecalError as exc:
         if debug:
             raise
-        fail(exc.message, exc.exit_code)
+        fail(exc.message, exit_code(exc))
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:

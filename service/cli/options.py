@@ -2,7 +2,9 @@
 
 The run options' choices, defaults and help come from ``service.run.options.RunOptions``, the
 one declaration the HTTP job spec and the engine share; only what is particular to the
-command line (flag spellings, paths, output files) is declared here.
+command line (flag spellings, paths, output files) is declared here. The flags ``calibrate``
+and ``submit`` share are declared once, as the fields of :class:`RunFlags`; each command is
+written ``def command(flags: RunFlags, <its own flags>)`` under :func:`run_command`.
 
 The rule that keeps ``bnrecal --help``, the job commands and every argument error under a
 second: this module, and every module a command is declared in, imports no torch, Ray,
@@ -14,19 +16,22 @@ flag's value needs to be checked or used is imported inside the function that us
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, get_args, get_type_hints
 
 import typer
 
-from bnrecal.workers.engine.modes import Mode as ModeChoice
-from bnrecal.workers.errors import SpecError
-
-from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, default, description
+from bnrecal.errors import SpecError
+from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice, default, description
 from bnrecal.service.run.options import Device as DeviceChoice
 from bnrecal.service.run.options import Order as OrderChoice
 from bnrecal.service.run.options import Placement as PlacementChoice
+from bnrecal.workers.engine.modes import Mode as ModeChoice
 
 from .console import parse_json_object
 
@@ -124,42 +129,108 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
     return Path(value)
 
 
-def run_options(
-    *,
-    arch: str | None,
-    model_kwargs: str | None,
-    workers: int,
-    batch_size: int,
-    mode: Enum,
-    max_samples: str | int | None,
-    device: Enum,
-    transform: str | None,
-    placement: Enum | None,
-    max_retries: int | None,
-    order: Enum | None = None,
-    seed: int | None = None,
-    tolerance: float | None = None,
-) -> RunOptions:
-    """The run options of a command line, validated (a bad value names its flag's field)."""
-    sampling: dict[str, Any] = {"max_samples": parse_max_samples(max_samples)}
-    if order is not None:
-        sampling["order"] = order.value
-    if seed is not None:
-        sampling["seed"] = seed
-    if tolerance is not None:
-        sampling["tolerance"] = tolerance
-    return RunOptions.checked(
-        arch=arch,
-        model_kwargs=parse_json_object(model_kwargs, "--model-kwargs") or {},
-        workers=workers,
-        batch_size=batch_size,
-        mode=mode.value,
-        device=device.value,
-        transform=parse_json_object(transform, "--transform"),
-        placement=placement.value if placement is not None else None,
-        max_retries=max_retries,
-        **sampling,
-    )
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags ``calibrate`` and ``submit`` share, declared once: a field's annotation is
+    its option (spelling, type, help), its default the flag's default, and the field order
+    the order ``--help`` lists them in. :func:`run_command` makes them the command's flags."""
+
+    data: DataOpt
+    out: OutOpt
+    arch: ArchOpt = None
+    checkpoint: CheckpointOpt = None
+    program: ProgramOpt = None
+    model_kwargs: ModelKwargsOpt = None
+    workers: WorkersOpt = WORKERS
+    batch_size: BatchOpt = BATCH_SIZE
+    mode: ModeOpt = MODE
+    max_samples: MaxSamplesOpt = None
+    order: OrderOpt = ORDER
+    seed: SeedOpt = SEED
+    tolerance: ToleranceOpt = None
+    device: DeviceOpt = DEVICE
+    transform: TransformOpt = None
+    placement: PlacementOpt = None
+    max_retries: MaxRetriesOpt = None
+    onnx: OnnxOpt = None
+    onnx_opset: OnnxOpsetOpt = OPSET
+    onnx_dtype: OnnxDtypeOpt = OnnxDtype.float32
+    report: ReportOpt = None
+    report_html: ReportHtmlOpt = None
+    eval_data: EvalDataOpt = None
+    eval_max_samples: EvalMaxSamplesOpt = None
+    onnx_int8: OnnxInt8Opt = None
+    int8: Int8Opt = None
+
+    def check_model(self) -> None:
+        """Refuse a model choice that cannot run (both or neither of --program and --arch, ...),
+        naming the flag, before anything is read."""
+        check_model_choice(
+            self.arch, self.checkpoint, self.program, parse_json_object(self.model_kwargs, "--model-kwargs"), flags=True
+        )
+
+    def run_options(self) -> RunOptions:
+        """The run options of the command line, validated (a bad value names its flag's field)."""
+        tolerance = {} if self.tolerance is None else {"tolerance": self.tolerance}
+        return RunOptions.checked(
+            arch=self.arch,
+            model_kwargs=parse_json_object(self.model_kwargs, "--model-kwargs") or {},
+            workers=self.workers,
+            batch_size=self.batch_size,
+            mode=self.mode.value,
+            device=self.device.value,
+            transform=parse_json_object(self.transform, "--transform"),
+            placement=self.placement.value if self.placement is not None else None,
+            max_retries=self.max_retries,
+            max_samples=parse_max_samples(self.max_samples),
+            order=self.order.value,
+            seed=self.seed,
+            **tolerance,
+        )
+
+    def int8_options(self) -> Any:
+        """The ``--int8`` options checked (see :func:`int8_options`), or None without ``--onnx-int8``."""
+        return int8_options(self.onnx_int8, self.int8)
+
+
+def run_command(**after: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Make ``command(flags: RunFlags, **own)`` a typer command whose flags are the
+    :class:`RunFlags` fields and its own parameters, each of those listed right after the
+    shared flag ``after`` names for it (``run_command(server="out")``), as ``--help`` shows them.
+
+    typer reads the command's parameters from its signature; the one built here is the
+    shared fields followed, in place, by the command's own. The values come back as keyword
+    arguments, the shared ones gathered into the ``RunFlags`` the command is called with.
+    """
+    hints = get_type_hints(RunFlags, include_extras=True)
+    shared = [
+        inspect.Parameter(
+            field.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[field.name],
+            default=inspect.Parameter.empty if field.default is MISSING else field.default,
+        )
+        for field in fields(RunFlags)
+    ]
+    names = [parameter.name for parameter in shared]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        first, *own = inspect.signature(command, eval_str=True).parameters.values()
+        placed = {parameter.name for parameter in own}
+        if first.annotation is not RunFlags or placed != set(after) or not set(after.values()) <= set(names):
+            raise TypeError(f"{command.__name__}: write it (flags: RunFlags, ...) and place each own flag after a shared one")
+        parameters = []
+        for parameter in shared:
+            parameters.append(parameter)
+            parameters += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if after[p.name] == parameter.name]
+
+        @functools.wraps(command)
+        def run(**values: Any) -> None:
+            command(RunFlags(**{name: values.pop(name) for name in names}), **values)
+
+        run.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+        run.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+        return run
+
+    return decorate
 
 
 def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:

@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.errors import BnrecalError, CancelledError, InputError, SpecError
 
-from bnrecal.service.run.options import check_model_choice
 from bnrecal.service.run.progress import progress_bar
 
 from . import options as opt
-from .console import connect, fail, parse_json_object, print_line, summary_lines
+from .console import connect, fail, print_line, summary_lines
 from .jobs import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -57,36 +56,12 @@ def serve(
     )
 
 
+@opt.run_command(server="out", api_key="program", ray_address="transform")
 def submit(
-    data: opt.DataOpt,
-    out: opt.OutOpt,
+    flags: opt.RunFlags,
     server: opt.ServerOpt,
-    arch: opt.ArchOpt = None,
-    checkpoint: opt.CheckpointOpt = None,
-    program: opt.ProgramOpt = None,
     api_key: opt.ApiKeyOpt = None,
-    model_kwargs: opt.ModelKwargsOpt = None,
-    workers: opt.WorkersOpt = opt.WORKERS,
-    batch_size: opt.BatchOpt = opt.BATCH_SIZE,
-    mode: opt.ModeOpt = opt.MODE,
-    max_samples: opt.MaxSamplesOpt = None,
-    order: opt.OrderOpt = opt.ORDER,
-    seed: opt.SeedOpt = opt.SEED,
-    tolerance: opt.ToleranceOpt = None,
-    device: opt.DeviceOpt = opt.DEVICE,
-    transform: opt.TransformOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
-    placement: opt.PlacementOpt = None,
-    max_retries: opt.MaxRetriesOpt = None,
-    onnx: opt.OnnxOpt = None,
-    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET,
-    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32,
-    report: opt.ReportOpt = None,
-    report_html: opt.ReportHtmlOpt = None,
-    eval_data: opt.EvalDataOpt = None,
-    eval_max_samples: opt.EvalMaxSamplesOpt = None,
-    onnx_int8: opt.OnnxInt8Opt = None,
-    int8: opt.Int8Opt = None,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     if ray_address:
@@ -94,28 +69,25 @@ def submit(
             "--ray-address does not apply to submit: the server picks the cluster (bnrecal serve --ray-address)",
             field="--ray-address",
         )
-    check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
-    data_source, eval_source = opt.data_source(data, "--data"), opt.data_source(eval_data, "--eval-data")
-    model_files = (("--checkpoint", checkpoint), ("--program", program))
+    flags.check_model()
+    data_source, eval_source = opt.data_source(flags.data, "--data"), opt.data_source(flags.eval_data, "--eval-data")
+    model_files = (("--checkpoint", flags.checkpoint), ("--program", flags.program))
     for option, path in (*model_files, ("--data", data_source), ("--eval-data", eval_source)):
         if isinstance(path, Path) and not path.exists():
             raise InputError(f"{option} {path} does not exist")
-    options = opt.run_options(
-        arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
-        max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,
-        order=order, seed=seed, tolerance=tolerance,
-    )
-    int8_options = opt.int8_options(onnx_int8, int8)
-    model_output = "program" if program is not None else "checkpoint"
+    options = flags.run_options()
+    int8_options = flags.int8_options()
+    model_output = "program" if flags.program is not None else "checkpoint"
     spec: dict[str, Any] = {
         **options.run_options(),
-        "outputs": [model_output] + (["onnx"] if onnx is not None else []),
-        "onnx": {"opset": onnx_opset, "dtype": onnx_dtype.value},
+        "outputs": [model_output] + (["onnx"] if flags.onnx is not None else []),
+        "onnx": {"opset": flags.onnx_opset, "dtype": flags.onnx_dtype.value},
     }
     if int8_options is not None:
         spec["outputs"].append("onnx_int8")
         spec["int8"] = int8_options.model_dump(exclude_defaults=True)
-    local_files = {name: path for name, path in (("checkpoint", checkpoint), ("program", program)) if path is not None}
+    models = (("checkpoint", flags.checkpoint), ("program", flags.program))
+    local_files = {name: path for name, path in models if path is not None}
     local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
                     if isinstance(path, Path)}
     with connect(server, api_key) as client:
@@ -123,11 +95,11 @@ def submit(
         for name, source in (("data", data_source), ("eval.data", eval_source)):
             if isinstance(source, str):  # an s3:// URI: the server reads it
                 digests[name] = {"uri": source}
-        _put_inputs(spec, digests, eval_max_samples)
+        _put_inputs(spec, digests, flags.eval_max_samples)
         missing = [] if _dry_run(client, spec) else [name for name in local_files if not client.has_blob(digests[name])]
         for name in missing:
             digests[name] = _upload(client, local_files[name])
-        _put_inputs(spec, digests, eval_max_samples)
+        _put_inputs(spec, digests, flags.eval_max_samples)
         job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
         typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
         print_line(f"job {job['id']} queued on {client.server}")
@@ -137,14 +109,15 @@ def submit(
             except KeyboardInterrupt:
                 _cancel_on_interrupt(client, job["id"])
             _raise_unless_succeeded(job)
-            downloads = [(model_output, out), ("onnx", onnx), ("onnx_int8", onnx_int8), ("report", report),
-                         ("report.html", report_html)]
+            downloads = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", flags.onnx_int8),
+                         ("report", flags.report), ("report.html", flags.report_html)]
             wanted = [(name, path) for name, path in downloads if path is not None]
             for done, (name, path) in enumerate(wanted):
                 update(done, len(wanted), "downloading")
                 client.download(job["id"], name, path)
             update(len(wanted), len(wanted), "downloading")
-    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, onnx_int8, report, report_html)):
+    also_wrote = (flags.onnx, flags.onnx_int8, flags.report, flags.report_html)
+    for line in summary_lines(job["report"], flags.out, job["id"], also_wrote=also_wrote):
         print_line(line)
 
 

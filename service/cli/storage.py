@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from bnrecal.workers.errors import InputError
+from bnrecal.errors import InputError
 
 from . import options as opt
 from .console import connect, print_line

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from bnrecal.workers.errors import ExportError
+from bnrecal.errors import ExportError
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 

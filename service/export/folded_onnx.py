@@ -14,7 +14,7 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
-from bnrecal.workers.errors import BnrecalError, ExportError
+from bnrecal.errors import BnrecalError, ExportError
 from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.exporters import export_unfolded

@@ -14,7 +14,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxscript.optimizer
 
-from bnrecal.workers.errors import ExportError, first_line
+from bnrecal.errors import ExportError, first_line
 
 _UNLIMITED = 2**62
 MAX_FILE_BYTES = 2**31 - 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bnrecal.workers.errors import ExportError, first_line
+from bnrecal.errors import ExportError, first_line
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 

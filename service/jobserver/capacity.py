@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import ray
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.recalibrate import rank_resources

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from bnrecal.workers.errors import InputError
+from bnrecal.errors import TooManyStreamsError
 
 from .jobs import JobRecord, JobView
 from .ledger import Ledger
@@ -31,13 +31,6 @@ DISCONNECT_CHECK_S = 1.0
 MAX_TENANT_STREAMS = 8
 """Change streams (``GET /v1/jobs/events``) one tenant may hold open at once: a page open in
 a few tabs needs one each; past it a new one is refused (429) rather than the server held."""
-
-
-class TooManyStreamsError(InputError):
-    """A tenant already holds as many change streams open as it may."""
-
-    status = 429
-    title = "Too many open streams"
 
 
 class TenantListener:

@@ -30,7 +30,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, RunError
+from bnrecal.errors import BnrecalError, CancelledError, RunError
 from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bnrecal.workers.errors import CancelledError
+from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.run.exporting import export_recalibrated

@@ -27,7 +27,7 @@ from pydantic import (
 
 from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
 from bnrecal.workers.data.spec import array_sample_shape
-from bnrecal.workers.errors import InputError, SpecError
+from bnrecal.errors import SpecError
 from bnrecal.workers.models.architectures import check_architecture_exists as check_reference
 from bnrecal.workers.models.architectures import check_model_kwargs
 from bnrecal.workers.models.model_check import check_checkpoint_fits, check_data_fits
@@ -39,16 +39,8 @@ from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_c
 from ..settings import Settings
 from .blobs import DIGEST_PATTERN, BlobStore
 from .capacity import check_fits_cluster
-from .problems import problem_of as problem_of  # the job's problem object, where it always was
 
 ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
-
-
-class ConflictError(InputError):
-    """The request conflicts with the resource's state (e.g. cancelling a finished job)."""
-
-    status = 409
-    title = "Conflict"
 
 
 class JobStatus(str, enum.Enum):

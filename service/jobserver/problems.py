@@ -1,4 +1,12 @@
-"""A failed job's problem object (problem+json): what went wrong, and the job spec field at fault.
+"""Errors as problem+json objects (RFC 9457): the HTTP status, title and ``type`` of each
+error class, and a failed job's problem with the job spec field at fault.
+
+:mod:`bnrecal.errors` knows nothing of HTTP; this table is where an error becomes an HTTP
+answer. It lives with the job server rather than in ``api`` because the job server stores
+a failed job's problem (and the client reads one back into the error it stands for), and
+``service`` never imports ``api``. ``api.problems`` renders it. Each class of the tree has
+its own row; a class defined elsewhere takes the row of its nearest ancestor, the same way
+a class attribute would be found (tests/service/jobserver/test_problems.py keeps the table complete).
 
 Every input error names the field to fix, so a client (the web page's form, the CLI's
 one line) can point at it: the error's own ``field`` where it has one, else the field
@@ -7,9 +15,11 @@ its kind implies (data the model rejects: ``data``; an unreadable checkpoint: ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from bnrecal.workers.errors import (
+import bnrecal.errors as errors
+from bnrecal.errors import (
     ArchitectureError,
     BnrecalError,
     CheckpointError,
@@ -20,6 +30,82 @@ from bnrecal.workers.errors import (
     RunError,
     UnsupportedLayerError,
 )
+
+PROBLEM_TYPE_BASE = "https://bnrecal.dev/problems/"
+
+
+@dataclass(frozen=True)
+class ProblemKind:
+    """How one error class answers over HTTP: its status and the problem's ``title``."""
+
+    status: int
+    title: str
+
+
+PROBLEM_KINDS: dict[type[BnrecalError], ProblemKind] = {
+    errors.BnrecalError: ProblemKind(500, "Internal error"),
+    errors.InputError: ProblemKind(400, "Bad input"),
+    errors.ArchitectureError: ProblemKind(422, "Unknown or disallowed architecture"),
+    errors.CheckpointError: ProblemKind(422, "Invalid checkpoint"),
+    errors.ProgramError: ProblemKind(422, "Invalid program"),
+    errors.DatasetError: ProblemKind(422, "Invalid calibration data"),
+    errors.DatasetOptionError: ProblemKind(422, "Invalid calibration data"),
+    errors.ModelInputError: ProblemKind(422, "Data does not fit the model"),
+    errors.EvaluationError: ProblemKind(400, "Cannot evaluate"),
+    errors.NoBatchNormError: ProblemKind(422, "No BatchNorm layer to recalibrate"),
+    errors.UnsupportedLayerError: ProblemKind(422, "BatchNorm layer cannot be calibrated"),
+    errors.SpecError: ProblemKind(422, "Invalid job specification"),
+    errors.NotFoundError: ProblemKind(404, "Not found"),
+    errors.ConflictError: ProblemKind(409, "Conflict"),
+    errors.AuthenticationError: ProblemKind(401, "Unauthorized"),
+    errors.PayloadTooLargeError: ProblemKind(413, "Payload too large"),
+    errors.QuotaExceededError: ProblemKind(413, "Storage quota exceeded"),
+    errors.TooManyJobsError: ProblemKind(429, "Too many queued jobs"),
+    errors.TooManyStreamsError: ProblemKind(429, "Too many open streams"),
+    errors.HeadersTooLargeError: ProblemKind(431, "Request header fields too large"),
+    errors.ServiceUnavailableError: ProblemKind(503, "Service unavailable"),
+    errors.RunError: ProblemKind(500, "Calibration run failed"),
+    errors.CallOrderError: ProblemKind(500, "BatchNorm call order differs between ranks"),
+    errors.CancelledError: ProblemKind(409, "Cancelled"),
+    errors.ExportError: ProblemKind(500, "ONNX export failed"),
+    errors.InsufficientStorageError: ProblemKind(507, "Insufficient storage"),
+}
+"""Every class of :mod:`bnrecal.errors` and how it answers over HTTP."""
+
+
+def problem_kind(error: BnrecalError | type[BnrecalError]) -> ProblemKind:
+    """The status and title of an error (or error class): its own row, else its nearest
+    ancestor's (in method resolution order, as a class attribute would be found)."""
+    cls = error if isinstance(error, type) else type(error)
+    return next(PROBLEM_KINDS[base] for base in cls.__mro__ if base in PROBLEM_KINDS)
+
+
+def http_status(error: BnrecalError | type[BnrecalError]) -> int:
+    """The HTTP status an error answers with."""
+    return problem_kind(error).status
+
+
+def problem_type(error: BnrecalError | type[BnrecalError]) -> str:
+    """The problem ``type`` of an error class, a stable URI made from its name
+    (``SpecError`` -> ``https://bnrecal.dev/problems/spec``): how a client tells which
+    class a problem stands for."""
+    cls = error if isinstance(error, type) else type(error)
+    name = cls.__name__.removesuffix("Error") or "Bnrecal"
+    return PROBLEM_TYPE_BASE + "".join(
+        "-" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name)
+    )
+
+
+def error_classes() -> dict[str, type[BnrecalError]]:
+    """Each problem ``type`` and the error class it stands for (every class of the tree)."""
+    classes: dict[str, type[BnrecalError]] = {}
+    pending: list[type[BnrecalError]] = [BnrecalError]
+    while pending:
+        cls = pending.pop()
+        classes[problem_type(cls)] = cls
+        pending.extend(cls.__subclasses__())
+    return classes
+
 
 FAULT_FIELDS: tuple[tuple[type[BnrecalError], str], ...] = (
     (ArchitectureError, "arch"),
@@ -52,7 +138,8 @@ def fault_field(exc: BnrecalError, spec: Any = None) -> str | None:
 def problem_of(exc: BnrecalError, spec: Any = None) -> dict[str, Any]:
     """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its
     context: the ``field`` at fault, the rank and node of a run failure)."""
-    problem: dict[str, Any] = {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.message}
+    kind = problem_kind(exc)
+    problem: dict[str, Any] = {"type": problem_type(exc), "title": kind.title, "status": kind.status, "detail": exc.message}
     field = fault_field(exc, spec)
     if field:
         problem["field"] = field

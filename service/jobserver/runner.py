@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, NotFoundError
+from bnrecal.errors import BnrecalError, CancelledError, NotFoundError
 
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
@@ -42,9 +42,10 @@ from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
 from .job_work import Event, JobLabel
-from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
+from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, resolve_data_path
 from .ledger import Ledger
 from .metrics import ServiceMetrics
+from .problems import problem_of
 
 log = logging.getLogger("bnrecal.runner")
 

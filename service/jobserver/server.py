@@ -23,7 +23,7 @@ import anyio
 import ray
 
 from bnrecal.workers.data.archive import mark_collected_root
-from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
+from bnrecal.errors import ConflictError, NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
 
 from bnrecal.service.run.cluster import ensure_ray
 
@@ -31,7 +31,7 @@ from ..settings import Settings
 from .blobs import BlobInfo, BlobStore, open_blob_store
 from .events import ChangeFeed
 from .job_host import JobHostClient
-from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
+from .jobs import ARTIFACT_NAMES, JobRecord, JobSpec, JobView, check_submission
 from .ledger import Ledger, sqlite_url
 from .ledger.engines import is_postgres
 from .ledger_watch import LedgerWatcher

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bnrecal.workers.data.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
-from bnrecal.workers.errors import NotFoundError
+from bnrecal.errors import ConflictError, NotFoundError
 
 from ..settings import Settings
 from .blobs import BlobStore, is_digest
-from .jobs import ConflictError, JobRecord, JobStatus
+from .jobs import JobRecord, JobStatus
 from .ledger import Ledger
 from .ledger.engines import exclusive_turn
 

@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 from bnrecal.workers.data import DatasetSpec, describe_dataset
 from bnrecal.workers.data.loader import LoaderSpec, batch_length, sample_shape, slice_batch
 from bnrecal.workers.data.objectstore import is_data_uri
-from bnrecal.workers.errors import DatasetError, SpecError
+from bnrecal.errors import DatasetError, SpecError
 
 from ..settings import Settings
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.workers.errors import SpecError, first_line
+from bnrecal.errors import SpecError, first_line
 from bnrecal.workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
 
 IN_PROCESS = "in-process"

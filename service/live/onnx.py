@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import DEFAULT_OPSET
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.loader import LoaderSpec
-from bnrecal.workers.errors import CancelledError, SpecError
+from bnrecal.errors import CancelledError, SpecError
 
 from bnrecal.service.run.options import RunOptions
 

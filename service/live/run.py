@@ -19,7 +19,7 @@ from torch import nn
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
 from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from bnrecal.workers.errors import ModelInputError, NoBatchNormError, SpecError, first_line
+from bnrecal.errors import ModelInputError, NoBatchNormError, SpecError, first_line
 
 from bnrecal.service.run.core import Executor, FailurePolicy, RunPlan, run
 from bnrecal.service.run.executors import InProcess, RayRanks

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import ray
 from ray._private import ray_constants
 
-from bnrecal.workers.errors import RunError
+from bnrecal.errors import RunError
 
 EMBEDDED_ADDRESSES = ("", "local")
 """Addresses that mean "start an instance of our own" (``RAY_ADDRESS=local`` included)."""

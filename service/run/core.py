@@ -31,7 +31,7 @@ from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import CallOrderError, CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.errors import CallOrderError, CancelledError, DatasetError, NoBatchNormError, RunError
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.local import IN_PROCESS
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import describe_dataset
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 

@@ -22,7 +22,7 @@ import torch
 
 from bnrecal.workers.data import DatasetSpec, iter_batches
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.errors import ExportError
+from bnrecal.errors import ExportError
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 from bnrecal.workers.ranks.range_group import GroupRanges
@@ -226,7 +226,7 @@ def _samples(dataset: DatasetSpec, samples: int | None) -> int:
 
 def check_cancel(cancel: threading.Event | None) -> None:
     """Stop between phases when the job was cancelled."""
-    from bnrecal.workers.errors import CancelledError
+    from bnrecal.errors import CancelledError
 
     if cancel is not None and cancel.is_set():
         raise CancelledError("the job was cancelled")

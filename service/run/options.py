@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, V
 from pydantic_core import PydanticCustomError, PydanticKnownError
 
 from bnrecal.workers.engine.modes import Mode
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.export.opsets import DEFAULT_OPSET
 from bnrecal.service.settings import Placement

@@ -24,7 +24,7 @@ from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, r
 from bnrecal.workers.data.objectstore import is_data_uri
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.workers.engine.evaluation import check_eval_output
-from bnrecal.workers.errors import DatasetError, NoBatchNormError
+from bnrecal.errors import NoBatchNormError
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
 
@@ -159,12 +159,8 @@ def recalibrate(
         order=request.order,
         seed=request.seed,
     )
-    try:
-        with dataset.open() as data:
-            probe = data.load(0, 1)
-    except DatasetError as exc:
-        dataset.name_in(exc)
-        raise
+    with dataset.open() as data:
+        probe = data.load(0, 1)
     evaluation = _plan_evaluation(request, model, settings) if request.eval_data is not None else None
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
@@ -177,13 +173,7 @@ def recalibrate(
         else RayRanks(settings, address=settings.ray_address, pool=pool, placement=request.placement)
     )
     retries = settings.max_retries if request.max_retries is None else request.max_retries
-    try:
-        result = run(plan, executor, policy=FailurePolicy(retries), on_progress=on_progress, cancel=cancel)
-    except DatasetError as exc:
-        for spec in plan.datasets():
-            if isinstance(spec, DatasetSpec):
-                spec.name_in(exc)
-        raise
+    result = run(plan, executor, policy=FailurePolicy(retries), on_progress=on_progress, cancel=cancel)
     if loaded.is_program:
         result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
     return Recalibration(model, loaded, result.updates, dataset, result.report, result.stale_buffers)
@@ -208,13 +198,9 @@ def _plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: 
         name=request.eval_data_name,
         endpoint_url=settings.s3_endpoint_url,
     )
-    try:
-        labels = read_labels(dataset)
-        with dataset.open() as data:
-            target = check_eval_output(model, data.load(0, 1), labels)
-    except DatasetError as exc:
-        dataset.name_in(exc)
-        raise
+    labels = read_labels(dataset)
+    with dataset.open() as data:
+        target = check_eval_output(model, data.load(0, 1), labels)
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,8 +84,22 @@ def live_server(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="session")
 def small_model() -> torch.nn.Module:
+    """``mixed_net`` with BN statistics that do not fit the data of :func:`write_samples`."""
     torch.manual_seed(0)
     return perturbed(mixed_net())
+
+
+@pytest.fixture(scope="session")
+def stale_checkpoint(small_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Save ``small_model``'s stale checkpoint as ``name`` in a folder of its own and return
+    the path: the name is what the server, the CLI and the page show for the upload."""
+
+    def save(name: str = "model.pt") -> Path:
+        path = tmp_path_factory.mktemp("stale") / name
+        torch.save(small_model.state_dict(), path)
+        return path
+
+    return save
 
 
 def write_samples(path: Path, count: int, seed: int = 0) -> tuple[Path, torch.Tensor]:
@@ -96,11 +110,18 @@ def write_samples(path: Path, count: int, seed: int = 0) -> tuple[Path, torch.Te
     return path, samples
 
 
-def upload(client: httpx.Client, payload: bytes | Path) -> str:
+def upload(client: httpx.Client, payload: bytes | Path, filename: str | None = None) -> str:
+    """Upload bytes or a file as a blob (named ``filename`` where given); its digest."""
     body = payload.read_bytes() if isinstance(payload, Path) else payload
-    response = client.post("/v1/blobs", content=body, headers={"Content-Type": "application/octet-stream"})
+    params = {"filename": filename} if filename is not None else None
+    response = client.post("/v1/blobs", params=params, content=body, headers={"Content-Type": "application/octet-stream"})
     assert response.status_code == 201, response.text
     return response.json()["digest"]
+
+
+def named_upload(client: httpx.Client, path: Path) -> str:
+    """Upload a file under its own name, the name the server then shows for it; its digest."""
+    return upload(client, path, path.name)
 
 
 def submit(client: httpx.Client, spec: dict[str, Any], **headers: str) -> dict[str, Any]:

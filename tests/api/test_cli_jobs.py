@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.cli import main
-
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
-from tests.conftest import save_state
-from tests.service.cli.test_cli import run_cli
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -24,21 +21,9 @@ KEY = KEYS["cli"]
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory, small_model) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("cli-jobs")
-    data, _ = write_samples(folder / "x.npy", 12)
-    return save_state(folder / "model.pt", small_model), data
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run ``bnrecal ARGS`` in this process: exit code, stdout, stderr."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+def inputs(tmp_path_factory: pytest.TempPathFactory, stale_checkpoint) -> tuple[Path, Path]:
+    data, _ = write_samples(tmp_path_factory.mktemp("cli-jobs") / "x.npy", 12)
+    return stale_checkpoint(), data
 
 
 def job_spec(live_server, inputs: tuple[Path, Path], arch: str) -> dict:
@@ -56,26 +41,26 @@ def test_jobs_status_and_cancel(live_server, inputs, capsys):
         hanging = submit(client, job_spec(live_server, inputs, "tests.nets:slow_start_net"))
         wait_for(client, hanging["id"], ("running",))
 
-    code, rows, _ = run(capsys, "jobs", *server)
+    code, rows, _ = run_cli(capsys, "jobs", *server)
     assert code == 0
     header, *rows = rows.splitlines()
     assert header.startswith("ID") and "STATUS" in header and "CREATED" in header
     assert rows[0].split()[:3] == [hanging["id"], "running", "starting"] and "starting workers" in rows[0]  # newest first
     assert rows[1].split()[:2] == [done["id"], "succeeded"] and "tests.nets:mixed_net" in rows[1]
 
-    code, status, _ = run(capsys, "status", done["id"], *server)
+    code, status, _ = run_cli(capsys, "status", done["id"], *server)
     assert code == 0 and f"job {done['id']}: succeeded" in status
     assert "recalibrated 5 BN layers on 12 samples" in status and "artifacts: checkpoint, report, report.html" in status
-    code, status, _ = run(capsys, "status", hanging["id"], *server)
+    code, status, _ = run_cli(capsys, "status", hanging["id"], *server)
     assert code == 0 and "progress: starting workers" in status
 
-    code, err = run_cli(capsys, "cancel", hanging["id"], *server)
+    code, _, err = run_cli(capsys, "cancel", hanging["id"], *server)
     assert code == 0 and err.strip() == f"job {hanging['id']} cancelled on {live_server.url}"
     with live_server.client("cli") as client:
         assert wait_for(client, hanging["id"], ("cancelled",), timeout=10)["status"] == "cancelled"
-    code, err = run_cli(capsys, "cancel", hanging["id"], *server)
+    code, _, err = run_cli(capsys, "cancel", hanging["id"], *server)
     assert code == 1 and err.strip() == f"job {hanging['id']} already cancelled; nothing to cancel"
-    code, err = run_cli(capsys, "status", "no-such-job", *server)
+    code, _, err = run_cli(capsys, "status", "no-such-job", *server)
     assert code == 2 and err.count("\n") == 1 and "no-such-job" in err
 
 

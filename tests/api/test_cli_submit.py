@@ -14,24 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnrecal.service.cli import main
-
 from tests.api.conftest import KEYS, upload, wait_for, write_samples
-from tests.conftest import save_state
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 KEY = KEYS["submit"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def uploaded_bytes(live_server) -> float:
@@ -50,9 +38,9 @@ def has_blob(live_server, path: Path) -> bool:
 
 
 @pytest.fixture
-def files(tmp_path: Path, small_model) -> dict[str, Path]:
+def files(tmp_path: Path, stale_checkpoint) -> dict[str, Path]:
     data, _ = write_samples(tmp_path / "calib.npy", 12, seed=int.from_bytes(tmp_path.name.encode()[-4:], "big"))
-    return {"checkpoint": save_state(tmp_path / "model.pt", small_model), "data": data}
+    return {"checkpoint": stale_checkpoint(), "data": data}
 
 
 def submit_args(live_server, files: dict[str, Path], out: Path, arch: str = "tests.nets:mixed_net") -> list[str]:
@@ -67,7 +55,7 @@ def submit_args(live_server, files: dict[str, Path], out: Path, arch: str = "tes
 ])
 def test_a_mistyped_arch_sends_no_byte_and_suggests(live_server, files, tmp_path, capsys, arch, suggestion):
     before = uploaded_bytes(live_server)
-    code, out, err = run(capsys, *submit_args(live_server, files, tmp_path / "out.pt", arch))
+    code, out, err = run_cli(capsys, *submit_args(live_server, files, tmp_path / "out.pt", arch))
     assert code == 2 and out == "", err
     assert err.count("\n") == 1 and err.startswith("error: ") and suggestion in err
     assert uploaded_bytes(live_server) == before
@@ -77,20 +65,20 @@ def test_a_mistyped_arch_sends_no_byte_and_suggests(live_server, files, tmp_path
 def test_a_second_submit_uploads_nothing_and_stdout_is_the_job_id(live_server, files, tmp_path, capsys):
     sizes = files["checkpoint"].stat().st_size + files["data"].stat().st_size
     before = uploaded_bytes(live_server)
-    code, out, err = run(capsys, *submit_args(live_server, files, tmp_path / "first.pt"))
+    code, out, err = run_cli(capsys, *submit_args(live_server, files, tmp_path / "first.pt"))
     assert code == 0, err
     first = out.strip()
     assert out == f"{first}\n" and f"job {first} queued" in err  # one line on stdout: JOB=$(bnrecal submit ...)
     assert uploaded_bytes(live_server) - before == sizes
 
     middle = uploaded_bytes(live_server)
-    code, out, err = run(capsys, *submit_args(live_server, files, tmp_path / "second.pt"))
+    code, out, err = run_cli(capsys, *submit_args(live_server, files, tmp_path / "second.pt"))
     assert code == 0, err
     second = out.strip()
     assert second != first and uploaded_bytes(live_server) == middle  # 0 bytes the second time
     assert (tmp_path / "first.pt").read_bytes() == (tmp_path / "second.pt").read_bytes()
 
-    code, out, _ = run(capsys, "jobs", "--server", live_server.url, "--api-key", KEY, "--limit", "2")
+    code, out, _ = run_cli(capsys, "jobs", "--server", live_server.url, "--api-key", KEY, "--limit", "2")
     header, *rows = out.splitlines()
     assert header.split() == ["ID", "STATUS", "PHASE", "OR", "RESULT", "CREATED", "MODEL", "DATA"]
     assert [row.split()[:2] for row in rows] == [[second, "succeeded"], [first, "succeeded"]]
@@ -98,10 +86,10 @@ def test_a_second_submit_uploads_nothing_and_stdout_is_the_job_id(live_server, f
     assert datetime.fromisoformat(created).tzinfo is not None  # ISO 8601 with the zone
     assert "12 samples" in rows[0] and "tests.nets:mixed_net" in rows[0] and "calib.npy" in rows[0]
 
-    code, out, _ = run(capsys, "jobs", "--server", live_server.url, "--api-key", KEY, "--limit", "2", "--json")
+    code, out, _ = run_cli(capsys, "jobs", "--server", live_server.url, "--api-key", KEY, "--limit", "2", "--json")
     assert code == 0 and [job["id"] for job in json.loads(out)] == [second, first]
     created = rows[1].split()[4]
-    code, out, _ = run(capsys, "status", first, "--server", live_server.url, "--api-key", KEY)
+    code, out, _ = run_cli(capsys, "status", first, "--server", live_server.url, "--api-key", KEY)
     assert code == 0 and f"created {created}" in out and "data calib.npy" in out
 
 
@@ -123,7 +111,7 @@ def test_channels_last_data_is_refused_at_submission_naming_data(live_server, fi
         )
     # The command line shows the same as its one line, exit 2.
     files = {**files, "data": channels_last}
-    code, out, err = run(capsys, *submit_args(live_server, files, tmp_path / "out.pt"))
+    code, out, err = run_cli(capsys, *submit_args(live_server, files, tmp_path / "out.pt"))
     assert code == 2 and out == "" and err.count("\n") == 1 and "channels-last" in err
 
 

@@ -20,30 +20,21 @@ import torch
 
 from bnrecal.service.client import ServerEvent, parse_events
 from bnrecal.service.jobserver.server import tenant_of_key
-from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
-from tests.conftest import save_array, save_state
-from tests.nets import mixed_net, perturbed
+from tests.api.conftest import KEYS, named_upload, submit, upload, wait_for, write_samples
+from tests.conftest import save_array
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def files(tmp_path_factory: pytest.TempPathFactory, stale_checkpoint) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("feed")
-    torch.manual_seed(0)
-    checkpoint = save_state(folder / "team-model.pt", perturbed(mixed_net()))
+    checkpoint = stale_checkpoint("team-model.pt")
     data, _ = write_samples(folder / "calib-16.npy", 16)
     evaluation, _ = write_samples(folder / "eval-8.npy", 8, seed=1)
     # too small for its 3x3 kernels: no clear cause a submission could tell (so it is accepted), fails running
     wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 3, 1, 1))
     return {"checkpoint": checkpoint, "data": data, "eval": evaluation, "wrong": wrong}
-
-
-def named_upload(client: httpx.Client, path: Path) -> str:
-    response = client.post(f"/v1/blobs?filename={path.name}", content=path.read_bytes(),
-                           headers={"Content-Type": "application/octet-stream"})
-    assert response.status_code == 201, response.text
-    return response.json()["digest"]
 
 
 def spec_of(client: httpx.Client, files: dict[str, Path], **extra: Any) -> dict[str, Any]:

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
-from tests.api.test_cli_jobs import run
-from tests.conftest import save_state
+from tests.conftest import run_cli
 from tests.s3 import S3Server
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -30,8 +29,8 @@ def s3_settings(live_server, s3_server: S3Server, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory, small_model) -> Path:
-    return save_state(tmp_path_factory.mktemp("s3-api") / "model.pt", small_model)
+def checkpoint(stale_checkpoint) -> Path:
+    return stale_checkpoint()
 
 
 def spec_for(digest: str, data: object, **extra: object) -> dict:
@@ -96,7 +95,7 @@ def test_a_job_on_s3_data_with_s3_evaluation(live_server, s3_settings, checkpoin
 
 
 def test_cli_submit_sends_the_uri_and_the_refusal_is_one_line(live_server, s3_settings, checkpoint, capsys):
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "submit", "--server", live_server.url, "--api-key", KEYS["s3"], "--arch", "tests.nets:mixed_net",
         "--checkpoint", str(checkpoint), "--data", f"s3://{BUCKET}/private/x.npy", "--out", "unused.pt",
     )
@@ -111,7 +110,7 @@ def test_cli_calibrate_refuses_unsafe_uris_and_names_missing_keys(
     monkeypatch.setenv("BNRECAL_S3_ENDPOINT_URL", s3_server.endpoint)  # no allowlist: the operator's own tool
     s3_server.bucket(BUCKET)
     base = ["calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o.pt")]
-    code, _, err = run(capsys, *base, "--data", f"s3://key:secret@{BUCKET}/x.npy")
+    code, _, err = run_cli(capsys, *base, "--data", f"s3://key:secret@{BUCKET}/x.npy")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--data must not carry credentials" in err
-    code, _, err = run(capsys, *base, "--data", "s3://no-such-bucket-here/x.npy")
+    code, _, err = run_cli(capsys, *base, "--data", "s3://no-such-bucket-here/x.npy")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not found: s3://no-such-bucket-here/x.npy" in err

@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from playwright.sync_api import Browser, Page, expect
 
-from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
+from tests.api.conftest import KEYS, named_upload, submit, upload, wait_for, write_samples
 from tests.api.test_web_page import ARTIFACTS, JOB_TIMEOUT_MS, Tab, browser, screenshot, sign_in  # noqa: F401
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
@@ -56,10 +55,9 @@ def open_tab(browser: Browser, viewport: dict[str, int]) -> Iterator[Tab]:  # no
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def files(tmp_path_factory: pytest.TempPathFactory, stale_checkpoint) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("web-jobs")
-    torch.manual_seed(0)
-    checkpoint = save_state(folder / "team-model.pt", perturbed(mixed_net()))
+    checkpoint = stale_checkpoint("team-model.pt")
     data, _ = write_samples(folder / "calib-40.npy", 40)
     generator = torch.Generator().manual_seed(3)
     x = (torch.randn(24, 3, 6, 5, generator=generator) * 1.5 + 0.3).numpy()
@@ -67,13 +65,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     np.savez(labelled, x=x, y=np.arange(24) % 4)
     wrong = save_array(folder / "wrong-shape.npy", torch.randn(8, 3, 1, 1))  # too small for its kernels: fails running
     return {"checkpoint": checkpoint, "data": data, "eval": labelled, "wrong": wrong}
-
-
-def named_upload(client: httpx.Client, path: Path) -> str:
-    response = client.post(f"/v1/blobs?filename={path.name}", content=path.read_bytes(),
-                           headers={"Content-Type": "application/octet-stream"})
-    assert response.status_code == 201, response.text
-    return response.json()["digest"]
 
 
 @pytest.fixture(scope="module")

@@ -108,12 +108,9 @@ def screenshot(page: Page, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("web")
-    torch.manual_seed(0)
-    checkpoint = save_state(folder / "stale.pt", perturbed(mixed_net()))
-    data, _ = write_samples(folder / "calib.npy", 48)
-    return {"checkpoint": checkpoint, "data": data}
+def model_files(tmp_path_factory: pytest.TempPathFactory, stale_checkpoint) -> dict[str, Path]:
+    data, _ = write_samples(tmp_path_factory.mktemp("web") / "calib.npy", 48)
+    return {"checkpoint": stale_checkpoint("stale.pt"), "data": data}
 
 
 RECORD_ROW_CHANGES = """() => {

@@ -7,24 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from playwright.sync_api import expect
 
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.api.test_web_page import JOB_TIMEOUT_MS, browser, screenshot, sign_in, tab  # noqa: F401
-from tests.conftest import save_state
-from tests.nets import mixed_net, perturbed
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 @pytest.fixture(scope="module")
-def sampling_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("web-sampling")
-    torch.manual_seed(0)
-    checkpoint = save_state(folder / "stale.pt", perturbed(mixed_net()))
-    data, _ = write_samples(folder / "calib-800.npy", 800)
-    return {"checkpoint": checkpoint, "data": data}
+def sampling_files(tmp_path_factory: pytest.TempPathFactory, stale_checkpoint) -> dict[str, Path]:
+    data, _ = write_samples(tmp_path_factory.mktemp("web-sampling") / "calib-800.npy", 800)
+    return {"checkpoint": stale_checkpoint("stale.pt"), "data": data}
 
 
 @pytest.mark.parametrize(

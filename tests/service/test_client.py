@@ -10,11 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bnrecal.service.cli.console import exit_code as cli_exit_code
 from bnrecal.service.client import BnrecalClient, error_from_problem, parse_events
-from bnrecal.service.jobserver.jobs import ConflictError
-from bnrecal.workers.errors import (
+from bnrecal.service.jobserver.problems import problem_of, problem_type
+from bnrecal.errors import (
     CancelledError,
     CheckpointError,
+    ConflictError,
     InputError,
     NotFoundError,
     RunError,
@@ -54,15 +56,14 @@ def test_events_are_parsed_with_ids_kinds_and_data():
     ],
 )
 def test_a_problem_comes_back_as_the_error_the_server_raised(error, exit_code):
-    problem = {"type": error.type, "title": error.title, "status": error.status, "detail": error.message}
-    again = error_from_problem(problem)
+    again = error_from_problem(problem_of(error))
     assert type(again) is type(error)
-    assert again.message == error.message and again.exit_code == exit_code
+    assert again.message == error.message and cli_exit_code(again) == exit_code
 
 
 def test_spec_errors_keep_their_field_and_unknown_types_go_by_status():
     error = error_from_problem(
-        {"type": SpecError("x").type, "status": 422, "detail": "workers must be >= 1", "field": "workers"}
+        {"type": problem_type(SpecError), "status": 422, "detail": "workers must be >= 1", "field": "workers"}
     )
     assert isinstance(error, SpecError) and error.field == "workers"
     assert type(error_from_problem({"type": "about:blank", "status": 405, "detail": "nope"})) is InputError

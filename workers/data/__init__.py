@@ -17,7 +17,7 @@ from bnrecal.workers.data.archive import (
     discard_unpack,
 )
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout
-from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.batches import iter_batches
 from bnrecal.workers.data.images import IMAGE_EXTENSIONS, ImageData
 from bnrecal.workers.data.labels import read_labels
@@ -33,7 +33,6 @@ __all__ = [
     "ArrayData",
     "ArrayLayout",
     "CalibrationData",
-    "DatasetOptionError",
     "DatasetSpec",
     "ImageData",
     "ImageTransform",

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from bnrecal.workers.data.base import DatasetOptionError
 from bnrecal.workers.data.images import is_ignored_part, is_image_name
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_MAX_MEMBERS = 1_000_000
 DEFAULT_MAX_UNPACKED_BYTES = 64 * 2**30
@@ -71,6 +70,7 @@ def unpack_archive(
     kind: str,
     unpack_dir: Path | None = None,
     *,
+    name: str | None = None,
     unpack_root: Path | None = None,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
@@ -82,8 +82,10 @@ def unpack_archive(
     user cache unless given, so different archives never share a folder. A folder already holding a
     complete unpack of the same archive is reused; one holding anything else is refused.
     Any unsafe member refuses the whole archive with a :class:`DatasetError` and leaves
-    nothing behind.
+    nothing behind. Errors call the archive ``name`` (the name the user knows, where the
+    file's own is internal: an uploaded blob's digest), else the file's own name.
     """
+    shown = name or archive.name
     _check_bound(max_members, "max_members")
     _check_bound(max_unpacked_bytes, "max_unpacked_bytes")
     if not max_compression_ratio >= 1:
@@ -101,9 +103,9 @@ def unpack_archive(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
     try:
-        members = _tar_members(archive) if kind == "tar" else _zip_members(archive, limits)
+        members = _tar_members(archive, shown) if kind == "tar" else _zip_members(archive, shown, limits)
         try:
-            _extract(members, staging, archive.name, limits)
+            _extract(members, staging, shown, limits)
         finally:
             members.close()
         (staging / _MARKER).write_text(json.dumps({"archive_sha256": digest, "source": archive.name}))
@@ -113,7 +115,7 @@ def unpack_archive(
             if not _is_unpack_of(target, digest):  # else another process finished the same unpack first
                 raise
     except OSError as exc:
-        raise DatasetError(f"cannot unpack {archive.name}: {exc.strerror or exc}") from exc
+        raise DatasetError(f"cannot unpack {shown}: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -262,8 +264,9 @@ def _copy_member(
         raise DatasetError(f"{archive_name} is corrupt at member {member.name!r}: {exc}") from exc
 
 
-def _tar_members(archive: Path) -> Generator[_Member, None, None]:
-    """Stream the members of a tar (any compression tarfile knows) without listing it first."""
+def _tar_members(archive: Path, shown: str) -> Generator[_Member, None, None]:
+    """Stream the members of a tar (any compression tarfile knows) without listing it first;
+    errors call it ``shown``."""
     try:
         with tarfile.open(archive, "r:*") as tar:
             for info in tar:
@@ -277,37 +280,37 @@ def _tar_members(archive: Path) -> Generator[_Member, None, None]:
                     kind = "hard link"
                 else:
                     kind = "device or special file"
-                yield _Member(info.name, kind, info.size if kind == "file" else 0, _tar_opener(tar, info))
+                yield _Member(info.name, kind, info.size if kind == "file" else 0, _tar_opener(tar, info, shown))
                 tar.members.clear()  # keep memory flat on huge archives
     except (tarfile.TarError, zlib.error, EOFError) as exc:
-        raise DatasetError(f"{archive.name} is not a valid tar archive: {exc}") from exc
+        raise DatasetError(f"{shown} is not a valid tar archive: {exc}") from exc
 
 
-def _tar_opener(tar: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[], IO[bytes]]:
+def _tar_opener(tar: tarfile.TarFile, info: tarfile.TarInfo, shown: str) -> Callable[[], IO[bytes]]:
     def open_data() -> IO[bytes]:
         data = tar.extractfile(info)
         if data is None:
-            raise DatasetError(f"{tar.name}: member {info.name!r} has no data")
+            raise DatasetError(f"{shown}: member {info.name!r} has no data")
         return data
 
     return open_data
 
 
-def _zip_members(archive: Path, limits: _Limits) -> Generator[_Member, None, None]:
+def _zip_members(archive: Path, shown: str, limits: _Limits) -> Generator[_Member, None, None]:
     """The members of a zip, from its central directory; count, declared sizes and each
-    member's compression ratio are checked before anything is written."""
+    member's compression ratio are checked before anything is written; errors call it ``shown``."""
     try:
         with zipfile.ZipFile(archive) as zf:
             infos = zf.infolist()
             if len(infos) > limits.members:
                 raise DatasetError(
-                    f"{archive.name} has more than {limits.members} members; refusing the archive "
+                    f"{shown} has more than {limits.members} members; refusing the archive "
                     "(max_members)"
                 )
             if sum(info.file_size for info in infos) > limits.unpacked_bytes:
-                raise DatasetError(_too_large(archive.name, limits.unpacked_bytes))
+                raise DatasetError(_too_large(shown, limits.unpacked_bytes))
             for info in infos:
-                limits.check_expansion(archive.name, info.file_size, info.compress_size, f"member {info.filename!r}")
+                limits.check_expansion(shown, info.file_size, info.compress_size, f"member {info.filename!r}")
             for info in infos:
                 file_type = stat.S_IFMT(info.external_attr >> 16)  # 0 when the archiver recorded none
                 if info.is_dir() or file_type == stat.S_IFDIR:
@@ -319,10 +322,10 @@ def _zip_members(archive: Path, limits: _Limits) -> Generator[_Member, None, Non
                 else:
                     kind = "file"
                 if kind == "file" and info.flag_bits & 0x1:
-                    raise DatasetError(f"{archive.name}: member {info.filename!r} is encrypted")
+                    raise DatasetError(f"{shown}: member {info.filename!r} is encrypted")
                 yield _Member(info.filename, kind, info.file_size if kind == "file" else 0, _zip_opener(zf, info))
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
-        raise DatasetError(f"{archive.name} is not a valid zip archive: {exc}") from exc
+        raise DatasetError(f"{shown} is not a valid zip archive: {exc}") from exc
 
 
 def _zip_opener(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Callable[[], IO[bytes]]:

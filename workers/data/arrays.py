@@ -27,7 +27,7 @@ import torch
 from bnrecal.workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.order import ReadAhead, gather_runs
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
 
@@ -103,10 +103,11 @@ def read_npy_header(stream: IO[bytes], name: str) -> tuple[np.dtype[Any], tuple[
     return dtype, shape, fortran_order, prefix + length
 
 
-def describe_npy(path: Path) -> ArrayLayout:
-    """The layout of a ``.npy`` file, checked against the file size (truncation is corruption)."""
+def describe_npy(path: Path, name: str | None = None) -> ArrayLayout:
+    """The layout of a ``.npy`` file, checked against the file size (truncation is corruption).
+    Errors call the file ``name`` (the name the user knows), else the file's own name."""
     with open(path, "rb") as stream:
-        return describe_npy_stream(stream, path.name, path.stat().st_size)
+        return describe_npy_stream(stream, name or path.name, path.stat().st_size)
 
 
 def describe_npy_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
@@ -121,14 +122,16 @@ def describe_npy_stream(stream: IO[bytes], name: str, size: int) -> ArrayLayout:
 def describe_npz(
     path: Path,
     *,
+    name: str | None = None,
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
     max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
 ) -> ArrayLayout:
     """The layout of the chosen array of an ``.npz``: ``x``, else ``data``, else the only array
-    (a compressed one within the bounds, see :func:`check_compressed_member`)."""
+    (a compressed one within the bounds, see :func:`check_compressed_member`). Errors call
+    the file ``name`` (the name the user knows), else the file's own name."""
     with open(path, "rb") as stream:
         return describe_npz_stream(
-            stream, path.name, path.stat().st_size,
+            stream, name or path.name, path.stat().st_size,
             max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
         )
 
@@ -271,11 +274,16 @@ class ArrayData(ReadAhead, CalibrationData):
 
     Files open lazily on the first ``load``; pickling drops them, so the object can cross
     process boundaries and reopen on the other side. ``order`` (``workers.data.order``) is
-    the row of each sample position when the samples are not taken in file order.
+    the row of each sample position when the samples are not taken in file order. ``name``
+    is what errors call the file (the name the user knows), else the file's own name.
     """
 
-    def __init__(self, path: str, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None) -> None:
+    def __init__(
+        self, path: str, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None,
+        name: str | None = None,
+    ) -> None:
         self.path = path
+        self.name = name or Path(path).name
         self.layout = layout
         self.num_samples = num_samples
         self.order = order
@@ -347,7 +355,7 @@ class ArrayData(ReadAhead, CalibrationData):
     def _open(self) -> None:
         if self._rows is not None or self._stream is not None:
             return
-        layout, name = self.layout, Path(self.path).name
+        layout, name = self.layout, self.name
         try:
             if layout.storage == "npy":
                 rows = np.load(self.path, mmap_mode="r", allow_pickle=False)
@@ -371,7 +379,7 @@ class ArrayData(ReadAhead, CalibrationData):
         assert self._stream is not None
         dtype = np.dtype(self.layout.dtype)
         row_bytes = int(np.prod(self.sample_shape, dtype=np.int64)) * dtype.itemsize
-        name = f"{Path(self.path).name}:{self.layout.member}"
+        name = f"{self.name}:{self.layout.member}"
         try:
             _skip_to(self._stream, self.layout.data_offset + start * row_bytes, name)
             raw = _read_exact(self._stream, (stop - start) * row_bytes, name)

@@ -7,15 +7,6 @@ from types import TracebackType
 
 import torch
 
-from bnrecal.workers.errors import DatasetError, SpecError
-
-
-class DatasetOptionError(DatasetError, SpecError):
-    """A data option (``transform``, ``max_samples``, an unpack bound) has an invalid value.
-
-    It is both a :class:`DatasetError` (the data cannot be prepared as asked) and a
-    :class:`SpecError` (``field`` names the option), so callers catching either see it.
-    """
 
 
 class CalibrationData(ABC):

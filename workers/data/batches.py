@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bnrecal.workers.data.base import CalibrationData
-from bnrecal.workers.errors import BnrecalError
+from bnrecal.errors import BnrecalError
 
 
 class _LoadFailure:

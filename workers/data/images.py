@@ -27,7 +27,7 @@ import torch
 
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.transform import ImageTransform, load_image
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 
@@ -52,10 +52,12 @@ def is_ignored_part(part: str) -> bool:
     return part.startswith(".") or part == "__MACOSX"
 
 
-def list_images(directory: Path, *, strip_wrappers: bool = True) -> ImageListing:
+def list_images(directory: Path, *, strip_wrappers: bool = True, shown: str | None = None) -> ImageListing:
     """List the images of ``directory`` by the layout rules of this module.
 
-    Raises :class:`DatasetError` when no image is found or when the layout is ambiguous.
+    Raises :class:`DatasetError` when no image is found or when the layout is ambiguous,
+    calling the folder ``shown`` (the name the user knows: an archive's, where the folder
+    is its unpack named by digest), else the folder's own name.
     """
     root = _strip_wrappers(directory) if strip_wrappers else directory
     files: list[str] = []
@@ -64,7 +66,7 @@ def list_images(directory: Path, *, strip_wrappers: bool = True) -> ImageListing
         relative = Path(current).relative_to(root).as_posix()
         prefix = "" if relative == "." else relative + "/"
         files.extend(prefix + f for f in filenames if is_image_name(f) and not is_ignored_part(f))
-    return listing_of(root, files, directory.name or str(directory))
+    return listing_of(root, files, shown or directory.name or str(directory))
 
 
 def listing_of(root: Path, files: Sequence[str], shown: str) -> ImageListing:

@@ -14,7 +14,7 @@ import numpy as np
 from bnrecal.workers.data.images import list_images
 from bnrecal.workers.data.objectstore import list_remote_images, open_remote_file, remote_error
 from bnrecal.workers.data.spec import DatasetSpec
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 LABEL_ARRAY = "y"
 """The ``.npz`` member holding one class index per sample of ``x``."""
@@ -33,7 +33,7 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
         if spec.remote is not None:
             listing = list_remote_images(spec.remote, "evaluation data")
         else:
-            listing = list_images(Path(spec.path), strip_wrappers=False)
+            listing = list_images(Path(spec.path), strip_wrappers=False, shown=spec.display_name)
         return np.asarray(listing.labels, dtype=np.int64)[spec.sample_rows()]
     layout = spec.layout
     if layout is None or not layout.storage.startswith("npz"):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from bnrecal.workers.errors import DatasetError, ModelInputError
+from bnrecal.errors import DatasetError, ModelInputError
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, d
 from bnrecal.workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
 from bnrecal.workers.data.order import gather_runs
 from bnrecal.workers.data.transform import ImageTransform, load_image
-from bnrecal.workers.errors import DatasetError, SpecError
+from bnrecal.errors import DatasetError, SpecError
 
 SCHEMES = ("s3",)
 _URI_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +20,7 @@ from bnrecal.workers.data.archive import (
     unpack_archive,
 )
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
-from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
@@ -36,7 +35,7 @@ from bnrecal.workers.data.objectstore import (
 )
 from bnrecal.workers.data.order import ORDERS, order_rows
 from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 _SUFFIX_FORMATS = (
     (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),
@@ -84,21 +83,15 @@ class DatasetSpec:
         """The data as the user named it: ``name``, else the source file's or folder's name."""
         return self.name or Path(self.source).name
 
-    def name_in(self, exc: DatasetError) -> None:
-        """Replace the stored file's name (a blob's digest, which also names its unpack folder)
-        by ``name`` in ``exc``'s message."""
-        if self.name:
-            _rename(exc, (Path(self.source).name,), self.name)
-
     def open(self) -> CalibrationData:
         """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
         if self.remote is not None:
             return self._open_remote(self.remote)
         if self.kind == "array":
             assert self.layout is not None
-            return ArrayData(self.path, self.layout, self.num_samples, self._array_order())
+            return ArrayData(self.path, self.layout, self.num_samples, self._array_order(), name=self.display_name)
         assert self.transform is not None
-        listing = list_images(Path(self.path), strip_wrappers=False)
+        listing = list_images(Path(self.path), strip_wrappers=False, shown=self.display_name)
         files, labels = self._kept(listing.files, listing.labels)
         if files is None or files_digest(files) != self.files_digest:
             raise DatasetError(f"image folder {self.display_name} changed since it was described")
@@ -197,20 +190,13 @@ def describe_dataset(
     source = Path(path).expanduser()
     if not source.exists():
         raise DatasetError(f"{role} not found: {path}")
-    source = source.absolute()
-    unpacked: list[Path] = []
-    try:
-        spec = _describe(
-            source, transform, max_samples, check_images, role, name, unpacked, ordering,
-            unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
-            unpack_root=Path(unpack_root) if unpack_root is not None else None,
-            max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
-            max_compression_ratio=max_compression_ratio,
-        )
-    except DatasetError as exc:
-        # The stored file and an archive's unpack folder may be named by digest: say what the user gave.
-        _rename(exc, [source.name, *(folder.name for folder in unpacked)], name or source.name)
-        raise
+    spec = _describe(
+        source.absolute(), transform, max_samples, check_images, role, name, ordering,
+        unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
+        unpack_root=Path(unpack_root) if unpack_root is not None else None,
+        max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
+        max_compression_ratio=max_compression_ratio,
+    )
     return spec if name is None else replace(spec, name=name)
 
 
@@ -221,15 +207,15 @@ def _describe(
     check_images: bool,
     role: str,
     name: str | None,
-    unpacked: list[Path],
     ordering: dict[str, Any],
     **unpack: Any,
 ) -> DatasetSpec:
-    """:func:`describe_dataset` on an existing absolute path; an archive's unpack folder goes to ``unpacked``."""
+    """:func:`describe_dataset` on an existing absolute path. Every error calls the data
+    ``name`` where given (a blob is stored, and an archive unpacked, under its digest)."""
     shown = name or source.name
     try:
         if source.is_dir():
-            return _describe_images(source, source, transform, max_samples, check_images, ordering)
+            return _describe_images(source, source, shown, transform, max_samples, check_images, ordering)
         data_format = detect_format(source, role, name)
         if data_format in ("npy", "npz"):
             if transform:
@@ -237,10 +223,10 @@ def _describe(
                     f"transform applies to image data only; {shown} is an array file", field="transform"
                 )
             if data_format == "npy":
-                layout = describe_npy(source)
+                layout = describe_npy(source, shown)
             else:
                 layout = describe_npz(
-                    source, max_unpacked_bytes=unpack["max_unpacked_bytes"],
+                    source, name=shown, max_unpacked_bytes=unpack["max_unpacked_bytes"],
                     max_compression_ratio=unpack["max_compression_ratio"],
                 )
             total = layout.shape[0]
@@ -252,10 +238,9 @@ def _describe(
                 **ordering,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
-        folder = unpack_archive(source, data_format, unpack.pop("unpack_dir"), **unpack)
-        unpacked.append(folder)
+        folder = unpack_archive(source, data_format, unpack.pop("unpack_dir"), name=shown, **unpack)
         try:
-            return _describe_images(folder, source, transform, max_samples, check_images, ordering)
+            return _describe_images(folder, source, shown, transform, max_samples, check_images, ordering)
         except DatasetError:
             discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
             raise
@@ -333,19 +318,6 @@ def detect_format(path: Path, role: str = "calibration data", name: str | None =
     return sniffed
 
 
-def _rename(exc: DatasetError, internal: Iterable[str], shown: str) -> None:
-    """Replace whole-word occurrences of internal file names in ``exc``'s message by ``shown``
-    (not inside ``shown`` itself, where a digest may already appear as ``sha256:<hex>``)."""
-    pieces = exc.message.split(shown)
-    for old in internal:
-        if old and old != shown:
-            pattern = re.compile(rf"(?<![\w.-]){re.escape(old)}(?![\w.-])")
-            pieces = [pattern.sub(lambda _: shown, piece) for piece in pieces]
-    message = shown.join(pieces)
-    exc.message = message
-    exc.args = (message,)
-
-
 def _sniff_format(path: Path) -> str | None:
     with open(path, "rb") as stream:
         head = stream.read(512)
@@ -366,13 +338,14 @@ def _sniff_format(path: Path) -> str | None:
 def _describe_images(
     folder: Path,
     source: Path,
+    shown: str,
     transform: Mapping[str, Any] | None,
     max_samples: int | None,
     check_images: bool,
     ordering: dict[str, Any],
 ) -> DatasetSpec:
     resolved = resolve_transform(transform)
-    listing = list_images(folder)
+    listing = list_images(folder, shown=shown)
     total = len(listing.files)
     files = _ordered_files(listing.files, max_samples, ordering)
     if check_images:

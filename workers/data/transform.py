@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bnrecal.workers.data.base import DatasetOptionError
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_TRANSFORM: dict[str, Any] = {
     "resize": 256,

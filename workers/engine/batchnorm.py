@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnrecal.workers.engine.modes import MODES
-from bnrecal.workers.errors import RunError, UnsupportedLayerError
+from bnrecal.errors import RunError, UnsupportedLayerError
 
 __all__ = [
     "MODES", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "layers_named", "unsupported_layer",

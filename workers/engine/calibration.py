@@ -20,7 +20,7 @@ from bnrecal.workers.engine.calibrator import BatchNormCalibrator
 from bnrecal.workers.engine.collective import Collective
 from bnrecal.workers.engine.memory_format import rank_layout, to_layout, torch_format
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 Feed = Callable[[nn.Module, Any], Any]
 """``forward(model, batch)``: how a user's batches reach the model (``bnrecal.recalibrate``)."""

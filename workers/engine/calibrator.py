@@ -56,7 +56,7 @@ from bnrecal.workers.engine.moments import (
     standard_errors,
     worst_standard_error,
 )
-from bnrecal.workers.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
+from bnrecal.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
 from bnrecal.workers.suggestions import sample_shape_hint
 
 TAGS = 2

@@ -31,7 +31,7 @@ from torch import nn
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import apply_statistics
 from bnrecal.workers.engine.collective import Collective
-from bnrecal.workers.errors import InputError
+from bnrecal.errors import EvaluationError
 
 TOP5_MIN_CLASSES = 10
 """Top-5 accuracy is reported for models with at least this many classes."""
@@ -44,12 +44,6 @@ _INDEX = {name: i for i, name in enumerate(_TOTALS)}
 
 StepCallback = Callable[[int], None]
 """Called after each evaluation batch with the number of samples this rank evaluated in it."""
-
-
-class EvaluationError(InputError):
-    """The model's output or the evaluation data's labels cannot be evaluated as asked."""
-
-    title = "Cannot evaluate"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bnrecal.workers.errors import ArchitectureError, SpecError, one_line
+from bnrecal.errors import ArchitectureError, SpecError, one_line
 from bnrecal.workers.models.huggingface import build_transformers_model, is_model_class_name, model_class
 from bnrecal.workers.suggestions import did_you_mean as _suggestion
 

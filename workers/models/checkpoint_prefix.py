@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bnrecal.workers.errors import CheckpointError
+from bnrecal.errors import CheckpointError
 from bnrecal.workers.models.fit_hints import checkpoint_hint
 
 _LISTED = 5  # how many keys of each kind an error message names

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bnrecal.workers.errors import CheckpointError, one_line
+from bnrecal.errors import CheckpointError, one_line
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.models.checkpoint_prefix import choose_prefix, model_keys
 

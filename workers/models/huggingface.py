@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from bnrecal.workers.errors import ArchitectureError, SpecError, one_line
+from bnrecal.errors import ArchitectureError, SpecError, one_line
 from bnrecal.workers.suggestions import did_you_mean
 
 SOURCE = "transformers"

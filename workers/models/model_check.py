@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from bnrecal.workers.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
+from bnrecal.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
 from bnrecal.workers.models.architectures import build_model, check_architecture
 from bnrecal.workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
 from bnrecal.workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch

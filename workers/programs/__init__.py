@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import ProgramError, one_line
+from bnrecal.errors import ProgramError, one_line
 from .archive import ProgramArchive, read_archive, write_archive
 from .checks import checked_graph
 from .module import BatchRule, ProgramInput, ProgramModule

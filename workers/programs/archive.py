@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ProgramError, one_line
+from bnrecal.errors import ProgramError, one_line
 from ..files import atomic_write
 
 MAX_MEMBERS = 200_000

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ProgramError
+from bnrecal.errors import ProgramError
 
 OPERATOR_NAMESPACES = ("aten", "prims")
 

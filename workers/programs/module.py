@@ -28,7 +28,7 @@ from torch import nn
 
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 
-from ..errors import ModelInputError, ProgramError
+from bnrecal.errors import ModelInputError, ProgramError
 from .sites import BatchNormSites, find_sites
 
 _KEEP = frozenset(dir(nn.Module()))

@@ -20,7 +20,7 @@ import torch
 
 from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, form_of, looks_like_batch_norm
 
-from ..errors import ProgramError
+from bnrecal.errors import ProgramError
 
 aten = torch.ops.aten
 

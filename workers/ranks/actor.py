@@ -18,7 +18,7 @@ import torch
 from bnrecal.workers.data import CalibrationData
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
-from bnrecal.workers.errors import BnrecalError, RunError, first_line
+from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from bnrecal.workers.ranks.collectives import RayCollective
 from bnrecal.workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload

@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
-from bnrecal.workers.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
+from bnrecal.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 

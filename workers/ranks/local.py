@@ -26,7 +26,7 @@ from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
 from bnrecal.workers.engine.evaluation import evaluation_pass, with_statistics
-from bnrecal.workers.errors import CancelledError
+from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.plan import GroupResult, RankPlan
 from bnrecal.workers.ranks.sharding import rank_ranges, step_ranges
 

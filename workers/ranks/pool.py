@@ -35,7 +35,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.actor import CalibrationActor
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.errors import BnrecalError, CancelledError, RunError, first_line
+from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
 from bnrecal.workers.ranks.group import GroupOptions
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, RangeResult
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool

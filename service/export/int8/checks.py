@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bnrecal.workers.errors import ExportError, first_line
+from bnrecal.errors import ExportError, first_line
 from bnrecal.workers.engine.ranges import fixed_batch, in_batches_of
 
 

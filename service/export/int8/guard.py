@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bnrecal.workers.errors import ExportError
+from bnrecal.errors import ExportError
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq

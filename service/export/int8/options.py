@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 Int8Method = Literal["minmax", "percentile", "entropy"]
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from bnrecal.workers.engine.ranges import TensorRanges
-from bnrecal.workers.errors import ExportError, first_line
+from bnrecal.errors import ExportError, first_line
 
 from bnrecal.service.export.int8.options import Int8Options
 

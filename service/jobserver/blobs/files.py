@@ -27,7 +27,7 @@ from typing import BinaryIO
 
 import anyio
 
-from bnrecal.workers.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
+from bnrecal.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
 from bnrecal.workers.files import atomic_write, sync_directory
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bnrecal.workers.data.objectstore import s3_filesystem
-from bnrecal.workers.errors import NotFoundError, SpecError
+from bnrecal.errors import NotFoundError, SpecError
 
 from .files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, is_digest
 

@@ -23,11 +23,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-from bnrecal.workers.errors import InputError, NotFoundError, TooManyJobsError
+from bnrecal.errors import ConflictError, InputError, NotFoundError, TooManyJobsError
 
 from bnrecal.service.run.options import STARTING_PHASE
 
-from ..jobs import ConflictError, JobRecord, JobStatus
+from ..jobs import JobRecord, JobStatus
 from .engines import lock_tenant, make_engine, prepare_schema
 
 INTERRUPTED = "interrupted by restart"

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 SCHEMA_LOCK = 0x626E7263  # "bnrc": the advisory lock held while one process creates or upgrades the schema
 POSTGRES_DRIVER = "postgresql+psycopg"

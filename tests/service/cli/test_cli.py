@@ -14,27 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.service.cli import main
-
-from tests.conftest import save_array, save_state
+from tests.conftest import run_cli, save_array, save_state
 from tests.nets import mixed_net, no_norm_net, perturbed, self_stats_net
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
 
 
-@pytest.fixture(autouse=True)
-def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
-    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("BNRECAL_DEBUG", raising=False)
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 @pytest.fixture
@@ -53,7 +38,7 @@ def artifacts(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.usefixtures("ray_cluster")
 def test_calibrate_writes_checkpoint_and_report(artifacts, tmp_path, capsys):
     out, report = tmp_path / "out.pt", tmp_path / "report.json"
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(artifacts["checkpoint"]),
         "--data", str(artifacts["data"]), "--workers", "2", "--batch-size", "8", "--out", str(out),
         "--report", str(report),
@@ -147,7 +132,7 @@ def test_bad_input_is_one_line_and_exit_2(case, artifacts, tmp_path, capsys):
     args, expected = bad_inputs(tmp_path, artifacts)[case]
     if "--data" not in args:
         args = [*args, "--data", str(artifacts["data"])]
-    code, err = run_cli(capsys, "calibrate", *args, "--out", str(tmp_path / "never.pt"))
+    code, _, err = run_cli(capsys, "calibrate", *args, "--out", str(tmp_path / "never.pt"))
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -171,7 +156,7 @@ def test_image_folder_with_default_transform(tmp_path, capsys):
     model = perturbed(mixed_net())
     save_state(tmp_path / "model.pt", model)
     out = tmp_path / "out.pt"
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(tmp_path / "model.pt"),
         "--data", str(tmp_path / "digits"), "--batch-size", "5", "--out", str(out),
     )

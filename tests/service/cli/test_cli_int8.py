@@ -13,13 +13,10 @@ import torch
 
 from tests.conftest import save_array, save_state
 from tests.nets import classifier_net, perturbed
-from tests.service.cli.test_cli import run_cli
+from tests.conftest import run_cli
 
 
-@pytest.fixture(autouse=True)
-def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
-    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 @pytest.fixture
@@ -38,7 +35,7 @@ def inputs(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, inputs):
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
         "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--eval-data", str(inputs["eval"]),
         "--workers", "2", "--batch-size", "16", "--out", str(tmp_path / "out.pt"),
@@ -65,7 +62,7 @@ def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, 
     ],
 )
 def test_bad_int8_options_exit_2_naming_the_field(tmp_path, capsys, inputs, args, named):
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--checkpoint", str(inputs["checkpoint"]),
         "--data", str(inputs["data"]), "--out", str(tmp_path / "out.pt"), *args,
     )
@@ -76,7 +73,7 @@ def test_bad_int8_options_exit_2_naming_the_field(tmp_path, capsys, inputs, args
 
 
 def test_export_quantizes_a_checkpoint_as_it_is(tmp_path, capsys, inputs):
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "export", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
         "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--out", str(tmp_path / "m.onnx"),
         "--onnx-int8", str(tmp_path / "m-int8.onnx"), "--report", str(tmp_path / "r.json"),
@@ -85,7 +82,7 @@ def test_export_quantizes_a_checkpoint_as_it_is(tmp_path, capsys, inputs):
     section = json.loads((tmp_path / "r.json").read_text())["int8"]
     assert section["world_size"] == 1 and section["samples"] == 40 and section["collectives"] == [1]
     onnx.checker.check_model(onnx.load(tmp_path / "m-int8.onnx"), full_check=True)
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "export", "--arch", "tests.nets:classifier_net", "--checkpoint", str(inputs["checkpoint"]),
         "--input-shape", "3,8,8", "--out", str(tmp_path / "n.onnx"), "--onnx-int8", str(tmp_path / "n-int8.onnx"),
     )

@@ -15,13 +15,10 @@ import torch
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
-from tests.service.cli.test_cli import run_cli
+from tests.conftest import run_cli
 
 
-@pytest.fixture(autouse=True)
-def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
-    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 @pytest.fixture
@@ -51,7 +48,7 @@ def test_calibrate_with_onnx_ships_the_recalibrated_model(tmp_path, capsys, grou
     samples = torch.randn(16, 3, 6, 5) * 2
     checkpoint = save_state(tmp_path / "m.pt", perturbed(mixed_net()))
     data = save_array(tmp_path / "x.npy", samples.numpy())
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint), "--data", str(data),
         "--batch-size", "8", "--out", str(tmp_path / "out.pt"), "--onnx", str(tmp_path / "m.onnx"),
         "--report", str(tmp_path / "r.json"), "--report-html", str(tmp_path / "r.html"),
@@ -73,7 +70,7 @@ def test_calibrate_with_onnx_ships_the_recalibrated_model(tmp_path, capsys, grou
 def test_export_without_recalibrating(tmp_path, capsys, group_umask):
     model = perturbed(mixed_net()).eval()
     checkpoint = save_state(tmp_path / "m.pt", model)
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "export", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint),
         "--input-shape", "3,6,5", "--out", str(tmp_path / "m.onnx"), "--report", str(tmp_path / "r.json"),
     )
@@ -86,7 +83,7 @@ def test_export_without_recalibrating(tmp_path, capsys, group_umask):
 
 def test_export_needs_samples_or_a_shape(tmp_path, capsys):
     checkpoint = save_state(tmp_path / "m.pt", mixed_net())
-    code, err = run_cli(capsys, "export", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint),
+    code, _, err = run_cli(capsys, "export", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint),
                         "--out", str(tmp_path / "m.onnx"))
     assert code == 2 and "--input-shape" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "m.onnx").exists()

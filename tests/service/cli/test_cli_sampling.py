@@ -11,17 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.service.cli.main import main
-
-from tests.conftest import save_array, save_state
+from tests.conftest import run_cli, save_array, save_state
 from tests.nets import mixed_net, perturbed
 
 
-@pytest.fixture(autouse=True)
-def _environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
-    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("BNRECAL_DEBUG", raising=False)
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 @pytest.fixture
@@ -35,16 +29,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 def calibrate(capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_path: Path, *flags: str) -> tuple[int, str]:
-    try:
-        main([
-            "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(files["checkpoint"]),
-            "--data", str(files["data"]), "--out", str(tmp_path / "out.pt"), "--report", str(tmp_path / "r.json"),
-            *flags,
-        ])
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+    """``bnrecal calibrate`` of the files with ``flags``: exit code and stderr."""
+    code, _, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(files["checkpoint"]),
+        "--data", str(files["data"]), "--out", str(tmp_path / "out.pt"), "--report", str(tmp_path / "r.json"), *flags,
+    )
+    return code, err
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from tests.service.export.helpers import (
     run_onnx,
     set_batchnorm_statistics,
 )
-from bnrecal.workers.errors import ExportError
+from bnrecal.errors import ExportError
 
 
 def small_cnn() -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.errors import ExportError, SpecError
+from bnrecal.errors import ExportError, SpecError
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 
 from bnrecal.service.export.int8.checks import LabelledBatches, accuracy

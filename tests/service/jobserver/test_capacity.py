@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
+from bnrecal.service.jobserver.problems import http_status
 
 from bnrecal.service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
 from bnrecal.service.run.options import RunOptions
@@ -43,7 +44,7 @@ def test_ranks_that_fit_the_nodes_pass_under_every_placement() -> None:
 
 def test_more_ranks_than_the_cluster_holds_names_workers_and_what_it_has() -> None:
     error = refusal(TWO_NODES, 2, 0, workers=7)
-    assert error.field == "workers" and error.status == 422
+    assert error.field == "workers" and http_status(error) == 422
     assert "7 ranks of 2 CPUs each need 14 CPUs" in error.message
     assert "the cluster has 12 CPUs and 1 GPUs on 2 node(s), room for 6 such ranks" in error.message
     assert "at most 6 workers" in error.message and "BNRECAL_CAPACITY_CHECK" in error.message

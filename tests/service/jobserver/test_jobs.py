@@ -14,7 +14,7 @@ from bnrecal.service.jobserver.blobs import BlobStore
 from bnrecal.service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
 from bnrecal.service.settings import Settings
 from tests.nets import mixed_net
-from bnrecal.workers.errors import ArchitectureError, CheckpointError, SpecError
+from bnrecal.errors import ArchitectureError, CheckpointError, SpecError
 
 DIGEST = "sha256:" + "a" * 64
 

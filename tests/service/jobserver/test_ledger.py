@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.jobs import ConflictError, JobStatus
+from bnrecal.service.jobserver.jobs import JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import normalise_url
-from bnrecal.workers.errors import NotFoundError, SpecError, TooManyJobsError
+from bnrecal.errors import ConflictError, NotFoundError, SpecError, TooManyJobsError
+from bnrecal.service.jobserver.problems import http_status
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 
@@ -64,7 +65,7 @@ def test_a_tenant_past_its_queued_limit_is_refused_and_nothing_is_stored(ledger)
     first = [ledger.create("alice", SPEC, max_queued=2)[0].id for _ in range(2)]
     with pytest.raises(TooManyJobsError, match="already has 2 queued jobs.*BNRECAL_TENANT_MAX_QUEUED_JOBS") as caught:
         ledger.create("alice", SPEC, max_queued=2)
-    assert caught.value.status == 429
+    assert http_status(caught.value) == 429
     assert [job.id for job in ledger.queued()] == first  # the refused job was rolled back
     assert ledger.create("bob", SPEC, max_queued=2)[1]  # another tenant's queue is its own
     assert ledger.create("alice", SPEC, "replayed", max_queued=3)[1]

@@ -21,12 +21,14 @@ from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
 from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.jobs import ConflictError, JobStatus
+from bnrecal.service.jobserver.jobs import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
 from bnrecal.workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
-from bnrecal.workers.errors import InsufficientStorageError, NotFoundError
+from bnrecal.errors import ConflictError, InsufficientStorageError, NotFoundError
+from bnrecal.service.jobserver.problems import http_status
+from tests.conftest import run_cli
 
 DAY = 86400.0
 T = "tenant-a"
@@ -237,26 +239,18 @@ def test_a_full_disk_keeps_nothing_of_the_upload(store):
     assert written and store.blobs.staging_files() == []
     assert [digest for digest, _ in store.blobs.stored(T)] == [kept]
     assert store.blobs.path(T, kept).read_bytes() == b"stored before"
-    assert InsufficientStorageError.status == 507
+    assert http_status(InsufficientStorageError) == 507
 
 
 def test_gc_command_lists_then_deletes(store, tmp_path, capsys):
     stray = store.put(b"stray", age=2 * DAY)
-    code = _run(capsys, "gc", "--dry-run", "--data-dir", str(store.settings.data_dir))
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(capsys, "gc", "--dry-run", "--data-dir", str(store.settings.data_dir))
     assert code == 0 and f"would delete blob {stray} of {T} (5 bytes)" in out and "would free 5 bytes" in out
     assert store.exists(stray)
-    code = _run(capsys, "gc", "--data-dir", str(store.settings.data_dir))
-    assert code == 0 and "freed 5 bytes" in capsys.readouterr().out and not store.exists(stray)
+    code, out, _ = run_cli(capsys, "gc", "--data-dir", str(store.settings.data_dir))
+    assert code == 0 and "freed 5 bytes" in out and not store.exists(stray)
     with pytest.raises(SystemExit) as bad:
         main(["gc", "--data-dir", str(tmp_path / "nowhere")])
     assert bad.value.code == 2
     assert "not a bnrecal data directory" in capsys.readouterr().err
 
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> int:
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from tests.nets import mixed_net, perturbed
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from bnrecal.workers.errors import CallOrderError, CancelledError, DatasetError, RunError
+from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import LiveModuleSource
 
 from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunPlan, run

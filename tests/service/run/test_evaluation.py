@@ -17,7 +17,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
 from tests.nets import classifier_net, perturbed, segmenter_net
 from tests.reference import assert_metrics_match, reference_metrics
-from tests.service.cli.test_cli import run_cli
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -147,7 +147,7 @@ def test_cli_prints_before_and_after_and_the_html_report_shows_them(stale, tmp_p
     calibration.mkdir()
     for index, sample in enumerate(np.random.default_rng(2).integers(0, 255, (12, 8, 8, 3), dtype=np.uint8)):
         Image.fromarray(sample).save(calibration / f"{index:02d}.png")
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--checkpoint", str(stale["checkpoint"]),
         "--data", str(calibration), "--eval-data", str(images), "--transform", '{"resize": 8, "crop": 8}',
         "--workers", "2", "--batch-size", "8", "--out", str(tmp_path / "out.pt"),
@@ -175,14 +175,14 @@ def test_a_model_without_logits_or_too_few_classes_fails_before_any_actor(stale,
     monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
     torch.manual_seed(0)
     checkpoint = save_state(tmp_path / "features.pt", perturbed(__import__("tests.nets").nets.feature_list_net()))
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:feature_list_net", "--checkpoint", str(checkpoint),
         "--data", str(stale["data"]), "--eval-data", str(stale["eval"]), "--out", str(tmp_path / "never.pt"),
     )
     assert code == 2 and err.count("\n") == 1, err
     assert "evaluation needs a tensor of logits; the model returns a mapping with keys ['shape']" in err
     small = save_state(tmp_path / "small.pt", perturbed(classifier_net(5)))
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 5}',
         "--checkpoint", str(small), "--data", str(stale["data"]), "--eval-data", str(stale["eval"]),
         "--out", str(tmp_path / "never.pt"),

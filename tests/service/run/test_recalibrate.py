@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.models.checkpoints import load_checkpoint
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from bnrecal.workers.errors import NoBatchNormError, ProgramError, SpecError
+from bnrecal.errors import NoBatchNormError, ProgramError, SpecError
 
 from bnrecal.service.run.exporting import export_recalibrated
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 from bnrecal.workers.ranks.pool import WarmPool
 from bnrecal.workers.ranks.sharding import rank_ranges
 

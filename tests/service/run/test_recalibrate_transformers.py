@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.errors import ArchitectureError
+from bnrecal.errors import ArchitectureError
 from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.jobserver.jobs import check_architecture
@@ -180,13 +180,13 @@ def test_job_submission_checks_the_class(settings):
 @pytest.mark.slow
 def test_the_command_line_of_the_docs(tmp_path, capsys):
     """docs/models.md's example: save_pretrained's two files in, a folder from_pretrained loads out."""
-    from tests.service.cli.test_cli import run_cli
+    from tests.conftest import run_cli
 
     name = "ResNetForImageClassification"
     model, config, weights, _, data = prepared(tmp_path / "my-model", name)
     out, onnx, report = tmp_path / "recalibrated" / "model.safetensors", tmp_path / "model.onnx", tmp_path / "report.json"
     out.parent.mkdir()
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", f"transformers:{name}",
         "--model-kwargs", (tmp_path / "my-model" / "config.json").read_text(), "--checkpoint", str(weights),
         "--data", str(data), "--workers", "2", "--out", str(out), "--onnx", str(onnx), "--report", str(report),

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from bnrecal.workers.errors import CallOrderError, UnsupportedLayerError
+from bnrecal.errors import CallOrderError, UnsupportedLayerError
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 

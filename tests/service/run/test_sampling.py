@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnrecal.workers.errors import SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from bnrecal.workers.errors import CancelledError, RunError
+from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 from bnrecal.workers.ranks.pool import WarmPool
 

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from bnrecal.workers.data import describe_dataset
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError
 
 SMALL = {"resize": 6, "crop": 6}
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
-from bnrecal.workers.errors import DatasetError, SpecError
+from bnrecal.workers.data import describe_dataset, iter_batches, read_labels
+from bnrecal.errors import DatasetError, DatasetOptionError, SpecError
 
 
 def test_npy_float32_is_memory_mapped_and_read_by_rows(tmp_path: Path) -> None:
@@ -270,3 +270,23 @@ def test_iter_batches_reads_arrays_in_order(tmp_path: Path) -> None:
         np.testing.assert_array_equal(batch.numpy(), values[start:stop])
     with pytest.raises(IndexError):
         list(iter_batches(data, [(10, 18)]))
+
+
+def test_every_error_of_a_stored_blob_names_it_as_uploaded_where_raised(tmp_path: Path) -> None:
+    """A blob is stored (and an archive unpacked) under its digest: each error, from describing
+    it or from reading it later in a rank, calls it by the name it was uploaded with."""
+    stored = tmp_path / ("a1b2c3d4" * 8)
+    stored.write_bytes(b"\x93NUMPY\x09\x00")  # an .npy of an unknown format version
+    with pytest.raises(DatasetError, match=r"^calib\.npy has an unsupported \.npy format version 9$"):
+        describe_dataset(stored, name="calib.npy")
+    stored.write_bytes(b"\x1f\x8b" + b"\x00" * 64)  # gzip magic, no tar inside
+    with pytest.raises(DatasetError, match=r"^photos\.tgz is not a valid tar archive") as caught:
+        describe_dataset(stored, name="photos.tgz", unpack_root=tmp_path / "unpacked")
+    assert stored.name not in str(caught.value)
+    np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
+    (tmp_path / "x.npy").replace(stored)
+    spec = describe_dataset(stored, name="calib.npy")
+    np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))  # replaced after it was described
+    (tmp_path / "x.npy").replace(stored)
+    with pytest.raises(DatasetError, match=r"^calib\.npy changed since it was described"), spec.open() as data:
+        data.load(0, 1)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.workers.data import DEFAULT_TRANSFORM, DatasetOptionError, DatasetSpec, describe_dataset, iter_batches
-from bnrecal.workers.errors import DatasetError
+from bnrecal.workers.data import DEFAULT_TRANSFORM, DatasetSpec, describe_dataset, iter_batches
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 IDENTITY = {"resize": 8, "crop": 8, "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
 MEAN = np.array(DEFAULT_TRANSFORM["mean"], dtype=np.float32)

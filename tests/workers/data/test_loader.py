@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from bnrecal.workers.data.loader import LoaderSpec, batch_length, model_input, slice_batch
-from bnrecal.workers.errors import DatasetError, ModelInputError
+from bnrecal.errors import DatasetError, ModelInputError
 
 
 class Indexed(Dataset):

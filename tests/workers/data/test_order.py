@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bnrecal.workers.data import DatasetOptionError, describe_dataset, iter_batches, read_labels
+from bnrecal.errors import DatasetOptionError
+from bnrecal.workers.data import describe_dataset, iter_batches, read_labels
 from bnrecal.workers.data.order import order_rows, sorted_runs
 
 from bnrecal.workers.ranks.sharding import rank_ranges

@@ -10,7 +10,7 @@ from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.errors import UnsupportedLayerError
+from bnrecal.errors import UnsupportedLayerError
 
 from tests.nets import far_from_zero_net, mixed_net, perturbed, self_stats_net, subclass_net, sync_bn_net, volume_net
 from tests.reference import assert_matches_reference, reference_statistics

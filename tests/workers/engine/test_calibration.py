@@ -13,7 +13,7 @@ from bnrecal.workers.engine.calibration import apply_statistics, calibration_pas
 from bnrecal.workers.engine.calibrator import BatchNormCalibrator, probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.moments import batch_moments, finalize, pack, packed_size
-from bnrecal.workers.errors import DatasetError, ModelInputError
+from bnrecal.errors import DatasetError, ModelInputError
 from bnrecal.workers.ranks.sharding import num_steps, rank_ranges
 
 from tests.nets import far_from_zero_net, mixed_net, no_norm_net, perturbed, volume_net

@@ -12,9 +12,9 @@ from PIL import Image
 
 from bnrecal.workers.data import describe_dataset, read_labels
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.engine.evaluation import EvaluationError, check_eval_output, evaluation_pass, model_logits, with_statistics
+from bnrecal.workers.engine.evaluation import check_eval_output, evaluation_pass, model_logits, with_statistics
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.workers.errors import DatasetError
+from bnrecal.errors import DatasetError, EvaluationError
 
 from tests.nets import classifier_net, feature_list_net, perturbed, segmenter_net
 from tests.reference import assert_metrics_match, reference_metrics

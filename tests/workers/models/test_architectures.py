@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bnrecal.workers.errors import ArchitectureError, SpecError
+from bnrecal.errors import ArchitectureError, SpecError
 from bnrecal.workers.models.architectures import (
     MAX_KWARGS_DEPTH,
     build_model,

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_model
 from torch import nn
 
-from bnrecal.workers.errors import CheckpointError
+from bnrecal.errors import CheckpointError
 from bnrecal.workers.models.checkpoint_prefix import shared_prefixes
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 

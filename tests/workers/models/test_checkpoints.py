@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file, save_model
 
-from bnrecal.workers.errors import CheckpointError
+from bnrecal.errors import CheckpointError
 from bnrecal.workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 
 from tests.workers.models.model_zoo import SmallCNN, TiedNet

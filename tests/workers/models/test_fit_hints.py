@@ -11,7 +11,7 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from bnrecal.workers.errors import ArchitectureError, CheckpointError, ModelInputError
+from bnrecal.errors import ArchitectureError, CheckpointError, ModelInputError
 from bnrecal.workers.models.architectures import build_model, check_architecture
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 from bnrecal.workers.models.model_check import check_checkpoint_fits, check_data_fits

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bnrecal.workers.engine.evaluation import model_logits
-from bnrecal.workers.errors import ArchitectureError, SpecError
+from bnrecal.errors import ArchitectureError, SpecError
 from bnrecal.workers.models.architectures import build_model, check_architecture_exists
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 

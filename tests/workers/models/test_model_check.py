@@ -10,7 +10,7 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from bnrecal.workers.errors import CheckpointError, SpecError
+from bnrecal.errors import CheckpointError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 from bnrecal.workers.models.model_check import check_checkpoint_fits, checkpoint_shapes, model_layout

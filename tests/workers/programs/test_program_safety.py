@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.errors import ProgramError
+from bnrecal.errors import ProgramError
 from bnrecal.workers.programs import check_program, load_program
 
 from tests.programs import code_pickle, export_program, members, rewrite, rewrite_graph, rewrite_json, write_members

@@ -19,7 +19,7 @@ from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.errors import ModelInputError, ProgramError
+from bnrecal.errors import ModelInputError, ProgramError
 from bnrecal.workers.programs import load_program, write_archive
 from bnrecal.workers.ranks.sharding import rank_ranges
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bnrecal.service.jobserver.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
-from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError
+from bnrecal.errors import NotFoundError, PayloadTooLargeError
 
 
 async def _chunks(parts: list[bytes], consumed: list[int] | None = None) -> AsyncIterator[bytes]:

@@ -19,7 +19,7 @@ from bnrecal.service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, par
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage import StorageCollector
 from bnrecal.service.settings import Settings
-from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError, SpecError
+from bnrecal.errors import NotFoundError, PayloadTooLargeError, SpecError
 
 
 async def _chunks(parts: list[bytes], consumed: list[int]) -> AsyncIterator[bytes]:
