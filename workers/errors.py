@@ -22,6 +22,8 @@ way. Messages are one line and name the thing to fix (a key, a field, a setting)
     │   ├── PayloadTooLargeError   an upload over the byte cap (HTTP 413)
     │   │   └── QuotaExceededError an upload past the tenant's byte quota (HTTP 413)
     │   ├── TooManyJobsError       a job past the tenant's queued-job limit (HTTP 429)
+    │   ├── CorruptBlobError       a stored blob whose bytes no longer hash to its
+    │   │                          digest: quarantined, to be uploaded again (HTTP 422)
     │   └── HeadersTooLargeError   request headers over the server's limit (HTTP 431)
     ├── ServiceUnavailableError    the server is shutting down (HTTP 503)
     ├── RunError                   the run itself failed: a rank died, a collective
@@ -169,6 +171,19 @@ class TooManyJobsError(InputError):
 
     status = 429
     title = "Too many queued jobs"
+
+
+class CorruptBlobError(InputError):
+    """A stored blob whose bytes no longer hash to its digest (damaged on disk or in the
+    bucket): it was quarantined, so the next upload of the right bytes stores it again."""
+
+    status = 422
+    title = "Corrupt blob"
+
+    def __init__(self, message: str, field: str | None = None, digest: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.digest = digest
 
 
 class HeadersTooLargeError(InputError):

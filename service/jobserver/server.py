@@ -23,7 +23,13 @@ import anyio
 import ray
 
 from bnrecal.workers.data.archive import mark_collected_root
-from bnrecal.workers.errors import NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
+from bnrecal.workers.errors import (
+    InputError,
+    NotFoundError,
+    PayloadTooLargeError,
+    QuotaExceededError,
+    ServiceUnavailableError,
+)
 
 from bnrecal.service.run.cluster import ensure_ray
 
@@ -36,7 +42,9 @@ from .ledger import Ledger, sqlite_url
 from .ledger.engines import is_postgres
 from .ledger_watch import LedgerWatcher
 from .metrics import ServiceMetrics
+from .problems import fault_field
 from .runner import JobRunner
+from .scrub import BlobScrubber
 from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
@@ -78,6 +86,7 @@ class Services:
     collector: StorageCollector | None = None
     pool: JobHostClient | None = None  # the job host, where the jobs run and the warm rank actors live
     watcher: LedgerWatcher | None = None  # other replicas' changes, when the ledger is shared
+    scrubber: BlobScrubber | None = None  # re-hashes the stored blobs on a schedule
     draining: threading.Event = field(default_factory=threading.Event)
 
     def check_accepting(self) -> None:
@@ -156,8 +165,23 @@ class Services:
         the spec as it would be stored (every default filled in)."""
         self.check_accepting()
         spec = spec.with_outputs()
-        check_submission(spec, tenant, self.blobs, self.settings)
+        self._check_submission(tenant, spec)
         return spec.model_dump(mode="json")
+
+    def _check_submission(self, tenant: str, spec: JobSpec) -> None:
+        """:func:`check_submission`; when it refuses a blob the spec names (a checkpoint that
+        does not read), that blob is hashed first: a damaged blob is refused as corrupt (and
+        quarantined), not as a bad file the user sent."""
+        try:
+            check_submission(spec, tenant, self.blobs, self.settings)
+        except InputError as exc:
+            field = fault_field(exc, spec)
+            named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data,
+                     "eval.data": spec.eval.data if spec.eval is not None else None}
+            digest = named.get(field) if isinstance(field, str) else None
+            if isinstance(digest, str) and self.blobs.exists(tenant, digest):
+                self.blobs.check(tenant, digest, field=field, where="submission")  # raises if corrupt
+            raise
 
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
         """Check a job spec against the tenant's blobs, the settings and the cluster, and queue
@@ -168,7 +192,7 @@ class Services:
         stored = spec.model_dump(mode="json")
         for digest in spec_digests(stored):
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
-        check_submission(spec, tenant, self.blobs, self.settings)
+        self._check_submission(tenant, spec)
         job, created = self.ledger.create(tenant, stored, idempotency_key, self.settings.tenant_max_queued_jobs)
         if created:
             self.feed.publish(job.id)  # the tenant's change streams show it at once
@@ -217,6 +241,8 @@ class Services:
         """Interrupt running jobs (they go back to the queue), then release the database and Ray."""
         if self.collector is not None:
             self.collector.stop()
+        if self.scrubber is not None:
+            self.scrubber.stop()
         if self.watcher is not None:
             self.watcher.stop()
         self.runner.stop()
@@ -247,6 +273,7 @@ def open_services(settings: Settings) -> Services:
         ledger.close()
         raise
     metrics = ServiceMetrics(ledger.count_by_status)
+    blobs.on_corrupt = metrics.count_corrupt
     feed = ChangeFeed()
     host = JobHostClient(settings.warm_pool_idle_s)
     host.wait_ready(HOST_START_TIMEOUT_S)  # on this process's Ray node; ready before the first job
@@ -254,8 +281,10 @@ def open_services(settings: Settings) -> Services:
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
     collector.start()
+    scrubber = BlobScrubber(settings, ledger, blobs, metrics)
+    scrubber.start()
     watcher = LedgerWatcher(ledger, feed, settings.ledger_poll_s) if shared else None
     if watcher is not None:
         watcher.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, host, watcher)
+    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, host, watcher, scrubber)
 
