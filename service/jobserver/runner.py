@@ -31,13 +31,14 @@ from typing import Any
 
 import ray
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, NotFoundError
+from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, InsufficientStorageError, NotFoundError
 
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore
+from .disk import check_reserve, disk_full_error
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
@@ -262,11 +263,13 @@ class JobRunner:
                 final = JobStatus.cancelled
                 self.leases.finish(job.id, final, error=problem_of(exc))
         except BnrecalError as exc:
-            self.leases.finish(job.id, final, error=problem_of(exc, spec))
+            self.leases.finish(job.id, final, error=problem_of(self._disk_full(exc, workdir) or exc, spec))
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
-            log.exception("job %s failed unexpectedly", job.id)
-            problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
-            self.leases.finish(job.id, final, error=problem)
+            full = self._disk_full(exc, workdir)
+            if full is None:
+                log.exception("job %s failed unexpectedly", job.id)
+            error = full or BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+            self.leases.finish(job.id, final, error=problem_of(error))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
@@ -283,6 +286,7 @@ class JobRunner:
         the files it wrote as the tenant's blobs."""
         if self.ledger.get_any(job.id).cancel_requested:
             raise CancelledError("the job was cancelled")
+        check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # refused before it runs
         request, settings = self._request(job, spec)
         on_progress = self._progress_writer(job.id)
 
@@ -374,6 +378,16 @@ class JobRunner:
         """Tell the ledger and the job's listeners that the job moved on to ``phase``."""
         self.ledger.set_phase(job_id, phase)
         self.feed.publish(job_id)
+
+    @staticmethod
+    def _disk_full(exc: BaseException, workdir: Path) -> InsufficientStorageError | None:
+        """The 507 for a job that failed because the disk filled up while it wrote its work dir
+        (torch's "file write failed", an export's ENOSPC); None for any other failure."""
+        if isinstance(exc, InsufficientStorageError):
+            return exc
+        if isinstance(exc, InputError):  # the job's input was at fault, whatever the disk
+            return None
+        return disk_full_error(exc, "the job's work dir", workdir, "the job's results could not be written")
 
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
         info: BlobInfo = self.blobs.adopt(job.tenant, file)

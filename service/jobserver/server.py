@@ -35,6 +35,7 @@ from bnrecal.service.run.cluster import ensure_ray
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore, open_blob_store
+from .disk import check_reserve
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .jobs import ARTIFACT_NAMES, ConflictError, JobRecord, JobSpec, JobView, check_submission
@@ -188,6 +189,7 @@ class Services:
         it within the tenant's ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` (else 429); with an idempotency
         key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
+        check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # 507 before anything is written
         spec = spec.with_outputs()
         stored = spec.model_dump(mode="json")
         for digest in spec_digests(stored):
