@@ -31,13 +31,21 @@ from typing import Any
 
 import ray
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, InsufficientStorageError, NotFoundError
+from bnrecal.workers.errors import (
+    BnrecalError,
+    CancelledError,
+    InputError,
+    InsufficientStorageError,
+    NotFoundError,
+    RunError,
+)
 
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore
+from .cluster_health import ClusterHealth
 from .disk import check_reserve, disk_full_error
 from .events import ChangeFeed
 from .job_host import JobHostClient
@@ -76,8 +84,10 @@ class JobRunner:
         feed: ChangeFeed,
         host: JobHostClient,
         leases: JobLeases | None = None,
+        health: ClusterHealth | None = None,
     ) -> None:
         self.settings = settings
+        self.health = health  # the cluster as last seen: dispatching never waits on a Ray that hangs
         self.leases = leases or JobLeases(ledger, replica_id(), settings.job_lease_s)
         self.host = host  # the actor that runs the jobs' driver work, and owns the warm rank actors
         self.ledger = ledger
@@ -113,9 +123,9 @@ class JobRunner:
         self.wake()
 
     def running_jobs(self) -> list[str]:
-        """Ids of the jobs running now."""
+        """Ids of the jobs running now (not those already failed for a lost cluster, or taken over)."""
         with self._lock:
-            return list(self._running)
+            return [job_id for job_id, entry in self._running.items() if not entry.lost]
 
     def drain(self, grace_s: float) -> list[str]:
         """Start no more jobs and give the running ones up to ``grace_s`` seconds to finish,
@@ -142,6 +152,30 @@ class JobRunner:
             if entry.thread is not None:
                 entry.thread.join(max(0.0, deadline - time.monotonic()))
 
+    def fail_running(self, reason: str) -> list[str]:
+        """Fail every running job with ``reason`` (the cluster they ran on is gone for good):
+        written here at once, since their threads may be stuck in a Ray call that never
+        returns; whatever those threads do later is not written (as for a job taken over).
+        The ids failed."""
+        with self._lock:
+            running = list(self._running.items())
+        failed = []
+        for job_id, entry in running:
+            entry.lost = True
+            entry.cancel.set()
+            problem = problem_of(RunError(f"the job could not go on: {reason}; submit it again"))
+            try:
+                self.leases.finish(job_id, JobStatus.failed, error=problem)
+            except Exception:  # noqa: BLE001 - the others still get theirs
+                log.exception("could not mark job %s failed", job_id)
+                continue
+            self.metrics.job_seconds.labels(status=JobStatus.failed.value).observe(0.0)
+            self.feed.publish(job_id)
+            failed.append(job_id)
+        if failed:
+            log.error("%d running job(s) failed: %s: %s", len(failed), reason, ", ".join(failed))
+        return failed
+
     def job_resources(self, spec: JobSpec) -> tuple[float, float]:
         """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
         cpus, gpus = rank_resources(self.settings, spec)
@@ -162,8 +196,14 @@ class JobRunner:
         """Start queued jobs while they fit, taking tenants in turn (see :meth:`_next_jobs`);
         stop at the first job whose turn it is that does not fit, so a big job is not
         overtaken for ever by small ones."""
-        resources = ray.cluster_resources()
-        cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+        if self.health is not None:
+            state = self.health.state()
+            if not state.reachable:
+                return  # queued jobs wait for the cluster (the probe wakes nothing: the 2 s tick retries)
+            cpus_total, gpus_total = state.cpus, state.gpus
+        else:
+            resources = ray.cluster_resources()
+            cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
         limit = self.settings.max_concurrent_jobs
         while True:
             job = next(iter(self._next_jobs()), None)
