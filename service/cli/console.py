@@ -55,6 +55,9 @@ def summary_lines(
     precision = statistics_line(report)
     if precision:
         lines.append(precision)
+    retried = report.get("retried_failures") or []
+    if retried:  # the run succeeded, but not at the first try: say so, and why
+        lines.append(f"retried after {len(retried)} failure(s); first: {str(retried[0])[:300]}")
     others = [str(path) for path in also_wrote if path is not None]
     if others:
         lines.append(f"also wrote {', '.join(others)}")

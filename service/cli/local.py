@@ -53,6 +53,10 @@ def calibrate(
     from ..settings import Settings
 
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
+    opt.check_paths(
+        {"--checkpoint": checkpoint, "--program": program, "--data": data, "--eval-data": eval_data},
+        {"--out": out, "--onnx": onnx, "--onnx-int8": onnx_int8, "--report": report, "--report-html": report_html},
+    )
     int8_options = opt.int8_options(onnx_int8, int8)
     if int8_options is not None and int8_options.max_top1_drop is not None and eval_data is None:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
@@ -164,6 +168,8 @@ def export_command(
 
     shape = parse_shape(input_shape) if input_shape else None
     kwargs, transform_values = parse_json_object(model_kwargs, "--model-kwargs"), parse_json_object(transform, "--transform")
+    opt.check_paths({"--checkpoint": checkpoint, "--data": data},
+                    {"--out": out, "--onnx-int8": onnx_int8, "--report": report})
     int8_options = opt.int8_options(onnx_int8, int8)
     if onnx_int8 is not None and data is None:
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.workers.errors import BnrecalError, CancelledError, SpecError
 
 from bnrecal.service.run.options import check_model_choice
 from bnrecal.service.run.progress import progress_bar
@@ -96,10 +96,10 @@ def submit(
         )
     check_model_choice(arch, checkpoint, program, parse_json_object(model_kwargs, "--model-kwargs"), flags=True)
     data_source, eval_source = opt.data_source(data, "--data"), opt.data_source(eval_data, "--eval-data")
-    model_files = (("--checkpoint", checkpoint), ("--program", program))
-    for option, path in (*model_files, ("--data", data_source), ("--eval-data", eval_source)):
-        if isinstance(path, Path) and not path.exists():
-            raise InputError(f"{option} {path} does not exist")
+    opt.check_paths(
+        {"--checkpoint": checkpoint, "--program": program, "--data": data_source, "--eval-data": eval_source},
+        {"--out": out, "--onnx": onnx, "--onnx-int8": onnx_int8, "--report": report, "--report-html": report_html},
+    )
     options = opt.run_options(
         arch=arch, model_kwargs=model_kwargs, workers=workers, batch_size=batch_size, mode=mode,
         max_samples=max_samples, device=device, transform=transform, placement=placement, max_retries=max_retries,

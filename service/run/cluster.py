@@ -46,6 +46,7 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
     """
     if ray.is_initialized():
         return False
+    _ray_messages_to_stderr()
     address = address or os.environ.get("RAY_ADDRESS") or ""
     try:
         if address not in EMBEDDED_ADDRESSES:
@@ -67,6 +68,24 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
         return True
     except ConnectionError as exc:
         raise RunError(f"cannot reach the Ray cluster at {address!r}: {exc}; check --ray-address / RAY_ADDRESS") from exc
+
+
+def _ray_messages_to_stderr() -> None:
+    """Make Ray print the errors it pushes to the driver ("A worker died or was killed...")
+    on stderr: it prints them on stdout, which carries only a command's own output (a job
+    id, ``--json``; docs/python.md). Ray's listener thread looks the printer up by name at
+    each message, so replacing it in Ray's module is enough; once per process."""
+    from ray._private import worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+    if getattr(printer, "bnrecal_stderr", False):
+        return
+
+    def on_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        printer({**data, "is_err": True}, ignore_prefix)
+
+    on_stderr.bnrecal_stderr = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = on_stderr
 
 
 def _embedded_auth() -> None:
