@@ -14,7 +14,7 @@ deleted is gone here too), fetches it once if it is not cached, and returns the 
 file, which the job driver reads and downloads are served from, with ``ETag`` and
 ``Range``, like a local blob.
 
-Integrity (docs/object-storage.md, "Blobs in object storage"): a fetched object is hashed
+Integrity (docs/storage.md, "Stored bytes are verified"): a fetched object is hashed
 before it becomes the cached copy; an object whose bytes do not hash to its key's digest is
 moved to ``<prefix>/<tenant>/quarantine/`` (``HEAD`` then 404) and the next upload of the
 right bytes puts it again. Objects up to s3fs's single-part size are put with their
