@@ -11,7 +11,9 @@ import httpx
 import pytest
 import torch
 
+from bnrecal.service.client import BnrecalClient
 from bnrecal.service.jobserver.server import tenant_of_key
+from bnrecal.workers.errors import RunError
 from tests.api.conftest import LiveServer, submit, upload, wait_for, write_samples
 from tests.api.test_storage import KEY, client_of, job_spec, problem, serve
 from tests.conftest import save_state
@@ -117,6 +119,12 @@ def test_a_damaged_artifact_download_is_cut_off(live, tmp_path):
         path = f"/v1/jobs/{done['id']}/artifacts/checkpoint"
         intact = client.get(path)
         assert intact.headers["etag"] == f'"{artifact["digest"]}"' and len(intact.content) == artifact["size"]
+        flip(stored_file(live, artifact["digest"]), artifact["size"] - 10)
+        with BnrecalClient(live.url, KEY) as api, pytest.raises(RunError, match="was cut off"):
+            api.download(done["id"], "checkpoint", tmp_path / "out" / "recalibrated.pt")
+        assert not (tmp_path / "out" / "recalibrated.pt").exists()  # nothing written
+        assert client.head(f"/v1/blobs/{artifact['digest']}").status_code == 404
+        upload(client, intact.content)  # the same bytes again: stored again
         flip(stored_file(live, artifact["digest"]), artifact["size"] - 10)
         download_is_cut_off(client, path, artifact["size"])
         assert client.head(f"/v1/blobs/{artifact['digest']}").status_code == 404
