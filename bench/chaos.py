@@ -185,6 +185,7 @@ class Chaos:
         return None
 
     def restart(self) -> None:
+        """SIGKILL the server and its Ray, and start it again on the same data dir and port."""
         kill_session(self.process)
         self.server_kills += 1
         self.process = start_server(self.data_dir, self.log, self.port)
@@ -243,17 +244,21 @@ def main() -> None:
             outcomes[index] = chaos.wait(job_id) if job_id else None
 
         threads: list[threading.Thread] = []
+        restarter: threading.Thread | None = None
         for index in range(args.jobs):
             while sum(thread.is_alive() for thread in threads) >= args.concurrency:
                 time.sleep(0.2)
-            if index == args.jobs // 2 and not chaos.server_kills:
+            if index == args.jobs // 2 and restarter is None:
                 print(f"killing the server (and its Ray) after {index} jobs submitted", flush=True)
-                chaos.restart()
+                restarter = threading.Thread(target=chaos.restart, daemon=True)  # submissions go on meanwhile
+                restarter.start()
             thread = threading.Thread(target=run, args=(index,), daemon=True)
             thread.start()
             threads.append(thread)
         for thread in threads:
             thread.join()
+        if restarter is not None:
+            restarter.join()
         stop.set()
         seconds = time.monotonic() - began
 
