@@ -51,7 +51,8 @@ from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
 from .job_work import Event, JobLabel
-from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, problem_of, resolve_data_path
+from .job_inputs import job_request
+from .jobs import JobRecord, JobSpec, JobStatus, problem_of
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 
@@ -346,54 +347,8 @@ class JobRunner:
         return artifacts, made.report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
-        """The engine's request and settings (archives unpack under the data dir, one folder per digest).
-
-        Blobs are stored under their digest, so the request carries the names they were
-        uploaded with for its messages (the digest, for a blob uploaded without one).
-        """
-        evaluation = spec.eval
-        checked = self._checked_inputs(job, spec)
-        request = RecalibrationRequest(
-            **spec.run_options(),
-            checkpoint=checked.get("checkpoint"),
-            checkpoint_name=self._blob_name(job, spec.checkpoint) if spec.checkpoint else None,
-            program=checked.get("program"),
-            program_name=self._blob_name(job, spec.program) if spec.program else None,
-            data=self._data_path(job, spec.data, checked.get("data")),
-            data_name=self._blob_name(job, spec.data),
-            eval_data=self._data_path(job, evaluation.data, checked.get("eval.data")) if evaluation is not None else None,
-            eval_data_name=self._blob_name(job, evaluation.data) if evaluation is not None else None,
-            eval_max_samples=evaluation.max_samples if evaluation is not None else None,
-        )
-        return request, self.settings
-
-    def _checked_inputs(self, job: JobRecord, spec: JobSpec) -> dict[str, Path]:
-        """The job's input blobs by spec field, each hashed against its digest before anything
-        reads it (docs/api.md, "Blobs"): a damaged one fails the job at once with a problem
-        naming the blob and the field, and is quarantined so the next upload stores it again."""
-        named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data}
-        if spec.eval is not None:
-            named["eval.data"] = spec.eval.data
-        return {
-            field: self.blobs.check(job.tenant, digest, field=field)
-            for field, digest in named.items()
-            if isinstance(digest, str)
-        }
-
-    def _blob_name(self, job: JobRecord, source: str | DataPath | DataUri) -> str | None:
-        """What messages call a spec's blob: its upload's file name, else its digest (None for a path or URI)."""
-        if isinstance(source, (DataPath, DataUri)):
-            return None
-        return self.blobs.filename(job.tenant, source) or source
-
-    def _data_path(self, job: JobRecord, data: str | DataPath | DataUri, checked: Path | None = None) -> Path | str:
-        """Where a spec's data lies: an uploaded blob of the tenant (already checked), a path under
-        a data root, or a URI under an allowed prefix (checked again: the settings may have changed)."""
-        if isinstance(data, DataUri):
-            return check_data_uri(data.uri, self.settings)
-        if isinstance(data, DataPath):
-            return resolve_data_path(data.path, self.settings)
-        return checked if checked is not None else self.blobs.path(job.tenant, data)
+        """The engine's request (its input blobs hashed first) and settings."""
+        return job_request(job, spec, self.blobs, self.settings), self.settings
 
     def _progress_writer(self, job_id: str) -> Any:
         """The ``on_progress`` callback: metrics at once, the ledger and streams a few times a second."""
