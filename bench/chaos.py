@@ -264,6 +264,7 @@ def main() -> None:
 
         figures = Counter()
         unclear, wrong = [], []
+        reasons: dict[str, str] = {}  # problem type -> the first detail seen
         with chaos.client() as client:
             for index in range(args.jobs):
                 job = outcomes.get(index)
@@ -294,6 +295,7 @@ def main() -> None:
                 if error.get("type") and error["type"] not in UNCLEAR_TYPES and error.get("detail"):
                     figures["failed with a clear reason"] += 1
                     figures[f"  {error['type'].rsplit('/', 1)[-1]}"] += 1
+                    reasons.setdefault(error["type"].rsplit("/", 1)[-1], error["detail"])
                 else:
                     figures["failed unclearly"] += 1
                     unclear.append((job["id"], error))
@@ -308,6 +310,8 @@ def main() -> None:
         print(f"{name:>32}: {figures[name]}")
     for name in ("failed unclearly", "lost", "wrong", "never accepted"):
         print(f"{name:>32}: {figures[name]}")
+    for kind, detail in reasons.items():
+        print(f"e.g. {kind}: {detail[:300]}")
     for job_id, error in unclear:
         print(f"unclear: {job_id}: {error}")
     for job_id, gap in wrong:
