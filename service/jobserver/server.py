@@ -26,9 +26,11 @@ import ray
 
 from bnrecal.workers.data.archive import mark_collected_root
 from bnrecal.workers.errors import (
-    InputError,
+    CheckpointError,
+    DatasetError,
     NotFoundError,
     PayloadTooLargeError,
+    ProgramError,
     QuotaExceededError,
     ServiceUnavailableError,
 )
@@ -205,7 +207,7 @@ class Services:
         try:
             nodes = list(self.health.require().nodes) if self.health is not None else None
             check_submission(spec, tenant, self.blobs, self.settings, nodes)
-        except InputError as exc:
+        except (CheckpointError, ProgramError, DatasetError) as exc:  # a file that does not read (not a bad shape)
             field = fault_field(exc, spec)
             named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data,
                      "eval.data": spec.eval.data if spec.eval is not None else None}
