@@ -14,6 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -166,12 +167,46 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(problem)
 
 
+class ContainUnexpectedErrors:
+    """Answer an unexpected error with the 500 problem and keep the connection serving.
+
+    Starlette's outermost error middleware re-raises an error after answering it, so uvicorn
+    also logs it as its own and may drop the client's connection (its next request reset).
+    Inside it, this answers and stops there. An error after the response began (a download
+    cut off because its bytes did not match their digest) is raised on, which cuts the
+    connection: the client must see that the body is incomplete."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - answered as the 500 problem; the log has it
+            if started:
+                raise
+            response = await _unexpected_error(Request(scope), exc)
+            await response(scope, receive, send)
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     """Render every error of ``app`` as problem+json."""
     app.add_exception_handler(BnrecalError, _bnrecal_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(ContainUnexpectedErrors)
     install_problem_openapi(app)
 
 

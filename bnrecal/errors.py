@@ -32,6 +32,8 @@ HTTP status, problem title and problem ``type`` in ``bnrecal.service.jobserver.p
     │   │   └── QuotaExceededError an upload past the tenant's byte quota
     │   ├── TooManyJobsError       a job past the tenant's queued-job limit
     │   ├── TooManyStreamsError    a change stream past the tenant's open-stream limit
+    │   ├── CorruptBlobError       a stored blob whose bytes no longer hash to its
+    │   │                          digest: quarantined, to be uploaded again
     │   └── HeadersTooLargeError   request headers over the server's limit
     ├── ServiceUnavailableError    the server is shutting down
     ├── RunError                   the run itself failed: a rank died, a collective
@@ -55,6 +57,7 @@ __all__ = [
     "CancelledError",
     "CheckpointError",
     "ConflictError",
+    "CorruptBlobError",
     "DatasetError",
     "DatasetOptionError",
     "EvaluationError",
@@ -178,6 +181,29 @@ class TooManyJobsError(InputError):
 
 class TooManyStreamsError(InputError):
     """A tenant already holds as many change streams open as it may."""
+
+
+class CorruptBlobError(InputError):
+    """A stored blob whose bytes no longer hash to its digest (damaged on disk or in the
+    bucket): it was quarantined, so the next upload of the right bytes stores it again."""
+
+    def __init__(self, message: str, field: str | None = None, digest: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.digest = digest
+
+
+class CorruptBlobError(InputError):
+    """A stored blob whose bytes no longer hash to its digest (damaged on disk or in the
+    bucket): it was quarantined, so the next upload of the right bytes stores it again."""
+
+    status = 422
+    title = "Corrupt blob"
+
+    def __init__(self, message: str, field: str | None = None, digest: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.digest = digest
 
 
 class HeadersTooLargeError(InputError):

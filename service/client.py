@@ -258,14 +258,21 @@ class BnrecalClient:
 
         def fetch(temp: Path) -> None:
             url = f"/v1/jobs/{job_id}/artifacts/{name}"
-            with temp.open("wb") as out, self._http.stream("GET", url) as response:
-                if response.is_error:
-                    response.read()
-                    raise self._error(response)
-                for block in response.iter_bytes(UPLOAD_CHUNK):
-                    digest.update(block)
-                    out.write(block)
-                expected = response.headers.get("etag", "").strip('"')
+            try:
+                with temp.open("wb") as out, self._http.stream("GET", url) as response:
+                    if response.is_error:
+                        response.read()
+                        raise self._error(response)
+                    for block in response.iter_bytes(UPLOAD_CHUNK):
+                        digest.update(block)
+                        out.write(block)
+                    expected = response.headers.get("etag", "").strip('"')
+            except httpx.TransportError as exc:  # the server cuts off a download whose bytes fail their digest
+                raise RunError(
+                    f"download of {name} of job {job_id} was cut off ({type(exc).__name__}): the connection broke, "
+                    "or the server found its stored copy damaged (it then answers 404 and the job must be run again); "
+                    "nothing was written"
+                ) from exc
             received = f"sha256:{digest.hexdigest()}"
             if expected and expected != received:
                 raise RunError(f"download of {name} of job {job_id} is corrupt: got {received}, expected {expected}")

@@ -158,6 +158,20 @@ class Settings(BaseSettings):
     gc_interval_s: float = Field(
         default=600.0, ge=0, description="How often the server collects expired storage (0: never; `bnrecal gc`)."
     )
+    scrub_interval_s: float = Field(
+        default=86400.0, ge=0,
+        description="How often every stored blob is re-hashed against its digest (a corrupt one is quarantined; "
+        "0: never). Downloads and jobs check the blobs they read whatever this is.",
+    )
+    scrub_bytes_per_s: int = Field(
+        default=128 * 2**20, ge=0,
+        description="Most bytes a second the scrub reads, so it does not starve jobs of the disk (0: no limit).",
+    )
+    min_free_bytes: int = Field(
+        default=256 * 2**20, ge=0,
+        description="Free-space reserve of the data dir: under it, submissions are refused (507) and queued jobs "
+        "fail before they run, so a job never fills the disk the ledger and the blobs live on (0: no reserve).",
+    )
     tenant_quota_bytes: int | None = Field(
         default=None, gt=0,
         description="Bytes one tenant may store: blobs, artifacts and unpacked archives; default: unlimited.",

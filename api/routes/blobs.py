@@ -70,14 +70,16 @@ async def upload_blob(
 
 @router.get("/{digest}", summary="Download a blob", response_class=Response)
 def download_blob(digest: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
-    """The blob's bytes, with ``ETag`` = its digest."""
-    return blob_response(request, services.blobs.path(tenant, digest), digest)
+    """The blob's bytes, with ``ETag`` = its digest; checked against it as they are sent (a
+    damaged blob is quarantined and the download cut off before it completes)."""
+    return blob_response(request, services.blobs, tenant, digest, services.blobs.path(tenant, digest))
 
 
 @router.head("/{digest}", summary="Check a blob exists", response_class=Response)
 def head_blob(digest: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
-    """Headers only: size (``Content-Length``) and ``ETag``; 404 if this key has no such blob."""
-    return blob_response(request, services.blobs.path(tenant, digest), digest)
+    """Headers only: size (``Content-Length``) and ``ETag``; 404 if this key has no such blob
+    (or it was found damaged and quarantined: upload it again)."""
+    return blob_response(request, services.blobs, tenant, digest, services.blobs.path(tenant, digest))
 
 
 @router.delete("/{digest}", status_code=204, summary="Delete a blob", responses=problem_responses(409))

@@ -23,28 +23,42 @@ def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="Ray and the ledger are reachable", responses={503: {"description": "Not ready"}})
 def readyz(services: ServicesDep) -> Any:
     """Ready when Ray answers with at least one live node and the ledger can be read, and
-    not shutting down (so a load balancer stops sending it new work)."""
+    not shutting down (so a load balancer stops sending it new work). Ray is never asked
+    here: the server's prober keeps its last answer, and one older than 1.5 s (a cluster
+    that stopped answering) is 503 (docs/api.md, "Operations")."""
     try:
         if services.draining.is_set():
             raise RuntimeError("the server is shutting down (SIGTERM): it takes no new uploads or jobs")
-        if not ray.is_initialized():
-            raise RuntimeError("Ray is not initialised")
-        nodes = [node for node in ray.nodes() if node.get("Alive")]
-        if not nodes:
-            raise RuntimeError("Ray has no live node")
-        resources = ray.cluster_resources()
+        if services.health is not None:
+            state = services.health.state()
+            if not state.reachable:
+                raise RuntimeError(state.reason)
+            nodes, cpus, gpus = len(state.nodes), state.cpus, state.gpus
+        else:
+            nodes, cpus, gpus = _ask_ray()
         jobs = services.ledger.count_by_status()
     except Exception as exc:  # noqa: BLE001 - any failure here means "not ready", with the reason
-        detail = f"not ready: {type(exc).__name__}: {str(exc)[:200]}"
+        detail = f"not ready: {type(exc).__name__}: {str(exc)[:300]}"
         return problem_response(
             {"type": "https://bnrecal.dev/problems/not-ready", "title": "Not ready", "status": 503, "detail": detail}
         )
     return {
         "status": "ready",
-        "ray": {"nodes": len(nodes), "cpus": resources.get("CPU", 0), "gpus": resources.get("GPU", 0)},
+        "ray": {"nodes": nodes, "cpus": cpus, "gpus": gpus},
         "jobs": {status.value: count for status, count in jobs.items()},
         "running": len(services.runner.running_jobs()),
     }
+
+
+def _ask_ray() -> tuple[int, float, float]:
+    """Nodes, CPUs and GPUs asked of Ray itself (services without a prober)."""
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not initialised")
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if not alive:
+        raise RuntimeError("Ray has no live node")
+    resources = ray.cluster_resources()
+    return len(alive), resources.get("CPU", 0), resources.get("GPU", 0)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

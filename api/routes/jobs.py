@@ -153,6 +153,8 @@ def delete_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> Respons
     responses=_CONFLICT,
 )
 def download_artifact(job_id: str, name: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
-    """The artifact file, with ``ETag`` = its digest."""
+    """The artifact file, with ``ETag`` = its digest; checked against it as it is sent."""
     artifact = services.artifact(tenant, job_id, name)
-    return blob_response(request, artifact.path, artifact.digest, artifact.media_type, artifact.filename)
+    return blob_response(
+        request, services.blobs, tenant, artifact.digest, artifact.path, artifact.media_type, artifact.filename
+    )

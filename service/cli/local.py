@@ -29,6 +29,11 @@ def calibrate(
     from ..settings import Settings
 
     flags.check_model()
+    opt.check_paths(
+        {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": flags.data, "--eval-data": flags.eval_data},
+        {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
+         "--report-html": flags.report_html},
+    )
     int8_options = flags.int8_options()
     if int8_options is not None and int8_options.max_top1_drop is not None and flags.eval_data is None:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
@@ -141,6 +146,8 @@ def export_command(
 
     shape = parse_shape(input_shape) if input_shape else None
     kwargs, transform_values = parse_json_object(model_kwargs, "--model-kwargs"), parse_json_object(transform, "--transform")
+    opt.check_paths({"--checkpoint": checkpoint, "--data": data},
+                    {"--out": out, "--onnx-int8": onnx_int8, "--report": report})
     int8_options = opt.int8_options(onnx_int8, int8)
     if onnx_int8 is not None and data is None:
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")

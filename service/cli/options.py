@@ -116,6 +116,36 @@ DEVICE = Device(default("device"))
 OPSET = DEFAULT_OPSET
 
 
+def check_paths(
+    inputs: dict[str, Path | str | None], outputs: dict[str, Path | None] | None = None
+) -> None:
+    """Check every path a command takes before any work (docs/cli.md, "Output and exit codes"): an input
+    that does not exist or cannot be read, or an output whose folder does not exist or cannot
+    be written, is a ``SpecError`` (exit 2) naming the flag and the path. ``s3://`` inputs are
+    left to the object-storage reader."""
+    import os
+
+    for flag, value in inputs.items():
+        if value is None or "://" in str(value):
+            continue
+        path = Path(value)
+        if not path.exists():
+            raise SpecError(f"{flag} {value}: no such file or directory", field=flag)
+        if not os.access(path, os.R_OK) or (path.is_dir() and not os.access(path, os.X_OK)):
+            raise SpecError(f"{flag} {value}: cannot be read (permission denied)", field=flag)
+    for flag, value in (outputs or {}).items():
+        if value is None:
+            continue
+        path = Path(value)
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise SpecError(f"{flag} {value}: is a directory; give a file name", field=flag)
+        if not folder.is_dir():
+            raise SpecError(f"{flag} {value}: its folder {folder} does not exist", field=flag)
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise SpecError(f"{flag} {value}: cannot be written (permission denied)", field=flag)
+
+
 def data_source(value: str | None, flag: str) -> Path | str | None:
     """A data flag's value: a local path, or a checked ``s3://`` URI kept as written (read
     with this machine's AWS credentials; no allowlist: the CLI is the operator's own tool)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.errors import BnrecalError, CancelledError, SpecError
 
 from bnrecal.service.run.progress import progress_bar
 
@@ -71,10 +71,11 @@ def submit(
         )
     flags.check_model()
     data_source, eval_source = opt.data_source(flags.data, "--data"), opt.data_source(flags.eval_data, "--eval-data")
-    model_files = (("--checkpoint", flags.checkpoint), ("--program", flags.program))
-    for option, path in (*model_files, ("--data", data_source), ("--eval-data", eval_source)):
-        if isinstance(path, Path) and not path.exists():
-            raise InputError(f"{option} {path} does not exist")
+    opt.check_paths(
+        {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": data_source, "--eval-data": eval_source},
+        {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
+         "--report-html": flags.report_html},
+    )
     options = flags.run_options()
     int8_options = flags.int8_options()
     model_output = "program" if flags.program is not None else "checkpoint"

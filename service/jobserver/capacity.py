@@ -52,13 +52,19 @@ def cluster_nodes() -> list[Node]:
     return nodes
 
 
-def check_fits_cluster(options: RunOptions, settings: Settings) -> None:
+def check_fits_cluster(options: RunOptions, settings: Settings, nodes: list[Node] | None = None) -> None:
     """Refuse (a ``SpecError`` naming the field) a job whose ranks the cluster as it is cannot
     place: ``cuda`` without GPUs, a rank bigger than every node, more ranks than the nodes
     hold in all, or than one node holds (``strict_pack``), or than there are nodes with room
     (``strict_spread``). Skipped when ``BNRECAL_CAPACITY_CHECK`` is off or Ray cannot be asked
-    (the job then waits for its placement as before)."""
-    if not settings.capacity_check or not ray.is_initialized():
+    (the job then waits for its placement as before). ``nodes``: the cluster as the server
+    last saw it (``cluster_health``), so that a submission never waits on Ray itself."""
+    if not settings.capacity_check:
+        return
+    if nodes is not None:
+        check_fits(options, settings, nodes, *rank_resources(settings, options))
+        return
+    if not ray.is_initialized():
         return
     try:
         nodes = cluster_nodes()

@@ -38,7 +38,7 @@ from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_c
 
 from ..settings import Settings
 from .blobs import DIGEST_PATTERN, BlobStore
-from .capacity import check_fits_cluster
+from .capacity import Node, check_fits_cluster
 
 ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
 
@@ -296,13 +296,15 @@ class JobRecord:
         )
 
 
-def check_submission(spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings) -> None:
+def check_submission(
+    spec: JobSpec, tenant: str, blobs: BlobStore, settings: Settings, nodes: list[Node] | None = None
+) -> None:
     """Refuse a spec whose model, blobs, data path or architecture cannot work, or whose ranks
-    the cluster as it is could never place, naming the field."""
+    the cluster as it is (``nodes``, as last seen; None: asked now) could never place, naming the field."""
     check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
     check_model_kwargs(spec.model_kwargs)
     _check_outputs(spec)
-    check_fits_cluster(spec, settings)
+    check_fits_cluster(spec, settings, nodes)
     if spec.arch is not None:
         check_architecture(spec.arch, settings)
     named = [(name, digest) for name, digest in (("checkpoint", spec.checkpoint), ("program", spec.program)) if digest]

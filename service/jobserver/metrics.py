@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -46,6 +46,27 @@ class ServiceMetrics:
             buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, float("inf")),
             registry=self.registry,
         )
+
+        self.corrupt_blobs = Counter(
+            "bnrecal_corrupt_blobs",
+            "Stored blobs (or cached copies) found not to hash to their digest, by what found them "
+            "(download, job, submission, scrub); each was quarantined.",
+            labelnames=["found_by"],
+            registry=self.registry,
+        )
+        self.scrub_blobs = Counter(
+            "bnrecal_scrub_blobs", "Stored blobs the scrub re-hashed.", registry=self.registry
+        )
+        self.scrub_bytes = Counter("bnrecal_scrub_bytes", "Bytes the scrub read and hashed.", registry=self.registry)
+        self.scrub_last_completed = Gauge(
+            "bnrecal_scrub_last_completed_timestamp_seconds",
+            "When the last full scrub of the blob store ended (Unix time; 0: none yet).",
+            registry=self.registry,
+        )
+
+    def count_corrupt(self, found_by: str) -> None:
+        """Count a blob found corrupt (the blob store's hook)."""
+        self.corrupt_blobs.labels(found_by=found_by).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

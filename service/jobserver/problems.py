@@ -62,6 +62,7 @@ PROBLEM_KINDS: dict[type[BnrecalError], ProblemKind] = {
     errors.QuotaExceededError: ProblemKind(413, "Storage quota exceeded"),
     errors.TooManyJobsError: ProblemKind(429, "Too many queued jobs"),
     errors.TooManyStreamsError: ProblemKind(429, "Too many open streams"),
+    errors.CorruptBlobError: ProblemKind(422, "Corrupt blob"),
     errors.HeadersTooLargeError: ProblemKind(431, "Request header fields too large"),
     errors.ServiceUnavailableError: ProblemKind(503, "Service unavailable"),
     errors.RunError: ProblemKind(500, "Calibration run failed"),

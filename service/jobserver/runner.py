@@ -31,18 +31,29 @@ from typing import Any
 
 import ray
 
-from bnrecal.errors import BnrecalError, CancelledError, NotFoundError
+from bnrecal.errors import (
+    BnrecalError,
+    CancelledError,
+    InputError,
+    InsufficientStorageError,
+    NotFoundError,
+    RunError,
+)
 
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore
+from .cluster_health import ClusterHealth
+from .disk import check_reserve, disk_full_error
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
 from .job_work import Event, JobLabel
-from .jobs import DataPath, DataUri, JobRecord, JobSpec, JobStatus, check_data_uri, resolve_data_path
+from .job_inputs import job_request
+from .jobs import JobRecord, JobSpec, JobStatus
+from .problems import problem_of
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 from .problems import problem_of
@@ -76,8 +87,10 @@ class JobRunner:
         feed: ChangeFeed,
         host: JobHostClient,
         leases: JobLeases | None = None,
+        health: ClusterHealth | None = None,
     ) -> None:
         self.settings = settings
+        self.health = health  # the cluster as last seen: dispatching never waits on a Ray that hangs
         self.leases = leases or JobLeases(ledger, replica_id(), settings.job_lease_s)
         self.host = host  # the actor that runs the jobs' driver work, and owns the warm rank actors
         self.ledger = ledger
@@ -113,9 +126,9 @@ class JobRunner:
         self.wake()
 
     def running_jobs(self) -> list[str]:
-        """Ids of the jobs running now."""
+        """Ids of the jobs running now (not those already failed for a lost cluster, or taken over)."""
         with self._lock:
-            return list(self._running)
+            return [job_id for job_id, entry in self._running.items() if not entry.lost]
 
     def drain(self, grace_s: float) -> list[str]:
         """Start no more jobs and give the running ones up to ``grace_s`` seconds to finish,
@@ -142,6 +155,30 @@ class JobRunner:
             if entry.thread is not None:
                 entry.thread.join(max(0.0, deadline - time.monotonic()))
 
+    def fail_running(self, reason: str) -> list[str]:
+        """Fail every running job with ``reason`` (the cluster they ran on is gone for good):
+        written here at once, since their threads may be stuck in a Ray call that never
+        returns; whatever those threads do later is not written (as for a job taken over).
+        The ids failed."""
+        with self._lock:
+            running = list(self._running.items())
+        failed = []
+        for job_id, entry in running:
+            entry.lost = True
+            entry.cancel.set()
+            problem = problem_of(RunError(f"the job could not go on: {reason}; submit it again"))
+            try:
+                self.leases.finish(job_id, JobStatus.failed, error=problem)
+            except Exception:  # noqa: BLE001 - the others still get theirs
+                log.exception("could not mark job %s failed", job_id)
+                continue
+            self.metrics.job_seconds.labels(status=JobStatus.failed.value).observe(0.0)
+            self.feed.publish(job_id)
+            failed.append(job_id)
+        if failed:
+            log.error("%d running job(s) failed: %s: %s", len(failed), reason, ", ".join(failed))
+        return failed
+
     def job_resources(self, spec: JobSpec) -> tuple[float, float]:
         """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
         cpus, gpus = rank_resources(self.settings, spec)
@@ -162,8 +199,14 @@ class JobRunner:
         """Start queued jobs while they fit, taking tenants in turn (see :meth:`_next_jobs`);
         stop at the first job whose turn it is that does not fit, so a big job is not
         overtaken for ever by small ones."""
-        resources = ray.cluster_resources()
-        cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+        if self.health is not None:
+            state = self.health.state()
+            if not state.reachable:
+                return  # queued jobs wait for the cluster (the probe wakes nothing: the 2 s tick retries)
+            cpus_total, gpus_total = state.cpus, state.gpus
+        else:
+            resources = ray.cluster_resources()
+            cpus_total, gpus_total = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
         limit = self.settings.max_concurrent_jobs
         while True:
             job = next(iter(self._next_jobs()), None)
@@ -263,11 +306,13 @@ class JobRunner:
                 final = JobStatus.cancelled
                 self.leases.finish(job.id, final, error=problem_of(exc))
         except BnrecalError as exc:
-            self.leases.finish(job.id, final, error=problem_of(exc, spec))
+            self.leases.finish(job.id, final, error=problem_of(self._disk_full(exc, workdir) or exc, spec))
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
-            log.exception("job %s failed unexpectedly", job.id)
-            problem = problem_of(BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
-            self.leases.finish(job.id, final, error=problem)
+            full = self._disk_full(exc, workdir)
+            if full is None:
+                log.exception("job %s failed unexpectedly", job.id)
+            error = full or BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+            self.leases.finish(job.id, final, error=problem_of(error))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
@@ -284,6 +329,7 @@ class JobRunner:
         the files it wrote as the tenant's blobs."""
         if self.ledger.get_any(job.id).cancel_requested:
             raise CancelledError("the job was cancelled")
+        check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # refused before it runs
         request, settings = self._request(job, spec)
         on_progress = self._progress_writer(job.id)
 
@@ -303,40 +349,8 @@ class JobRunner:
         return artifacts, made.report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
-        """The engine's request and settings (archives unpack under the data dir, one folder per digest).
-
-        Blobs are stored under their digest, so the request carries the names they were
-        uploaded with for its messages (the digest, for a blob uploaded without one).
-        """
-        evaluation = spec.eval
-        request = RecalibrationRequest(
-            **spec.run_options(),
-            checkpoint=self.blobs.path(job.tenant, spec.checkpoint) if spec.checkpoint else None,
-            checkpoint_name=self._blob_name(job, spec.checkpoint) if spec.checkpoint else None,
-            program=self.blobs.path(job.tenant, spec.program) if spec.program else None,
-            program_name=self._blob_name(job, spec.program) if spec.program else None,
-            data=self._data_path(job, spec.data),
-            data_name=self._blob_name(job, spec.data),
-            eval_data=self._data_path(job, evaluation.data) if evaluation is not None else None,
-            eval_data_name=self._blob_name(job, evaluation.data) if evaluation is not None else None,
-            eval_max_samples=evaluation.max_samples if evaluation is not None else None,
-        )
-        return request, self.settings
-
-    def _blob_name(self, job: JobRecord, source: str | DataPath | DataUri) -> str | None:
-        """What messages call a spec's blob: its upload's file name, else its digest (None for a path or URI)."""
-        if isinstance(source, (DataPath, DataUri)):
-            return None
-        return self.blobs.filename(job.tenant, source) or source
-
-    def _data_path(self, job: JobRecord, data: str | DataPath | DataUri) -> Path | str:
-        """Where a spec's data lies: an uploaded blob of the tenant, a path under a data root,
-        or a URI under an allowed prefix (checked again: the settings may have changed)."""
-        if isinstance(data, DataUri):
-            return check_data_uri(data.uri, self.settings)
-        if isinstance(data, DataPath):
-            return resolve_data_path(data.path, self.settings)
-        return self.blobs.path(job.tenant, data)
+        """The engine's request (its input blobs hashed first) and settings."""
+        return job_request(job, spec, self.blobs, self.settings), self.settings
 
     def _progress_writer(self, job_id: str) -> Any:
         """The ``on_progress`` callback: metrics at once, the ledger and streams a few times a second."""
@@ -361,6 +375,16 @@ class JobRunner:
         """Tell the ledger and the job's listeners that the job moved on to ``phase``."""
         self.ledger.set_phase(job_id, phase)
         self.feed.publish(job_id)
+
+    @staticmethod
+    def _disk_full(exc: BaseException, workdir: Path) -> InsufficientStorageError | None:
+        """The 507 for a job that failed because the disk filled up while it wrote its work dir
+        (torch's "file write failed", an export's ENOSPC); None for any other failure."""
+        if isinstance(exc, InsufficientStorageError):
+            return exc
+        if isinstance(exc, InputError):  # the job's input was at fault, whatever the disk
+            return None
+        return disk_full_error(exc, "the job's work dir", workdir, "the job's results could not be written")
 
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
         info: BlobInfo = self.blobs.adopt(job.tenant, file)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,12 +25,23 @@ import anyio
 import ray
 
 from bnrecal.workers.data.archive import mark_collected_root
-from bnrecal.errors import ConflictError, NotFoundError, PayloadTooLargeError, QuotaExceededError, ServiceUnavailableError
+from bnrecal.errors import (
+    CheckpointError,
+    ConflictError,
+    DatasetError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ProgramError,
+    QuotaExceededError,
+    ServiceUnavailableError,
+)
 
-from bnrecal.service.run.cluster import ensure_ray
+from bnrecal.service.run.cluster import embedded_gcs_process, ensure_ray, kill_embedded_processes
 
 from ..settings import Settings
 from .blobs import BlobInfo, BlobStore, open_blob_store
+from .cluster_health import ClusterHealth
+from .disk import check_reserve
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .jobs import ARTIFACT_NAMES, JobRecord, JobSpec, JobView, check_submission
@@ -36,13 +49,22 @@ from .ledger import Ledger, sqlite_url
 from .ledger.engines import is_postgres
 from .ledger_watch import LedgerWatcher
 from .metrics import ServiceMetrics
+from .problems import fault_field
 from .runner import JobRunner
+from .scrub import BlobScrubber
 from .storage import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
 
 HOST_START_TIMEOUT_S = 120.0
 """Longest start-up waits for the job host (a process importing torch) before serving anyway."""
+
+RAY_SHUTDOWN_S = 1.5
+"""Longest a stopping server waits on Ray's shutdown when the cluster does not answer."""
+
+LOST_CLUSTER_EXIT_S = 5.0
+"""After its embedded Ray instance died, how long the server still answers (503s, reads)
+before it stops itself."""
 
 PUBLIC_TENANT = "public"
 """The one tenant of a server without API keys."""
@@ -78,6 +100,8 @@ class Services:
     collector: StorageCollector | None = None
     pool: JobHostClient | None = None  # the job host, where the jobs run and the warm rank actors live
     watcher: LedgerWatcher | None = None  # other replicas' changes, when the ledger is shared
+    scrubber: BlobScrubber | None = None  # re-hashes the stored blobs on a schedule
+    health: ClusterHealth | None = None  # the cluster as last seen, never asked on a request (None: ask Ray)
     draining: threading.Event = field(default_factory=threading.Event)
 
     def check_accepting(self) -> None:
@@ -93,7 +117,7 @@ class Services:
         ``BNRECAL_SHUTDOWN_GRACE_S``, then put the rest back in the queue (their attempt not
         counted) and end the event streams; returns the ids put back."""
         self.draining.set()
-        grace = self.settings.shutdown_grace_s
+        grace = self.settings.shutdown_grace_s if self._reachable() else 0.0  # nothing can finish without the cluster
         running = self.runner.running_jobs()
         if running:
             log.warning("shutting down: waiting up to %g s for %d running job(s)", grace, len(running))
@@ -101,9 +125,27 @@ class Services:
         if left:
             log.warning("shutdown grace of %g s is over: %d job(s) go back to the queue: %s (BNRECAL_SHUTDOWN_GRACE_S)",
                         grace, len(left), ", ".join(left))
-        self.runner.stop()
+        self.runner.stop(self._stop_timeout())
         self.feed.close()
         return left
+
+    def cluster_lost(self, reason: str) -> None:
+        """The embedded Ray instance died for good: fail the running jobs with the reason, then
+        stop the server (SIGTERM to itself: new work is refused meanwhile, and the instance's
+        remaining processes are stopped with it), so that its supervisor starts it afresh."""
+        self.runner.fail_running(reason)
+        log.error("stopping the server in %g s: %s", LOST_CLUSTER_EXIT_S, reason)
+        timer = threading.Timer(LOST_CLUSTER_EXIT_S, os.kill, args=(os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    def _stop_timeout(self) -> float:
+        """How long to wait for job threads: a while with a cluster that answers (they put their
+        jobs back), briefly without one (they may be stuck in a Ray call that never returns)."""
+        return 30.0 if self._reachable() else 0.25
+
+    def _reachable(self) -> bool:
+        return self.health is None or self.health.state().reachable
 
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
@@ -156,19 +198,36 @@ class Services:
         the spec as it would be stored (every default filled in)."""
         self.check_accepting()
         spec = spec.with_outputs()
-        check_submission(spec, tenant, self.blobs, self.settings)
+        self._check_submission(tenant, spec)
         return spec.model_dump(mode="json")
+
+    def _check_submission(self, tenant: str, spec: JobSpec) -> None:
+        """:func:`check_submission`; when it refuses a blob the spec names (a checkpoint that
+        does not read), that blob is hashed first: a damaged blob is refused as corrupt (and
+        quarantined), not as a bad file the user sent."""
+        try:
+            nodes = list(self.health.require().nodes) if self.health is not None else None
+            check_submission(spec, tenant, self.blobs, self.settings, nodes)
+        except (CheckpointError, ProgramError, DatasetError) as exc:  # a file that does not read (not a bad shape)
+            field = fault_field(exc, spec)
+            named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data,
+                     "eval.data": spec.eval.data if spec.eval is not None else None}
+            digest = named.get(field) if isinstance(field, str) else None
+            if isinstance(digest, str) and self.blobs.exists(tenant, digest):
+                self.blobs.check(tenant, digest, field=field, where="submission")  # raises if corrupt
+            raise
 
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: str | None) -> tuple[JobRecord, bool]:
         """Check a job spec against the tenant's blobs, the settings and the cluster, and queue
         it within the tenant's ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` (else 429); with an idempotency
         key already used, the job it made (``created`` is then false)."""
         self.check_accepting()
+        check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # 507 before anything is written
         spec = spec.with_outputs()
         stored = spec.model_dump(mode="json")
         for digest in spec_digests(stored):
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
-        check_submission(spec, tenant, self.blobs, self.settings)
+        self._check_submission(tenant, spec)
         job, created = self.ledger.create(tenant, stored, idempotency_key, self.settings.tenant_max_queued_jobs)
         if created:
             self.feed.publish(job.id)  # the tenant's change streams show it at once
@@ -214,17 +273,61 @@ class Services:
         return self.collector.delete_blob(tenant, digest)
 
     def close(self) -> None:
-        """Interrupt running jobs (they go back to the queue), then release the database and Ray."""
+        """Interrupt running jobs (they go back to the queue), then release the database and Ray.
+
+        Bounded whatever Ray's state (docs/api.md, "Restarts"): with the cluster unreachable
+        nothing waits on a Ray call, and an embedded instance is stopped outright, its agents
+        and workers with it. If Ray's own shutdown still hangs, the process ends without it."""
+        reachable = self._reachable()
+        if self.health is not None:
+            self.health.stop()
         if self.collector is not None:
-            self.collector.stop()
+            self.collector.stop(2.0)
+        if self.scrubber is not None:
+            self.scrubber.stop(2.0)
         if self.watcher is not None:
             self.watcher.stop()
-        self.runner.stop()
-        if self.pool is not None:  # after the runner: no job runs there any more; its warm actors die with it
+        self.runner.stop(self._stop_timeout())
+        if self.pool is not None and reachable:  # after the runner: no job runs there any more
             self.pool.close()
         self.ledger.close()
-        if self.started_ray and ray.is_initialized():
+        if not ray.is_initialized():
+            return
+        if reachable:
+            if self.started_ray:
+                ray.shutdown()
+            return
+        if self.started_ray:  # dead for good: its processes are killed, Ray's shutdown would wait on them
+            kill_embedded_processes()
+            log.error("stopped with the embedded Ray instance gone: exiting without Ray's shutdown")
+            _exit_now(1)
+        if not _shutdown_within(RAY_SHUTDOWN_S):  # a cluster joined by address that does not answer
+            log.error("Ray did not let go of the unreachable cluster within %g s: exiting without it", RAY_SHUTDOWN_S)
+            _exit_now(1)
+
+
+def _shutdown_within(timeout_s: float) -> bool:
+    """``ray.shutdown`` in a thread of its own; whether it returned within ``timeout_s``."""
+    done = threading.Event()
+
+    def shutdown() -> None:
+        try:
+            from ray._private import auto_init_hook
+
+            auto_init_hook.enable_auto_connect = False  # a job thread's late call must not reconnect
             ray.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=shutdown, name="bnrecal-ray-shutdown", daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once (Ray's exit handler would wait on its dead instance again)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
 
 
 def open_services(settings: Settings) -> Services:
@@ -246,16 +349,24 @@ def open_services(settings: Settings) -> Services:
     except BaseException:
         ledger.close()
         raise
+    health = ClusterHealth(embedded_gcs_process() if started_ray else None)
+    health.start()
     metrics = ServiceMetrics(ledger.count_by_status)
+    blobs.on_corrupt = metrics.count_corrupt
     feed = ChangeFeed()
     host = JobHostClient(settings.warm_pool_idle_s)
     host.wait_ready(HOST_START_TIMEOUT_S)  # on this process's Ray node; ready before the first job
-    runner = JobRunner(settings, ledger, blobs, metrics, feed, host)
+    runner = JobRunner(settings, ledger, blobs, metrics, feed, host, health=health)
     runner.start()
     collector = StorageCollector(settings, ledger, blobs)
     collector.start()
+    scrubber = BlobScrubber(settings, ledger, blobs, metrics)
+    scrubber.start()
     watcher = LedgerWatcher(ledger, feed, settings.ledger_poll_s) if shared else None
     if watcher is not None:
         watcher.start()
-    return Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, host, watcher)
+    services = Services(settings, ledger, blobs, runner, metrics, feed, started_ray, collector, host, watcher, scrubber,
+                        health=health)
+    health.on_lost(services.cluster_lost)
+    return services
 

@@ -11,8 +11,10 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import ray
 from ray._private import ray_constants
@@ -44,6 +46,7 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
     """
     if ray.is_initialized():
         return False
+    _ray_messages_to_stderr()
     address = address or os.environ.get("RAY_ADDRESS") or ""
     try:
         if address not in EMBEDDED_ADDRESSES:
@@ -65,6 +68,24 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
         return True
     except ConnectionError as exc:
         raise RunError(f"cannot reach the Ray cluster at {address!r}: {exc}; check --ray-address / RAY_ADDRESS") from exc
+
+
+def _ray_messages_to_stderr() -> None:
+    """Make Ray print the errors it pushes to the driver ("A worker died or was killed...")
+    on stderr: it prints them on stdout, which carries only a command's own output (a job
+    id, ``--json``; docs/python.md). Ray's listener thread looks the printer up by name at
+    each message, so replacing it in Ray's module is enough; once per process."""
+    from ray._private import worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+    if getattr(printer, "bnrecal_stderr", False):
+        return
+
+    def on_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        printer({**data, "is_err": True}, ignore_prefix)
+
+    on_stderr.bnrecal_stderr = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = on_stderr
 
 
 def _embedded_auth() -> None:
@@ -150,6 +171,63 @@ def _stop_monitor() -> None:
         if info.process.poll() is None:
             info.process.kill()
             info.process.wait(timeout=5)
+
+
+def embedded_gcs_process() -> Any:
+    """The GCS process (a ``subprocess.Popen``) of the embedded instance this process started,
+    or None (a cluster joined by address): watched to tell at once that the instance died."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return None
+    infos = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER, [])
+    return infos[0].process if infos else None
+
+
+def kill_embedded_processes(timeout_s: float = 1.0) -> None:
+    """Kill every process of the embedded instance this process started, whatever its state:
+    the GCS, raylet and monitor, and the agents and workers the raylet started (which would
+    otherwise outlive a dead GCS by minutes), waiting up to ``timeout_s`` for them to be gone.
+    Ray's own ``shutdown`` is not called: on a dead GCS it waits for it. The caller ends the
+    process without Ray's exit handler, for the same reason."""
+    import psutil
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False  # a job thread's late Ray call must not start a new instance
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return
+    doomed = [child for child in psutil.Process().children(recursive=True) if _is_ray_process(child)]
+    for child in doomed:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    try:
+        node.kill_all_processes(check_alive=False, allow_graceful=False)  # and reaps its own children
+    except Exception:  # noqa: BLE001 - some already gone
+        pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(child) for child in doomed):
+        time.sleep(0.05)
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _is_ray_process(process: Any) -> bool:
+    """A process of the embedded instance: the GCS, raylet, Ray's agents and workers (``ray::``), its Python helpers."""
+    try:
+        name = process.name()
+        command = " ".join(process.cmdline()[:3])
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return False
+    return name.startswith(("ray::", "gcs_server", "raylet")) or "ray/_private" in command or "ray/dashboard" in command
 
 
 def is_local_instance() -> bool:

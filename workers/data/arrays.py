@@ -26,6 +26,7 @@ import torch
 
 from bnrecal.workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.integrity import verify_content_address
 from bnrecal.workers.data.order import ReadAhead, gather_runs
 from bnrecal.errors import DatasetError
 
@@ -356,6 +357,7 @@ class ArrayData(ReadAhead, CalibrationData):
         if self._rows is not None or self._stream is not None:
             return
         layout, name = self.layout, self.name
+        verify_content_address(self.path)  # an uploaded blob: hashed before its first sample is read
         try:
             if layout.storage == "npy":
                 rows = np.load(self.path, mmap_mode="r", allow_pickle=False)

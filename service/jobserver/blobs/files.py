@@ -5,6 +5,13 @@ its bytes, so the same bytes always get the same digest and a file is never rewr
 Every write goes through a temporary file that is hashed while written, fsynced and
 renamed into place, so a blob is either complete or absent, never half there.
 
+Stored bytes are checked against their digest whenever they are read for use
+(:meth:`BlobStore.check`, :meth:`BlobStore.verified_chunks`; docs/api.md, "Blobs"): a blob
+whose bytes no longer match is moved aside to ``<root>/.quarantine/<tenant>/`` (so
+``exists`` is false and ``HEAD`` answers 404), and the next upload of the right bytes
+stores it again. An upload of bytes already stored replaces the stored file with the new,
+freshly hashed one, so it heals a blob damaged since, found or not.
+
 An upload may come with a file name, kept beside the blob in
 ``<root>/<tenant>/names/<hex>`` (the name of the latest upload of those bytes that gave
 one). It is only ever shown, in messages about the blob; it never becomes a path. A
@@ -15,10 +22,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -27,8 +36,10 @@ from typing import BinaryIO
 
 import anyio
 
-from bnrecal.errors import BnrecalError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
+from bnrecal.errors import BnrecalError, CorruptBlobError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
 from bnrecal.workers.files import atomic_write, sync_directory
+
+log = logging.getLogger("bnrecal.blobs")
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 _DIGEST = re.compile(DIGEST_PATTERN)
@@ -39,6 +50,18 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 WriteChunks = Callable[[BinaryIO, "hashlib._Hash", list[bytes]], None]
 """The write layer of uploads: hash and write chunks to the staged file (replaceable in tests)."""
+
+CorruptHook = Callable[[str], None]
+"""Told where a corrupt blob was found (``download``, ``job``, ``scrub``, ``submission``): the metrics."""
+
+QUARANTINE = ".quarantine"
+"""The folder under the store's root where corrupt blobs are moved aside (kept for inspection)."""
+
+
+def file_digest(file: Path) -> str:
+    """The ``sha256:<hex>`` digest of a file's bytes, read in blocks."""
+    with open(file, "rb") as handle:
+        return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -76,9 +99,13 @@ def clean_filename(raw: str | None) -> str | None:
 class BlobStore:
     """Blobs on the local file system, one namespace per tenant."""
 
+    medium = "on the server's disk"
+    """Where a damaged blob was damaged, for its error message."""
+
     def __init__(self, root: Path, write_chunks: WriteChunks | None = None) -> None:
         self.root = Path(root)
         self.write_chunks: WriteChunks = write_chunks or _write_hashed
+        self.on_corrupt: CorruptHook | None = None
         self._staging = self.root / ".staging"
         self._staging.mkdir(parents=True, exist_ok=True)
 
@@ -109,6 +136,75 @@ class BlobStore:
     def exists(self, tenant: str, digest: str) -> bool:
         """Whether the tenant holds this blob."""
         return is_digest(digest) and self._location(tenant, digest.removeprefix("sha256:")).is_file()
+
+    # -- verified reads ------------------------------------------------------------------
+
+    def check(self, tenant: str, digest: str, field: str | None = None, where: str = "job") -> Path:
+        """The blob's file once its bytes are hashed and match its digest: what a job reads.
+
+        A mismatch quarantines the blob and raises ``CorruptBlobError`` naming it (and the spec
+        ``field`` that names it), which says to upload it again."""
+        file = self.path(tenant, digest)
+        try:
+            inode = file.stat().st_ino
+            good = file_digest(file) == digest
+        except FileNotFoundError:  # removed meanwhile (deleted, quarantined by another reader)
+            raise NotFoundError(f"no blob {digest} for this API key") from None
+        if not good:
+            raise self.corrupt(tenant, digest, where, field, inode)
+        return file
+
+    def verified_chunks(self, tenant: str, digest: str, handle: BinaryIO, chunk_size: int = _WRITE_CHUNK) -> Iterator[bytes]:
+        """The bytes of an open blob file in chunks, hashed as they are read; the last chunk is
+        held back until the digest is known, and a mismatch raises ``CorruptBlobError`` (the
+        blob quarantined) instead, so a reader never gets all of a damaged blob."""
+        inode = os.fstat(handle.fileno()).st_ino
+        hashed = hashlib.sha256()
+        held: bytes | None = None
+        while block := handle.read(chunk_size):
+            hashed.update(block)
+            if held is not None:
+                yield held
+            held = block
+        if "sha256:" + hashed.hexdigest() != digest:
+            raise self.corrupt(tenant, digest, "download", inode=inode)
+        if held is not None:
+            yield held
+
+    def corrupt(
+        self, tenant: str, digest: str, where: str, field: str | None = None, inode: int | None = None
+    ) -> CorruptBlobError:
+        """Bytes read from a blob did not hash to its digest: quarantine it (``HEAD`` then 404,
+        so clients upload it again), count it, and return the error to raise. ``inode`` is the
+        file the bad bytes came from: a file replaced since (healed by an upload) stays."""
+        name = self.filename(tenant, digest)
+        self._quarantine(tenant, digest, inode)
+        log.error("blob %s of %s (%s) is corrupt (found by %s): quarantined", digest, tenant, name or "no name", where)
+        if self.on_corrupt is not None:
+            self.on_corrupt(where)
+        return CorruptBlobError(_corrupt_message(digest, name, field, self.medium), field, digest)
+
+    def _quarantine(self, tenant: str, digest: str, inode: int | None = None) -> None:
+        hex_digest = digest.removeprefix("sha256:")
+        file = self._location(tenant, hex_digest)
+        try:
+            if inode is not None and file.stat().st_ino != inode:
+                return  # already replaced by good bytes (an upload healed it)
+            aside = self.root / QUARANTINE / tenant / f"{hex_digest}.{time.time_ns()}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, aside)
+        except FileNotFoundError:
+            return
+
+    def scrub(self, tenant: str, digest: str) -> int:
+        """Check one stored blob for the periodic scrub: the bytes read; a mismatch quarantines
+        it and raises ``CorruptBlobError``."""
+        return self.check(tenant, digest, where="scrub").stat().st_size
+
+    def quarantined(self) -> list[Path]:
+        """The corrupt blobs moved aside so far (for operators; the collector leaves them)."""
+        folder = self.root / QUARANTINE
+        return sorted(path for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else []
 
     async def ingest(
         self,
@@ -164,7 +260,27 @@ class BlobStore:
             staged.unlink(missing_ok=True)
 
     def adopt(self, tenant: str, file: Path) -> BlobInfo:
-        """Move a finished file (a job artifact) into the store as one of the tenant's blobs."""
+        """Move a finished file (a job artifact) into the store as one of the tenant's blobs.
+
+        The file is hashed where it lies and renamed into place (docs/storage.md, "A full
+        disk"): storing an artifact needs no room beside it. Only a file on another file
+        system is copied (through a staging file, hashed as written)."""
+        try:
+            with open(file, "r+b") as handle:
+                os.fsync(handle.fileno())  # durable before its name says it is complete
+                info = BlobInfo("sha256:" + hashlib.file_digest(handle, "sha256").hexdigest(), os.fstat(handle.fileno()).st_size)
+            try:
+                self._place(tenant, file, info)
+                return info
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+            return self._adopt_copy(tenant, file)
+        except OSError as exc:
+            _raise_if_disk_full(exc, f"storing {file.name}", resource="blob store")
+            raise
+
+    def _adopt_copy(self, tenant: str, file: Path) -> BlobInfo:
         digest = hashlib.sha256()
         handle, staged = self._staging_file()
         try:
@@ -178,9 +294,6 @@ class BlobStore:
             info = BlobInfo(f"sha256:{digest.hexdigest()}", size)
             self._place(tenant, staged, info)
             return info
-        except OSError as exc:
-            _raise_if_disk_full(exc, f"storing {file.name}")
-            raise
         finally:
             staged.unlink(missing_ok=True)
 
@@ -254,11 +367,11 @@ class BlobStore:
         atomic_write(target, lambda tmp: tmp.write_text(name, "utf-8"))
 
     def _place(self, tenant: str, staged: Path, info: BlobInfo) -> None:
-        """Rename a complete, synced staging file to its content address (a no-op if present)."""
+        """Rename a complete, synced, hashed file to its content address. A blob already there
+        is replaced all the same: the new file's bytes were just hashed, the stored one's may
+        have been damaged since, so storing the same bytes again always heals it (and makes it
+        fresh for the collector's retention)."""
         target = self._location(tenant, info.hex)
-        if target.is_file():
-            os.utime(target)  # stored again: fresh for the collector's retention
-            return
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, target)
         sync_directory(target.parent)
@@ -275,10 +388,21 @@ def _flush_and_sync(handle: BinaryIO) -> None:
     os.fsync(handle.fileno())
 
 
-def _raise_if_disk_full(exc: OSError, what: str) -> None:
-    """Turn a full disk (or file system quota) into the typed 507 error; other OS errors pass."""
+def _raise_if_disk_full(exc: OSError, what: str, resource: str = "blob store") -> None:
+    """Turn a full disk (or file system quota) into the typed 507 error naming the resource;
+    other OS errors pass."""
     if exc.errno in _DISK_FULL:
         raise InsufficientStorageError(
-            f"the server's disk is full ({what} not stored, nothing kept); free space, or shorten "
+            f"the server's disk is full ({resource}: {what} not stored, nothing kept); free space, or shorten "
             "BNRECAL_BLOB_RETENTION_S / BNRECAL_JOB_RETENTION_S and run `bnrecal gc`"
         ) from exc
+
+
+def _corrupt_message(digest: str, name: str | None, field: str | None, medium: str) -> str:
+    shown = f"{name!r} ({digest})" if name else digest
+    prefix = f"{field}: " if field else ""
+    return (
+        f"{prefix}blob {shown} is corrupt: its stored bytes no longer hash to its digest (damaged {medium}); "
+        "the server quarantined it: upload the file again (a client that asks HEAD /v1/blobs first now gets 404 "
+        "and uploads it)"
+    )

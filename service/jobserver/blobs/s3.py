@@ -13,22 +13,35 @@ dir's ``blobs`` folder): ``path()`` checks the object still exists (a blob anoth
 deleted is gone here too), fetches it once if it is not cached, and returns the cached
 file, which the job driver reads and downloads are served from, with ``ETag`` and
 ``Range``, like a local blob.
+
+Integrity (docs/storage.md, "Stored bytes are verified"): a fetched object is hashed
+before it becomes the cached copy; an object whose bytes do not hash to its key's digest is
+moved to ``<prefix>/<tenant>/quarantine/`` (``HEAD`` then 404) and the next upload of the
+right bytes puts it again. Objects up to s3fs's single-part size are put with their
+SHA-256 as S3's own checksum (``ChecksumSHA256``): S3 checks the bytes it receives against
+it, and the scrub compares the checksum S3 keeps with the digest instead of downloading
+the object. A damaged cached copy is dropped and fetched again.
 """
 
 from __future__ import annotations
 
+import base64
+import logging
 import os
 import stat as stat_module
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bnrecal.workers.data.objectstore import s3_filesystem
-from bnrecal.errors import NotFoundError, SpecError
+from bnrecal.errors import CorruptBlobError, NotFoundError, SpecError
 
-from .files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, is_digest
+from .files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, file_digest, is_digest
+
+log = logging.getLogger("bnrecal.blobs")
 
 
 def parse_blob_store(uri: str) -> tuple[str, str]:
@@ -55,29 +68,121 @@ class S3BlobStore(BlobStore):
 
     # -- reading -------------------------------------------------------------------------
 
+    medium = "in the object store"
+
     def path(self, tenant: str, digest: str) -> Path:
-        """The local copy of a tenant's blob, fetched once; ``NotFoundError`` if the bucket has no such blob."""
+        """The local copy of a tenant's blob, fetched (and hashed) once; ``NotFoundError`` if the
+        bucket has no such blob, ``CorruptBlobError`` (quarantined) if its bytes do not match."""
+        return self._fetch(tenant, digest, None, "job")
+
+    def _fetch(self, tenant: str, digest: str, field: str | None, where: str) -> Path:
         if not is_digest(digest):
             raise NotFoundError(f"no blob {digest!r}: a digest looks like sha256:<64 hex digits>")
         hex_digest = digest.removeprefix("sha256:")
         key = self._key(tenant, "sha256", hex_digest)
         try:
-            size = int(self.fs.info(key)["size"])
+            entry = self.fs.info(key, refresh=True)
         except FileNotFoundError:
             self._location(tenant, hex_digest).unlink(missing_ok=True)  # deleted elsewhere: not served here
             raise NotFoundError(f"no blob {digest} for this API key") from None
         cached = self._location(tenant, hex_digest)
-        if cached.is_file() and cached.stat().st_size == size:
+        if cached.is_file() and cached.stat().st_size == int(entry["size"]):
             return cached
         cached.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="fetch-", suffix=".part", dir=self._staging)
         os.close(fd)
         try:
             self.fs.get_file(key, name)
+            if file_digest(Path(name)) != digest:
+                raise self._bucket_corrupt(tenant, digest, where, field, entry.get("ETag"))
             os.replace(name, cached)
         finally:
             Path(name).unlink(missing_ok=True)
         return cached
+
+    def check(self, tenant: str, digest: str, field: str | None = None, where: str = "job") -> Path:
+        """The cached copy once hashed and matching; a damaged cached copy is fetched again, and
+        an object whose own bytes do not match is quarantined (``CorruptBlobError``)."""
+        file = self._fetch(tenant, digest, field, where)
+        if file_digest(file) == digest:
+            return file
+        log.warning("the cached copy of blob %s of %s was damaged: fetching it again", digest, tenant)
+        file.unlink(missing_ok=True)
+        return self._fetch(tenant, digest, field, where)
+
+    def corrupt(
+        self, tenant: str, digest: str, where: str, field: str | None = None, inode: int | None = None
+    ) -> CorruptBlobError:
+        """Bytes read from the cached copy did not match: drop it and look at the bucket's
+        object; quarantine that too if its bytes are wrong. The error to raise either way (the
+        read that found it is cut off)."""
+        self._location(tenant, digest.removeprefix("sha256:")).unlink(missing_ok=True)
+        try:
+            self._fetch(tenant, digest, field, where)
+        except CorruptBlobError as exc:
+            return exc
+        except NotFoundError:
+            pass
+        log.warning("the cached copy of blob %s of %s was damaged (found by %s): dropped", digest, tenant, where)
+        if self.on_corrupt is not None:
+            self.on_corrupt(where)
+        return CorruptBlobError(
+            f"the server's cached copy of blob {digest} was damaged; it was dropped and the object store's copy is "
+            "intact: retry", field, digest,
+        )
+
+    def _bucket_corrupt(
+        self, tenant: str, digest: str, where: str, field: str | None, etag: str | None
+    ) -> CorruptBlobError:
+        """The bucket's object does not hash to its digest: quarantine it (unless it was put
+        again meanwhile, its ETag changed), and the error naming it."""
+        hex_digest = digest.removeprefix("sha256:")
+        key = self._key(tenant, "sha256", hex_digest)
+        self._location(tenant, hex_digest).unlink(missing_ok=True)
+        try:
+            if etag is None or self.fs.info(key, refresh=True).get("ETag") == etag:
+                aside = f"{self._base}/{tenant}/quarantine/{hex_digest}.{time.time_ns()}"
+                self.fs.copy(key, aside)
+                self.fs.rm_file(key)
+        except FileNotFoundError:
+            pass
+        return super().corrupt(tenant, digest, where, field)
+
+    def _quarantine(self, tenant: str, digest: str, inode: int | None = None) -> None:
+        """The local copy only (the bucket's object is moved aside by :meth:`_bucket_corrupt`)."""
+        self._location(tenant, digest.removeprefix("sha256:")).unlink(missing_ok=True)
+
+    def object_checksum(self, tenant: str, digest: str) -> str | None:
+        """The SHA-256 S3 keeps for the object (``sha256:<hex>``), None where the store keeps
+        none (a multipart upload, a store without checksums); ``NotFoundError`` if absent."""
+        bucket, _, key = self._key(tenant, "sha256", digest.removeprefix("sha256:")).partition("/")
+        try:
+            head = self.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        except FileNotFoundError:
+            raise NotFoundError(f"no blob {digest} for this API key") from None
+        encoded = head.get("ChecksumSHA256")
+        if not encoded or "-" in encoded:  # absent, or a composite of a multipart upload's parts
+            return None
+        return "sha256:" + base64.b64decode(encoded).hex()
+
+    def scrub(self, tenant: str, digest: str) -> int:
+        """Check one blob for the periodic scrub: S3's own checksum where it keeps one, else the
+        object downloaded and hashed; a cached copy is hashed too. The bytes read; a mismatch
+        quarantines the blob and raises ``CorruptBlobError``."""
+        read = 0
+        cached = self._location(tenant, digest.removeprefix("sha256:"))
+        if cached.is_file():
+            read += cached.stat().st_size
+            if file_digest(cached) != digest:
+                raise self.corrupt(tenant, digest, "scrub")
+        checksum = self.object_checksum(tenant, digest)
+        if checksum is not None:
+            if checksum != digest:
+                raise self._bucket_corrupt(tenant, digest, "scrub", None, None)
+            return read
+        if not cached.is_file():
+            read += self._fetch(tenant, digest, None, "scrub").stat().st_size  # fetched and hashed
+        return read
 
     def info(self, tenant: str, digest: str) -> BlobInfo:
         """Digest, size and file name of a tenant's blob, from the bucket (``NotFoundError`` if absent)."""
@@ -167,10 +272,8 @@ class S3BlobStore(BlobStore):
         """Put a complete, hashed staging file under its content address (if absent: else mark it
         used), and keep it as this replica's cached copy."""
         key = self._key(tenant, "sha256", info.hex)
-        if self.fs.exists(key):
-            self.touch(tenant, info.digest)
-        else:
-            self.fs.put_file(str(staged), key)
+        # Put even when the key exists: the object may have been damaged since (an upload heals it).
+        self.fs.put_file(str(staged), key, **_checksum_arguments(info))
         cached = self._location(tenant, info.hex)
         cached.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, cached)
@@ -200,6 +303,16 @@ def open_blob_store(blob_store: str | None, local_root: Path, endpoint_url: str 
     if not blob_store:
         return BlobStore(local_root)
     return S3BlobStore(blob_store, local_root, endpoint_url)
+
+
+def _checksum_arguments(info: BlobInfo) -> dict[str, str]:
+    """``ChecksumSHA256`` for an object s3fs puts in one request (S3 checks the bytes against
+    it and keeps it); nothing for a multipart upload, whose checksum would be of its parts."""
+    from s3fs.core import calculate_chunksize
+
+    if info.size >= min(5 * 2**30, 2 * calculate_chunksize(info.size)):
+        return {}
+    return {"ChecksumSHA256": base64.b64encode(bytes.fromhex(info.hex)).decode("ascii")}
 
 
 def _epoch(entry: dict[str, Any]) -> float:

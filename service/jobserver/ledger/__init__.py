@@ -19,14 +19,15 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint, func, select
 from sqlalchemy import delete as sql_delete
 from sqlalchemy import update as sql_update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-from bnrecal.errors import ConflictError, InputError, NotFoundError, TooManyJobsError
+from bnrecal.errors import ConflictError, InputError, InsufficientStorageError, NotFoundError, TooManyJobsError
 
 from bnrecal.service.run.options import STARTING_PHASE
 
+from ..disk import FREE_SPACE_HINT, is_disk_full
 from ..jobs import JobRecord, JobStatus
 from .engines import lock_tenant, make_engine, prepare_schema
 
@@ -136,8 +137,19 @@ class Ledger:
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
+        """One transaction: committed whole, or (on any error) rolled back whole. A full disk
+        (SQLite's "database or disk is full", Postgres's DiskFull) is the 507 naming the
+        ledger; the jobs stored before are untouched (docs/storage.md, "A full disk")."""
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except DBAPIError as exc:
+            if is_disk_full(exc):
+                raise InsufficientStorageError(
+                    "the server's disk is full (job ledger): the change was not written, the jobs stored before are "
+                    f"untouched; {FREE_SPACE_HINT}"
+                ) from exc
+            raise
 
     def create(
         self, tenant: str, spec: dict[str, Any], idempotency_key: str | None = None, max_queued: int | None = None

@@ -49,7 +49,7 @@ class Store:
         file = self.blobs.root / f"in-{hashlib.sha256(data).hexdigest()}"
         file.write_bytes(data)
         digest = self.blobs.adopt(tenant, file).digest
-        file.unlink()
+        assert not file.exists()  # moved into the store
         self.age(tenant, digest, age)
         return digest
 
