@@ -40,7 +40,7 @@ def read_pass(path: str) -> None:
     from bnrecal.workers.ranks.sharding import rank_ranges
 
     started = time.perf_counter()
-    spec = describe_dataset(Path(path) if "{" not in path else path, order="shuffled", check_images=False)
+    spec = describe_dataset(Path(path) if "{" not in path else path, order="shuffled")
     with spec.open() as data:
         for _ in iter_batches(data, rank_ranges(spec.num_samples, 64, 1, 0)):
             pass

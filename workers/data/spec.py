@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from bnrecal.workers.data.archive import (
 )
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from bnrecal.workers.data.base import CalibrationData, DatasetOptionError
+from bnrecal.workers.data.formats import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
@@ -40,18 +40,6 @@ from bnrecal.workers.data.shardlist import has_brace_pattern
 from bnrecal.workers.data.shardsource import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
 from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
 from bnrecal.workers.errors import DatasetError
-
-_SUFFIX_FORMATS = (
-    (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),
-    (".tar", "tar"), (".tar.gz", "tar"), (".tgz", "tar"),
-    (".tar.bz2", "tar"), (".tbz2", "tar"), (".tar.xz", "tar"), (".txz", "tar"),
-    (".parquet", "parquet"), (".manifest", "manifest"), (".lst", "manifest"), (".txt", "manifest"),
-)
-_EXPECTED = (
-    "a .npy or .npz file, an image folder, a .tar, .tar.gz/.tgz or .zip archive of images, "
-    "WebDataset .tar shards, Parquet files or a manifest of shards"
-)
-
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -355,9 +343,9 @@ def _describe_remote(
             total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
             files_digest=files_digest(files), remote=remote, **ordering,
         )
-    data_format = next((f for suffix, f in _SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
+    data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format in (None, "parquet", "manifest"):
-        raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {_EXPECTED}")
+        raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {EXPECTED}")
     if data_format in ("npy", "npz"):
         if transform:
             raise DatasetOptionError(
@@ -384,27 +372,6 @@ def _describe_remote(
     return replace(spec, source=remote.uri)
 
 
-def detect_format(path: Path, role: str = "calibration data", name: str | None = None) -> str:
-    """``npy``, ``npz``, ``tar``, ``zip``, ``parquet`` or ``manifest``: by the file's extension,
-    else by its leading bytes (never ``manifest``: a blob is never read as one).
-
-    ``name`` (an uploaded blob's file name) is only shown in the error: a blob is stored
-    without an extension, so its format always comes from its content, whatever it was
-    called when uploaded.
-    """
-    lower = path.name.lower()
-    for suffix, data_format in _SUFFIX_FORMATS:
-        if lower.endswith(suffix):
-            return data_format
-    sniffed = _sniff_format(path)
-    if sniffed is None:
-        shown = name or path.name
-        suffix = "".join(Path(shown).suffixes)
-        extension = f"extension {suffix}" if suffix else "no extension"
-        raise DatasetError(f"unknown {role} format {shown!r} ({extension}); expected {_EXPECTED}")
-    return sniffed
-
-
 def _rename(exc: DatasetError, internal: Iterable[str], shown: str) -> None:
     """Replace whole-word occurrences of internal file names in ``exc``'s message by ``shown``
     (not inside ``shown`` itself, where a digest may already appear as ``sha256:<hex>``)."""
@@ -416,25 +383,6 @@ def _rename(exc: DatasetError, internal: Iterable[str], shown: str) -> None:
     message = shown.join(pieces)
     exc.message = message
     exc.args = (message,)
-
-
-def _sniff_format(path: Path) -> str | None:
-    with open(path, "rb") as stream:
-        head = stream.read(512)
-    if head.startswith(b"\x93NUMPY"):
-        return "npy"
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except zipfile.BadZipFile:
-            return None
-        return "npz" if names and all(n.endswith(".npy") for n in names) else "zip"
-    if head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")) or head[257:262] == b"ustar":
-        return "tar"
-    return None
 
 
 def _describe_images(
@@ -466,18 +414,3 @@ def _ordered_files(files: tuple[str, ...], max_samples: int | None, ordering: di
     return tuple(files[i] for i in rows.tolist())
 
 
-def array_sample_shape(path: str | Path) -> tuple[int, ...] | None:
-    """The shape of one sample of a ``.npy``/``.npz`` file, from its header alone; None for
-    other data (images take their shape from the transform) or data that cannot be read
-    (the job reports that as it reads it)."""
-    file = Path(path)
-    try:
-        if not file.is_file():
-            return None
-        data_format = detect_format(file)
-        if data_format not in ("npy", "npz"):
-            return None
-        layout = describe_npy(file) if data_format == "npy" else describe_npz(file)
-    except (DatasetError, OSError):
-        return None
-    return tuple(layout.shape[1:])
