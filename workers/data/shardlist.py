@@ -226,7 +226,9 @@ def read_manifest(text: str, base: str, shown: str) -> list[str]:
     return entries
 
 
-def refs_of(entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None) -> list[ShardRef]:
+def refs_of(
+    entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None, cache_root: Path | None = None,
+) -> list[ShardRef]:
     """The shards a list names (paths, URIs or brace patterns), in the list's order."""
     refs: list[ShardRef] = []
     remote: list[str] = []
@@ -236,7 +238,7 @@ def refs_of(entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: 
             remote.extend(expand_braces(text) if has_brace_pattern(text) else [parse_data_uri(text, "data")])
             continue
         if remote:
-            refs.extend(remote_refs(remote, role, endpoint_url))
+            refs.extend(remote_refs(remote, role, endpoint_url, cache_root))
             remote = []
         if has_brace_pattern(text):
             refs.extend(list_local_pattern(text, role))
@@ -248,16 +250,54 @@ def refs_of(entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: 
             raise DatasetError(f"{role}: {path.name} is not a .tar, .tar.gz/.tgz or .parquet shard")
         refs.append(local_ref(path, path.name))
     if remote:
-        refs.extend(remote_refs(remote, role, endpoint_url))
+        refs.extend(remote_refs(remote, role, endpoint_url, cache_root))
     if not refs:
         raise DatasetError(f"{role}: the list of shards is empty")
     return refs
 
 
-def remote_refs(uris: Sequence[str], role: str, endpoint_url: str | None) -> list[ShardRef]:
-    """The shards at these object URIs (a HEAD each, concurrently; a missing one fails naming it)."""
+HEAD_LIMIT = 16
+"""More shards than this in one folder are found by listing the folder once (1,000 a request),
+fewer by a HEAD request each."""
+
+
+def remote_refs(
+    uris: Sequence[str], role: str, endpoint_url: str | None, cache_root: Path | None = None
+) -> list[ShardRef]:
+    """The shards at these object URIs, in order; a missing one fails naming it. Many in one
+    folder (a brace pattern, a manifest): that folder listed once (:func:`list_prefix`,
+    cached; listed afresh when a shard is not in the cached listing); a few: a HEAD each,
+    concurrently."""
     if not uris:
         return []
+    folders: dict[str, list[str]] = {}
+    for uri in uris:
+        folders.setdefault(uri.rsplit("/", 1)[0], []).append(uri)
+    found: dict[str, ShardRef] = {}
+    for folder, members in folders.items():
+        if len(members) > HEAD_LIMIT:
+            found.update(_listed_refs(RemoteSource(folder, endpoint_url), members, role, cache_root))
+        else:
+            found.update(zip(members, _headed_refs(members, role, endpoint_url)))
+    return [found[uri] for uri in uris]
+
+
+def _listed_refs(folder: RemoteSource, uris: list[str], role: str, cache_root: Path | None) -> dict[str, ShardRef]:
+    objects = list_prefix(folder, role, cache_root)
+    base = folder.uri.rstrip("/") + "/"
+    if any(uri[len(base):] not in objects for uri in uris) and cache_root is not None:
+        objects = list_prefix(folder, role, cache_root, fresh=True)
+    refs = {}
+    for uri in uris:
+        name = uri[len(base):]
+        if name not in objects:
+            raise DatasetError(f"{role}: shard {uri} not found")
+        refs[uri] = ShardRef(uri, objects[name]["size"], objects[name]["ETag"] or str(objects[name]["size"]), name)
+    return refs
+
+
+def _headed_refs(uris: Sequence[str], role: str, endpoint_url: str | None) -> list[ShardRef]:
+    """The shards at these object URIs, a HEAD each, concurrently."""
     fs = RemoteSource(uris[0], endpoint_url).filesystem()
 
     def head(uri: str) -> ShardRef:
@@ -277,15 +317,20 @@ def _remote_ref(uri: str, info: dict[str, Any], name: str) -> ShardRef:
     return ShardRef(uri, int(info.get("size") or 0), version.strip('"'), name)
 
 
-def list_prefix(source: RemoteSource, role: str, cache_root: Path | None) -> dict[str, dict[str, Any]]:
+def list_prefix(
+    source: RemoteSource, role: str, cache_root: Path | None, *, fresh: bool = False
+) -> dict[str, dict[str, Any]]:
     """Every object under a prefix (``{relative key: {size, ETag}}``), listed once: paginated,
-    each first-level sub-prefix listed concurrently; cached on disk for :data:`LISTING_TTL_S`."""
+    each first-level sub-prefix listed concurrently; cached on disk for :data:`LISTING_TTL_S`
+    (``fresh`` lists again and replaces the cached listing)."""
     ttl = float(os.environ.get("BNRECAL_LISTING_TTL_S", LISTING_TTL_S))
     cache = None
     if cache_root is not None:
         digest = hashlib.sha256(f"{source.uri}\0{source.endpoint_url}".encode()).hexdigest()
         cache = cache_root / "listings" / f"{digest}.json"
         try:
+            if fresh:
+                raise OSError("listing again")
             cached = json.loads(cache.read_text())
             if time.time() - float(cached["listed_at"]) < ttl:
                 return dict(cached["objects"])

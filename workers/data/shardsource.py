@@ -43,12 +43,14 @@ PARQUET_MAGIC = b"PAR1"
 _SNIFF_BYTES = 1 << 16
 
 
-def local_shards(source: Path, shown: str, role: str, endpoint_url: str | None) -> tuple[str, list[ShardRef]] | None:
+def local_shards(
+    source: Path, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None = None,
+) -> tuple[str, list[ShardRef]] | None:
     """``(format, shards)`` when a local path (existing or a brace pattern) is a dataset of
     shards, else None (arrays, image folders and image archives go their old ways)."""
     text = str(source)
     if not source.exists() and has_brace_pattern(text):
-        return _format_of(refs_of([text], role, endpoint_url))
+        return _format_of(refs_of([text], role, endpoint_url, cache_root))
     if source.is_dir():
         if is_save_to_disk(source):
             return "arrow", save_to_disk_files(source)
@@ -61,7 +63,7 @@ def local_shards(source: Path, shown: str, role: str, endpoint_url: str | None) 
         if source.stat().st_size > MAX_MANIFEST_BYTES:
             raise DatasetError(f"manifest {shown} is larger than {MAX_MANIFEST_BYTES} bytes")
         text = source.read_text(errors="replace")
-        return _format_of(refs_of(read_manifest(text, str(source.parent), shown), role, endpoint_url))
+        return _format_of(refs_of(read_manifest(text, str(source.parent), shown), role, endpoint_url, cache_root))
     with open(source, "rb") as stream:
         head = stream.read(4)
     if lower.endswith(".parquet") or head == PARQUET_MAGIC:
@@ -83,7 +85,7 @@ def local_shards(source: Path, shown: str, role: str, endpoint_url: str | None) 
 def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path | None) -> tuple[str, list[ShardRef]] | None:
     """:func:`local_shards` for an ``s3://`` object or prefix (``kind`` from ``stat_object``)."""
     if has_brace_pattern(remote.uri):
-        return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
+        return _format_of(refs_of([remote.uri], role, remote.endpoint_url, cache_root))
     if kind == "directory":
         refs = prefix_shards(remote, list_prefix(remote, role, cache_root))
         return None if refs is None else _format_of(refs)
@@ -97,7 +99,8 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
         if len(raw) > MAX_MANIFEST_BYTES:
             raise DatasetError(f"manifest {remote.uri} is larger than {MAX_MANIFEST_BYTES} bytes")
         base = remote.uri.rsplit("/", 1)[0]
-        return _format_of(refs_of(read_manifest(raw.decode(errors="replace"), base, remote.name), role, remote.endpoint_url))
+        entries = read_manifest(raw.decode(errors="replace"), base, remote.name)
+        return _format_of(refs_of(entries, role, remote.endpoint_url, cache_root))
     if lower.endswith(".parquet"):
         return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
     if not lower.endswith(TAR_SUFFIXES):
@@ -111,9 +114,11 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
 
 
-def list_shards(entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None) -> tuple[str, list[ShardRef]]:
+def list_shards(
+    entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None, cache_root: Path | None = None,
+) -> tuple[str, list[ShardRef]]:
     """``(format, shards)`` of an explicit list of shard paths, URIs or brace patterns."""
-    return _format_of(refs_of(list(entries), role, endpoint_url))
+    return _format_of(refs_of(list(entries), role, endpoint_url, cache_root))
 
 
 def _member_names(head: bytes, gzipped: bool) -> list[str]:

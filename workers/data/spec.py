@@ -205,8 +205,8 @@ def describe_dataset(
     if is_shard_list(path):
         entries = list(path)  # type: ignore[arg-type]
         shown = Path(os.fspath(entries[0])).name + (f" and {len(entries) - 1} more shards" if len(entries) > 1 else "")
-        spec = _shard_spec(*list_shards(entries, role, endpoint_url), os.fspath(entries[0]), max_samples, ordering,
-                           shard_options)
+        found = list_shards(entries, role, endpoint_url, shard_options["cache_root"])
+        spec = _shard_spec(*found, os.fspath(entries[0]), max_samples, ordering, shard_options)
         return replace(spec, name=name or shown)
     if not isinstance(path, (str, os.PathLike)):
         raise DatasetError(f"{role} must be a path, a URI or a list of shards, not {type(path).__name__}")
@@ -223,7 +223,7 @@ def describe_dataset(
     source = source.absolute()
     unpacked: list[Path] = []
     try:
-        found = local_shards(source, name or source.name, role, endpoint_url)
+        found = local_shards(source, name or source.name, role, endpoint_url, shard_options["cache_root"])
         if found is not None:
             spec = _shard_spec(*found, str(source), max_samples, ordering, shard_options)
             return spec if name is None else replace(spec, name=name)

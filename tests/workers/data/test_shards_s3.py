@@ -12,7 +12,8 @@ import torch
 
 from bnrecal.workers.data import describe_dataset, read_labels, shardio
 from bnrecal.workers.data.objectstore import RemoteSource
-from bnrecal.workers.data.shardlist import list_prefix, prefix_shards
+from bnrecal.workers.data.shardlist import list_prefix, prefix_shards, refs_of
+from bnrecal.workers.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from tests.s3 import S3Server
@@ -112,3 +113,20 @@ def test_a_prefix_is_listed_once_paginated_and_the_listing_cached(s3_server, tmp
     assert [r.name for r in refs[:2]] == ["a/part-000000.tar", "a/part-000001.tar"] and refs[-1].name == "b/part-000149.tar"
     again = lists()
     assert list_prefix(source, "calibration data", tmp_path) == objects and lists() == again  # from the cache
+
+
+def test_a_long_brace_pattern_lists_its_folder_instead_of_a_head_per_shard(s3_server, tmp_path):
+    client = s3_server.client()
+    s3_server.bucket(BUCKET)
+    for i in range(40):
+        client.put_object(Bucket=BUCKET, Key=f"pattern/part-{i:03d}.tar", Body=b"x" * i)
+    before = len(s3_server.requests)
+    refs = refs_of([f"s3://{BUCKET}/pattern/part-{{000..039}}.tar"], "calibration data", s3_server.endpoint, tmp_path)
+    asked = s3_server.requests[before:]
+    assert [r.size for r in refs] == list(range(40)) and refs[7].name == "part-007.tar"
+    assert not [r for r in asked if r.method == "HEAD"] and len(asked) <= 2  # one listing, no HEAD per shard
+    client.put_object(Bucket=BUCKET, Key="pattern/part-040.tar", Body=b"new")  # after the cached listing
+    refs = refs_of([f"s3://{BUCKET}/pattern/part-{{000..040}}.tar"], "calibration data", s3_server.endpoint, tmp_path)
+    assert refs[-1].size == 3  # not in the cached listing: listed afresh
+    with pytest.raises(DatasetError, match=r"shard s3://shard-data/pattern/part-041.tar not found"):
+        refs_of([f"s3://{BUCKET}/pattern/part-{{000..041}}.tar"], "calibration data", s3_server.endpoint, tmp_path)
