@@ -152,6 +152,7 @@ class ShardData(CalibrationData):
         self._plan = [(a, b) for a, b in ranges if b > a]
         self._window: dict[int, tuple[str, bytes]] = {}
         self._worker_plan: list[tuple[int, int]] | None = None
+        self._planned_at: dict[tuple[int, int], int] = {}
 
     def _costly(self) -> bool:
         return self.shards.remote or self.shards.format != "webdataset" or any(r.gzip for r in self.shards.shards)
@@ -164,12 +165,13 @@ class ShardData(CalibrationData):
 
             info = get_worker_info()
             self._worker_plan = self._plan if info is None else self._plan[info.id :: info.num_workers]
+            self._planned_at = {r: i for i, r in enumerate(self._worker_plan)}
         plan = self._worker_plan
-        if (start, stop) not in plan:
+        if (start, stop) not in self._planned_at:
             return None
         rows = self.order[start:stop].tolist()
         if any(row not in self._window for row in rows):
-            self._read_ahead(plan, plan.index((start, stop)))
+            self._read_ahead(plan, self._planned_at[(start, stop)])
         return [self._window.pop(row) for row in rows]
 
     def _read_ahead(self, plan: list[tuple[int, int]], first: int) -> None:
@@ -230,7 +232,7 @@ class ShardData(CalibrationData):
         self._readers = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_readers": {}, "_window": {}, "_worker_plan": None}
+        return {**self.__dict__, "_readers": {}, "_window": {}, "_worker_plan": None, "_planned_at": {}}
 
 
 def shard_labels(shards: ShardSet, rows: np.ndarray, role: str = "evaluation data") -> np.ndarray:

@@ -246,3 +246,17 @@ def test_a_brace_pattern_naming_a_missing_shard_fails_naming_it(formats, tmp_pat
         describe_dataset(pattern, unpack_root=tmp_path / "u")
     with pytest.raises(DatasetError, match=r"last path component"):
         describe_dataset(str(Path(formats["tar"]) / "{a,b}" / "x.tar"), unpack_root=tmp_path / "u")
+
+
+def test_dataloader_workers_read_ahead_only_their_own_steps(formats, tmp_path):
+    """With DataLoader workers each reads ahead the steps it decodes: the batches are the same."""
+    from bnrecal.workers.data import iter_batches
+
+    spec = describe_dataset(formats["tar.gz"], transform=TRANSFORM, unpack_root=tmp_path / "u", order="shuffled")
+    ranges = rank_ranges(spec.num_samples, 12, 2, 0)
+    with spec.open() as data:
+        alone = list(iter_batches(data, ranges))
+    with spec.open() as data:
+        workers = list(iter_batches(data, ranges, num_workers=2))
+    assert len(alone) == len(workers) == len(ranges)
+    assert all(torch.equal(a, b) for a, b in zip(alone, workers))
