@@ -25,7 +25,6 @@ from bnrecal.workers.errors import DatasetError
 
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"
-NO_LABEL = -1
 
 
 def _pyarrow() -> Any:
@@ -69,7 +68,7 @@ def _image_cells(column: Any, ref: ShardRef, name: str) -> Any:
     if pa.types.is_struct(kind):
         if kind.get_field_index("bytes") < 0:
             raise DatasetError(f"{ref.name}: image column {name!r} is a struct without a 'bytes' field")
-        return column.field("bytes") if hasattr(column, "field") else pa.compute.struct_field(column, "bytes")
+        return column.field("bytes")
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return column
     raise DatasetError(f"{ref.name}: column {name!r} is {kind}, not image bytes (binary or {{bytes, path}})")

@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +196,6 @@ def check_one_split(names: Sequence[str], shown: str) -> None:
             f"{shown} holds the shards of several splits ({', '.join(splits)}); give one split's shards "
             "(a brace pattern, its folder, or a manifest)"
         )
-
-
-def list_local_folder(folder: Path, files: Sequence[str]) -> list[ShardRef]:
-    """The shards of a local folder of shards, from :func:`shard_files_in`."""
-    return [local_ref(folder / name, name) for name in files]
 
 
 def read_manifest(text: str, base: str, shown: str) -> list[str]:
@@ -376,7 +371,3 @@ def prefix_shards(source: RemoteSource, objects: dict[str, dict[str, Any]]) -> l
         for n in shards
     ]
 
-
-def refs_to_json(refs: Sequence[ShardRef]) -> list[dict[str, Any]]:
-    """The refs as JSON-ready dicts (for caches and reports)."""
-    return [asdict(ref) for ref in refs]

@@ -116,7 +116,7 @@ def build_tar_index(ref: ShardRef, endpoint_url: str | None, role: str) -> TarIn
             if not ext or any(is_ignored_part(p) for p in info.name.split("/")):
                 continue
             if key != current:
-                if current and not _has_data(names, keys, current):
+                if current and keys[current] < 0:
                     raise DatasetError(f"shard {ref.name}: sample {current} has no data member ({'|'.join(DATA_EXTENSIONS)})")
                 if key in keys:
                     raise DatasetError(
@@ -136,7 +136,7 @@ def build_tar_index(ref: ShardRef, endpoint_url: str | None, role: str) -> TarIn
                 size.append(info.size)
             elif ext == LABEL_EXTENSION:
                 label[-1] = _read_label(tar, info, ref)
-        if current and not _has_data(names, keys, current):
+        if current and keys[current] < 0:
             raise DatasetError(f"shard {ref.name}: sample {current} has no data member ({'|'.join(DATA_EXTENSIONS)})")
     except (tarfile.TarError, zlib.error, EOFError, OSError) as exc:
         where = f" after member {member}" if member else ""
@@ -149,10 +149,6 @@ def build_tar_index(ref: ShardRef, endpoint_url: str | None, role: str) -> TarIn
         tuple(names), np.asarray(header, np.int64), np.asarray(offset, np.int64), np.asarray(size, np.int64),
         np.asarray(label, np.int64),
     )
-
-
-def _has_data(names: list[str], keys: dict[str, int], key: str) -> bool:
-    return keys.get(key, -1) >= 0
 
 
 def _members(stream: IO[bytes], ref: ShardRef) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
