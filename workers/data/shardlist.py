@@ -170,7 +170,7 @@ def shard_files_in(folder: Path) -> list[str] | None:
     other data files; None when it is not a folder of shards (an image folder, say)."""
     from bnrecal.workers.data.images import is_ignored_part, is_image_name
 
-    shards, other = [], False
+    shards: list[str] = []
     for current, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not is_ignored_part(d))
         relative = Path(current).relative_to(folder).as_posix()
@@ -181,8 +181,8 @@ def shard_files_in(folder: Path) -> list[str] | None:
             if is_shard_name(name):
                 shards.append(prefix + name)
             elif is_image_name(name) or name.lower().endswith((".npy", ".npz", ".zip")):
-                other = True
-    if not shards or other:
+                return None  # an image folder (or other data): stop at its first file, not after listing it all
+    if not shards:
         return None
     check_one_split(shards, folder.name)
     return sorted(shards)
