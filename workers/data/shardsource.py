@@ -8,7 +8,7 @@ How a source is told apart (docs/data.md, "Shards"):
 - a folder (or an ``s3://`` prefix) holding shard files and no images or arrays: shards;
 - a tar (``.tar``, ``.tar.gz``, an uploaded blob) is a WebDataset shard when its first 64
   members are grouped by key (a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside
-  another member of its key such as ``KEY.json``), and a tar of shards when every file in it
+  a non-image member of its key such as ``KEY.json``), and a tar of shards when every file in it
   is a ``.tar``/``.tar.gz``/``.parquet`` (read in place, never unpacked); any other tar is an
   archive of images and unpacked as before (contract section 3), so a plain archive of
   ``NAME.jpg`` files and class folders keeps its meaning.

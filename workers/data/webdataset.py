@@ -194,7 +194,7 @@ def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, ref: ShardRef) -> i
 def tar_kind(path: Path) -> str:
     """What a tar file holds, from its first members: ``shards`` (every file a ``.tar`` or
     ``.parquet`` shard: an uploaded tar of shards), ``webdataset`` (members grouped by key:
-    a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside another member of its key,
+    a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside a non-image member of its key,
     such as ``KEY.json``) or ``images`` (an archive of images, unpacked as before)."""
     files: list[str] = []
     try:
@@ -220,7 +220,8 @@ def classify_members(files: list[str]) -> str:
         if ext in (LABEL_EXTENSION, "npy"):
             return "webdataset"
         seen.setdefault(key, set()).add(ext)
-    if any(len(exts) > 1 and exts & set(DATA_EXTENSIONS) for exts in seen.values()):
+    data = set(DATA_EXTENSIONS)
+    if any(exts & data and exts - data - {""} for exts in seen.values()):  # an image beside its KEY.json
         return "webdataset"
     return "images"
 

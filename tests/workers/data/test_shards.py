@@ -204,13 +204,14 @@ def _tar(path: Path, members: dict[str, bytes]) -> Path:
 
 
 def test_an_archive_of_images_is_still_unpacked(tmp_path):
-    """A tar of NAME.jpg files (flat or in class folders) is an image archive, as before."""
+    """A tar of NAME.jpg files (flat or in class folders; two images may share a name's stem)
+    is an image archive, as before."""
     items = photos(6, size=32)
-    flat = _tar(tmp_path / "flat.tar", {f"{n}.jpg": d for n, d, _ in items})
+    flat = _tar(tmp_path / "flat.tar", {f"{n}.jpg": d for n, d, _ in items} | {f"{items[0][0]}.png": items[1][1]})
     classes = _tar(tmp_path / "classes.tar", {f"c{label}/{n}.jpg": d for n, d, label in items})
-    for archive in (flat, classes):
+    for archive, count in ((flat, 7), (classes, 6)):
         spec = describe_dataset(archive, unpack_root=tmp_path / "u")
-        assert spec.kind == "images" and spec.num_samples == 6
+        assert spec.kind == "images" and spec.num_samples == count
     assert describe_dataset(classes, unpack_root=tmp_path / "u").classes == ("c0", "c1", "c2")
 
 
