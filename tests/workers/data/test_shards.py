@@ -261,3 +261,12 @@ def test_dataloader_workers_read_ahead_only_their_own_steps(formats, tmp_path):
         workers = list(iter_batches(data, ranges, num_workers=2))
     assert len(alone) == len(workers) == len(ranges)
     assert all(torch.equal(a, b) for a, b in zip(alone, workers))
+
+
+def test_a_tar_of_parquet_files_is_read_in_place(formats, tmp_path):
+    files = sorted(Path(formats["parquet"]).rglob("*.parquet"))
+    blob = _tar(tmp_path / "blob", {p.name: p.read_bytes() for p in files})
+    found, labels, spec = read_all(blob, tmp_path, order="shuffled", seed=9)
+    expected, expected_labels, _ = read_all(formats["folder"], tmp_path, order="shuffled", seed=9)
+    assert spec.summary()["format"] == "parquet" and len(spec.shards.shards) == 3
+    assert torch.equal(found, expected) and np.array_equal(labels, expected_labels)
