@@ -17,7 +17,7 @@ Rules (docs/data.md):
 - a manifest (``.manifest``, ``.lst``, ``.txt``) holds one path or URI a line (relative
   paths are relative to the manifest; blank lines and ``#`` comments are skipped), taken
   in its own order;
-- an ``s3://`` prefix is listed once, paginated, each sub-prefix concurrently, and the
+- an ``s3://`` prefix is listed once, paginated, in concurrent key ranges, and the
   listing is cached on local disk for :data:`LISTING_TTL_S`.
 """
 
@@ -315,8 +315,8 @@ def _remote_ref(uri: str, info: dict[str, Any], name: str) -> ShardRef:
 def list_prefix(
     source: RemoteSource, role: str, cache_root: Path | None, *, fresh: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Every object under a prefix (``{relative key: {size, ETag}}``), listed once: paginated,
-    each first-level sub-prefix listed concurrently; cached on disk for :data:`LISTING_TTL_S`
+    """Every object under a prefix (``{relative key: {size, ETag}}``), listed once, paginated
+    and in concurrent key ranges (:func:`list_keys`); cached on disk for :data:`LISTING_TTL_S`
     (``fresh`` lists again and replaces the cached listing)."""
     ttl = float(os.environ.get("BNRECAL_LISTING_TTL_S", LISTING_TTL_S))
     cache = None
@@ -331,22 +331,16 @@ def list_prefix(
                 return dict(cached["objects"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    fs = source.filesystem()
     base = source.key + "/"
     try:
-        top = fs.ls(source.key, detail=True)
-        files = [e for e in top if e.get("type") != "directory"]
-        folders = [e["name"] for e in top if e.get("type") == "directory"]
-        if folders:
-            with ThreadPoolExecutor(min(LIST_THREADS, len(folders))) as pool:
-                for found in pool.map(lambda f: fs.find(f, detail=True), folders):
-                    files.extend(found.values())
+        listed = list_keys(source.filesystem(), base)
     except Exception as exc:  # noqa: BLE001
         raise remote_error(exc, source, role) from exc
+    within = base.partition("/")[2]  # ListObjectsV2 keys do not start with the bucket
     objects = {
-        entry["name"][len(base):]: {"size": int(entry.get("size") or 0), "ETag": str(entry.get("ETag", "")).strip('"')}
-        for entry in files
-        if entry["name"].startswith(base)
+        entry["Key"][len(within):]: {"size": int(entry.get("Size") or 0), "ETag": str(entry.get("ETag", "")).strip('"')}
+        for entry in listed
+        if entry["Key"].startswith(within) and not entry["Key"].endswith("/")
     }
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +348,63 @@ def list_prefix(
         staging.write_text(json.dumps({"listed_at": time.time(), "objects": objects}))
         os.replace(staging, cache)
     return objects
+
+
+def list_keys(fs: Any, base: str) -> list[dict[str, Any]]:
+    """Every object whose key starts with ``base`` (``bucket/prefix/``), as ListObjectsV2 gives
+    them. The first page (1,000 keys) is read alone; when there are more, the rest of the key
+    space is cut into :data:`LIST_THREADS` ranges at keys that continue the last key's trailing
+    number by a page each (``part-000999`` -> ``part-001999``, ``part-002999``, ...), listed
+    concurrently, each paginated. Any key falls in exactly one range (``(after, until]``), so
+    the listing is complete whatever the names; the cuts only decide how evenly it is shared."""
+    bucket, _, prefix = base.partition("/")
+    first = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=_PAGE)
+    objects = list(first.get("Contents", []))
+    if not first.get("IsTruncated") or not objects:
+        return objects
+    last = objects[-1]["Key"]
+    cuts = _cuts_after(last, LIST_THREADS - 1)
+
+    def walk(after: str, until: str | None) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        token = None
+        while True:
+            options: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": _PAGE}
+            options.update({"ContinuationToken": token} if token else {"StartAfter": after})
+            page = fs.call_s3("list_objects_v2", **options)
+            for entry in page.get("Contents", []):
+                if until is not None and entry["Key"] > until:
+                    return found
+                found.append(entry)
+            if not page.get("IsTruncated"):
+                return found
+            token = page["NextContinuationToken"]
+
+    ranges = list(zip([last, *cuts], [*cuts, None]))
+    with ThreadPoolExecutor(len(ranges)) as pool:
+        for part in pool.map(lambda r: walk(*r), ranges):
+            objects.extend(part)
+    return objects
+
+
+_PAGE = 1000
+_TRAILING_NUMBER = re.compile(r"(\d+)(\D*)$")
+
+
+def _cuts_after(last: str, count: int) -> list[str]:
+    """Up to ``count`` keys after ``last``, increasing: its trailing number plus a page, two, ..."""
+    match = _TRAILING_NUMBER.search(last)
+    if match is None:
+        return []
+    digits, tail = match.group(1), match.group(2)
+    head = last[: match.start()]
+    cuts = []
+    for step in range(1, count + 1):
+        number = str(int(digits) + step * _PAGE).zfill(len(digits))
+        if len(number) > len(digits):
+            break
+        cuts.append(f"{head}{number}{tail}")
+    return cuts
 
 
 def prefix_shards(source: RemoteSource, objects: dict[str, dict[str, Any]]) -> list[ShardRef] | None:

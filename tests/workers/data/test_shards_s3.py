@@ -12,7 +12,7 @@ import torch
 
 from bnrecal.workers.data import describe_dataset, read_labels, shardio
 from bnrecal.workers.data.objectstore import RemoteSource
-from bnrecal.workers.data.shardlist import list_prefix, prefix_shards, refs_of
+from bnrecal.workers.data.shardlist import LIST_THREADS, list_prefix, prefix_shards, refs_of
 from bnrecal.workers.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges
 
@@ -95,10 +95,10 @@ def test_parquet_in_s3_reads_only_the_row_groups_it_needs(s3_server, uploaded, t
     assert chunks[0].sent < size / 8
 
 
-def test_a_prefix_is_listed_once_paginated_and_the_listing_cached(s3_server, tmp_path):
+def test_a_prefix_is_listed_once_in_concurrent_ranges_and_the_listing_cached(s3_server, tmp_path):
     client = s3_server.client()
     s3_server.bucket(BUCKET)
-    for folder, count in (("a", 1100), ("b", 150)):
+    for folder, count in (("a", 2300), ("b", 150)):
         for i in range(count):
             client.put_object(Bucket=BUCKET, Key=f"many/{folder}/part-{i:06d}.tar", Body=b"")
     source = RemoteSource(f"s3://{BUCKET}/many", s3_server.endpoint)
@@ -108,9 +108,11 @@ def test_a_prefix_is_listed_once_paginated_and_the_listing_cached(s3_server, tmp
 
     before = lists()
     objects = list_prefix(source, "calibration data", tmp_path)
-    assert len(objects) == 1250 and lists() - before == 4  # the top level, then a: 2 pages, b: 1 page
+    assert len(objects) == 2450  # every key once: the first page, then 15 key ranges listed concurrently
+    assert lists() - before <= 1 + 2 * LIST_THREADS  # a range may read one page past its end
     refs = prefix_shards(source, objects)
     assert [r.name for r in refs[:2]] == ["a/part-000000.tar", "a/part-000001.tar"] and refs[-1].name == "b/part-000149.tar"
+    assert len({r.name for r in refs}) == 2450 and [r.name for r in refs] == sorted(r.name for r in refs)
     again = lists()
     assert list_prefix(source, "calibration data", tmp_path) == objects and lists() == again  # from the cache
 
