@@ -26,8 +26,9 @@ from pydantic import (
 )
 
 from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
-from bnrecal.workers.data.spec import array_sample_shape
-from bnrecal.errors import SpecError
+from bnrecal.workers.data.shardlist import expand_braces, has_brace_pattern, is_manifest_name
+from bnrecal.workers.data.formats import array_sample_shape
+from bnrecal.errors import DatasetError, InputError, SpecError
 from bnrecal.workers.models.architectures import check_architecture_exists as check_reference
 from bnrecal.workers.models.architectures import check_model_kwargs
 from bnrecal.workers.models.model_check import check_checkpoint_fits, check_data_fits
@@ -69,7 +70,10 @@ class DataPath(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(min_length=1, max_length=4096, description="A file or folder under BNRECAL_DATA_ROOTS.")
+    path: str = Field(
+        min_length=1, max_length=4096,
+        description="A file or folder under BNRECAL_DATA_ROOTS, or a brace pattern of shards (train-{000..146}.tar).",
+    )
 
 
 class DataUri(BaseModel):
@@ -79,7 +83,8 @@ class DataUri(BaseModel):
 
     uri: str = Field(
         min_length=6, max_length=2048,
-        description="s3://bucket/key (.npy/.npz/.zip/.tar*) or s3://bucket/prefix (images) under BNRECAL_DATA_URIS.",
+        description="s3://bucket/key (.npy/.npz/.zip/.tar*/.parquet), s3://bucket/prefix (images or shards) or a "
+        "brace pattern of shards (s3://bucket/train-{000..146}.tar) under BNRECAL_DATA_URIS.",
     )
 
 
@@ -129,8 +134,9 @@ class JobSpec(RunOptions):
         "it carries its architecture.",
     )
     data: DataSource = Field(
-        description="Digest of an uploaded data blob (.npy/.npz/.tar/.zip), {'path': ...} on the server, "
-        "or {'uri': 's3://bucket/key-or-prefix'} in object storage."
+        description="Digest of an uploaded data blob (.npy/.npz, an image archive .tar/.zip, a WebDataset shard, "
+        "a tar of shards, a Parquet file), {'path': ...} on the server, or {'uri': 's3://bucket/key-or-prefix'} in "
+        "object storage; a path or URI may be a folder or prefix of shards or a brace pattern (train-{000..146}.tar)."
     )
     outputs: list[Literal["checkpoint", "program", "onnx", "onnx_int8"]] | None = Field(
         default=None,
@@ -370,20 +376,53 @@ def resolve_data_path(path: str, settings: Settings, field: str = "data.path") -
     requested = Path(path)
     if not requested.is_absolute():
         raise SpecError(f"{field} must be absolute, got {path!r}", field=field)
-    resolved = Path(os.path.realpath(requested))
+    _refuse_manifest(path, field)
+    if has_brace_pattern(path):  # shards: every one it names lies under the root its folder lies in
+        try:
+            names = expand_braces(path)
+        except DatasetError as exc:
+            raise SpecError(f"{field}: {exc.message}", field=field) from exc
+        folder = _under_root(str(requested.parent), settings, field, path)
+        for name in names:
+            _under_root(name, settings, field, path)
+        return folder / requested.name
+    return _under_root(path, settings, field, path)
+
+
+def _under_root(path: str, settings: Settings, field: str, shown: str) -> Path:
+    """The real location of ``path`` (symlinks resolved), which must exist under a data root."""
+    resolved = Path(os.path.realpath(path))
     for root in settings.data_roots:
         real_root = Path(os.path.realpath(root))
         if resolved == real_root or resolved.is_relative_to(real_root):
             if not resolved.exists():
-                raise SpecError(f"{field} {path!r} does not exist", field=field)
+                missing = shown if path == shown else f"{shown}: {Path(path).name}"
+                raise SpecError(f"{field} {missing!r} does not exist", field=field)
             return resolved
-    raise SpecError(f"{field} {path!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field=field)
+    raise SpecError(f"{field} {shown!r} is outside the server's data roots (BNRECAL_DATA_ROOTS)", field=field)
+
+
+def _refuse_manifest(location: str, field: str) -> None:
+    """A manifest names shards anywhere: a server reads only what its roots and prefixes allow,
+    so it takes the shards' folder, prefix or brace pattern instead (docs/data.md)."""
+    if is_manifest_name(location):
+        raise SpecError(
+            f"{field}: a server does not read manifests (their lines could name any file or bucket); give the "
+            "shards' folder or prefix, or a brace pattern such as train-{000000..000146}.tar",
+            field=field,
+        )
 
 
 def check_data_uri(uri: str, settings: Settings, field: str = "data.uri") -> str:
     """The normalised URI of object-storage data, which must lie under a prefix of
     ``BNRECAL_DATA_URIS`` (an open server must not read the operator's whole storage)."""
     normalised = parse_data_uri(uri, field)
+    _refuse_manifest(normalised, field)
+    if has_brace_pattern(normalised):
+        try:
+            expand_braces(normalised)  # braces only in the last component: the allowlist check below holds for all
+        except DatasetError as exc:
+            raise SpecError(f"{field}: {exc.message}", field=field) from exc
     if not settings.data_uris:
         raise SpecError(
             f"{field}: this server reads no object storage (the operator sets BNRECAL_DATA_URIS); "

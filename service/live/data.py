@@ -8,7 +8,10 @@
   its batches are read on the driver (up to ``max_samples``), kept in memory and sent to
   the ranks, each of which slices its part of every step;
 - a map-style ``Dataset`` (or a tensor or array of samples) with ``batch_size``;
-- a path or ``s3://`` URI: what ``--data`` takes (docs/data.md).
+- a path or ``s3://`` URI: what ``--data`` takes (docs/data.md), shards included (a
+  folder or prefix of shards, a brace pattern, a manifest, Parquet, a ``save_to_disk`` folder);
+- a list or tuple of shard paths or URIs (``["s3://b/train-000000.tar", ...]``): the shards
+  in the list's order, streamed (docs/data.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils.data._utils.collate import default_collate
 from bnrecal.workers.data import DatasetSpec, describe_dataset
 from bnrecal.workers.data.loader import LoaderSpec, batch_length, sample_shape, slice_batch
 from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.data.shardsource import is_shard_list
 from bnrecal.errors import DatasetError, SpecError
 
 from ..settings import Settings
@@ -35,8 +39,8 @@ PROBE_SAMPLES = 8
 
 
 def is_path_data(data: Any) -> bool:
-    """Whether ``data`` is what ``--data`` takes: a path or an ``s3://`` URI."""
-    return isinstance(data, (str, os.PathLike)) or is_data_uri(data)
+    """Whether ``data`` is what ``--data`` takes (a path or an ``s3://`` URI) or a list of shards."""
+    return isinstance(data, (str, os.PathLike)) or is_data_uri(data) or is_shard_list(data)
 
 
 def describe_python_data(
@@ -58,7 +62,8 @@ def describe_python_data(
     batch_size = None if batch_size is None else int(batch_size)
     if is_path_data(data):
         return describe_dataset(
-            data if is_data_uri(data) else Path(data), max_samples=max_samples, **settings.unpack_options(),
+            data if is_data_uri(data) or is_shard_list(data) else Path(data), max_samples=max_samples,
+            **settings.unpack_options(),
             endpoint_url=settings.s3_endpoint_url, order=order, seed=seed,
         )
     if isinstance(data, (torch.Tensor, np.ndarray)):

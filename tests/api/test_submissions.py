@@ -115,7 +115,7 @@ def test_an_oversize_json_body_is_413(live_server):
 
 UNKNOWN_FORMAT = (
     "unknown {role} format {name} ({extension}); expected a .npy or .npz file, an image folder, "
-    "or a .tar, .tar.gz/.tgz or .zip archive of images"
+    "a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files or a manifest of shards"
 )
 
 
@@ -230,6 +230,40 @@ def test_server_side_data_only_under_the_data_roots(live_server, carols_blobs, t
         done = wait_for(client, job["id"])
     assert done["status"] == "succeeded", done["error"]
     assert done["report"]["samples"] == 5
+
+
+def test_shards_on_the_server_uploaded_or_under_the_data_roots(live_server, carols_blobs, tmp_path):
+    """An uploaded tar of shards and a brace pattern under a data root calibrate like the folder
+    of the same photos; a manifest is refused at submission, naming the field."""
+    import tarfile
+
+    from tests.shards import folder_order, photos, write_folder, write_tar_shards
+
+    items = photos(12, size=24)
+    shards = write_tar_shards(live_server.data_root / "wds", folder_order(items), 5)
+    write_folder(live_server.data_root / "photos", items)
+    packed = tmp_path / "shards.tar"
+    with tarfile.open(packed, "w") as tar:
+        for shard in shards:
+            tar.add(shard, arcname=shard.name)
+    (live_server.data_root / "wds" / "list.manifest").write_text("\n".join(p.name for p in shards))
+    options = {"transform": {"resize": 8, "crop": 6}, "order": "given"}
+    with live_server.client("carol") as client:
+        refused = client.post("/v1/jobs", json=carols_blobs | {"data": {"path": str(live_server.data_root / "wds" / "list.manifest")}})
+        assert refused.status_code == 422 and refused.json()["field"] == "data.path"
+        assert "manifest" in refused.json()["detail"]
+        jobs = [
+            submit(client, carols_blobs | options | {"data": data})
+            for data in (
+                upload(client, packed), {"path": str(live_server.data_root / "wds" / "train-{000000..000002}.tar")},
+                {"path": str(live_server.data_root / "photos")},
+            )
+        ]
+        done = [wait_for(client, job["id"]) for job in jobs]
+    assert [d["status"] for d in done] == ["succeeded"] * 3, [d["error"] for d in done]
+    assert [d["report"]["dataset"]["kind"] for d in done] == ["shards", "shards", "images"]
+    layers = [d["report"]["layers"] for d in done]
+    assert layers[0] == layers[1] == layers[2]  # the same samples in the same order: the same statistics
 
 
 def test_unknown_artifact_and_job_are_404(live_server, carols_job):

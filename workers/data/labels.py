@@ -13,6 +13,7 @@ import numpy as np
 
 from bnrecal.workers.data.images import list_images
 from bnrecal.workers.data.objectstore import list_remote_images, open_remote_file, remote_error
+from bnrecal.workers.data.shards import shard_labels
 from bnrecal.workers.data.spec import DatasetSpec
 from bnrecal.errors import DatasetError
 
@@ -26,7 +27,12 @@ def read_labels(spec: DatasetSpec) -> np.ndarray | None:
     Labels follow the samples' order (``spec.order``). Image folders are labelled by their class folders (sorted names, index = position,
     as torchvision's ImageFolder); an ``.npz`` by an integer array ``y`` of one label
     per row of ``x``. A ``y`` that does not fit ``x`` is an error, never silently ignored.
+    Shards are labelled by each sample's ``KEY.cls`` or the label column, and every sample
+    must have one: evaluation shards without labels fail, naming what is missing.
     """
+    if spec.kind == "shards":
+        assert spec.shards is not None
+        return shard_labels(spec.shards, spec.sample_rows())
     if spec.kind == "images":
         if not spec.classes:
             return None

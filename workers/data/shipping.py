@@ -5,7 +5,7 @@ data once and puts each rank's own samples in the object store, in blocks of abo
 ``block_bytes``; an actor fetches only its own blocks, one at a time, as its steps
 reach them. Arrays travel in their compact type (uint8 stays uint8: a quarter of the
 bytes of float32) and become float32 in the actor; images travel as their encoded file
-bytes and are decoded in the actor.
+bytes and are decoded in the actor, and so do the samples of shards.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from bnrecal.workers.data.arrays import ArrayData
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.images import ImageData
+from bnrecal.workers.data.shards import ShardData, decode_sample
 from bnrecal.workers.data.spec import DatasetSpec
 from bnrecal.workers.data.transform import ImageTransform, load_image
 
@@ -66,8 +67,10 @@ class ShippedData(CalibrationData):
         index, offset = self._where[(start, stop)]
         block = self._block(index)
         rows = block[offset : offset + stop - start]
-        if self.transform is None:
+        if isinstance(rows, torch.Tensor):
             return rows.to(torch.float32)
+        if self.transform is None:  # encoded .npy samples of shards
+            return torch.stack([decode_sample(name, data, None) for name, data in rows])
         return torch.stack([load_image(io.BytesIO(data), name, self.transform) for name, data in rows])
 
     @property
@@ -128,7 +131,7 @@ def ship_dataset(
                 pending, parts, size = [], [], 0
         if pending:
             blocks.append(_put(pending, parts))
-        transform = spec.transform if spec.kind == "images" else None
+        transform = spec.transform if spec.kind in ("images", "shards") else None
         shipped.append(ShippedData(blocks, spec.num_samples, spec.sample_shape, transform))
     data.close()
     return shipped
@@ -138,6 +141,8 @@ def _read(data: CalibrationData, start: int, stop: int) -> Any:
     if isinstance(data, ImageData):
         root = Path(data.root)
         return [(name, (root / name).read_bytes()) for name in data.files[start:stop]]
+    if isinstance(data, ShardData):  # encoded bytes, as an image folder's files: the ranks decode
+        return data.load_encoded(start, stop)
     if isinstance(data, ArrayData):
         return torch.from_numpy(data.load_compact(start, stop))
     return data.load(start, stop)

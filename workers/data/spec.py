@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from bnrecal.workers.data.archive import (
 )
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.formats import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
@@ -34,16 +34,11 @@ from bnrecal.workers.data.objectstore import (
     stat_object,
 )
 from bnrecal.workers.data.order import ORDERS, order_rows
+from bnrecal.workers.data.shards import ShardData, ShardSet
+from bnrecal.workers.data.shardlist import has_brace_pattern
+from bnrecal.workers.data.shardsource import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
 from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
-
-_SUFFIX_FORMATS = (
-    (".npy", "npy"), (".npz", "npz"), (".zip", "zip"),
-    (".tar", "tar"), (".tar.gz", "tar"), (".tgz", "tar"),
-    (".tar.bz2", "tar"), (".tbz2", "tar"), (".tar.xz", "tar"), (".txz", "tar"),
-)
-_EXPECTED = "a .npy or .npz file, an image folder, or a .tar, .tar.gz/.tgz or .zip archive of images"
-
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -56,7 +51,7 @@ class DatasetSpec:
     that is not the file's own name (an uploaded blob is stored under its digest).
     """
 
-    kind: Literal["array", "images"]
+    kind: Literal["array", "images", "shards"]
     path: str
     num_samples: int
     sample_shape: tuple[int, ...]
@@ -70,6 +65,7 @@ class DatasetSpec:
     remote: RemoteSource | None = None  # data in object storage: ranks fetch their own samples from it
     order: str = "given"  # "shuffled" (seeded) or "given" (file order)
     seed: int = 0
+    shards: ShardSet | None = None  # shards: the shards, their sample counts, the columns (transform None: .npy samples)
 
     def sample_rows(self) -> np.ndarray:
         """The file row (array row, or index in the sorted image listing) of each sample position."""
@@ -85,6 +81,9 @@ class DatasetSpec:
 
     def open(self) -> CalibrationData:
         """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
+        if self.kind == "shards":
+            assert self.shards is not None
+            return ShardData(self.shards, self.sample_rows(), self.transform, self.sample_shape, self.order == "shuffled")
         if self.remote is not None:
             return self._open_remote(self.remote)
         if self.kind == "array":
@@ -136,11 +135,13 @@ class DatasetSpec:
             info.update(storage=self.layout.storage, dtype=str(self.layout.dtype), array=self.layout.array_name)
         if self.transform is not None:
             info.update(transform=self.transform.to_dict(), classes=len(self.classes))
+        if self.shards is not None:
+            info.update(self.shards.summary())
         return info
 
 
 def describe_dataset(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
     transform: Mapping[str, Any] | None = None,
     max_samples: int | None = None,
@@ -155,6 +156,8 @@ def describe_dataset(
     endpoint_url: str | None = None,
     order: str = "given",
     seed: int = 0,
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
@@ -169,7 +172,11 @@ def describe_dataset(
     Raises :class:`DatasetError` on any problem (bad options raise
     :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
     A ``s3://`` URI is described from object storage (``endpoint_url`` overrides the AWS
-    environment's endpoint); see :mod:`workers.data.objectstore`.
+    environment's endpoint); see :mod:`workers.data.objectstore`. Shards (a list of shard
+    paths or URIs, a brace pattern, a folder or prefix of shards, a manifest, a WebDataset
+    tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shardsource`) are counted
+    here, each tar's index built and cached under the unpack root's parent folder
+    (``shard-index/``); ``image_column``/``label_column`` name a Parquet or Arrow file's columns.
     """
     if max_samples is not None and (
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
@@ -180,18 +187,44 @@ def describe_dataset(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise DatasetOptionError(f"seed must be an integer >= 0, got {seed!r}", field="seed")
     ordering = {"order": order, "seed": seed}
+    columns = {"image_column": image_column, "label_column": label_column}
+    for option, value in columns.items():
+        if value is not None and (not isinstance(value, str) or not value):
+            raise DatasetOptionError(f"{option} must be a column name, got {value!r}", field=option)
+    shard_options = {
+        "transform": transform, **columns, "endpoint_url": endpoint_url, "role": role,
+        "cache_root": Path(unpack_root if unpack_root is not None else default_unpack_root()).expanduser().absolute().parent,
+    }
+    if is_shard_list(path):
+        entries = list(path)  # type: ignore[arg-type]
+        shown = Path(os.fspath(entries[0])).name + (f" and {len(entries) - 1} more shards" if len(entries) > 1 else "")
+        found = list_shards(entries, role, endpoint_url, shard_options["cache_root"])
+        spec = _shard_spec(*found, os.fspath(entries[0]), max_samples, ordering, shard_options)
+        return replace(spec, name=name or shown)
+    if not isinstance(path, (str, os.PathLike)):
+        raise DatasetError(f"{role} must be a path, a URI or a list of shards, not {type(path).__name__}")
     if is_data_uri(path):
         remote = RemoteSource(parse_data_uri(str(path), "data"), endpoint_url)
         return _describe_remote(
-            remote, transform, max_samples, role, ordering,
+            remote, transform, max_samples, role, ordering, shard_options,
             unpack_dir=unpack_dir, unpack_root=unpack_root, max_members=max_members,
             max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
         )
     source = Path(path).expanduser()
-    if not source.exists():
+    if not source.exists() and not has_brace_pattern(str(path)):
         raise DatasetError(f"{role} not found: {path}")
+    source = source.absolute()
+    found = local_shards(source, name or source.name, role, endpoint_url, shard_options["cache_root"])
+    if found is not None:
+        spec = _shard_spec(*found, str(source), max_samples, ordering, shard_options)
+        return spec if name is None else replace(spec, name=name)
+    if image_column is not None or label_column is not None:
+        raise DatasetOptionError(
+            f"image_column and label_column apply to Parquet and Arrow shards; {name or source.name} is not",
+            field="image_column" if image_column is not None else "label_column",
+        )
     spec = _describe(
-        source.absolute(), transform, max_samples, check_images, role, name, ordering,
+        source, transform, max_samples, check_images, role, name, ordering,
         unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
         unpack_root=Path(unpack_root) if unpack_root is not None else None,
         max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
@@ -248,17 +281,44 @@ def _describe(
         raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
 
 
+def _shard_spec(
+    data_format: str, refs: list[Any], source: str, max_samples: int | None, ordering: dict[str, Any],
+    options: dict[str, Any],
+) -> DatasetSpec:
+    """The description of a dataset of shards: every shard counted, the first sample read."""
+    shards, transform, shape = describe_shards(data_format, refs, **options)
+    total = shards.total
+    remote = next((ref.location for ref in refs if ref.remote), None)
+    return DatasetSpec(
+        kind="shards", path=source, num_samples=min(total, max_samples or total), sample_shape=shape,
+        total_samples=total, source=source, transform=transform, shards=shards,
+        remote=RemoteSource(remote, options["endpoint_url"]) if remote is not None else None, **ordering,
+    )
+
+
 def _describe_remote(
     remote: RemoteSource,
     transform: Mapping[str, Any] | None,
     max_samples: int | None,
     role: str,
     ordering: dict[str, Any],
+    shard_options: dict[str, Any],
     **unpack: Any,
 ) -> DatasetSpec:
-    """:func:`describe_dataset` for an object or prefix in object storage: arrays and image
-    prefixes stay there (each rank fetches its own samples), archives are fetched and unpacked."""
-    kind, size = stat_object(remote, role)
+    """:func:`describe_dataset` for an object or prefix in object storage: arrays, image
+    prefixes and shards stay there (each rank fetches its own samples), archives of images
+    are fetched and unpacked."""
+    if has_brace_pattern(remote.uri):
+        kind, size = "pattern", 0
+    else:
+        kind, size = stat_object(remote, role)
+    found = remote_shards(remote, kind, role, shard_options["cache_root"])
+    if found is not None:
+        return _shard_spec(*found, remote.uri, max_samples, ordering, shard_options)
+    if shard_options["image_column"] is not None or shard_options["label_column"] is not None:
+        raise DatasetOptionError(
+            f"image_column and label_column apply to Parquet and Arrow shards; {remote.uri} is not", field="image_column"
+        )
     if kind == "directory":
         resolved = resolve_transform(transform)
         listing = list_remote_images(remote, role)
@@ -269,9 +329,9 @@ def _describe_remote(
             total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
             files_digest=files_digest(files), remote=remote, **ordering,
         )
-    data_format = next((f for suffix, f in _SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
-    if data_format is None:
-        raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {_EXPECTED}")
+    data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
+    if data_format in (None, "parquet", "manifest"):
+        raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {EXPECTED}")
     if data_format in ("npy", "npz"):
         if transform:
             raise DatasetOptionError(
@@ -298,41 +358,6 @@ def _describe_remote(
     return replace(spec, source=remote.uri)
 
 
-def detect_format(path: Path, role: str = "calibration data", name: str | None = None) -> str:
-    """``npy``, ``npz``, ``tar`` or ``zip``: by the file's extension, else by its leading bytes.
-
-    ``name`` (an uploaded blob's file name) is only shown in the error: a blob is stored
-    without an extension, so its format always comes from its content, whatever it was
-    called when uploaded.
-    """
-    lower = path.name.lower()
-    for suffix, data_format in _SUFFIX_FORMATS:
-        if lower.endswith(suffix):
-            return data_format
-    sniffed = _sniff_format(path)
-    if sniffed is None:
-        shown = name or path.name
-        suffix = "".join(Path(shown).suffixes)
-        extension = f"extension {suffix}" if suffix else "no extension"
-        raise DatasetError(f"unknown {role} format {shown!r} ({extension}); expected {_EXPECTED}")
-    return sniffed
-
-
-def _sniff_format(path: Path) -> str | None:
-    with open(path, "rb") as stream:
-        head = stream.read(512)
-    if head.startswith(b"\x93NUMPY"):
-        return "npy"
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except zipfile.BadZipFile:
-            return None
-        return "npz" if names and all(n.endswith(".npy") for n in names) else "zip"
-    if head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")) or head[257:262] == b"ustar":
-        return "tar"
-    return None
 
 
 def _describe_images(
@@ -365,18 +390,3 @@ def _ordered_files(files: tuple[str, ...], max_samples: int | None, ordering: di
     return tuple(files[i] for i in rows.tolist())
 
 
-def array_sample_shape(path: str | Path) -> tuple[int, ...] | None:
-    """The shape of one sample of a ``.npy``/``.npz`` file, from its header alone; None for
-    other data (images take their shape from the transform) or data that cannot be read
-    (the job reports that as it reads it)."""
-    file = Path(path)
-    try:
-        if not file.is_file():
-            return None
-        data_format = detect_format(file)
-        if data_format not in ("npy", "npz"):
-            return None
-        layout = describe_npy(file) if data_format == "npy" else describe_npz(file)
-    except (DatasetError, OSError):
-        return None
-    return tuple(layout.shape[1:])

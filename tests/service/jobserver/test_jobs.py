@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_submission, resolve_data_path
+from bnrecal.service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_data_uri, check_submission, resolve_data_path
 from bnrecal.service.settings import Settings
 from tests.nets import mixed_net
 from bnrecal.errors import ArchitectureError, CheckpointError, SpecError
@@ -128,3 +128,35 @@ def test_data_paths_only_under_the_roots(tmp_path):
         assert info.value.field == "data.path"
     with pytest.raises(SpecError, match="BNRECAL_DATA_ROOTS"):
         resolve_data_path(str(root / "set" / "x.npy"), Settings(data_dir=tmp_path))
+
+
+def test_a_brace_pattern_of_shards_lies_under_the_roots_shard_by_shard(tmp_path):
+    """Every shard a pattern names is checked like a path: under a root, no link out, existing;
+    a manifest, whose lines could name anything, is refused on the server."""
+    root = tmp_path / "calib"
+    (root / "wds").mkdir(parents=True)
+    for i in range(3):
+        (root / "wds" / f"train-{i:03d}.tar").write_bytes(b"x")
+    outside = tmp_path / "secret.tar"
+    outside.write_bytes(b"x")
+    (root / "wds" / "train-003.tar").symlink_to(outside)
+    settings = Settings(data_dir=tmp_path, data_roots=[root], data_uris=["s3://team/calib"])
+    pattern = str(root / "wds" / "train-{000..002}.tar")
+    assert resolve_data_path(pattern, settings) == root.resolve() / "wds" / "train-{000..002}.tar"
+    for path, message in [
+        (str(root / "wds" / "train-{000..003}.tar"), "outside"),  # one shard links out of the root
+        (str(root / "wds" / "train-{002,004}.tar"), "train-004.tar. does not exist"),
+        (str(root / "{wds,x}" / "train-000.tar"), "last path component"),
+        (str(root / "wds" / "list.manifest"), "does not read manifests"),
+    ]:
+        with pytest.raises(SpecError, match=message) as info:
+            resolve_data_path(path, settings)
+        assert info.value.field == "data.path"
+    assert check_data_uri("s3://team/calib/train-{000..146}.tar", settings) == "s3://team/calib/train-{000..146}.tar"
+    for uri, message in [
+        ("s3://team/other/train-{0..9}.tar", "outside the server's allowed prefixes"),
+        ("s3://team/calib/{a,../b}.tar", r"\.\. components|plain file name"),
+        ("s3://team/calib/shards.txt", "does not read manifests"),
+    ]:
+        with pytest.raises(SpecError, match=message):
+            check_data_uri(uri, settings)

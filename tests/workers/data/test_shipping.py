@@ -62,3 +62,19 @@ def test_narrow_arrays_travel_narrow_and_arrive_as_float32(tmp_path, dtype):
         loaded = shards[1].load(*rank_ranges(10, 4, 2, 1)[0])
         assert loaded.dtype == torch.float32
         np.testing.assert_array_equal(loaded.numpy(), array[2:4].astype(np.float32))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_shard_samples_travel_encoded_and_decode_in_the_rank(tmp_path, gz):
+    """Tar shards through the object store: each rank's members as their JPEG bytes, in the
+    shuffled order's positions, decoding to what the shards give read in place."""
+    from tests.shards import photos, write_tar_shards
+
+    write_tar_shards(tmp_path / "s", photos(23, size=32), 8, gz=gz)
+    spec = describe_dataset(tmp_path / "s", transform={"resize": 16, "crop": 12}, unpack_root=tmp_path / "u",
+                            order="shuffled", seed=3)
+    shards = check_every_rank(spec, batch_size=5, world_size=2, block_bytes=1 << 20)
+    import ray
+
+    name, data = ray.get(shards[0].blocks[0].ref)[0]
+    assert name.startswith("train-00000") and ".jpg" in name and data[:2] == b"\xff\xd8"

@@ -1,0 +1,31 @@
+"""The Python API takes shards as data: a list of shard paths (or URIs) reads as the same
+photos in a folder, in the list's order."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import bnrecal
+from bnrecal.service.settings import Settings
+
+from tests.nets import classifier_net, perturbed
+from tests.shards import folder_order, photos, write_folder, write_tar_shards
+
+
+def test_a_list_of_shards_calibrates_as_the_folder(tmp_path):
+    items = photos(40, size=32)
+    write_folder(tmp_path / "folder", items)
+    tars = write_tar_shards(tmp_path / "wds", folder_order(items), 16)
+    settings = Settings(data_dir=tmp_path / "data")
+    model = perturbed(classifier_net(3))
+    twin = copy.deepcopy(model)
+    report = bnrecal.recalibrate(
+        model, [str(path) for path in tars], batch_size=8, progress=False, order="given", settings=settings
+    )
+    bnrecal.recalibrate(twin, tmp_path / "folder", batch_size=8, progress=False, order="given", settings=settings)
+    assert report["samples"] == 40 and report["dataset"]["kind"] == "shards"
+    assert torch.equal(model.bn.running_mean, twin.bn.running_mean)
+    assert torch.equal(model.bn.running_var, twin.bn.running_var)
+    assert not torch.equal(model.bn.running_var, perturbed(classifier_net(3)).bn.running_var)

@@ -1,0 +1,232 @@
+"""Parquet files and Hugging Face ``save_to_disk`` folders (Arrow): an image column of
+encoded bytes (a ``{bytes, path}`` struct, as Hugging Face writes an ``Image`` feature, or
+plain binary) and an optional integer ``label`` column, read with pyarrow.
+
+Columns: ``image_column`` (default ``image``; when the file has no such column and exactly
+one column holds image bytes, that one) and ``label_column`` (default ``label``, needed for
+evaluation only). A Parquet shard's index is its row groups' row counts, from its footer;
+a rank reads only the row groups its samples lie in, one column chunk each (ranged reads
+on S3). An Arrow file (``data-00000-of-00001.arrow``, the IPC stream format ``datasets``
+writes) has no footer: its record batches are counted once and read forward, memory-mapped
+locally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from bnrecal.workers.data.shardio import open_random_access, open_shard
+from bnrecal.workers.data.shardlist import ShardRef, local_ref
+from bnrecal.errors import DatasetError
+
+DEFAULT_IMAGE_COLUMN = "image"
+DEFAULT_LABEL_COLUMN = "label"
+
+
+def _pyarrow() -> Any:
+    import pyarrow  # imported on first use: array and image data never pay for it
+    import pyarrow.ipc  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+
+    return pyarrow
+
+
+def is_save_to_disk(folder: Path) -> bool:
+    """Whether a folder is a ``datasets`` ``save_to_disk`` folder (``state.json`` naming Arrow files)."""
+    return (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+
+
+def save_to_disk_files(folder: Path) -> list[ShardRef]:
+    """The Arrow files of a ``save_to_disk`` folder, in ``state.json``'s order."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = ", ".join(sorted(p.name for p in folder.iterdir() if p.is_dir()))
+        raise DatasetError(f"{folder.name} is a DatasetDict of several splits ({splits}); give one split's folder")
+    try:
+        state = json.loads((folder / "state.json").read_text())
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{folder.name}/state.json does not list the dataset's Arrow files: {exc}") from exc
+    refs = []
+    for name in names:
+        path = folder / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise DatasetError(f"{folder.name}: Arrow file {name} named in state.json is missing")
+        refs.append(local_ref(path, name))
+    if not refs:
+        raise DatasetError(f"{folder.name} holds no Arrow files")
+    return refs
+
+
+def _image_cells(column: Any, ref: ShardRef, name: str) -> Any:
+    """The encoded bytes of an image column (a ``{bytes, path}`` struct or binary)."""
+    pa = _pyarrow()
+    kind = column.type
+    if pa.types.is_struct(kind):
+        if kind.get_field_index("bytes") < 0:
+            raise DatasetError(f"{ref.name}: image column {name!r} is a struct without a 'bytes' field")
+        return column.field("bytes")
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return column
+    raise DatasetError(f"{ref.name}: column {name!r} is {kind}, not image bytes (binary or {{bytes, path}})")
+
+
+def image_column_of(schema: Any, wanted: str | None, ref: ShardRef) -> str:
+    """The column holding the images: ``wanted`` (which must exist), else ``image``, else the
+    only column of encoded bytes."""
+    pa = _pyarrow()
+    names = list(schema.names)
+    if wanted is not None:
+        if wanted not in names:
+            raise DatasetError(f"{ref.name} has no image column {wanted!r} (columns: {', '.join(names)})")
+        return wanted
+    if DEFAULT_IMAGE_COLUMN in names:
+        return DEFAULT_IMAGE_COLUMN
+    candidates = [
+        field.name for field in schema
+        if pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)
+        or (pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0)
+    ]
+    if len(candidates) != 1:
+        raise DatasetError(
+            f"{ref.name} has no column {DEFAULT_IMAGE_COLUMN!r} and {len(candidates)} columns of bytes "
+            f"({', '.join(candidates) or 'none'}); name the image column (image_column)"
+        )
+    return candidates[0]
+
+
+class ColumnarReader:
+    """Samples of one Parquet or Arrow shard: the image cells of the rows asked for, and the labels."""
+
+    def __init__(self, ref: ShardRef, fmt: str, image_column: str | None, label_column: str | None,
+                 endpoint_url: str | None) -> None:
+        self.ref = ref
+        self.format = fmt
+        self.image_column = image_column
+        self.label_column = label_column or DEFAULT_LABEL_COLUMN
+        self.endpoint_url = endpoint_url
+        self._file: IO[bytes] | None = None
+        self._parquet: Any = None
+
+    def counts(self) -> tuple[int, list[int]]:
+        """``(rows, rows per row group or record batch)``, checking the image column exists."""
+        if self.format == "parquet":
+            meta = self._parquet_file().metadata
+            self.image_column = image_column_of(self._parquet_file().schema_arrow, self.image_column, self.ref)
+            return meta.num_rows, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        sizes = []
+        for batch in self._batches(None):
+            if not sizes:
+                self.image_column = image_column_of(batch.schema, self.image_column, self.ref)
+            sizes.append(batch.num_rows)
+        return sum(sizes), sizes
+
+    def read(self, rows: list[int], groups: list[int]) -> list[tuple[str, bytes]]:
+        """``(name, bytes)`` of each row (ascending) of this shard; ``groups`` are the row counts
+        of its row groups (or record batches), from :meth:`counts`."""
+        bounds = np.cumsum([0, *groups])
+        which = np.searchsorted(bounds, rows, side="right") - 1
+        out: list[tuple[str, bytes]] = []
+        wanted = sorted(set(which.tolist()))
+        for group, table in self._groups(wanted):
+            local = [r - int(bounds[group]) for r, g in zip(rows, which.tolist()) if g == group]
+            column = table.column(self.image_column)
+            cells = _image_cells(column.combine_chunks() if hasattr(column, "combine_chunks") else column, self.ref,
+                                 self.image_column or "")
+            for row, value in zip(local, cells.take(local).to_pylist()):
+                name = f"row {int(bounds[group]) + row}"
+                if value is None:
+                    raise DatasetError(f"{self.ref.name}: {name} has no image bytes in column {self.image_column!r}")
+                out.append((name, value))
+        return out
+
+    def labels(self) -> np.ndarray | None:
+        """Each row's class from the label column, or None when there is no such column."""
+        pa = _pyarrow()
+        if self.format == "parquet":
+            pf = self._parquet_file()
+            if self.label_column not in pf.schema_arrow.names:
+                return None
+            column = pf.read(columns=[self.label_column]).column(0)
+        else:
+            parts = [b.column(self.label_column) for b in self._batches(None) if self.label_column in b.schema.names]
+            if not parts:
+                return None
+            column = pa.chunked_array(parts)
+        if not pa.types.is_integer(column.type):
+            raise DatasetError(f"{self.ref.name}: label column {self.label_column!r} is {column.type}, not integer classes")
+        if column.null_count:
+            raise DatasetError(f"{self.ref.name}: label column {self.label_column!r} has empty cells")
+        values = np.asarray(column.to_numpy(), dtype=np.int64)
+        if values.size and int(values.min()) < 0:
+            raise DatasetError(f"{self.ref.name}: label column {self.label_column!r} holds {int(values.min())}; classes are >= 0")
+        return values
+
+    def missing_label(self) -> str:
+        """What evaluation lacks when :meth:`labels` is None."""
+        return f"column {self.label_column!r}"
+
+    def _parquet_file(self) -> Any:
+        if self._parquet is None:
+            pa = _pyarrow()
+            self._file = open_random_access(self.ref, self.endpoint_url)
+            try:
+                self._parquet = pa.parquet.ParquetFile(self._file)
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.close()
+                raise DatasetError(f"{self.ref.name} is not a valid Parquet file: {_one_line(exc)}") from exc
+        return self._parquet
+
+    def _groups(self, wanted: list[int]) -> Any:
+        pa = _pyarrow()
+        columns = [self.image_column]
+        try:
+            if self.format == "parquet":
+                for group in wanted:
+                    yield group, self._parquet_file().read_row_group(group, columns=columns)
+                return
+            targets = set(wanted)
+            for group, batch in enumerate(self._batches(max(wanted))):
+                if group in targets:
+                    yield group, batch
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{self.ref.name} is truncated or corrupt: {_one_line(exc)}") from exc
+
+    def _batches(self, last: int | None) -> Any:
+        """The record batches of an Arrow stream file, up to batch ``last``."""
+        pa = _pyarrow()
+        source: Any = pa.memory_map(self.ref.location) if not self.ref.remote and self.ref.offset == 0 \
+            else open_shard(self.ref, self.endpoint_url)
+        try:
+            with source:
+                try:
+                    reader = pa.ipc.open_stream(source)
+                except pa.ArrowInvalid:
+                    source.seek(0)
+                    file_reader = pa.ipc.open_file(source)
+                    for i in range(file_reader.num_record_batches if last is None else last + 1):
+                        yield file_reader.get_batch(i)
+                    return
+                for i, batch in enumerate(reader):
+                    yield batch
+                    if last is not None and i >= last:
+                        return
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DatasetError(f"{self.ref.name} is not a valid Arrow file or is truncated: {_one_line(exc)}") from exc
+
+    def close(self) -> None:
+        """Close the open Parquet file (the next read reopens it)."""
+        self._parquet = None
+        if self._file is not None:
+            self._file.close()
+        self._file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_file": None, "_parquet": None}
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -1,0 +1,258 @@
+"""Datasets of shards (WebDataset tars, Parquet, ``save_to_disk`` Arrow), streamed: never
+unpacked, each rank reading only its own samples.
+
+A sample's index is its position over all shards in sorted order (members in tar order, rows
+in file order), so the same images give the same samples whether they come as a folder, tar
+shards or Parquet, and the seeded order (:mod:`workers.data.order`) is a permutation of
+samples, not of files: global batches do not depend on the number of ranks and every prefix
+is a fair draw. A rank maps each of its positions to ``(shard, row)`` and reads the rows of a
+call sorted by shard and offset (tar: one ranged read per member; Parquet: the row groups
+they lie in; gzip and Arrow: one forward pass), then puts them back in the step's order.
+Where a read is costly (object storage, gzip, Parquet row groups) and the order is
+shuffled, the rows of the next steps (up to :data:`READ_AHEAD_BYTES` of encoded samples)
+are read together, so a row group or a stretch of gzip is read once per window, not once
+per step. Samples decode exactly as image files do (:func:`workers.data.transform.load_image`);
+``KEY.npy`` samples are arrays fed as they are.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.columnar import ColumnarReader
+from bnrecal.workers.data.order import READ_AHEAD_BYTES
+from bnrecal.workers.data.shardlist import ShardRef
+from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.webdataset import NO_LABEL, TarReader, tar_index
+from bnrecal.errors import DatasetError
+
+ShardFormat = Literal["webdataset", "parquet", "arrow"]
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """Everything a rank needs to read a dataset of shards: the shards in order, their
+    sample counts (and Parquet row groups), the columns, and where indexes are cached."""
+
+    format: ShardFormat
+    shards: tuple[ShardRef, ...]
+    counts: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...] = ()  # parquet/arrow: rows per row group (record batch) of each shard
+    image_column: str | None = None
+    label_column: str | None = None
+    endpoint_url: str | None = None
+    cache_root: str | None = None
+    starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "starts", np.cumsum([0, *self.counts]).astype(np.int64))
+
+    @property
+    def total(self) -> int:
+        """Samples over all shards."""
+        return int(self.starts[-1])
+
+    @property
+    def remote(self) -> bool:
+        """Whether any shard lies in object storage."""
+        return any(ref.remote for ref in self.shards)
+
+    def reader(self, shard: int) -> TarReader | ColumnarReader:
+        """A reader of shard ``shard`` (a tar's index comes from the cache, or is built)."""
+        ref = self.shards[shard]
+        if self.format == "webdataset":
+            cache = Path(self.cache_root) if self.cache_root else None
+            return TarReader(ref, tar_index(ref, self.endpoint_url, cache, "calibration data"), self.endpoint_url)
+        return ColumnarReader(ref, self.format, self.image_column, self.label_column, self.endpoint_url)
+
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(shard, row within the shard)`` of each global sample row."""
+        shard = np.searchsorted(self.starts, rows, side="right") - 1
+        return shard, rows - self.starts[shard]
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready description for reports."""
+        info: dict[str, Any] = {"format": self.format, "shards": len(self.shards)}
+        if self.format != "webdataset":
+            info["image_column"] = self.image_column
+        return info
+
+
+def decode_sample(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:
+    """One sample from its encoded bytes: an ``.npy`` array as it is (float32), else an
+    image decoded and transformed exactly as an image file is."""
+    if data[:6] == _NPY_MAGIC:
+        try:
+            array = np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError as exc:
+            raise DatasetError(f"cannot read array {name}: {exc}") from exc
+        if array.dtype.kind not in "fiu":
+            raise DatasetError(f"array {name} has dtype {array.dtype} (expected float or integer)")
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    if transform is None:
+        raise DatasetError(f"sample {name} is not an .npy array, but the data's first sample was")
+    return load_image(io.BytesIO(data), name, transform)  # type: ignore[arg-type]
+
+
+class ShardData(CalibrationData):
+    """The samples of a :class:`ShardSet` at the positions of ``order`` (global sample rows)."""
+
+    def __init__(self, shards: ShardSet, order: np.ndarray, transform: ImageTransform | None,
+                 sample_shape: tuple[int, ...], shuffled: bool) -> None:
+        self.shards = shards
+        self.order = np.asarray(order, dtype=np.int64)
+        self.transform = transform
+        self.sample_shape = tuple(sample_shape)
+        self.shuffled = shuffled
+        self._readers: dict[int, TarReader | ColumnarReader] = {}
+        self.plan_reads([])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @property
+    def decodes(self) -> bool:
+        """Decoding is CPU-heavy: worth DataLoader workers."""
+        return True
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Read, decode and transform samples ``[start, stop)``; a broken sample raises a
+        DatasetError naming its shard and member (or row)."""
+        self._check_range(start, stop)
+        if start == stop:
+            return self._empty()
+        samples = []
+        for name, data in self.load_encoded(start, stop):
+            sample = decode_sample(name, data, self.transform)
+            if tuple(sample.shape) != self.sample_shape:
+                raise DatasetError(f"sample {name} has shape {tuple(sample.shape)}, not {self.sample_shape} like the first")
+            samples.append(sample)
+        return torch.stack(samples)
+
+    def load_encoded(self, start: int, stop: int) -> list[tuple[str, bytes]]:
+        """``(shard:member, encoded bytes)`` of samples ``[start, stop)``, in order (what the
+        object-store transport ships: the ranks decode)."""
+        planned = self._planned(start, stop)
+        if planned is not None:
+            return planned
+        return self._fetch(self.order[start:stop])
+
+    def plan_reads(self, ranges: list[tuple[int, int]]) -> None:
+        """The ranges this reader will load, in order: with a shuffled order over costly reads
+        (object storage, gzip, row groups), the rows of the next ones are read together.
+        In a DataLoader worker, only the ranges that worker will load count."""
+        self._plan = [(a, b) for a, b in ranges if b > a]
+        self._window: dict[int, tuple[str, bytes]] = {}
+        self._worker_plan: list[tuple[int, int]] | None = None
+        self._planned_at: dict[tuple[int, int], int] = {}
+
+    def _costly(self) -> bool:
+        return self.shards.remote or self.shards.format != "webdataset" or any(r.gzip for r in self.shards.shards)
+
+    def _planned(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        if not self.shuffled or not self._costly() or not self._plan:
+            return None
+        if self._worker_plan is None:
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            self._worker_plan = self._plan if info is None else self._plan[info.id :: info.num_workers]
+            self._planned_at = {r: i for i, r in enumerate(self._worker_plan)}
+        plan = self._worker_plan
+        if (start, stop) not in self._planned_at:
+            return None
+        rows = self.order[start:stop].tolist()
+        if any(row not in self._window for row in rows):
+            self._read_ahead(plan, self._planned_at[(start, stop)])
+        return [self._window.pop(row) for row in rows]
+
+    def _read_ahead(self, plan: list[tuple[int, int]], first: int) -> None:
+        wanted: list[np.ndarray] = []
+        size = 0
+        for a, b in plan[first:]:
+            rows = self.order[a:b]
+            cost = self._encoded_bytes(rows)
+            if wanted and size + cost > READ_AHEAD_BYTES:
+                break
+            wanted.append(rows)
+            size += cost
+        rows = np.unique(np.concatenate(wanted))
+        self._window = dict(zip(rows.tolist(), self._fetch(rows)))
+
+    def _encoded_bytes(self, rows: np.ndarray) -> int:
+        """About how many bytes these rows' samples take encoded (a tar index knows; else a guess)."""
+        if self.shards.format != "webdataset":
+            return len(rows) * 128 * 1024
+        shard, local = self.shards.locate(rows)
+        total = 0
+        for s in np.unique(shard).tolist():
+            reader = self._reader(s)
+            assert isinstance(reader, TarReader)
+            total += int(reader.index.size[local[shard == s]].sum())
+        return total
+
+    def _fetch(self, rows: np.ndarray) -> list[tuple[str, bytes]]:
+        """The encoded samples at global ``rows`` (any order), read shard by shard in file order."""
+        shard, local = self.shards.locate(rows)
+        out: list[Any] = [None] * len(rows)
+        for s in np.unique(shard).tolist():
+            where = np.flatnonzero(shard == s)
+            ordered = where[np.argsort(local[where], kind="stable")]
+            reader = self._reader(s)
+            wanted = [int(r) for r in local[ordered]]
+            unique = sorted(set(wanted))
+            if isinstance(reader, TarReader):
+                found = reader.read(unique)
+            else:
+                found = reader.read(unique, list(self.shards.groups[s]))
+            by_row = dict(zip(unique, found))
+            name = self.shards.shards[s].name
+            for position, row in zip(ordered.tolist(), wanted):
+                member, data = by_row[row]
+                out[position] = (f"{name}:{member}", data)
+        return out
+
+    def _reader(self, shard: int) -> TarReader | ColumnarReader:
+        if shard not in self._readers:
+            self._readers[shard] = self.shards.reader(shard)
+        return self._readers[shard]
+
+    def close(self) -> None:
+        """Close the shards' open files and streams."""
+        for reader in self._readers.values():
+            reader.close()
+        self._readers = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_readers": {}, "_window": {}, "_worker_plan": None, "_planned_at": {}}
+
+
+def shard_labels(shards: ShardSet, rows: np.ndarray, role: str = "evaluation data") -> np.ndarray:
+    """The class of each sample at global ``rows``; a sample without one fails naming the
+    ``KEY.cls`` member or the column it lacks."""
+    labels = []
+    for s in range(len(shards.shards)):
+        reader = shards.reader(s)
+        try:
+            values = reader.labels()
+            missing = reader.missing_label() if isinstance(reader, TarReader) else (
+                reader.missing_label() if values is None else None
+            )
+        finally:
+            reader.close()
+        if missing is not None or values is None:
+            raise DatasetError(f"{role}: shard {shards.shards[s].name} has no labels: no {missing}")
+        if len(values) != shards.counts[s]:
+            raise DatasetError(f"{role}: shard {shards.shards[s].name} changed since it was described")
+        labels.append(values)
+    everything = np.concatenate(labels).astype(np.int64)
+    assert not (everything == NO_LABEL).any()
+    return everything[rows]

@@ -1,0 +1,227 @@
+"""Tell whether a data source is a dataset of shards, and describe it (on the driver).
+
+How a source is told apart (docs/data.md, "Shards"):
+
+- a list of paths or URIs, a brace pattern, a manifest (``.manifest``/``.lst``/``.txt``), a
+  ``.parquet`` file (or a file starting with Parquet's magic bytes ``PAR1``: an upload), a
+  ``save_to_disk`` folder: always shards;
+- a folder (or an ``s3://`` prefix) holding shard files and no images or arrays: shards;
+- a tar (``.tar``, ``.tar.gz``, an uploaded blob) is a WebDataset shard when its first 64
+  members are grouped by key (a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside
+  a non-image member of its key such as ``KEY.json``), and a tar of shards when every file in it
+  is a ``.tar``/``.tar.gz``/``.parquet`` (read in place, never unpacked); any other tar is an
+  archive of images and unpacked as before (docs/data.md, "Images: an archive"), so a plain archive of
+  ``NAME.jpg`` files and class folders keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tarfile
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bnrecal.errors import DatasetOptionError
+from bnrecal.workers.data.columnar import ColumnarReader, is_save_to_disk, save_to_disk_files
+from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
+from bnrecal.workers.data.shardlist import (
+    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ShardRef, has_brace_pattern, is_manifest_name, list_prefix,
+    local_ref, prefix_shards, read_manifest, refs_of, shard_files_in,
+)
+from bnrecal.workers.data.shards import ShardData, ShardSet, decode_sample
+from bnrecal.workers.data.transform import ImageTransform, resolve_transform
+from bnrecal.workers.data.webdataset import classify_members, inner_shards, tar_index, tar_kind
+from bnrecal.errors import DatasetError
+
+PARQUET_MAGIC = b"PAR1"
+_SNIFF_BYTES = 1 << 16
+
+
+def local_shards(
+    source: Path, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None = None,
+) -> tuple[str, list[ShardRef]] | None:
+    """``(format, shards)`` when a local path (existing or a brace pattern) is a dataset of
+    shards, else None (arrays, image folders and image archives go their old ways)."""
+    text = str(source)
+    if not source.exists() and has_brace_pattern(text):
+        return _format_of(refs_of([text], role, endpoint_url, cache_root))
+    if source.is_dir():
+        if is_save_to_disk(source):
+            return "arrow", save_to_disk_files(source)
+        files = shard_files_in(source)
+        return None if files is None else _format_of([local_ref(source / f, f) for f in files])
+    if not source.is_file():
+        return None
+    lower = source.name.lower()
+    if is_manifest_name(lower):
+        if source.stat().st_size > MAX_MANIFEST_BYTES:
+            raise DatasetError(f"manifest {shown} is larger than {MAX_MANIFEST_BYTES} bytes")
+        text = source.read_text(errors="replace")
+        return _format_of(refs_of(read_manifest(text, str(source.parent), shown), role, endpoint_url, cache_root))
+    with open(source, "rb") as stream:
+        head = stream.read(4)
+    if lower.endswith(".parquet") or head == PARQUET_MAGIC:
+        return "parquet", [local_ref(source, shown if shown.lower().endswith(".parquet") else f"{shown}.parquet")]
+    is_tar = lower.endswith(TAR_SUFFIXES + (".tar.bz2", ".tbz2", ".tar.xz", ".txz"))
+    if not is_tar and not _sniffs_tar(source):
+        return None
+    kind = tar_kind(source)
+    if kind == "shards":
+        return _format_of(inner_shards(source, shown))
+    if kind == "webdataset":
+        if head[:3] in (b"BZh", b"\xfd7z"):
+            raise DatasetError(f"shard {shown}: only plain and gzip tars are read as shards (not bzip2 or xz)")
+        name = shown if shown.lower().endswith(TAR_SUFFIXES) else shown + (".tar.gz" if head[:2] == b"\x1f\x8b" else ".tar")
+        return "webdataset", [local_ref(source, name)]
+    return None
+
+
+def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path | None) -> tuple[str, list[ShardRef]] | None:
+    """:func:`local_shards` for an ``s3://`` object or prefix (``kind`` from ``stat_object``)."""
+    if has_brace_pattern(remote.uri):
+        return _format_of(refs_of([remote.uri], role, remote.endpoint_url, cache_root))
+    if kind == "directory":
+        refs = prefix_shards(remote, list_prefix(remote, role, cache_root))
+        return None if refs is None else _format_of(refs)
+    lower = remote.name.lower()
+    fs = remote.filesystem()
+    if is_manifest_name(lower):
+        try:
+            raw = fs.cat_file(remote.key, start=0, end=MAX_MANIFEST_BYTES + 1)
+        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+            raise remote_error(exc, remote, role) from exc
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise DatasetError(f"manifest {remote.uri} is larger than {MAX_MANIFEST_BYTES} bytes")
+        base = remote.uri.rsplit("/", 1)[0]
+        entries = read_manifest(raw.decode(errors="replace"), base, remote.name)
+        return _format_of(refs_of(entries, role, remote.endpoint_url, cache_root))
+    if lower.endswith(".parquet"):
+        return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
+    if not lower.endswith(TAR_SUFFIXES):
+        return None
+    try:
+        head = fs.cat_file(remote.key, start=0, end=_SNIFF_BYTES)
+    except Exception as exc:  # noqa: BLE001
+        raise remote_error(exc, remote, role) from exc
+    if classify_members(_member_names(head, lower.endswith((".tar.gz", ".tgz")))) != "webdataset":
+        return None
+    return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
+
+
+def list_shards(
+    entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None, cache_root: Path | None = None,
+) -> tuple[str, list[ShardRef]]:
+    """``(format, shards)`` of an explicit list of shard paths, URIs or brace patterns."""
+    return _format_of(refs_of(list(entries), role, endpoint_url, cache_root))
+
+
+def _member_names(head: bytes, gzipped: bool) -> list[str]:
+    """The member names in the first bytes of a tar (a partial read: what is there)."""
+    if gzipped:
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, 1 << 20)
+        except zlib.error:
+            return []
+    names = []
+    position = 0
+    while position + 512 <= len(head) and len(names) < 64:
+        block = head[position : position + 512]
+        if not block.strip(b"\0"):
+            break
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.TarError:
+            break
+        if info.isfile():
+            names.append(info.name)
+        position += 512 + -(-info.size // 512) * 512
+    return names
+
+
+def _sniffs_tar(path: Path) -> bool:
+    with open(path, "rb") as stream:
+        head = stream.read(512)
+    if head[:2] == b"\x1f\x8b":
+        try:
+            with gzip.open(path) as unpacked:
+                head = unpacked.read(512)
+        except (OSError, EOFError):
+            return False
+    return head[257:262] == b"ustar"
+
+
+def _format_of(refs: list[ShardRef]) -> tuple[str, list[ShardRef]]:
+    suffixes = {".parquet" if ref.suffix == ".parquet" else ".tar" for ref in refs}
+    if len(suffixes) > 1:
+        raise DatasetError("the shards mix tar and Parquet files; give one format")
+    return ("parquet" if suffixes == {".parquet"} else "webdataset"), refs
+
+
+def describe_shards(
+    data_format: str,
+    refs: list[ShardRef],
+    *,
+    transform: Mapping[str, Any] | None,
+    image_column: str | None,
+    label_column: str | None,
+    endpoint_url: str | None,
+    cache_root: Path | None,
+    role: str,
+) -> tuple[ShardSet, ImageTransform | None, tuple[int, ...]]:
+    """Count every shard's samples (building or loading each tar's index, reading each
+    Parquet footer), concurrently, and read the first sample for the sample shape:
+    ``(shards, transform or None for arrays, sample shape)``."""
+    if data_format == "webdataset" and (image_column is not None or label_column is not None):
+        raise DatasetOptionError("image_column and label_column apply to Parquet and Arrow data, not tar shards",
+                                 field="image_column")
+    resolved = resolve_transform(transform)  # bad options fail before any read
+
+    def count(ref: ShardRef) -> tuple[int, tuple[int, ...], str | None]:
+        if data_format == "webdataset":
+            return len(tar_index(ref, endpoint_url, cache_root, role)), (), None
+        reader = ColumnarReader(ref, data_format, image_column, label_column, endpoint_url)
+        try:
+            rows, groups = reader.counts()
+        finally:
+            reader.close()
+        return rows, tuple(groups), reader.image_column
+
+    with ThreadPoolExecutor(max(1, min(LIST_THREADS, len(refs)))) as pool:
+        counted = list(pool.map(count, refs))
+    columns = {c for _, _, c in counted if c is not None}
+    if len(columns) > 1:
+        raise DatasetError(f"the shards name their image column differently ({', '.join(sorted(columns))}); give image_column")
+    empty = [ref.name for ref, (rows, _, _) in zip(refs, counted) if rows == 0]
+    if empty and len(empty) == len(refs):
+        raise DatasetError(f"{role}: the shards hold no samples ({empty[0]} is empty)")
+    shards = ShardSet(
+        format=data_format,  # type: ignore[arg-type]
+        shards=tuple(refs), counts=tuple(rows for rows, _, _ in counted),
+        groups=tuple(groups for _, groups, _ in counted), image_column=columns.pop() if columns else None,
+        label_column=label_column, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
+    )
+    first = ShardData(shards, np.zeros(1, np.int64), resolved, (), False)
+    try:
+        (name, data), = first.load_encoded(0, 1)
+    finally:
+        first.close()
+    if data[:6] == b"\x93NUMPY":
+        if transform:
+            raise DatasetOptionError(f"transform applies to image data only; the samples of {refs[0].name} are arrays",
+                                     field="transform")
+        return shards, None, tuple(decode_sample(name, data, None).shape)
+    decode_sample(name, data, resolved)  # the first image decodes, or the data fails here, naming it
+    return shards, resolved, resolved.sample_shape
+
+
+def is_shard_list(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple of paths or URIs (shards given one by one)."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(v, (str, os.PathLike)) or is_data_uri(v) for v in value
+    )
