@@ -116,6 +116,13 @@ DEVICE = Device(default("device"))
 OPSET = DEFAULT_OPSET
 
 
+def _brace_pattern(value: str) -> bool:
+    """Whether ``value`` names shards by a brace pattern (imports the data room, and so torch)."""
+    from bnrecal.workers.data.shardlist import has_brace_pattern
+
+    return has_brace_pattern(value)
+
+
 def check_paths(
     inputs: dict[str, Path | str | None], outputs: dict[str, Path | None] | None = None
 ) -> None:
@@ -127,6 +134,13 @@ def check_paths(
 
     for flag, value in inputs.items():
         if value is None or "://" in str(value):
+            continue
+        if "{" in str(value) and _brace_pattern(str(value)):  # shards by pattern: each shard must be there
+            from bnrecal.workers.data.shardlist import expand_braces
+
+            missing = [name for name in expand_braces(str(value)) if not Path(name).exists()]
+            if missing:
+                raise SpecError(f"{flag} {value}: no shard {missing[0]} (no such file)", field=flag)
             continue
         path = Path(value)
         if not path.exists():

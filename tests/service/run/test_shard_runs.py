@@ -11,9 +11,8 @@ import torch
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
-from tests.conftest import save_state
+from tests.conftest import run_cli, save_state
 from tests.nets import classifier_net, perturbed
-from tests.service.cli.test_cli import run_cli
 from tests.shards import folder_order, photos, write_folder, write_parquet, write_tar_shards
 
 TRANSFORM = {"resize": 32, "crop": 32}
@@ -76,7 +75,7 @@ def test_tar_shards_give_the_same_statistics_for_any_k(sources, settings, warm_p
 
 def test_cli_calibrates_on_a_brace_pattern_with_parquet_evaluation(sources, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", ARCH, "--model-kwargs", '{"classes": 3}', "--checkpoint", str(sources["checkpoint"]),
         "--data", str(sources["tar"]), "--eval-data", str(sources["eval-parquet"]), "--transform",
         '{"resize": 32, "crop": 32}', "--batch-size", "16", "--out", str(tmp_path / "out.pt"), "--report",
@@ -84,7 +83,7 @@ def test_cli_calibrates_on_a_brace_pattern_with_parquet_evaluation(sources, tmp_
     )
     assert code == 0, err
     assert (tmp_path / "out.pt").is_file() and "top-1" in err
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", ARCH, "--model-kwargs", '{"classes": 3}', "--checkpoint", str(sources["checkpoint"]),
         "--data", str(sources["tar"]), "--eval-data", str(sources["unlabelled"]), "--transform",
         '{"resize": 32, "crop": 32}', "--out", str(tmp_path / "bad.pt"),
