@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -81,8 +80,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
-    # torch, ray and the rest from the test environment, as a plain path (its .pth files stay unread)
-    Path(site, "test-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # torch, ray and the rest from where the test environment has them, as plain paths (their .pth
+    # files stay unread, so no editable finder of this checkout comes along)
+    import numpy
+    import torch
+
+    places = {str(Path(module.__file__).resolve().parents[1]) for module in (torch, numpy)}
+    Path(site, "test-dependencies.pth").write_text("\n".join(sorted(places)) + "\n")
     return python
 
 
