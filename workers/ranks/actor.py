@@ -37,6 +37,13 @@ class _Finished:
     evaluation: dict[str, Any] | None
 
 
+@dataclass
+class _Gathered:
+    """The INT8 range thread's last message: this rank's part of the combined ranges."""
+
+    result: Any
+
+
 class CalibrationRank:
     """One rank: builds the model from the shared weights, reads its own shard, and
     streams progress events, then its result, back to the driver.
@@ -229,11 +236,14 @@ class CalibrationRank:
         group_name: str,
         shard: CalibrationData | None = None,
         num_samples: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> Iterator[dict[str, Any]]:
         """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
         rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
         calibration's sharding rule, combined with the peers' in one collective per pass
-        (``workers.ranks.int8_ranges``)."""
+        (``workers.ranks.int8_ranges``). Streams events as ``run`` does: ``started``, a
+        ``progress`` per batch, ``heartbeat`` while a batch or a collective is in flight, then
+        the ``result`` (``{"rank", "node_id", "result"}``), so the driver's timeout counts
+        time without progress, not the length of the pass."""
         from bnrecal.workers.data import iter_batches
         from bnrecal.workers.ranks.int8_ranges import range_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
@@ -242,14 +252,40 @@ class CalibrationRank:
         self._groups = [group_name]
         with self._rank_named(" gathering INT8 ranges"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
+            collective = self._collective
             data = shard if shard is not None else dataset.open()
             total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
             ranges = rank_ranges(total, batch_size, world_size, self.rank)
-            result = range_pass(
-                model, request, lambda: iter_batches(data, ranges), self._collective, self.rank,
-                threads=self.num_threads,
-            )
-            return {"rank": self.rank, "node_id": self.node_id, "result": result}
+            yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+            events: queue.SimpleQueue[dict[str, Any] | _Gathered | BaseException] = queue.SimpleQueue()
+
+            def on_batch(samples: int) -> None:
+                events.put({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
+
+            def work() -> None:
+                try:
+                    events.put(_Gathered(range_pass(
+                        model, request, lambda: iter_batches(data, ranges), collective, self.rank,
+                        threads=self.num_threads, on_batch=on_batch,
+                    )))
+                except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
+                    events.put(exc)
+
+            worker = threading.Thread(target=work, name=f"int8-ranges-rank-{self.rank}", daemon=True)
+            worker.start()
+            while True:
+                try:
+                    event = events.get(timeout=HEARTBEAT_S)
+                except queue.Empty:
+                    yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
+                    continue
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, _Gathered):
+                    break
+                yield event
+            worker.join()
+            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": event.result}
 
     @contextmanager
     def _rank_named(self, doing: str = "") -> Iterator[None]:

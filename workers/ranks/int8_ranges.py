@@ -80,10 +80,12 @@ def range_pass(
     rank: int,
     *,
     threads: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> RangeResult:
     """Gather the ranges of ``request.tensors`` over this rank's batches, combined with its
     peers': one collective for min/max, and for percentile/entropy one more for the
-    histograms over the shared range (``batches`` is called once per pass)."""
+    histograms over the shared range (``batches`` is called once per pass). ``on_batch``
+    hears the samples of every batch run, so a driver can tell progress from a hang."""
     started = time.perf_counter()
     session = calibration_session(with_outputs(model_bytes, request.tensors), threads or (os.cpu_count() or 1))
     input_name = session.get_inputs()[0].name
@@ -99,6 +101,8 @@ def range_pass(
             counted[0] += len(array)
             for part in in_batches_of(array, fixed):
                 yield session.run(names, {input_name: part})
+            if on_batch is not None:
+                on_batch(len(array))
 
     minmax = MinMaxAccumulator(names)
     for outputs in values():

@@ -4,7 +4,8 @@ ranges of the folded FP32 model over their shards (docs/int8.md, "How the ranges
 The ranks are placed and supervised like a calibration's (``workers.ranks.group``): a warm
 gang of the same shape from the pool when one is idle, else a new one; any failure names
 the rank and its node; a job making no progress within the collective timeout fails;
-actors go back to the pool after a success and are killed otherwise.
+actors go back to the pool after a success and are killed otherwise. Each rank streams its
+progress, so the timeout counts time without progress, never the length of the pass.
 """
 
 from __future__ import annotations
@@ -65,14 +66,14 @@ def run_range_group(
     succeeded = False
     try:
         model_ref = ray.put(model)
-        calls = [
+        streams = [
             actor.collect_ranges.remote(
                 model_ref, request, dataset, batch_size, world_size, backend, group_name,
                 shards[rank] if shards is not None else None, num_samples,
             )
             for rank, actor in enumerate(gang.actors)
         ]
-        answers = _wait_all(calls, options.placement_timeout_s + options.collective_timeout_s, cancel)
+        answers = _follow(streams, options, cancel)
         succeeded = True
     finally:
         if succeeded and pool is not None:
@@ -89,32 +90,67 @@ def run_range_group(
     )
 
 
-def _wait_all(calls: list[Any], timeout_s: float, cancel: threading.Event | None) -> list[dict[str, Any]]:
-    """Every rank's answer; the first failure (a dead rank before its peers' broken links)
-    becomes one error naming the rank."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(calls)
+def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event | None) -> list[dict[str, Any]]:
+    """Every rank's result, from its event stream. The ranks must start within the placement
+    timeout; after that the pass fails only when no rank made progress (a batch run, a
+    collective entered) for the collective timeout: a long pass is not a stuck one."""
+    pending = list(streams)
+    results: list[dict[str, Any]] = []
+    nodes: dict[int, str] = {}
+    calls = [0] * len(streams)
+    started: set[int] = set()
+    startup_deadline = time.monotonic() + options.placement_timeout_s
+    last_progress = time.monotonic()
     while pending:
         if cancel is not None and cancel.is_set():
             raise CancelledError("the job was cancelled")
-        if time.monotonic() > deadline:
-            raise RunError(
-                f"INT8 range collection made no progress for {timeout_s:g} s; "
-                "raise BNRECAL_COLLECTIVE_TIMEOUT_S if the passes are legitimately this slow"
-            )
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-        for call in calls:
-            if call in pending:
-                continue
+        ready, _ = ray.wait(pending, num_returns=1, timeout=0.2)
+        for stream in ready:
+            rank = streams.index(stream)
             try:
-                ray.get(call, timeout=0)
-            except RayActorError as exc:
-                raise RunError(f"rank {calls.index(call)} died gathering INT8 ranges: {first_line(exc)}",
-                               rank=calls.index(call)) from None
-            except RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, BnrecalError):
-                    raise cause from None
-                raise RunError(f"rank {calls.index(call)} failed gathering INT8 ranges: {first_line(exc)}",
-                               rank=calls.index(call)) from None
-    return [ray.get(call) for call in calls]
+                event = ray.get(next(stream))
+            except StopIteration:
+                pending.remove(stream)
+                continue
+            except (RayTaskError, RayActorError) as exc:
+                raise _failure(rank, exc, nodes.get(rank)) from None
+            kind = event["kind"]
+            if kind == "started":
+                started.add(rank)
+                nodes[rank] = event["node_id"]
+            elif kind == "heartbeat" and event["calls"] == calls[rank]:
+                continue  # alive, but no further on
+            elif kind == "result":
+                results.append(event)
+            calls[rank] = event.get("calls", calls[rank])
+            last_progress = time.monotonic()
+        if len(started) < len(streams):
+            if time.monotonic() > startup_deadline:
+                late = sorted(set(range(len(streams))) - started)
+                raise RunError(
+                    f"ranks {late} did not start gathering INT8 ranges within {options.placement_timeout_s:g} s; "
+                    "raise BNRECAL_PLACEMENT_TIMEOUT_S", rank=late[0],
+                )
+        elif time.monotonic() - last_progress > options.collective_timeout_s:
+            behind = min((r for r in range(len(streams)) if all(a["rank"] != r for a in results)), default=0,
+                         key=lambda r: calls[r])
+            node = nodes.get(behind, "unknown")
+            raise RunError(
+                f"INT8 range collection made no progress for {options.collective_timeout_s:g} s (rank {behind} on "
+                f"node {node[:12]}, {calls[behind]} collectives entered); raise BNRECAL_COLLECTIVE_TIMEOUT_S if "
+                "its batches are legitimately this slow", rank=behind, node=node,
+            )
+    return results
+
+
+def _failure(rank: int, exc: BaseException, node: str | None) -> BnrecalError:
+    """The error of a rank that failed or died, naming it and its node."""
+    where = f"rank {rank} on node {(node or 'unknown')[:12]}"
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BnrecalError):
+            if isinstance(cause, RunError) and cause.node is None:
+                return RunError(cause.message, rank=rank, node=node)
+            return cause
+        return RunError(f"{where} failed gathering INT8 ranges: {first_line(exc)}", rank=rank, node=node)
+    return RunError(f"{where} died gathering INT8 ranges: {first_line(exc)}", rank=rank, node=node)
