@@ -57,11 +57,26 @@ def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, meth
             str(source), str(target), batch_reader(samples, batch), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
         )
-    return target.read_bytes()
+    return without_unused_domains(target.read_bytes())
 
 
-def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path):
-    """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges."""
+def without_unused_domains(model: bytes) -> bytes:
+    """``model`` with the opset imports no node uses removed, as bnrecal writes its files
+    (onnxruntime's pre-processing declares eight that a QDQ file never uses)."""
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    used = {node.domain for node in proto.graph.node} | {"", "ai.onnx"}
+    keep = [opset for opset in proto.opset_import if opset.domain in used]
+    del proto.opset_import[:]
+    proto.opset_import.extend(keep)
+    return proto.SerializeToString()
+
+
+def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path,
+                          num_bins: int | None = None):
+    """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges
+    (at ``num_bins`` histogram bins, else onnxruntime's default)."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
     from bnrecal.service.export.int8.quantizer import quantizable_op_types
@@ -73,7 +88,7 @@ def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, me
     with contextlib.redirect_stdout(io.StringIO()):
         calibrator = create_calibrator(
             source, quantizable_op_types(), augmented_model_path=str(tmp / "augmented.onnx"),
-            calibrate_method=methods[method],
+            calibrate_method=methods[method], extra_options={} if num_bins is None else {"num_bins": num_bins},
         )
         calibrator.collect_data(batch_reader(samples, batch))
         ranges = calibrator.compute_data()
