@@ -70,9 +70,14 @@ def calibrate(
         **options.run_options(), checkpoint=checkpoint, program=program, data=opt.data_source(data, "--data"),
         eval_data=opt.data_source(eval_data, "--eval-data"), eval_max_samples=eval_max_samples,
     )
+    if int8_options is not None:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
+        from bnrecal.service.run.int8_names import check_int8_names
+
+        check_int8_names(request, settings, int8_options, field="--int8", opset=onnx_opset)
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # contract section 8: no Ray for one worker
     connected_before = in_process or _ray_connected()
+    int8_failed = None
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
         pool = _command_pool() if onnx_int8 is not None and not in_process else None
@@ -91,14 +96,18 @@ def calibrate(
                 result.report["onnx"] = export_recalibrated(result, onnx, opset=onnx_opset, dtype=onnx_dtype.value)
                 update(1, 1, "exporting and verifying ONNX")
             if onnx_int8 is not None:
+                from bnrecal.service.export.int8.guard import Int8GuardFailed
                 from bnrecal.service.run.int8 import quantize_recalibrated
 
                 fp32 = onnx.read_bytes() if onnx is not None and onnx_dtype.value == "float32" else None
-                result.report["int8"] = quantize_recalibrated(
-                    result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
-                    export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
-                    on_phase=lambda phase: update(0, 1, phase),
-                )
+                try:
+                    result.report["int8"] = quantize_recalibrated(
+                        result, request, settings, onnx_int8, int8_options, fp32_model=fp32,
+                        export_options={"opset": onnx_opset}, pool=pool, cancel=cancel,
+                        on_phase=lambda phase: update(0, 1, phase),
+                    )
+                except Int8GuardFailed as failed:  # the other outputs are still written (docs/int8.md)
+                    result.report["int8"], int8_failed = failed.section, failed
                 update(1, 1, "writing and verifying INT8")
         finally:
             if pool is not None:
@@ -116,8 +125,11 @@ def calibrate(
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
-    for line in summary_lines(result.report, out, also_wrote=(onnx, onnx_int8, report, report_html)):
+    written_int8 = onnx_int8 if int8_failed is None else None
+    for line in summary_lines(result.report, out, also_wrote=(onnx, written_int8, report, report_html)):
         print_line(line)
+    if int8_failed is not None:
+        raise int8_failed  # exit 1: the INT8 file asked for was not written
 
 
 

@@ -137,3 +137,52 @@ def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp
     assert graphs[1, ""] == graphs[2, ""] and graphs[1, "-int8"] == graphs[2, "-int8"]
     assert not any(op in ("Range", "Gather") for op, _ in graphs[1, ""])
     assert np.array_equal(outputs[1].argmax(1), outputs[2].argmax(1))
+
+
+@pytest.fixture
+def outlier_inputs(tmp_path: Path) -> dict[str, Path]:
+    """The outlier net (INT8 per-tensor activations cost it real top-1), its stale checkpoint,
+    calibration data, and evaluation data labelled by the recalibrated FP32 model itself."""
+    from tests.service.export.int8_helpers import OutlierNet
+
+    torch.manual_seed(3)
+    model = OutlierNet()
+    calibration, evaluation = torch.randn(64, 3, 8, 8), torch.randn(128, 3, 8, 8)
+    checkpoint = save_state(tmp_path / "stale.pt", model)
+    model.bn.momentum = None  # the recalibrated model: BN statistics of the calibration data
+    model.train()
+    with torch.no_grad():
+        model(calibration)
+        labels = model.eval()(evaluation).argmax(dim=1).numpy()
+    np.savez(tmp_path / "eval.npz", x=evaluation.numpy(), y=labels)
+    return {"checkpoint": checkpoint, "data": save_array(tmp_path / "x.npy", calibration.numpy()),
+            "eval": tmp_path / "eval.npz"}
+
+
+def test_guard_that_cannot_hold_still_writes_the_checkpoint_fp32_export_and_report(tmp_path, capsys, outlier_inputs):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.service.export.int8_helpers:OutlierNet",
+        "--checkpoint", str(outlier_inputs["checkpoint"]), "--data", str(outlier_inputs["data"]),
+        "--eval-data", str(outlier_inputs["eval"]), "--workers", "1", "--batch-size", "32",
+        "--out", str(tmp_path / "out.pt"), "--onnx", str(tmp_path / "m.onnx"), "--onnx-int8", str(tmp_path / "q.onnx"),
+        "--int8", '{"max_top1_drop": 0.5, "max_float_ops": 0}', "--report", str(tmp_path / "r.json"),
+    )
+    assert code == 1, err
+    assert (tmp_path / "out.pt").exists() and (tmp_path / "m.onnx").exists() and not (tmp_path / "q.onnx").exists()
+    section = json.loads((tmp_path / "r.json").read_text())["int8"]
+    assert section["written"] is False and "max_top1_drop 0.5" in section["failure"]
+    assert section["guard"]["selection"]["samples"] == section["guard"]["report"]["samples"] == 64
+    assert "not written" in err and "max_top1_drop" in err.splitlines()[-1]
+
+
+def test_mistyped_keep_float_exits_2_before_any_calibration(tmp_path, capsys, inputs):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
+        "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--workers", "1",
+        "--out", str(tmp_path / "out.pt"), "--onnx-int8", str(tmp_path / "q.onnx"),
+        "--int8", '{"keep_float": ["node_conv2d", "Gemn"]}',
+    )
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--int8.keep_float: 'Gemn' names no node" in lines[0], err
+    assert not (tmp_path / "out.pt").exists()
