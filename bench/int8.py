@@ -201,9 +201,9 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
     from onnxruntime.quantization import quant_pre_process, quantize_static
 
-    class Reader(CalibrationDataReader):
+    class Reader(CalibrationDataReader):  # one batch: onnxruntime's entropy collector fails on a short last batch
         def __init__(self) -> None:
-            self.batches = iter([{"input": calib[i : i + BATCH]} for i in range(0, len(calib), BATCH)])
+            self.batches = iter([{"input": calib}])
 
         def get_next(self) -> dict | None:
             return next(self.batches, None)

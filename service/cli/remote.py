@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.workers.errors import BnrecalError, CancelledError, InputError, SpecError
+from bnrecal.workers.errors import BnrecalError, CancelledError, ExportError, InputError, SpecError
 
 from bnrecal.service.run.options import check_model_choice
 from bnrecal.service.run.progress import progress_bar
@@ -137,15 +137,21 @@ def submit(
             except KeyboardInterrupt:
                 _cancel_on_interrupt(client, job["id"])
             _raise_unless_succeeded(job)
-            downloads = [(model_output, out), ("onnx", onnx), ("onnx_int8", onnx_int8), ("report", report),
+            int8_section = (job.get("report") or {}).get("int8") or {}
+            int8_failed = int8_section.get("written") is False  # its guard failed: no file (docs/int8.md)
+            downloads = [(model_output, out), ("onnx", onnx), ("onnx_int8", None if int8_failed else onnx_int8),
+                         ("report", report),
                          ("report.html", report_html)]
             wanted = [(name, path) for name, path in downloads if path is not None]
             for done, (name, path) in enumerate(wanted):
                 update(done, len(wanted), "downloading")
                 client.download(job["id"], name, path)
             update(len(wanted), len(wanted), "downloading")
-    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, onnx_int8, report, report_html)):
+    written_int8 = None if int8_failed else onnx_int8
+    for line in summary_lines(job["report"], out, job["id"], also_wrote=(onnx, written_int8, report, report_html)):
         print_line(line)
+    if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
+        raise ExportError(str(int8_section.get("failure", "the INT8 output failed")))
 
 
 BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")

@@ -172,6 +172,9 @@ def _evaluate(section: dict[str, Any], fp32_model: bytes, model: bytes, prepared
     accuracies are reported on; raises
     ``Int8GuardFailed`` (with ``section``) when the guard cannot hold."""
     guarding = options.max_top1_drop is not None
+    if guarding and evaluation.samples < 2:
+        raise ExportError("int8.max_top1_drop needs at least 2 labelled evaluation samples: one part chooses, "
+                          "the other reports")
     selection, report_part = split_for_guard(evaluation) if guarding else (None, evaluation)
     fp32 = accuracy(fp32_model, report_part)
     scores: dict[str, Any] = {"samples": report_part.samples, "fp32": _top(fp32), "int8": _top(accuracy(model, report_part))}

@@ -141,22 +141,10 @@ def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp
 
 @pytest.fixture
 def outlier_inputs(tmp_path: Path) -> dict[str, Path]:
-    """The outlier net (INT8 per-tensor activations cost it real top-1), its stale checkpoint,
-    calibration data, and evaluation data labelled by the recalibrated FP32 model itself."""
-    from tests.service.export.int8_helpers import OutlierNet
+    """The outlier net's stale checkpoint, calibration and labelled evaluation data."""
+    from tests.service.export.int8_helpers import write_outlier_inputs
 
-    torch.manual_seed(3)
-    model = OutlierNet()
-    calibration, evaluation = torch.randn(64, 3, 8, 8), torch.randn(128, 3, 8, 8)
-    checkpoint = save_state(tmp_path / "stale.pt", model)
-    model.bn.momentum = None  # the recalibrated model: BN statistics of the calibration data
-    model.train()
-    with torch.no_grad():
-        model(calibration)
-        labels = model.eval()(evaluation).argmax(dim=1).numpy()
-    np.savez(tmp_path / "eval.npz", x=evaluation.numpy(), y=labels)
-    return {"checkpoint": checkpoint, "data": save_array(tmp_path / "x.npy", calibration.numpy()),
-            "eval": tmp_path / "eval.npz"}
+    return write_outlier_inputs(tmp_path)
 
 
 def test_guard_that_cannot_hold_still_writes_the_checkpoint_fp32_export_and_report(tmp_path, capsys, outlier_inputs):

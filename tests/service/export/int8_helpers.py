@@ -112,3 +112,21 @@ class OutlierNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.bn(self.conv(x)).flatten(1))
+
+
+def write_outlier_inputs(folder: Path) -> dict[str, Path]:
+    """The outlier net (INT8 per-tensor activations cost it real top-1) as a run's inputs: its
+    stale checkpoint, calibration data, and evaluation data labelled by the recalibrated FP32
+    model itself (so every INT8 miss is quantization's)."""
+    torch.manual_seed(3)
+    model = OutlierNet()
+    calibration, evaluation = torch.randn(64, 3, 8, 8), torch.randn(128, 3, 8, 8)
+    torch.save(model.state_dict(), folder / "stale.pt")
+    model.bn.momentum = None  # the recalibrated model: BN statistics of the calibration data
+    model.train()
+    with torch.no_grad():
+        model(calibration)
+        labels = model.eval()(evaluation).argmax(dim=1).numpy()
+    np.save(folder / "x.npy", calibration.numpy())
+    np.savez(folder / "eval.npz", x=evaluation.numpy(), y=labels)
+    return {"checkpoint": folder / "stale.pt", "data": folder / "x.npy", "eval": folder / "eval.npz"}

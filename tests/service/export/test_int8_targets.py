@@ -92,6 +92,16 @@ def test_onnxruntime_target_keeps_asymmetric_uint8_activations(resnet):
     assert all(str(z.dtype) == "uint8" for z in zero_points) and any(z.any() for z in zero_points)
 
 
+def test_16_bit_activations_for_onnxruntime(resnet):
+    result = quantized(resnet, {"activation_type": "uint16"})
+    graph, inits, _, _ = qdq_facts(result.model)
+    assert {str(inits[n.input[2]].dtype) for n in graph.node if n.op_type == "QuantizeLinear"} == {"uint16"}
+    section = result.section
+    assert section["activation_type"] == "uint16" and section["max_abs_diff"] < 0.01 * max(1.0, section["fp32_max_abs"])
+    openvino = section["runtimes"]["openvino"]  # opset 18: onnxruntime's own 16-bit Q/DQ, which OpenVINO cannot read
+    assert openvino["ran"] is False and "com.microsoft" in openvino["reason"]
+
+
 @pytest.mark.parametrize(
     ("value", "field"),
     [({"target": "tensorrt", "activation_type": "uint8"}, "int8.activation_type"),
