@@ -97,7 +97,8 @@ def test_16_bit_activations_for_onnxruntime(resnet):
     graph, inits, _, _ = qdq_facts(result.model)
     assert {str(inits[n.input[2]].dtype) for n in graph.node if n.op_type == "QuantizeLinear"} == {"uint16"}
     section = result.section
-    assert section["activation_type"] == "uint16" and section["max_abs_diff"] < 0.01 * max(1.0, section["fp32_max_abs"])
+    eight_bit = quantized(resnet, {}).section
+    assert section["activation_type"] == "uint16" and section["max_abs_diff"] < eight_bit["max_abs_diff"]  # weights stay int8
     openvino = section["runtimes"]["openvino"]  # opset 18: onnxruntime's own 16-bit Q/DQ, which OpenVINO cannot read
     assert openvino["ran"] is False and "com.microsoft" in openvino["reason"]
 
