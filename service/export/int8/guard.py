@@ -99,7 +99,7 @@ def enforce_top1_drop(
 
     if bound is None or drop(int8_top1) <= bound:
         return Guarded(model, int8_top1)
-    candidates = quantized_node_names(model)
+    candidates = quantized_node_names(model, options)
     limit = options.max_float_ops if options.max_float_ops is not None else len(candidates) // 2
     if limit == 0 or not candidates:
         raise GuardCannotHold(

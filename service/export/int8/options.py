@@ -51,7 +51,7 @@ class Int8Options(BaseModel):
         "tensorrt, which requires it, false otherwise.",
     )
     reduce_range: StrictBool = Field(
-        default=False, description="Weights in 7 bits (onnxruntime's reduce_range: for CPUs without VNNI)."
+        default=False, description="Weights in 7 bits, -64..64 (onnxruntime's reduce_range: for CPUs without VNNI)."
     )
     op_types: list[str] | None = Field(
         default=None, max_length=1000,

@@ -204,7 +204,7 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
         if node is None:
             merged += 1  # a Relu or Clip onnxruntime merged into its input's quantization range
             continue
-        if op_type in quantizable and any(
+        if op_type in placed and any(
             produced_by.get(i) is not None and produced_by[i].op_type == "DequantizeLinear" for i in node.input
         ):
             quantized[op_type] = quantized.get(op_type, 0) + 1
@@ -217,7 +217,7 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
         elif op_type not in quantizable:
             reason = f"onnxruntime's QDQ quantizer has no INT8 form of {op_type}"
         elif op_type not in placed:
-            reason = (f"not in int8.op_types" if options.op_types is not None
+            reason = ("not in int8.op_types" if options.op_types is not None
                       else f"target {options.target} places no Q/DQ on {op_type} (the runtime runs it as it chooses)")
         else:
             reason = "onnxruntime's QDQ quantizer left it float (its inputs are not quantized)"
@@ -232,14 +232,14 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
     }
 
 
-def quantized_node_names(int8_model: bytes) -> list[str]:
-    """The names of the ops that run in INT8 (of a quantizable type, fed by a DequantizeLinear),
-    in graph order."""
+def quantized_node_names(int8_model: bytes, options: Int8Options) -> list[str]:
+    """The names of the ops that run in INT8 (of a type the target quantizes, fed by a
+    DequantizeLinear), in graph order."""
     import onnx
 
     graph = onnx.load_from_string(int8_model).graph
     produced_by = {out: node.op_type for node in graph.node for out in node.output}
-    quantizable = set(quantizable_op_types())
+    quantizable = set(placement(options, quantizable_op_types(), 0).op_types)
     return [
         node.name for node in graph.node
         if node.op_type in quantizable and any(produced_by.get(i) == "DequantizeLinear" for i in node.input)

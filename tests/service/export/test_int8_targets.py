@@ -92,6 +92,17 @@ def test_onnxruntime_target_keeps_asymmetric_uint8_activations(resnet):
     assert all(str(z.dtype) == "uint8" for z in zero_points) and any(z.any() for z in zero_points)
 
 
+def test_reduce_range_writes_7_bit_weights_and_op_types_is_an_allowlist(resnet):
+    graph, inits, _, _ = qdq_facts(quantized(resnet, {"reduce_range": True}).model)
+    weights = [inits[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and str(inits[n.input[0]].dtype) == "int8"]
+    assert weights and all(w.min() >= -64 and w.max() <= 64 for w in weights)  # onnxruntime's 7-bit symmetric range
+    assert max(int(abs(w.astype(int)).max()) for w in weights) == 64  # the range is used
+    section = quantized(resnet, {"op_types": ["Conv"]}).section
+    assert set(section["ops_quantized"]) == {"Conv"} and section["op_types"] == ["Conv"]
+    assert any(op["op_type"] == "Gemm" and op["reason"] == "not in int8.op_types" for op in section["ops_float"])
+
+
 def test_16_bit_activations_for_onnxruntime(resnet):
     result = quantized(resnet, {"activation_type": "uint16"})
     graph, inits, _, _ = qdq_facts(result.model)
