@@ -8,6 +8,7 @@ of them run in turn) measures it the way a user meets it:
     .venv/bin/python bench/int8.py ranks DIR --workers 2  # bnrecal: pre-process, ranges on 2 ranks, QDQ, top-1
     .venv/bin/python bench/int8.py ort DIR                # quantize_static on the same model and data, top-1
     .venv/bin/python bench/int8.py latency DIR            # FP32 vs INT8 in onnxruntime, batch 1 and 8
+    .venv/bin/python bench/int8.py compare DIR            # bnrecal's targets vs quantize_static vs NNCF
 
 ``prepare`` recalibrates the demo's stale resnet18 (``service.demo``) with torch's ``update_bn``, exports it
 folded (``DIR/fp32.onnx``) and also exports a torchvision resnet18 at 3x224x224 (random
@@ -177,9 +178,110 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
     print("\n".join(rows))
 
 
+def _quantizers(folder: Path) -> dict[str, bytes]:
+    """The same folded FP32 file quantized by bnrecal (each target; entropy), onnxruntime's
+    ``quantize_static`` (MinMax; Entropy at its defaults) and NNCF 3.x's ONNX backend, all
+    from the same calibration samples."""
+    import torch
+
+    from bnrecal.workers.data import describe_dataset
+
+    from bnrecal.service.export.int8.options import int8_options
+    from bnrecal.service.run.int8 import in_process, quantize_export
+
+    fp32 = (folder / "fp32.onnx").read_bytes()
+    calib = np.load(folder / "calib.npy").astype(np.float32)
+    dataset, verify = describe_dataset(folder / "calib.npy"), torch.from_numpy(calib[:8])
+    files: dict[str, bytes] = {"FP32 (folded)": fp32}
+    for label, options in (("bnrecal minmax, target onnxruntime", {}),
+                           ("bnrecal entropy (2048/128 bins), target onnxruntime", {"method": "entropy"}),
+                           ("bnrecal minmax, target openvino", {"target": "openvino"}),
+                           ("bnrecal minmax, target tensorrt", {"target": "tensorrt"})):
+        files[label] = quantize_export(fp32, int8_options(options), in_process(dataset, BATCH), verify).model
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
+    from onnxruntime.quantization import quant_pre_process, quantize_static
+
+    class Reader(CalibrationDataReader):  # one batch: onnxruntime's entropy collector fails on a short last batch
+        def __init__(self) -> None:
+            self.batches = iter([{"input": calib}])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    pre = folder / "ort-pre.onnx"
+    with contextlib.redirect_stdout(io.StringIO()):
+        quant_pre_process(str(folder / "fp32.onnx"), str(pre))
+        for label, method in (("quantize_static MinMax", CalibrationMethod.MinMax),
+                              ("quantize_static Entropy (its defaults)", CalibrationMethod.Entropy)):
+            out = folder / "int8-compare.onnx"
+            quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=method)
+            files[label] = out.read_bytes()
+    try:
+        import nncf
+        import onnx
+    except ImportError:
+        print("nncf is not installed: its row is left out", file=sys.stderr)
+        return files
+    samples = [calib[i : i + 1] for i in range(len(calib))]
+    quantized = nncf.quantize(onnx.load(str(folder / "fp32.onnx")), nncf.Dataset(samples, lambda x: {"input": x}),
+                              subset_size=len(samples))
+    files[f"NNCF {nncf.__version__} ONNX backend (defaults)"] = quantized.SerializeToString()
+    return files
+
+
+def _openvino_runner(model: bytes):
+    import openvino as ov
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(io.BytesIO(model)), "CPU", {"INFERENCE_NUM_THREADS": 1})
+    request = compiled.create_infer_request()
+    return lambda x: np.array(request.infer({0: x})[compiled.outputs[0]])
+
+
+def _onnxruntime_runner(model: bytes):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return lambda x: session.run(None, {"input": x})[0]
+
+
+def compare(folder: Path, repeats: int) -> None:
+    """Top-1 on the held-out scans and median batch-1 latency of each quantizer's file, in
+    onnxruntime and in OpenVINO (CPU, one thread each, dynamic batch), one table."""
+    held = np.load(folder / "eval.npz")
+    x, y = held["x"].astype(np.float32), held["y"].astype(np.int64)
+    rows = []
+    for label, model in _quantizers(folder).items():
+        cells = []
+        for make in (_onnxruntime_runner, _openvino_runner):
+            run = make(model)
+            scores = np.concatenate([run(x[i : i + 8]) for i in range(0, len(x), 8)])  # batches of 8, as deployed
+            top1 = float(np.mean(scores.argmax(axis=1) == y))
+            one = x[:1]
+            for _ in range(5):
+                run(one)
+            times = []
+            for _ in range(repeats):
+                begun = time.perf_counter()
+                run(one)
+                times.append(1000 * (time.perf_counter() - begun))
+            cells.append(f"{top1:.4f} | {statistics.median(times):.3f}")
+        rows.append(f"| {label} | {' | '.join(cells)} | {len(model) / 2**20:.2f} |")
+    import onnxruntime
+    import openvino
+
+    print(f"{len(y)} held-out samples; onnxruntime {onnxruntime.__version__}, OpenVINO {openvino.__version__.split('-')[0]}, "
+          f"1 thread, median of {repeats} at batch 1\n")
+    print("| file | ORT top-1 | ORT ms | OpenVINO top-1 | OpenVINO ms | MiB |\n|---|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("prepare", "ranks", "ort", "latency"))
+    parser.add_argument("mode", choices=("prepare", "ranks", "ort", "latency", "compare"))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
@@ -191,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         ranks(args.folder, args.workers)
     elif args.mode == "ort":
         ort(args.folder)
+    elif args.mode == "compare":
+        compare(args.folder, args.repeats)
     else:
         latency(args.folder, args.repeats, args.threads)
     return 0

@@ -235,6 +235,8 @@ async function describe(state) {
   if (document.getElementById("int8").checked) {
     spec.outputs.push("onnx_int8");
     spec.int8 = { method: document.getElementById("int8-method").value };
+    const target = document.getElementById("int8-target").value;
+    if (target !== "onnxruntime") spec.int8.target = target;
   }
   if (kind === "checkpoint") {
     spec.arch = document.getElementById("arch").value.trim();
@@ -347,6 +349,7 @@ async function editFrom(jobId) {
   document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
   document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");
   document.getElementById("int8-method").value = (spec.int8 && spec.int8.method) || "minmax";
+  document.getElementById("int8-target").value = (spec.int8 && spec.int8.target) || "onnxruntime";
   for (const [id, field] of Object.entries(FILE_FIELDS)) {
     const input = job.inputs[field];
     if (!input) continue;

@@ -70,10 +70,15 @@ def summary_lines(
 
 
 def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
-    """One line on the INT8 export: its size against FP32 and, with evaluation data, top-1."""
-    where = f" {path}:" if path is not None else ""
+    """One line on the INT8 export: its target and size against FP32, the ops the guard kept
+    in float, and with evaluation data top-1 (a fraction; drops in points, as in the report);
+    for an INT8 output that failed its guard, why there is no file."""
+    where = f" {path}" if path is not None else ""
+    if section.get("written") is False:
+        return f"INT8{where}: not written: {section.get('failure', 'the INT8 output failed')}"
     line = (
-        f"INT8{where} {section['method']}, {sum(section['ops_quantized'].values())} ops quantized, "
+        f"INT8{where}: {section.get('target', 'onnxruntime')} {section['method']}, "
+        f"{sum(section['ops_quantized'].values())} ops quantized, "
         f"{len(section['ops_float'])} float, {section['bytes'] / 2**20:.1f} MiB "
         f"(FP32 {section['fp32_bytes'] / 2**20:.1f} MiB)"
     )
@@ -85,6 +90,12 @@ def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
         line += f"; top-1 FP32 {scores['fp32']['top1']:.3f}, INT8 {scores['int8']['top1']:.3f}"
         if "stale_int8" in scores:
             line += f", stale INT8 {scores['stale_int8']['top1']:.3f}"
+        if "top1_drop_points" in scores:
+            line += f" (drop {scores['top1_drop_points']:.2f} points)"
+    guard = section.get("guard")
+    if guard and guard.get("kept_float"):
+        names = ", ".join(f"{op['name']} ({op['op_type']})" for op in guard["kept_float"])
+        line += f"; kept in float by max_top1_drop: {names}"
     return line
 
 

@@ -48,9 +48,14 @@ def calibrate(
         data=opt.data_source(flags.data, "--data"), eval_data=opt.data_source(flags.eval_data, "--eval-data"),
         eval_max_samples=flags.eval_max_samples,
     )
+    if int8_options is not None:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
+        from bnrecal.service.run.int8_names import check_int8_names
+
+        check_int8_names(request, settings, int8_options, field="--int8", opset=flags.onnx_opset)
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
+    int8_failed = None
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
         pool = _command_pool() if flags.onnx_int8 is not None and not in_process else None
@@ -71,15 +76,19 @@ def calibrate(
                 )
                 update(1, 1, "exporting and verifying ONNX")
             if flags.onnx_int8 is not None:
+                from bnrecal.service.export.int8.guard import Int8GuardFailed
                 from bnrecal.service.run.int8 import quantize_recalibrated
 
                 float32 = flags.onnx is not None and flags.onnx_dtype.value == "float32"
                 fp32 = flags.onnx.read_bytes() if float32 else None
-                result.report.int8 = quantize_recalibrated(
-                    result, request, settings, flags.onnx_int8, int8_options, fp32_model=fp32,
-                    export_options={"opset": flags.onnx_opset}, pool=pool, cancel=cancel,
-                    on_phase=lambda phase: update(0, 1, phase),
-                )
+                try:
+                    result.report.int8 = quantize_recalibrated(
+                        result, request, settings, flags.onnx_int8, int8_options, fp32_model=fp32,
+                        export_options={"opset": flags.onnx_opset}, pool=pool, cancel=cancel,
+                        on_phase=lambda phase: update(0, 1, phase),
+                    )
+                except Int8GuardFailed as failed:  # the other outputs are still written (docs/int8.md)
+                    result.report.int8, int8_failed = failed.section, failed
                 update(1, 1, "writing and verifying INT8")
         finally:
             if pool is not None:
@@ -97,9 +106,12 @@ def calibrate(
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
-    also_wrote = (flags.onnx, flags.onnx_int8, flags.report, flags.report_html)
+    written_int8 = flags.onnx_int8 if int8_failed is None else None
+    also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
     for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
         print_line(line)
+    if int8_failed is not None:
+        raise int8_failed  # exit 1: the INT8 file asked for was not written
 
 
 

@@ -86,7 +86,7 @@ OnnxInt8Opt = Annotated[
 Int8Opt = Annotated[
     str | None,
     typer.Option(
-        "--int8", help='INT8 options (JSON object), e.g. {"method": "percentile", "max_top1_drop": 1}; see docs/onnx.md.'
+        "--int8", help='INT8 options (JSON object), e.g. {"target": "tensorrt", "method": "entropy"}; see docs/int8.md.'
     ),
 ]
 ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json.")]

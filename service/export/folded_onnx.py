@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
-from bnrecal.errors import BnrecalError, ExportError
+from bnrecal.errors import BnrecalError, ExportError, first_line
 from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.exporters import export_unfolded
@@ -22,8 +23,9 @@ from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from bnrecal.service.export.float16 import convert_to_float16
 from bnrecal.service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
 from bnrecal.service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
+from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 from bnrecal.service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
-from bnrecal.service.export.verification import flatten_outputs, reference_outputs, verify_onnx
+from bnrecal.service.export.verification import TOLERANCE, flatten_outputs, reference_outputs, verify_onnx
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,43 @@ def _shaped_samples(samples: torch.Tensor, input_shape: Sequence[int] | None) ->
     if mode is None:
         raise ExportError(f"ONNX input_shape {list(input_shape)} has no spatial size the samples can be resized to")
     return F.interpolate(samples, size=size, mode=mode, align_corners=False)
+
+
+def export_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A fresh copy of ``model`` to export: float32 on the CPU, in eval mode, every parameter
+    and buffer contiguous in the default memory format.
+
+    The file must not depend on the path that made the model: a run that evaluated the
+    model on its driver (a one-worker run) left it channels-last, and the exporter then
+    wrote an ``as_strided`` Gather/Range/Mul subgraph (113 nodes instead of mobilenet_v2's
+    104) that OpenVINO computed wrong at a dynamic batch (docs/onnx.md, "The file").
+    """
+    fresh = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for tensor in (*fresh.parameters(), *fresh.buffers()):
+            # a clone, not ``.contiguous()``: a 1x1 conv weight in channels-last strides counts as
+            # contiguous, yet steers the layout its conv computes (and exports) in
+            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+    return fresh
+
+
+def check_in_openvino(source: Path | bytes, batches: Sequence[np.ndarray], references: Sequence[Sequence[np.ndarray]],
+                      tolerance: float, what: str) -> dict[str, Any]:
+    """Run the file in OpenVINO on ``batches`` and hold it to ``references`` at ``tolerance``
+    (times ``max(1, max|y|)``, as onnxruntime is held); the report's ``openvino`` entry.
+    Raises ``ExportError`` (one line) when OpenVINO cannot run it or disagrees."""
+    try:
+        run = run_openvino(source, batches)
+        if run.outputs is None:
+            return runtime_entry(run)
+        diff, peak = largest_difference(run.outputs, references)
+    except (RuntimeError, ValueError) as exc:
+        raise ExportError(f"{what} fails in OpenVINO: {first_line(exc)}; no file written") from exc
+    if not diff <= tolerance * max(1.0, peak):
+        raise ExportError(
+            f"{what} differs in OpenVINO by {diff:.3g} (allowed {tolerance * max(1.0, peak):.3g}); no file written"
+        )
+    return runtime_entry(run, diff)
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -130,7 +169,7 @@ def export_folded_onnx(
     """
     _validate(samples, opset, dtype, input_shape)
     shaped = _shaped_samples(samples, input_shape)
-    reference = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
+    reference = export_copy(model)
     if not dynamic_batch and not 1 <= fixed_batch <= len(shaped):
         raise ExportError(f"a fixed batch of {fixed_batch} needs that many samples to export; got {len(shaped)}")
     batches = [shaped[:1], shaped[:LARGE_VERIFY_BATCH]] if dynamic_batch else [shaped[:fixed_batch]]
@@ -166,6 +205,10 @@ def export_folded_onnx(
     def write_and_verify(temp: Path) -> None:
         temp.write_bytes(proto.SerializeToString())
         written["verified"] = verify_onnx(temp, batches, references, dtype)
+        np_dtype = np.float16 if dtype == "float16" else np.float32
+        written["openvino"] = check_in_openvino(
+            temp, [b.numpy().astype(np_dtype) for b in batches], references, TOLERANCE[dtype], "the exported model"
+        )
         written["size"] = temp.stat().st_size
 
     try:
@@ -188,4 +231,9 @@ def export_folded_onnx(
         "max_rel_diff": verified.max_rel_diff,
         "verified_batches": verified.verified_batches,
         "bytes": size,
+        "runtimes": {
+            "reference": "the PyTorch model, on the verified batches",
+            "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": verified.max_abs_diff},
+            "openvino": written["openvino"],
+        },
     }

@@ -63,6 +63,11 @@ def run_job(
     into ``workdir``: the artifacts' files and the report (which names its job, with a ``label``)."""
     _check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
+    if "onnx_int8" in spec.outputs:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
+        from bnrecal.service.export.int8.options import int8_options
+        from bnrecal.service.run.int8_names import check_int8_names
+
+        check_int8_names(request, settings, int8_options(spec.int8), opset=spec.onnx.opset)
     result = recalibrate(
         request, settings, on_progress=lambda done, total, phase: report((done, total, phase)),
         cancel=cancel, pool=pool,
@@ -88,15 +93,20 @@ def run_job(
         int8_file = workdir / "recalibrated-int8.onnx"
         onnx_options = spec.onnx
         fp32 = files["onnx"][0].read_bytes() if "onnx" in files and onnx_options.dtype == "float32" else None
-        summary.int8 = quantize_recalibrated(
-            result, request, settings, int8_file, int8_options(spec.int8), fp32_model=fp32,
-            export_options={
-                "opset": onnx_options.opset, "dynamic_batch": onnx_options.dynamic_batch,
-                "input_shape": onnx_options.input_shape,
-            },
-            pool=pool, cancel=cancel, on_phase=lambda phase: report((None, None, phase)),
-        )
-        files["onnx_int8"] = (int8_file, OCTET_STREAM)
+        from bnrecal.service.export.int8.guard import Int8GuardFailed
+
+        try:
+            summary.int8 = quantize_recalibrated(
+                result, request, settings, int8_file, int8_options(spec.int8), fp32_model=fp32,
+                export_options={
+                    "opset": onnx_options.opset, "dynamic_batch": onnx_options.dynamic_batch,
+                    "input_shape": onnx_options.input_shape,
+                },
+                pool=pool, cancel=cancel, on_phase=lambda phase: report((None, None, phase)),
+            )
+            files["onnx_int8"] = (int8_file, OCTET_STREAM)
+        except Int8GuardFailed as failed:  # no INT8 artifact; the others and the report saying why (docs/int8.md)
+            summary.int8 = failed.section
     _check_cancel(cancel)
     report((None, None, "writing"))
     for name in ("checkpoint", "program"):

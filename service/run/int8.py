@@ -29,9 +29,25 @@ from bnrecal.workers.ranks.range_group import GroupRanges
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
-from bnrecal.service.export.int8.guard import enforce_top1_drop
+from bnrecal.service.export.int8.guard import (
+    REPORT_RULE,
+    SELECTION_RULE,
+    GuardCannotHold,
+    Int8GuardFailed,
+    enforce_top1_drop,
+    split_for_guard,
+)
 from bnrecal.service.export.int8.options import Int8Options
-from bnrecal.service.export.int8.quantizer import PreparedModel, graph_summary, prepare, resolve_keep_float, tensors_data, write_qdq
+from bnrecal.service.export.int8.quantizer import (
+    PreparedModel,
+    check_op_types,
+    graph_summary,
+    prepare,
+    ranges_as_minmax,
+    resolve_keep_float,
+    tensors_data,
+    write_qdq,
+)
 from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest
 from bnrecal.service.settings import Settings
 
@@ -79,32 +95,38 @@ def quantize_export(
     stale_fp32_model: bytes | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> Quantized:
-    """Quantize the folded FP32 export: ranges by ``gather``, QDQ by onnxruntime's quantizer,
-    checked on the ``verify`` samples, measured and guarded on ``evaluation`` (with the
-    stale model's export quantized alike when given). Raises ``ExportError`` on a failed check
-    or a guard that cannot hold."""
+    """Quantize the folded FP32 export: ranges by ``gather``, QDQ by onnxruntime's quantizer
+    placed for ``options.target``, checked on the ``verify`` samples, measured and guarded on
+    ``evaluation`` (with the stale model's export quantized alike when given). Raises
+    ``ExportError`` on a failed check, ``Int8GuardFailed`` (carrying the report's section) when
+    the guard cannot hold."""
     phase = on_phase or (lambda _: None)
     if options.max_top1_drop is not None and evaluation is None:
         raise ExportError(
             "int8.max_top1_drop needs labelled evaluation data (eval data with labels) to measure top-1 on"
         )
-    phase("collecting INT8 ranges")
     prepared = prepare(fp32_model)
+    reasons = resolve_keep_float(prepared, options.keep_float)  # before the range passes: a typo costs nothing
+    check_op_types(options)
+    phase("collecting INT8 ranges")
     request = RangeRequest(
         prepared.tensors, options.method, options.histogram_bins() if options.method != "minmax" else 0,
         options.absolute,
     )
     gathered = gather(prepared.model, request)
     data = tensors_data(gathered.result.ranges, gathered.result.histograms, gathered.result.edges, options)
-    reasons = resolve_keep_float(prepared, options.keep_float)
     phase("writing and verifying INT8")
     model = write_qdq(prepared, data, options, list(reasons))
     section: dict[str, Any] = {
+        "target": options.target,
         "method": options.method,
         "weight_type": "int8",
-        "weights": "symmetric, per output channel" if options.per_channel else "symmetric, per tensor",
-        "activation_type": options.activation_type,
+        "weights": ("symmetric, per output channel" if options.per_channel else "symmetric, per tensor")
+        + (", 7-bit (reduce_range)" if options.reduce_range else ""),
+        "activation_type": options.activation(),
+        "symmetric_activations": options.activations_symmetric(),
         "per_channel": options.per_channel,
+        "reduce_range": options.reduce_range,
         "format": "QDQ",
         "writer": _writer(),
         "tensors_calibrated": len(prepared.tensors),
@@ -113,47 +135,85 @@ def quantize_export(
         "collectives": gathered.collectives,
         "range_seconds": gathered.seconds,
     }
+    if options.op_types is not None:
+        section["op_types"] = list(options.op_types)
     if options.method != "minmax":
         section["bins"] = options.histogram_bins()
         if options.method == "percentile":
             section["percentile"] = options.percentile
+        else:
+            section["quantized_bins"] = options.quantized_bins
+        section["ranges_as_minmax"] = ranges_as_minmax(data, gathered.result.ranges)
     if evaluation is not None:
         phase("evaluating INT8")
-        fp32 = accuracy(fp32_model, evaluation)
-        quantized = accuracy(model, evaluation)
-        scores: dict[str, Any] = {"samples": evaluation.samples, "fp32": _top(fp32), "int8": _top(quantized)}
-        guarded = enforce_top1_drop(
-            prepared, data, options, list(reasons), model, fp32["top1"], quantized["top1"],
-            lambda candidate: accuracy(candidate, evaluation)["top1"],
-        )
-        if guarded.kept:
-            model = guarded.model
-            scores["int8"] = _top(accuracy(model, evaluation))
-            for kept in guarded.kept:
-                reasons[kept["name"]] = (
-                    f"kept float by int8.max_top1_drop (recovers {100 * kept['top1_recovered_alone']:+.2f} top-1 points alone)"
-                )
-        if options.max_top1_drop is not None:
-            section["guard"] = {
-                "max_top1_drop": options.max_top1_drop, "kept_float": guarded.kept,
-                "models_measured": guarded.measured,
-            }
+        model, report_part = _evaluate(section, fp32_model, model, prepared, data, options, reasons, evaluation)
         if stale_fp32_model is not None:
             phase("quantizing the stale model alike")
             stale = _quantize_alike(stale_fp32_model, options, gather, request, set(reasons))
-            scores["stale_fp32"] = _top(accuracy(stale_fp32_model, evaluation))
-            scores["stale_int8"] = _top(accuracy(stale, evaluation))
-        scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
-        section["evaluation"] = scores
+            section["evaluation"]["stale_fp32"] = _top(accuracy(stale_fp32_model, report_part))
+            section["evaluation"]["stale_int8"] = _top(accuracy(stale, report_part))
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
     section.update(check_int8(model, fp32_model, [samples[:1], samples]))
     section["verified_batches"] = [1, len(samples)]
-    section.update(graph_summary(model, prepared, reasons))
+    section.update(graph_summary(model, prepared, reasons, options))
     section["bytes"] = len(model)
     section["fp32_bytes"] = len(fp32_model)
     one = samples[:1]  # batch 1, as a deployed model answers one request
     section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
+    section["written"] = True
     return Quantized(model, section)
+
+
+def _evaluate(section: dict[str, Any], fp32_model: bytes, model: bytes, prepared: PreparedModel, data: Any,
+              options: Int8Options, reasons: dict[str, str], evaluation: LabelledBatches) -> tuple[bytes, LabelledBatches]:
+    """Top-1/top-5 of the FP32 and INT8 models into ``section["evaluation"]``, guarded when
+    ``max_top1_drop`` is set: the float ops chosen on the selection part of ``evaluation``,
+    the accuracies reported on the other part. Returns the model to write and the part the
+    accuracies are reported on; raises
+    ``Int8GuardFailed`` (with ``section``) when the guard cannot hold."""
+    guarding = options.max_top1_drop is not None
+    if guarding and evaluation.samples < 2:
+        raise ExportError("int8.max_top1_drop needs at least 2 labelled evaluation samples: one part chooses, "
+                          "the other reports")
+    selection, report_part = split_for_guard(evaluation) if guarding else (None, evaluation)
+    fp32 = accuracy(fp32_model, report_part)
+    scores: dict[str, Any] = {"samples": report_part.samples, "fp32": _top(fp32), "int8": _top(accuracy(model, report_part))}
+    section["evaluation"] = scores
+    if guarding:
+        assert selection is not None
+        selection_fp32 = accuracy(fp32_model, selection)["top1"]
+        selection_int8 = accuracy(model, selection)["top1"]
+        guard: dict[str, Any] = {
+            "max_top1_drop": options.max_top1_drop,
+            "selection": {"samples": selection.samples, "which": SELECTION_RULE, "fp32_top1": selection_fp32,
+                          "int8_top1_before": selection_int8},
+            "report": {"samples": report_part.samples, "which": REPORT_RULE},
+        }
+        section["guard"] = guard
+        try:
+            guarded = enforce_top1_drop(
+                prepared, data, options, list(reasons), model, selection_fp32, selection_int8,
+                lambda candidate: accuracy(candidate, selection)["top1"],
+            )
+        except GuardCannotHold as failed:
+            guard.update({"held": False, "kept_float": failed.kept, "reason": str(failed)})
+            scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
+            section.update({"written": False, "failure": str(failed)})
+            raise Int8GuardFailed(str(failed), section) from failed
+        guard["selection"]["int8_top1_after"] = guarded.top1
+        guard.update({"held": True, "kept_float": guarded.kept, "models_measured": guarded.measured})
+        if guarded.kept:
+            model = guarded.model
+            scores["int8"] = _top(accuracy(model, report_part))
+            for kept in guarded.kept:
+                reasons[kept["name"]] = (
+                    f"kept float by int8.max_top1_drop (recovers {kept['top1_gain_alone_points']:+.2f} top-1 points alone)"
+                )
+    scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
+    if guarding:
+        section["guard"]["report_drop_points"] = scores["top1_drop_points"]
+        section["guard"]["held_on_report"] = scores["top1_drop_points"] <= float(options.max_top1_drop)  # type: ignore[arg-type]
+    return model, report_part
 
 
 def _quantize_alike(

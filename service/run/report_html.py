@@ -124,6 +124,7 @@ median channel to the worst; about 95% of true errors lie within two of them.</p
 <tr><th>BN folded</th><td>{{ r.onnx.folded }}</td></tr>
 <tr><th>BN left in the graph</th><td>{{ r.onnx.batchnorm_nodes }}</td></tr>
 <tr><th>max abs / rel diff vs PyTorch</th><td>{{ fmt(r.onnx.max_abs_diff) }} / {{ fmt(r.onnx.max_rel_diff) }}</td></tr>
+{% if r.onnx.runtimes %}<tr><th>runtimes that ran the file</th><td>{% for name in ("onnxruntime", "openvino") %}{% set rt = r.onnx.runtimes[name] %}{% if rt %}{{ name }} {% if rt.ran %}{{ rt.version }}: max abs diff {{ fmt(rt.max_abs_diff) }}{% else %}not run ({{ rt.reason }}){% endif %}{% if not loop.last %}; {% endif %}{% endif %}{% endfor %}</td></tr>{% endif %}
 </table>
 {% if r.onnx.unfolded %}
 <table>
@@ -134,13 +135,17 @@ median channel to the worst; about 95% of true errors lie within two of them.</p
 {% endif %}
 {% if r.int8 %}{% set q = r.int8 %}
 <h2 id="int8">INT8 export</h2>
+{% if q.written == false %}<p class="int8-failed">No INT8 file: {{ q.failure }}</p>{% endif %}
 <table>
-<tr><th>method</th><td>{{ q.method }}</td></tr>
+{% if q.target %}<tr><th>target runtime</th><td>{{ q.target }}</td></tr>{% endif %}
+<tr><th>method</th><td>{{ q.method }}{% if q.ranges_as_minmax and q.ranges_as_minmax.note %} ({{ q.ranges_as_minmax.note }}){% endif %}</td></tr>
 <tr><th>weights / activations</th><td>{{ q.weight_type }} {{ q.weights }} / {{ q.activation_type }}</td></tr>
 <tr><th>ranges</th><td>{{ q.samples }} samples on {{ q.world_size }} ranks, collectives {{ q.collectives|join(", ") }}</td></tr>
-<tr><th>ops quantized</th><td>{% for op, n in q.ops_quantized.items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
-<tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
-<tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>
+<tr><th>ops quantized</th><td>{% for op, n in (q.ops_quantized or {}).items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
+{% if q.bytes %}<tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
+<tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>{% endif %}
+{% if q.runtimes %}<tr><th>runtimes that ran the file</th><td>{% for name in ("onnxruntime", "openvino") %}{% set rt = q.runtimes[name] %}{% if rt %}{{ name }} {% if rt.ran %}{{ rt.version }}: max abs diff vs FP32 {{ fmt(rt.max_abs_diff) }}{% else %}not run ({{ rt.reason }}){% endif %}{% if not loop.last %}; {% endif %}{% endif %}{% endfor %}</td></tr>{% endif %}
+{% if q.guard %}<tr><th>accuracy guard</th><td>max_top1_drop {{ q.guard.max_top1_drop }} points; float ops chosen on {{ q.guard.selection.samples }} {{ q.guard.selection.which }}, accuracies below on {{ q.guard.report.samples }} {{ q.guard.report.which }}{% if q.guard.kept_float %}; kept in float: {% for op in q.guard.kept_float %}{{ op.name }} ({{ op.op_type }}, {{ fmt(op.top1_gain_alone_points) }} points alone){% if not loop.last %}, {% endif %}{% endfor %}{% endif %}</td></tr>{% endif %}
 {% if q.latency_ms %}<tr><th>onnxruntime latency, batch 1</th><td>{{ fmt(q.latency_ms.int8) }} ms (FP32 {{ fmt(q.latency_ms.fp32) }} ms)</td></tr>{% endif %}
 </table>
 {% if q.evaluation %}{% set e = q.evaluation %}

@@ -75,3 +75,35 @@ def test_submit_downloads_the_int8_model(live_server, team, tmp_path, capsys):  
     section = json.loads((tmp_path / "report.json").read_text())["int8"]
     assert section["per_channel"] is False
     onnx.checker.check_model(onnx.load(tmp_path / "int8.onnx"), full_check=True)
+
+
+def test_a_guard_that_cannot_hold_leaves_the_checkpoint_fp32_export_and_report(live_server, tmp_path, capsys):
+    """The INT8 output alone fails: the job succeeds without the onnx_int8 artifact, its report
+    says why, and ``bnrecal submit`` downloads the rest, then exits 1 naming the guard."""
+    from tests.service.export.int8_helpers import write_outlier_inputs
+
+    inputs = write_outlier_inputs(tmp_path)
+    with BnrecalClient(live_server.url, KEYS[KEY]) as client:
+        spec = {
+            "arch": "tests.service.export.int8_helpers:OutlierNet",
+            "checkpoint": client.upload(inputs["checkpoint"])["digest"], "data": client.upload(inputs["data"])["digest"],
+            "workers": 2, "batch_size": 32, "outputs": ["checkpoint", "onnx", "onnx_int8"],
+            "int8": {"max_top1_drop": 0.5, "max_float_ops": 0},
+            "eval": {"data": client.upload(inputs["eval"])["digest"]},
+        }
+        job = client.wait(client.submit(spec)["id"])
+    assert job["status"] == "succeeded", job["error"]
+    assert set(job["artifacts"]) == {"checkpoint", "onnx", "report", "report.html"}
+    section = job["report"]["int8"]
+    assert section["written"] is False and "max_top1_drop 0.5" in section["failure"]
+    with pytest.raises(SystemExit) as exited:
+        main([
+            "submit", "--server", live_server.url, "--api-key", KEYS[KEY], "--arch", spec["arch"],
+            "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]),
+            "--eval-data", str(inputs["eval"]), "--workers", "2", "--batch-size", "32", "--out", str(tmp_path / "o.pt"),
+            "--onnx-int8", str(tmp_path / "q.onnx"), "--int8", json.dumps(spec["int8"]),
+            "--report", str(tmp_path / "r.json"),
+        ])
+    assert exited.value.code == 1
+    assert (tmp_path / "o.pt").exists() and (tmp_path / "r.json").exists() and not (tmp_path / "q.onnx").exists()
+    assert "max_top1_drop" in capsys.readouterr().err

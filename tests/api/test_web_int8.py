@@ -43,6 +43,7 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     page.fill("#batch-size", "8")
     page.check("#int8")
     page.select_option("#int8-method", "percentile")
+    page.select_option("#int8-target", "tensorrt")
     page.click("#submit-button")
     expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=30_000)
     job_id = page.locator("#jobs-body tr").first.get_attribute("data-job-id")
@@ -50,9 +51,10 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
         job = wait_for(client, job_id)
     assert job["status"] == "succeeded", job["error"]
     assert job["spec"]["int8"]["method"] == "percentile" and "onnx_int8" in job["spec"]["outputs"]
+    assert job["spec"]["int8"]["target"] == "tensorrt"
     page.goto(f"{live_server.url}/jobs/{job_id}")
     expect(page.locator("#job-status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
-    expect(page.locator("#job-spec")).to_contain_text("percentile ranges")
+    expect(page.locator("#job-spec")).to_contain_text("for tensorrt, percentile ranges")
     report = page.frame_locator("#report-frame")
     expect(report.locator("#int8")).to_have_text("INT8 export")
     expect(report.locator("table.int8-accuracy")).to_contain_text("INT8, recalibrated")

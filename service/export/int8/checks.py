@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from bnrecal.errors import ExportError, first_line
 from bnrecal.workers.engine.ranges import fixed_batch, in_batches_of
+
+from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 
 
 def session(model: bytes, threads: int | None = None):
@@ -29,10 +32,18 @@ def session(model: bytes, threads: int | None = None):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> dict[str, float]:
+OPENVINO_SLACK = 0.01
+"""OpenVINO's INT8 outputs may differ from the FP32 export's by at most twice onnxruntime's
+largest difference plus this share of the outputs' scale: the runtimes round requantized
+values in their own kernels, a graph read differently is off by the outputs' scale."""
+
+
+def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> dict[str, Any]:
     """Full checker, then the INT8 and FP32 files on ``batches``: the largest absolute
-    difference of their outputs and the FP32 outputs' scale. Raises ``ExportError`` when the
-    file fails the checker, does not run, or gives non-finite or misshapen outputs."""
+    difference of their outputs and the FP32 outputs' scale, in onnxruntime and in OpenVINO
+    (``runtimes``). Raises ``ExportError`` when the file fails the checker, does not run,
+    gives non-finite or misshapen outputs, or OpenVINO's outputs stray from the FP32 export's
+    by more than ``OPENVINO_SLACK`` allows."""
     import onnx
 
     try:
@@ -47,23 +58,54 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
     fixed = fixed_batch(quantized)
     if fixed is not None:  # a model exported at a static batch runs only there
         batches = [batch[:fixed] for batch in batches if len(batch) >= fixed]
-    worst, scale = 0.0, 0.0
+    got_all, expected_all = [], []
     for batch in batches:
         try:
-            got = quantized.run(None, {name: batch})
+            got_all.append(quantized.run(None, {name: batch}))
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"onnxruntime fails on the INT8 model: {first_line(exc)}; no file written") from exc
-        expected = reference.run(None, {reference.get_inputs()[0].name: batch})
-        for index, (a, b) in enumerate(zip(got, expected)):
-            if a.shape != b.shape:
-                raise ExportError(f"INT8 output {index} has shape {list(a.shape)}, FP32 {list(b.shape)}")
-            if not np.issubdtype(b.dtype, np.floating) or b.size == 0:
-                continue
-            if not np.all(np.isfinite(a)):
-                raise ExportError(f"INT8 output {index} is not finite; no file written")
-            worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b))))
-            scale = max(scale, float(np.max(np.abs(b))))
-    return {"max_abs_diff": worst, "fp32_max_abs": scale}
+        expected_all.append(reference.run(None, {reference.get_inputs()[0].name: batch}))
+    try:
+        worst, scale = largest_difference(got_all, expected_all)
+    except ValueError as exc:
+        raise ExportError(f"INT8 {exc}; no file written") from exc
+    return {"max_abs_diff": worst, "fp32_max_abs": scale,
+            "runtimes": _openvino_agreement(int8_model, batches, got_all, expected_all, worst)}
+
+
+def _openvino_agreement(int8_model: bytes, batches: Sequence[np.ndarray], onnxruntime_outputs: list,
+                        fp32_outputs: list, onnxruntime_diff: float) -> dict[str, Any]:
+    """The report's ``runtimes``: each runtime's largest difference from the FP32 export (in
+    onnxruntime), and OpenVINO's from onnxruntime's INT8 outputs."""
+    import onnx
+
+    if any(node.domain == "com.microsoft" for node in onnx.load_from_string(int8_model).graph.node):
+        openvino = {"ran": False, "reason": "16-bit Q/DQ before opset 21 are onnxruntime's own (com.microsoft) ops, "
+                    "which OpenVINO does not read"}
+        return {"reference": "the FP32 export in onnxruntime, on the verified batches",
+                "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": onnxruntime_diff},
+                "openvino": openvino}
+    try:
+        run = run_openvino(int8_model, batches)
+        if run.outputs is None:
+            openvino = runtime_entry(run)
+        else:
+            diff, scale = largest_difference(run.outputs, fp32_outputs)
+            agreement, _ = largest_difference(run.outputs, onnxruntime_outputs)
+            allowed = 2 * onnxruntime_diff + OPENVINO_SLACK * max(1.0, scale)
+            if not diff <= allowed:
+                raise ExportError(
+                    f"the INT8 model differs in OpenVINO from the FP32 export by {diff:.3g}, onnxruntime by "
+                    f"{onnxruntime_diff:.3g} (allowed {allowed:.3g}): OpenVINO reads the graph otherwise; no file written"
+                )
+            openvino = runtime_entry(run, diff, max_abs_diff_to_onnxruntime=agreement)
+    except (RuntimeError, ValueError) as exc:
+        raise ExportError(f"the INT8 model fails in OpenVINO: {first_line(exc)}; no file written") from exc
+    return {
+        "reference": "the FP32 export in onnxruntime, on the verified batches",
+        "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": onnxruntime_diff},
+        "openvino": openvino,
+    }
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,18 @@
 """The ``max_top1_drop`` guard: when the INT8 model loses more top-1 than allowed against
-the FP32 one, keep its most sensitive ops in float, one at a time, until it holds.
+the FP32 one, keep its most sensitive ops in float, one at a time, until it holds
+(docs/int8.md, "The accuracy guard").
 
-Sensitivity is measured, not guessed: each op that runs in INT8 is kept in float alone
-(the same ranges, onnxruntime's quantizer writing the graph again) and the top-1 of that
-model on the evaluation data is measured; ops are then kept in float in order of the
-top-1 each recovered alone (graph order breaks ties), re-measuring after each, until the
-drop is within the bound or ``max_float_ops`` ops are float: then the export fails,
-saying so. An INT8 file is never silently worse than asked.
+The guard does not grade its own homework: the evaluation data is split in two fixed
+parts (``split_for_guard``). Sensitivity is measured and the float ops chosen on the
+*selection* part; every accuracy the report gives is measured on the other, *report*,
+part, which took no part in the choice. Sensitivity is measured, not guessed: each op that
+runs in INT8 is kept in float alone (the same ranges, onnxruntime's quantizer writing the
+graph again); ops are then kept in float in order of the top-1 points each recovered alone
+(graph order breaks ties), re-measuring after each, until the drop on the selection part
+is within the bound, or ``max_float_ops`` ops are float: then ``GuardCannotHold``.
+
+Units: top-1 values are fractions (as everywhere in the report); every difference of
+them (a drop, a gain, the bound) is in points, and named ``..._points``.
 """
 
 from __future__ import annotations
@@ -15,21 +21,62 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from bnrecal.errors import ExportError
 
+from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
+
+SELECTION_RULE = "evaluation samples at even positions (0, 2, 4, ...)"
+REPORT_RULE = "evaluation samples at odd positions (1, 3, 5, ...)"
+
+
+class GuardCannotHold(ExportError):
+    """The bound cannot hold within ``max_float_ops``: no INT8 file. ``kept`` lists the ops
+    tried in float, as the report gives them."""
+
+    def __init__(self, message: str, kept: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.kept = kept
+
+
+class Int8GuardFailed(ExportError):
+    """The INT8 output failed its guard: the run's other outputs (checkpoint, FP32 export,
+    report) are still written; ``section`` is the report's ``int8`` section saying why there
+    is no INT8 file (``"written": false``). Raised by ``service.run.int8``; callers that
+    write the other outputs catch it (docs/int8.md)."""
+
+    def __init__(self, message: str, section: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.section = section
 
 
 @dataclass
 class Guarded:
-    """The model that holds the bound, the ops kept float for it (each with the top-1 it
-    recovered alone), and its top-1."""
+    """The model that holds the bound on the selection part, the ops kept float for it, and
+    its selection top-1."""
 
     model: bytes
     top1: float
     kept: list[dict[str, Any]] = field(default_factory=list)
     measured: int = 0
+
+
+def split_for_guard(data: LabelledBatches) -> tuple[LabelledBatches, LabelledBatches]:
+    """The selection part (samples at even positions of the evaluation data) and the report
+    part (odd positions). Interleaved, not halves: evaluation files are often sorted by class."""
+    samples = np.concatenate(data.batches) if data.batches else np.zeros((0,))
+    labels = np.concatenate(data.labels) if data.labels else np.zeros((0,), dtype=np.int64)
+    size = max((len(batch) for batch in data.batches), default=1)
+
+    def part(start: int) -> LabelledBatches:
+        x, y = samples[start::2], labels[start::2]
+        return LabelledBatches([x[i : i + size] for i in range(0, len(x), size)],
+                               [y[i : i + size] for i in range(0, len(y), size)])
+
+    return part(0), part(1)
 
 
 def enforce_top1_drop(
@@ -42,9 +89,9 @@ def enforce_top1_drop(
     int8_top1: float,
     top1_of: Callable[[bytes], float],
 ) -> Guarded:
-    """The INT8 model within ``options.max_top1_drop`` points (percent) of ``fp32_top1``, or
-    ``ExportError`` when keeping up to ``max_float_ops`` ops in float cannot make it hold.
-    Top-1 values are fractions, as the report gives them."""
+    """The INT8 model within ``options.max_top1_drop`` points of ``fp32_top1`` as ``top1_of``
+    measures it (on the selection part), or ``GuardCannotHold`` when keeping up to
+    ``max_float_ops`` ops in float cannot make it hold."""
     bound = options.max_top1_drop
 
     def drop(top1: float) -> float:
@@ -52,29 +99,31 @@ def enforce_top1_drop(
 
     if bound is None or drop(int8_top1) <= bound:
         return Guarded(model, int8_top1)
-    candidates = quantized_node_names(model)
+    candidates = quantized_node_names(model, options)
     limit = options.max_float_ops if options.max_float_ops is not None else len(candidates) // 2
     if limit == 0 or not candidates:
-        raise ExportError(
-            f"INT8 top-1 {int8_top1:.2%} is {drop(int8_top1):.2f} points below FP32 {fp32_top1:.2%}, "
-            f"more than int8.max_top1_drop {bound:g}, and no op may be kept in float (int8.max_float_ops 0); "
-            "no file written"
+        raise GuardCannotHold(
+            f"INT8 top-1 {int8_top1:.2%} is {drop(int8_top1):.2f} points below FP32 {fp32_top1:.2%} on the guard's "
+            f"selection samples, more than int8.max_top1_drop {bound:g}, and no op may be kept in float "
+            "(int8.max_float_ops 0); no INT8 file written",
+            [],
         )
-    recovered: dict[str, float] = {}
+    gain: dict[str, float] = {}
     for name in candidates:
-        recovered[name] = top1_of(write_qdq(prepared, data, options, [*exclude, name])) - int8_top1
-    order = sorted(candidates, key=lambda name: (-recovered[name], candidates.index(name)))
+        gain[name] = 100.0 * (top1_of(write_qdq(prepared, data, options, [*exclude, name])) - int8_top1)
+    order = sorted(candidates, key=lambda name: (-gain[name], candidates.index(name)))
     kept: list[dict[str, Any]] = []
     top1 = int8_top1
     for name in order[:limit]:
-        kept.append({"name": name, "op_type": prepared.op_types.get(name, ""), "top1_recovered_alone": recovered[name]})
+        kept.append({"name": name, "op_type": prepared.op_types.get(name, ""), "top1_gain_alone_points": gain[name]})
         model = write_qdq(prepared, data, options, [*exclude, *(k["name"] for k in kept)])
         top1 = top1_of(model)
-        kept[-1]["top1_after"] = top1
+        kept[-1]["selection_top1_after"] = top1
         if drop(top1) <= bound:
             return Guarded(model, top1, kept, measured=len(candidates) + len(kept))
-    raise ExportError(
-        f"INT8 top-1 stays {drop(top1):.2f} points below FP32 {fp32_top1:.2%} with the {len(kept)} most "
-        f"sensitive ops kept in float ({', '.join(k['name'] for k in kept)}): int8.max_top1_drop {bound:g} cannot "
-        f"hold within int8.max_float_ops {limit}; no file written"
+    raise GuardCannotHold(
+        f"INT8 top-1 stays {drop(top1):.2f} points below FP32 {fp32_top1:.2%} on the guard's selection samples with "
+        f"the {len(kept)} most sensitive ops kept in float ({', '.join(k['name'] for k in kept)}): "
+        f"int8.max_top1_drop {bound:g} cannot hold within int8.max_float_ops {limit}; no INT8 file written",
+        kept,
     )

@@ -4,30 +4,59 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
 from bnrecal.errors import SpecError
 
 Int8Method = Literal["minmax", "percentile", "entropy"]
+Int8Target = Literal["onnxruntime", "tensorrt", "openvino"]
+ActivationType = Literal["uint8", "int8", "uint16", "int16"]
 
-DEFAULT_BINS = {"percentile": 2048, "entropy": 128}
-"""Histogram bins by method: onnxruntime's defaults (``create_calibrator``)."""
+DEFAULT_BINS = {"percentile": 2048, "entropy": 2048}
+"""Histogram bins by method. ``percentile``: onnxruntime's default. ``entropy``: 2048, with 128
+quantized bins, TensorRT's entropy calibrator's and the literature's choice (Migacz, "8-bit
+Inference with TensorRT", 2017); onnxruntime's own default of 128 bins leaves the KL search
+one candidate, the whole range, so it writes exactly the minmax file (docs/int8.md)."""
+
+DEFAULT_ACTIVATION = {"onnxruntime": "uint8", "tensorrt": "int8", "openvino": "uint8"}
+"""Activation type by target: TensorRT takes int8 with zero point 0 only."""
 
 
 class Int8Options(BaseModel):
     """How to quantize the folded export: onnxruntime's methods and meanings, weights int8
     symmetric (per output channel by default), activations with ranges from the
-    calibration data."""
+    calibration data, Q/DQ placed for the ``target`` runtime (docs/int8.md, "Targets")."""
 
     model_config = ConfigDict(extra="forbid")
 
+    target: Int8Target = Field(
+        default="onnxruntime",
+        description="The runtime the file is for: onnxruntime (QDQ on every op onnxruntime quantizes), "
+        "tensorrt (int8 symmetric activations, zero point 0, QDQ on the inputs of TensorRT's quantizable ops), "
+        "openvino (QDQ on the inputs of the ops NNCF quantizes for OpenVINO).",
+    )
     method: Int8Method = Field(
         default="minmax",
         description="Activation ranges: minmax (min and max seen), percentile or entropy (onnxruntime's meanings).",
     )
     per_channel: StrictBool = Field(default=True, description="Weights quantized per output channel (else per tensor).")
-    activation_type: Literal["uint8", "int8"] = Field(
-        default="uint8", description="Activation type (uint8 runs fastest on x86 CPUs with VNNI)."
+    activation_type: ActivationType | None = Field(
+        default=None,
+        description="Activation type; default by target: uint8 (onnxruntime, openvino), int8 (tensorrt). "
+        "16-bit types are for target onnxruntime only.",
+    )
+    symmetric_activations: StrictBool | None = Field(
+        default=None,
+        description="Activation ranges made symmetric around 0 (zero point 0 for int8); default: true for "
+        "tensorrt, which requires it, false otherwise.",
+    )
+    reduce_range: StrictBool = Field(
+        default=False, description="Weights in 7 bits, -64..64 (onnxruntime's reduce_range: for CPUs without VNNI)."
+    )
+    op_types: list[str] | None = Field(
+        default=None, max_length=1000,
+        description="Only these op types are quantized (an allowlist, onnxruntime's op_types_to_quantize); "
+        "default: the target's quantizable ops.",
     )
     keep_float: list[str] = Field(
         default_factory=list, max_length=1000,
@@ -36,22 +65,50 @@ class Int8Options(BaseModel):
     percentile: StrictFloat = Field(default=99.999, gt=0, le=100, description="Percentile kept by method percentile.")
     bins: StrictInt | None = Field(
         default=None, ge=128, le=65536,
-        description="Histogram bins (percentile, entropy); default onnxruntime's: 2048 percentile, 128 entropy.",
+        description="Histogram bins (percentile, entropy); default 2048 for both.",
     )
     quantized_bins: StrictInt = Field(default=128, ge=2, le=65536, description="Quantized bins (entropy).")
     max_top1_drop: StrictFloat | None = Field(
         default=None, ge=0, le=100,
-        description="Largest top-1 drop (points) against the FP32 model on the evaluation data; "
-        "the most sensitive ops are kept in float until it holds, else the job fails.",
+        description="Largest top-1 drop (points) against the FP32 model on the evaluation data's report part; "
+        "the most sensitive ops (ranked on its selection part) are kept in float until it holds, else no INT8 file.",
     )
     max_float_ops: StrictInt | None = Field(
         default=None, ge=0, le=100_000,
         description="Most ops the max_top1_drop guard may keep in float (default: half of the quantized ops).",
     )
+    guard_selection: StrictFloat = Field(
+        default=0.5, gt=0, lt=1,
+        description="Share of the evaluation data the guard ranks and chooses float ops on; the rest reports "
+        "the accuracies (without labelled calibration data).",
+    )
+
+    @model_validator(mode="after")
+    def _fits_target(self) -> Int8Options:
+        if self.target == "tensorrt":
+            if self.activation_type not in (None, "int8"):
+                raise ValueError("activation_type: target tensorrt takes int8 activations (zero point 0) only")
+            if self.symmetric_activations is False:
+                raise ValueError("symmetric_activations: target tensorrt takes symmetric activations only")
+        if self.activation_type in ("uint16", "int16") and self.target != "onnxruntime":
+            raise ValueError(f"activation_type: 16-bit activations are for target onnxruntime, not {self.target}")
+        if self.method == "entropy" and self.quantized_bins > self.histogram_bins():
+            raise ValueError("quantized_bins: more quantized bins than histogram bins")
+        return self
 
     def histogram_bins(self) -> int:
         """The histogram bins of a histogram method."""
-        return self.bins if self.bins is not None else DEFAULT_BINS[self.method]
+        return self.bins if self.bins is not None else DEFAULT_BINS.get(self.method, 2048)
+
+    def activation(self) -> str:
+        """The activation type, resolved for the target."""
+        return self.activation_type or DEFAULT_ACTIVATION[self.target]
+
+    def activations_symmetric(self) -> bool:
+        """Whether activation ranges are made symmetric (zero point 0 for signed types)."""
+        if self.symmetric_activations is not None:
+            return self.symmetric_activations
+        return self.target == "tensorrt"
 
     @property
     def absolute(self) -> bool:
@@ -69,5 +126,10 @@ def int8_options(value: object, field: str = "int8") -> Int8Options:
         return Int8Options.model_validate(value or {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join([field, *(str(part) for part in first["loc"])])
-        raise SpecError(f"{where}: {first['msg']}", field=where) from None
+        loc = [str(part) for part in first["loc"]]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if not loc and ":" in message:  # a cross-field rule names its field first
+            name, message = message.split(":", 1)
+            loc, message = [name], message.strip()
+        where = ".".join([field, *loc])
+        raise SpecError(f"{where}: {message}", field=where) from None

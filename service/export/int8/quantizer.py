@@ -26,6 +26,7 @@ from bnrecal.workers.engine.ranges import TensorRanges
 from bnrecal.errors import ExportError, first_line
 
 from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.int8.targets import placement
 
 QDQ = "QuantizeLinear", "DequantizeLinear"
 
@@ -141,28 +142,51 @@ def resolve_keep_float(prepared: PreparedModel, keep_float: Sequence[str]) -> di
     return kept
 
 
+def activation_quant_type(options: Int8Options) -> Any:
+    """onnxruntime's ``QuantType`` of the activations."""
+    from onnxruntime.quantization import QuantType
+
+    return {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8, "uint16": QuantType.QUInt16,
+            "int16": QuantType.QInt16}[options.activation()]
+
+
 def write_qdq(prepared: PreparedModel, data: Any, options: Int8Options, exclude: Sequence[str]) -> bytes:
-    """The QDQ model onnxruntime's ``QDQQuantizer`` writes from ``data``, ``exclude``d nodes in float."""
+    """The QDQ model onnxruntime's ``QDQQuantizer`` writes from ``data``, ``exclude``d nodes in
+    float, Q/DQ placed for ``options.target`` (``targets.placement``)."""
     import onnx
     from onnxruntime.quantization import QDQQuantizer, QuantType
 
-    activation = QuantType.QUInt8 if options.activation_type == "uint8" else QuantType.QInt8
     model = onnx.load_from_string(prepared.model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    where = placement(options, quantizable_op_types(), opset)
     with tempfile.TemporaryDirectory(prefix="bnrecal-int8-") as tmp, _quiet():
         try:
             quantizer = QDQQuantizer(
-                model, options.per_channel, False, QuantType.QInt8, activation, data, [], list(exclude),
-                quantizable_op_types(), {},
+                model, options.per_channel, options.reduce_range, QuantType.QInt8, activation_quant_type(options),
+                data, [], list(exclude), where.op_types, dict(where.extra_options),
             )
             quantizer.quantize_model()
             out = Path(tmp) / "int8.onnx"
+            drop_unused_domains(quantizer.model.model)
             quantizer.model.save_model_to_file(str(out))
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"onnxruntime's QDQ quantizer fails: {first_line(exc)}") from exc
         return out.read_bytes()
 
 
-def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str, str]) -> dict[str, Any]:
+def drop_unused_domains(model: Any) -> None:
+    """Remove the opset imports no node uses (onnxruntime's pre-processing declares eight,
+    ``ai.onnx.training``, ``org.pytorch.aten``..., that a QDQ file never needs). The default
+    domain always stays."""
+    used = {node.domain for node in model.graph.node} | {"", "ai.onnx"}
+    keep = [opset for opset in model.opset_import if opset.domain in used]
+    if len(keep) != len(model.opset_import):
+        del model.opset_import[:]
+        model.opset_import.extend(keep)
+
+
+def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str, str],
+                  options: Int8Options) -> dict[str, Any]:
     """Ops quantized (by op type) and ops left in float, each with its reason."""
     import onnx
 
@@ -170,6 +194,7 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
     produced_by = {out: node for node in graph.node for out in node.output}
     present = {node.name: node for node in graph.node if node.op_type not in QDQ}
     quantizable = set(quantizable_op_types())
+    placed = set(placement(options, sorted(quantizable), 0).op_types)
     quantized: dict[str, int] = {}
     left: list[dict[str, str]] = []
     merged = shapes = 0
@@ -179,7 +204,7 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
         if node is None:
             merged += 1  # a Relu or Clip onnxruntime merged into its input's quantization range
             continue
-        if op_type in quantizable and any(
+        if op_type in placed and any(
             produced_by.get(i) is not None and produced_by[i].op_type == "DequantizeLinear" for i in node.input
         ):
             quantized[op_type] = quantized.get(op_type, 0) + 1
@@ -191,6 +216,9 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
             reason = reasons[name]
         elif op_type not in quantizable:
             reason = f"onnxruntime's QDQ quantizer has no INT8 form of {op_type}"
+        elif op_type not in placed:
+            reason = ("not in int8.op_types" if options.op_types is not None
+                      else f"target {options.target} places no Q/DQ on {op_type} (the runtime runs it as it chooses)")
         else:
             reason = "onnxruntime's QDQ quantizer left it float (its inputs are not quantized)"
         left.append({"name": name, "op_type": op_type, "reason": reason})
@@ -204,15 +232,48 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
     }
 
 
-def quantized_node_names(int8_model: bytes) -> list[str]:
-    """The names of the ops that run in INT8 (of a quantizable type, fed by a DequantizeLinear),
-    in graph order."""
+def quantized_node_names(int8_model: bytes, options: Int8Options) -> list[str]:
+    """The names of the ops that run in INT8 (of a type the target quantizes, fed by a
+    DequantizeLinear), in graph order."""
     import onnx
 
     graph = onnx.load_from_string(int8_model).graph
     produced_by = {out: node.op_type for node in graph.node for out in node.output}
-    quantizable = set(quantizable_op_types())
+    quantizable = set(placement(options, quantizable_op_types(), 0).op_types)
     return [
         node.name for node in graph.node
         if node.op_type in quantizable and any(produced_by.get(i) == "DequantizeLinear" for i in node.input)
     ]
+
+
+def ranges_as_minmax(data: Any, ranges: TensorRanges) -> dict[str, Any]:
+    """How many tensors a histogram method gave exactly the min/max range (float32), and a
+    note when it is all of them: the file is then the ``minmax`` file (docs/int8.md)."""
+    minmax = dict(ranges.pairs())
+    same = 0
+    for name, (low, high) in minmax.items():
+        got = data[name].range_value
+        if _scalar(got[0]) == _scalar(low) and _scalar(got[1]) == _scalar(high):
+            same += 1
+    result: dict[str, Any] = {"tensors": same, "of": len(minmax)}
+    if minmax and same == len(minmax):
+        result["note"] = "every range is the min/max range: this file is the minmax file"
+    return result
+
+
+def check_op_types(options: Int8Options) -> None:
+    """``int8.op_types`` entries are op types onnxruntime's QDQ quantizer quantizes; else an
+    ``ExportError`` naming the entry, before any range pass."""
+    if options.op_types is None:
+        return
+    known = set(quantizable_op_types())
+    unknown = [op for op in options.op_types if op not in known]
+    if unknown:
+        raise ExportError(
+            f"int8.op_types: {unknown[0]!r} is not an op type onnxruntime's QDQ quantizer quantizes "
+            f"(it quantizes: {', '.join(sorted(known))})"
+        )
+
+
+def _scalar(value: Any) -> float:
+    return float(np.float32(np.asarray(value).ravel()[0]))

@@ -87,3 +87,87 @@ def test_export_quantizes_a_checkpoint_as_it_is(tmp_path, capsys, inputs):
         "--input-shape", "3,8,8", "--out", str(tmp_path / "n.onnx"), "--onnx-int8", str(tmp_path / "n-int8.onnx"),
     )
     assert code == 2 and "--onnx-int8 needs --data" in err
+
+
+@pytest.fixture
+def mobilenet(tmp_path: Path) -> dict[str, Path]:
+    """The issue's model kind: torchvision mobilenet_v2 (width 0.25 here, 16x16 inputs) with
+    BN statistics off from the data, calibration and labelled evaluation data."""
+    import torchvision
+
+    torch.manual_seed(7)
+    model = perturbed(torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.25))
+    calibration = torch.randn(48, 3, 16, 16)
+    np.savez(tmp_path / "eval.npz", x=torch.randn(40, 3, 16, 16).numpy(), y=np.arange(40) % 10)
+    return {
+        "checkpoint": save_state(tmp_path / "stale.pt", model),
+        "data": save_array(tmp_path / "calib.npy", calibration.numpy()),
+        "eval": tmp_path / "eval.npz",
+    }
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp_path, capsys, mobilenet):
+    """A one-worker run evaluates on the driver's own model (channels-last): its FP32 and
+    INT8 files must still be the graph a two-worker run writes, and run alike in OpenVINO
+    at a dynamic batch (the old code wrote an extra as_strided subgraph: 113 nodes, not 104)."""
+    import openvino as ov
+
+    graphs, outputs = {}, {}
+    batch = np.load(mobilenet["data"])[:8]
+    for workers, evaluation in ((1, ["--eval-data", str(mobilenet["eval"])]), (2, [])):
+        out = tmp_path / f"k{workers}"
+        code, err = run_cli(
+            capsys, "calibrate", "--arch", "torchvision:mobilenet_v2",
+            "--model-kwargs", '{"num_classes": 10, "width_mult": 0.25}', "--checkpoint", str(mobilenet["checkpoint"]),
+            "--data", str(mobilenet["data"]), *evaluation, "--workers", str(workers), "--batch-size", "16",
+            "--out", f"{out}.pt", "--onnx", f"{out}.onnx", "--onnx-int8", f"{out}-int8.onnx", "--report", f"{out}.json",
+        )
+        assert code == 0, err
+        report = json.loads(Path(f"{out}.json").read_text())
+        assert report["onnx"]["runtimes"]["openvino"]["ran"] and report["int8"]["runtimes"]["openvino"]["ran"]
+        for kind in ("", "-int8"):
+            graph = onnx.load(f"{out}{kind}.onnx").graph
+            graphs[workers, kind] = [(node.op_type, list(node.input)) for node in graph.node]
+        compiled = ov.Core().compile_model(f"{out}-int8.onnx", "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        outputs[workers] = compiled(batch)[0]
+    assert graphs[1, ""] == graphs[2, ""] and graphs[1, "-int8"] == graphs[2, "-int8"]
+    assert not any(op in ("Range", "Gather") for op, _ in graphs[1, ""])
+    assert np.array_equal(outputs[1].argmax(1), outputs[2].argmax(1))
+
+
+@pytest.fixture
+def outlier_inputs(tmp_path: Path) -> dict[str, Path]:
+    """The outlier net's stale checkpoint, calibration and labelled evaluation data."""
+    from tests.service.export.int8_helpers import write_outlier_inputs
+
+    return write_outlier_inputs(tmp_path)
+
+
+def test_guard_that_cannot_hold_still_writes_the_checkpoint_fp32_export_and_report(tmp_path, capsys, outlier_inputs):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.service.export.int8_helpers:OutlierNet",
+        "--checkpoint", str(outlier_inputs["checkpoint"]), "--data", str(outlier_inputs["data"]),
+        "--eval-data", str(outlier_inputs["eval"]), "--workers", "1", "--batch-size", "32",
+        "--out", str(tmp_path / "out.pt"), "--onnx", str(tmp_path / "m.onnx"), "--onnx-int8", str(tmp_path / "q.onnx"),
+        "--int8", '{"max_top1_drop": 0.5, "max_float_ops": 0}', "--report", str(tmp_path / "r.json"),
+    )
+    assert code == 1, err
+    assert (tmp_path / "out.pt").exists() and (tmp_path / "m.onnx").exists() and not (tmp_path / "q.onnx").exists()
+    section = json.loads((tmp_path / "r.json").read_text())["int8"]
+    assert section["written"] is False and "max_top1_drop 0.5" in section["failure"]
+    assert section["guard"]["selection"]["samples"] == section["guard"]["report"]["samples"] == 64
+    assert "not written" in err and "max_top1_drop" in err.splitlines()[-1]
+
+
+def test_mistyped_keep_float_exits_2_before_any_calibration(tmp_path, capsys, inputs):
+    code, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
+        "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--workers", "1",
+        "--out", str(tmp_path / "out.pt"), "--onnx-int8", str(tmp_path / "q.onnx"),
+        "--int8", '{"keep_float": ["node_conv2d", "Gemn"]}',
+    )
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--int8.keep_float: 'Gemn' names no node" in lines[0], err
+    assert not (tmp_path / "out.pt").exists()

@@ -57,11 +57,26 @@ def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, meth
             str(source), str(target), batch_reader(samples, batch), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
         )
-    return target.read_bytes()
+    return without_unused_domains(target.read_bytes())
 
 
-def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path):
-    """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges."""
+def without_unused_domains(model: bytes) -> bytes:
+    """``model`` with the opset imports no node uses removed, as bnrecal writes its files
+    (onnxruntime's pre-processing declares eight that a QDQ file never uses)."""
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    used = {node.domain for node in proto.graph.node} | {"", "ai.onnx"}
+    keep = [opset for opset in proto.opset_import if opset.domain in used]
+    del proto.opset_import[:]
+    proto.opset_import.extend(keep)
+    return proto.SerializeToString()
+
+
+def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path,
+                          num_bins: int | None = None):
+    """onnxruntime's own calibrator's ranges (``TensorsData``) and its histograms' edges
+    (at ``num_bins`` histogram bins, else onnxruntime's default)."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
     from bnrecal.service.export.int8.quantizer import quantizable_op_types
@@ -73,7 +88,7 @@ def ort_calibrator_ranges(prepared: bytes, samples: torch.Tensor, batch: int, me
     with contextlib.redirect_stdout(io.StringIO()):
         calibrator = create_calibrator(
             source, quantizable_op_types(), augmented_model_path=str(tmp / "augmented.onnx"),
-            calibrate_method=methods[method],
+            calibrate_method=methods[method], extra_options={} if num_bins is None else {"num_bins": num_bins},
         )
         calibrator.collect_data(batch_reader(samples, batch))
         ranges = calibrator.compute_data()
@@ -97,3 +112,21 @@ class OutlierNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.bn(self.conv(x)).flatten(1))
+
+
+def write_outlier_inputs(folder: Path) -> dict[str, Path]:
+    """The outlier net (INT8 per-tensor activations cost it real top-1) as a run's inputs: its
+    stale checkpoint, calibration data, and evaluation data labelled by the recalibrated FP32
+    model itself (so every INT8 miss is quantization's)."""
+    torch.manual_seed(3)
+    model = OutlierNet()
+    calibration, evaluation = torch.randn(64, 3, 8, 8), torch.randn(128, 3, 8, 8)
+    torch.save(model.state_dict(), folder / "stale.pt")
+    model.bn.momentum = None  # the recalibrated model: BN statistics of the calibration data
+    model.train()
+    with torch.no_grad():
+        model(calibration)
+        labels = model.eval()(evaluation).argmax(dim=1).numpy()
+    np.save(folder / "x.npy", calibration.numpy())
+    np.savez(folder / "eval.npz", x=evaluation.numpy(), y=labels)
+    return {"checkpoint": folder / "stale.pt", "data": folder / "x.npy", "eval": folder / "eval.npz"}

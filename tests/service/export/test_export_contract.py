@@ -64,8 +64,11 @@ def test_single_verified_file_with_dynamic_batch(tmp_path: Path) -> None:
     assert report == {
         "opset": 18, "dtype": "float32", "batch": "dynamic", "batchnorm_nodes": 0, "folded": 3, "unfolded": [],
         "max_abs_diff": report["max_abs_diff"], "max_rel_diff": report["max_rel_diff"],
-        "verified_batches": [1, 6], "bytes": out.stat().st_size,
+        "verified_batches": [1, 6], "bytes": out.stat().st_size, "runtimes": report["runtimes"],
     }
+    runtimes = report["runtimes"]
+    assert runtimes["onnxruntime"]["ran"] and runtimes["onnxruntime"]["max_abs_diff"] == report["max_abs_diff"]
+    assert runtimes["openvino"]["ran"] and 0 <= runtimes["openvino"]["max_abs_diff"] <= 1e-4  # the same tolerance
     assert 0 <= report["max_abs_diff"] <= 1e-4 and 0 <= report["max_rel_diff"] <= 1e-4
     for batch in (1, 5):
         assert_matches_torch(out, model, torch.randn(batch, 3, 16, 16))

@@ -16,8 +16,9 @@ from bnrecal.errors import ExportError, SpecError
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 
 from bnrecal.service.export.int8.checks import LabelledBatches, accuracy
+from bnrecal.service.export.int8.guard import Int8GuardFailed, split_for_guard
 from bnrecal.service.export.int8.options import Int8Options, int8_options
-from bnrecal.service.export.int8.quantizer import prepare, tensors_data, write_qdq
+from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
 from bnrecal.service.run.int8 import in_process, quantize_export
 from tests.service.export.int8_helpers import (
     OutlierNet,
@@ -63,13 +64,38 @@ def test_histogram_ranges_agree_with_onnxruntime_within_a_bin(resnet, tmp_path, 
     options = Int8Options(method=method)
     gathered = ranges_here(prepared, samples, options)
     ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, options)
-    theirs, their_edges = ort_calibrator_ranges(prepared.model, samples, BATCH, method, tmp_path)
+    theirs, their_edges = ort_calibrator_ranges(prepared.model, samples, BATCH, method, tmp_path,
+                                                num_bins=options.histogram_bins())
     assert set(ours.keys()) == set(theirs.keys()) == set(prepared.tensors)
     assert gathered.collectives == 2  # min/max, then the histograms
     for index, name in enumerate(prepared.tensors):
         bin_width = max(float(np.diff(gathered.edges[index][:2])[0]), float(np.diff(their_edges[name][:2])[0]))
         for a, b in zip(ours[name].range_value, theirs[name].range_value):
             assert abs(float(a) - float(b)) <= bin_width * 1.001, (name, a, b, bin_width)
+
+
+def test_entropy_default_file_is_not_the_minmax_file_and_is_onnxruntimes_at_the_same_bins(resnet, tmp_path):
+    """At onnxruntime's old default (128 bins) entropy's only candidate threshold is the whole
+    range, and it wrote the minmax file; at 2048 bins (the default now) it does not, and with
+    every sample in one batch (onnxruntime's histogram then spans the global range, as ours
+    does) its ranges are onnxruntime's entropy calibrator's exactly, so the file is too."""
+    fp32, samples = resnet
+    prepared = prepare(fp32)
+    minmax_options, entropy_options = Int8Options(), Int8Options(method="entropy")
+    assert entropy_options.histogram_bins() == 2048 and entropy_options.quantized_bins == 128
+    minmax = ranges_here(prepared, samples, minmax_options)
+    minmax_file = write_qdq(prepared, tensors_data(minmax.ranges, None, None, minmax_options), minmax_options, [])
+    gathered = ranges_here(prepared, samples, entropy_options)
+    ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, entropy_options)
+    entropy_file = write_qdq(prepared, ours, entropy_options, [])
+    assert entropy_file != minmax_file
+    theirs, _ = ort_calibrator_ranges(prepared.model, samples, len(samples), "entropy", tmp_path, num_bins=2048)
+    assert write_qdq(prepared, theirs, entropy_options, []) == entropy_file
+    assert ranges_as_minmax(ours, gathered.ranges)["tensors"] < len(prepared.tensors)
+    old = Int8Options(method="entropy", bins=128)
+    same = ranges_here(prepared, samples, old)
+    as_minmax = ranges_as_minmax(tensors_data(same.ranges, same.histograms, same.edges, old), same.ranges)
+    assert as_minmax["tensors"] == as_minmax["of"] and "minmax file" in as_minmax["note"]
 
 
 @pytest.mark.parametrize("arch", ["mobilenet_v2", "timm:resnet10t"])
@@ -141,18 +167,52 @@ def test_guard_keeps_the_measured_most_sensitive_ops_float_until_the_bound_holds
     guarded = quantize_export(
         fp32, Int8Options(max_top1_drop=1.0, max_float_ops=2), in_process(dataset, 32), samples, evaluation=data
     ).section
-    kept = guarded["guard"]["kept_float"]
-    assert kept and guarded["evaluation"]["top1_drop_points"] <= 1.0
-    assert all("top1_recovered_alone" in op and "top1_after" in op for op in kept)
+    guard = guarded["guard"]
+    kept = guard["kept_float"]
+    assert kept and guard["held"] and guarded["written"]
+    assert all("top1_gain_alone_points" in op and "selection_top1_after" in op for op in kept)
+    assert all(op["top1_gain_alone_points"] > 1 for op in kept[:1])  # points, like max_top1_drop
     listed = {op["name"]: op["reason"] for op in guarded["ops_float"]}
     assert all("max_top1_drop" in listed[op["name"]] for op in kept)
+    # the accuracies are reported on the samples the choice never saw
+    assert guarded["evaluation"]["samples"] == guard["report"]["samples"] == 128
+    assert guard["selection"]["samples"] == 128 and guard["report_drop_points"] == guarded["evaluation"]["top1_drop_points"]
+    assert guard["held_on_report"] == (guard["report_drop_points"] <= 1.0)
 
 
-def test_guard_that_cannot_hold_fails_saying_so(outlier):
+def test_guard_selection_and_report_samples_are_disjoint_and_cover_the_evaluation_data():
+    samples = np.arange(37, dtype=np.float32).reshape(37, 1, 1, 1)  # each sample's value is its position
+    data = LabelledBatches([samples[i : i + 10] for i in range(0, 37, 10)],
+                           [np.arange(37)[i : i + 10] for i in range(0, 37, 10)])
+    selection, report = split_for_guard(data)
+    chosen = {float(v) for batch in selection.batches for v in batch.ravel()}
+    reported = {float(v) for batch in report.batches for v in batch.ravel()}
+    assert not chosen & reported and chosen | reported == set(map(float, range(37)))
+    assert chosen == set(map(float, range(0, 37, 2)))  # even positions, whatever the class order
+    for part in (selection, report):  # labels travel with their samples
+        assert all(np.array_equal(b.ravel(), y.astype(np.float32)) for b, y in zip(part.batches, part.labels))
+
+
+def test_guard_that_cannot_hold_fails_saying_so_with_the_section(outlier):
     fp32, samples, dataset, data = outlier
-    with pytest.raises(ExportError, match=r"max_top1_drop 0\.5.*no file written"):
+    with pytest.raises(Int8GuardFailed, match=r"max_top1_drop 0\.5.*no INT8 file written") as caught:
         quantize_export(fp32, Int8Options(max_top1_drop=0.5, max_float_ops=0), in_process(dataset, 32), samples,
                         evaluation=data)
+    section = caught.value.section
+    assert section["written"] is False and "max_top1_drop" in section["failure"]
+    assert section["guard"]["held"] is False and section["evaluation"]["samples"] == 128
+
+
+def test_keep_float_and_op_types_are_checked_before_any_range_pass(resnet):
+    fp32, samples = resnet
+
+    def no_range_pass(model, request):
+        raise AssertionError("a range pass ran before the names were checked")
+
+    with pytest.raises(ExportError, match="int8.keep_float: 'Conv_typo'"):
+        quantize_export(fp32, Int8Options(keep_float=["Conv_typo"]), no_range_pass, samples)
+    with pytest.raises(ExportError, match="int8.op_types: 'Cnov'"):
+        quantize_export(fp32, Int8Options(op_types=["Cnov"]), no_range_pass, samples)
 
 
 def test_file_does_not_depend_on_the_batches_it_was_gathered_in(resnet, tmp_path):

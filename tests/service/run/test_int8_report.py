@@ -28,3 +28,23 @@ def test_int8_section_shows_accuracy_side_by_side_and_ops_left_float():
     assert "0.972" in page and "0.34" in page
     assert "head&lt;fc&gt;" in page and "int8.keep_float" in page
     assert_offline(page)
+
+
+def test_int8_section_shows_target_runtimes_guard_and_why_no_file():
+    report = {
+        "arch": "torchvision:resnet18", "mode": "sync", "world_size": 1, "samples": 64, "steps": 1, "seconds": 0.5,
+        "layers": [], "nodes": ["n1"],
+        "int8": {
+            "target": "tensorrt", "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
+            "activation_type": "int8", "samples": 64, "world_size": 1, "collectives": [1], "written": False,
+            "failure": "INT8 top-1 stays 3.00 points below FP32 ... no INT8 file written",
+            "guard": {"max_top1_drop": 0.5, "held": False, "kept_float": [],
+                      "selection": {"samples": 180, "which": "evaluation samples at even positions (0, 2, 4, ...)"},
+                      "report": {"samples": 180, "which": "evaluation samples at odd positions (1, 3, 5, ...)"}},
+            "evaluation": {"samples": 180, "fp32": {"top1": 0.95, "top5": 1.0}, "int8": {"top1": 0.92, "top5": 1.0}},
+        },
+    }
+    page = render_html_report(report)
+    assert "No INT8 file: INT8 top-1 stays 3.00 points" in page and "tensorrt" in page
+    assert "float ops chosen on 180 evaluation samples at even positions" in page
+    assert_offline(page)
