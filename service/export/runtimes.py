@@ -1,5 +1,5 @@
 """The exported files run in a second runtime, OpenVINO (its CPU plugin, dynamic batch),
-beside onnxruntime (docs/onnx.md, "Runtimes"; docs/int8.md, "Checks").
+beside onnxruntime (docs/onnx.md, "The file"; docs/int8.md, "Checks and the report's `int8` section").
 
 onnxruntime alone can accept a graph another deployer's runtime reads differently (a
 memory-format subgraph that OpenVINO computed wrong at a dynamic batch showed this), so

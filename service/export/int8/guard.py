@@ -1,6 +1,6 @@
 """The ``max_top1_drop`` guard: when the INT8 model loses more top-1 than allowed against
 the FP32 one, keep its most sensitive ops in float, one at a time, until it holds
-(docs/int8.md, "The accuracy guard").
+(docs/int8.md, "The accuracy guard: `max_top1_drop`").
 
 The guard does not grade its own homework: the evaluation data is split in two fixed
 parts (``split_for_guard``). Sensitivity is measured and the float ops chosen on the

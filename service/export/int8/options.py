@@ -25,7 +25,7 @@ DEFAULT_ACTIVATION = {"onnxruntime": "uint8", "tensorrt": "int8", "openvino": "u
 class Int8Options(BaseModel):
     """How to quantize the folded export: onnxruntime's methods and meanings, weights int8
     symmetric (per output channel by default), activations with ranges from the
-    calibration data, Q/DQ placed for the ``target`` runtime (docs/int8.md, "Targets")."""
+    calibration data, Q/DQ placed for the ``target`` runtime (docs/int8.md, "Targets: `int8.target`")."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""Where the Q/DQ pairs go and how they are typed, per target runtime (docs/int8.md, "Targets").
+"""Where the Q/DQ pairs go and how they are typed, per target runtime (docs/int8.md, "Targets: `int8.target`").
 
 onnxruntime's ``QDQQuantizer`` writes every file; a target only chooses its arguments:
 

@@ -117,7 +117,7 @@ def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp
     batch = np.load(mobilenet["data"])[:8]
     for workers, evaluation in ((1, ["--eval-data", str(mobilenet["eval"])]), (2, [])):
         out = tmp_path / f"k{workers}"
-        code, err = run_cli(
+        code, _, err = run_cli(
             capsys, "calibrate", "--arch", "torchvision:mobilenet_v2",
             "--model-kwargs", '{"num_classes": 10, "width_mult": 0.25}', "--checkpoint", str(mobilenet["checkpoint"]),
             "--data", str(mobilenet["data"]), *evaluation, "--workers", str(workers), "--batch-size", "16",
@@ -145,7 +145,7 @@ def outlier_inputs(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_guard_that_cannot_hold_still_writes_the_checkpoint_fp32_export_and_report(tmp_path, capsys, outlier_inputs):
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.service.export.int8_helpers:OutlierNet",
         "--checkpoint", str(outlier_inputs["checkpoint"]), "--data", str(outlier_inputs["data"]),
         "--eval-data", str(outlier_inputs["eval"]), "--workers", "1", "--batch-size", "32",
@@ -161,7 +161,7 @@ def test_guard_that_cannot_hold_still_writes_the_checkpoint_fp32_export_and_repo
 
 
 def test_mistyped_keep_float_exits_2_before_any_calibration(tmp_path, capsys, inputs):
-    code, err = run_cli(
+    code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
         "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--workers", "1",
         "--out", str(tmp_path / "out.pt"), "--onnx-int8", str(tmp_path / "q.onnx"),
