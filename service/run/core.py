@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ ProgressCallback = Callable[[int, int, str], None]
 attempt, then ``calibrating``, then ``evaluating`` when the plan evaluates."""
 
 Feed = Callable[[nn.Module, Any], Any]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,25 @@ def _attempts(
                     raise type(exc)(f"{exc.message} (after {len(failures)} retries)", exc.rank, exc.node) from exc
                 raise
             failures.append(exc.message)
+
+
+def with_retries(
+    call: Callable[[], T], policy: FailurePolicy, failures: list[str], on_retry: Callable[[str], None] | None = None
+) -> T:
+    """``call()`` under the failure policy, for a phase on the ranks after the statistics (the
+    INT8 range pass): a failure the policy retries runs the phase again (``failures`` and
+    ``on_retry`` hear why), the last one is raised saying how many retries it had."""
+    while True:
+        try:
+            return call()
+        except RunError as exc:
+            if policy.make_decision(exc, failures) is FailureDecision.RAISE:
+                if failures and not isinstance(exc, CancelledError):
+                    raise type(exc)(f"{exc.message} (after {len(failures)} retries)", exc.rank, exc.node) from exc
+                raise
+            failures.append(exc.message)
+            if on_retry is not None:
+                on_retry(exc.message)
 
 
 def _phase_ordered_progress(plan: RunPlan, on_progress: ProgressCallback | None) -> Callable[[str, int], None]:

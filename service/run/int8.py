@@ -48,6 +48,7 @@ from bnrecal.service.export.int8.quantizer import (
     tensors_data,
     write_qdq,
 )
+from bnrecal.service.run.core import FailurePolicy, with_retries
 from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest
 from bnrecal.service.settings import Settings
 
@@ -303,10 +304,14 @@ def on_ranks(
     samples: int | None = None,
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
+    policy: FailurePolicy | None = None,
+    failures: list[str] | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> RangeGatherer:
     """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
     (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
-    the calibration's ranks."""
+    the calibration's ranks. A lost rank re-runs this range pass only, as ``policy`` (the
+    run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
     from bnrecal.workers.ranks.collectives import backend_for_device
     from bnrecal.workers.ranks.range_group import run_range_group
 
@@ -318,11 +323,15 @@ def on_ranks(
         shards = ship_rank_shards(dataset, batch_size, workers)
 
     def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        check_cancel(cancel)
-        return run_range_group(
-            model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
-            num_samples=_samples(dataset, samples), shards=shards, pool=pool, cancel=cancel,
-        )
+        def one_pass() -> GroupRanges:
+            check_cancel(cancel)
+            return run_range_group(
+                model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
+                num_samples=_samples(dataset, samples), shards=shards, pool=pool, cancel=cancel,
+            )
+
+        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
+        return with_retries(one_pass, policy or FailurePolicy(), failures if failures is not None else [], retried)
 
     return gather
 
@@ -353,12 +362,15 @@ def quantize_recalibrated(
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
     samples = int(result.report["samples"])
+    range_failures: list[str] = []
     if result.report.get("backend") == "in-process":
         gather = in_process(result.dataset, request.batch_size, samples)
     else:
+        retries = settings.max_retries if request.max_retries is None else request.max_retries
         gather = on_ranks(
             result.dataset, request.batch_size, request.workers, request.device, settings,
             placement=request.placement, samples=samples, pool=pool, cancel=cancel,
+            policy=FailurePolicy(retries), failures=range_failures, on_phase=on_phase,
         )
     evaluation = stale = None
     if request.eval_data is not None:
@@ -373,4 +385,6 @@ def quantize_recalibrated(
     )
     check_cancel(cancel)
     quantized.write(path)
+    quantized.section["attempts"] = len(range_failures) + 1  # range passes run, as the report's top level counts
+    quantized.section["retried_failures"] = range_failures
     return quantized.section
