@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ import numpy as np
 import psutil
 import torch
 
+import servers  # bench/servers.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.nets import mixed_net, perturbed  # noqa: E402 - the repo's own test nets
@@ -58,33 +59,12 @@ UNCLEAR_TYPES = ("https://bnrecal.dev/problems/bnrecal", "https://bnrecal.dev/pr
 TOLERANCE = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(data_dir: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
-    """``bnrecal serve`` in a session of its own, ready when ``/readyz`` says so."""
-    env = os.environ | {"PYTHONPATH": str(REPO), "BNRECAL_MODEL_MODULES": "tests", "RAY_ADDRESS": "local",
-                        "BNRECAL_CPUS_PER_WORKER": "1", "BNRECAL_API_KEYS": KEY, "BNRECAL_MAX_RETRIES": "1",
-                        "BNRECAL_COLLECTIVE_TIMEOUT_S": "60", "BNRECAL_MIN_FREE_BYTES": "0"}
-    bnrecal = Path(sys.executable).parent / "bnrecal"
-    process = subprocess.Popen(
-        [str(bnrecal), "serve", "--data-dir", str(data_dir), "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited {process.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not get ready in 180 s")
+    """``bnrecal serve`` with one retry per failed pass, appending to ``log`` when started again."""
+    return servers.start_server(data_dir, log, port, {
+        "BNRECAL_API_KEYS": KEY, "BNRECAL_MAX_RETRIES": "1", "BNRECAL_COLLECTIVE_TIMEOUT_S": "60",
+        "BNRECAL_MIN_FREE_BYTES": "0",
+    }, append=True)
 
 
 def kill_session(process: subprocess.Popen[bytes]) -> None:
@@ -215,7 +195,7 @@ def main() -> None:
     checkpoint, data = workdir / "m.pt", workdir / "x.npy"
     torch.save(model.state_dict(), checkpoint)
     np.save(data, samples.numpy())
-    port = free_port()
+    port = servers.free_port()
     log = workdir / "server.log"
     process = start_server(workdir / "data", log, port)
     chaos = Chaos(f"http://127.0.0.1:{port}", workdir / "data", log, port, process, spec={})

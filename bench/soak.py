@@ -34,7 +34,6 @@ import io
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+
+import servers  # bench/servers.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -112,32 +113,9 @@ def sample(server_pid: int) -> Sample:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(data_dir: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
-    """``bnrecal serve`` in a session of its own, ready when ``/readyz`` says so."""
-    env = os.environ | {"PYTHONPATH": str(REPO), "BNRECAL_MODEL_MODULES": "tests", "RAY_ADDRESS": "local",
-                        "BNRECAL_CPUS_PER_WORKER": "1", "BNRECAL_API_KEYS": f"{SOAK_KEY},{PROBE_KEY}"}
-    bnrecal = Path(sys.executable).parent / "bnrecal"
-    process = subprocess.Popen(
-        [str(bnrecal), "serve", "--data-dir", str(data_dir), "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited {process.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not get ready in 180 s")
+    """``bnrecal serve`` with the soak's two keys."""
+    return servers.start_server(data_dir, log, port, {"BNRECAL_API_KEYS": f"{SOAK_KEY},{PROBE_KEY}"})
 
 
 class Soak:
@@ -279,7 +257,7 @@ def main() -> None:
     parser.add_argument("--probes", action="store_true", help="Replay issue 21's abusive requests meanwhile.")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bnrecal-soak-"))
-    port = free_port()
+    port = servers.free_port()
     server = start_server(workdir / "data", workdir / "server.log", port)
     try:
         soak = Soak(f"http://127.0.0.1:{port}", server.pid, workdir)

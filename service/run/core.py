@@ -196,29 +196,26 @@ def _attempts(
     """Run the pass until it succeeds or the policy says to stop; the messages of the
     failures that were retried come back with the result."""
     failures: list[str] = []
-    while True:
+
+    def attempt() -> GroupResult:
         progress = _phase_ordered_progress(plan, on_progress)
         if on_progress is not None:  # the samples to calibrate are known before any worker starts
             # a retry says so, and why, where the user watches (the terminal, the job's phase)
             phase = f"{STARTING_PHASE} again after: {failures[-1]}" if failures else STARTING_PHASE
             on_progress(0, plan.data.num_samples, phase)
         try:
-            return executor.execute(rank_plan, plan, progress, cancel), failures
+            return executor.execute(rank_plan, plan, progress, cancel)
         except DatasetError:
             _discard_unpacked(plan)
             raise
-        except RunError as exc:
-            if policy.make_decision(exc, failures) is FailureDecision.RAISE:
-                if failures and not isinstance(exc, CancelledError):
-                    raise type(exc)(f"{exc.message} (after {len(failures)} retries)", exc.rank, exc.node) from exc
-                raise
-            failures.append(exc.message)
+
+    return with_retries(attempt, policy, failures), failures
 
 
 def with_retries(
     call: Callable[[], T], policy: FailurePolicy, failures: list[str], on_retry: Callable[[str], None] | None = None
 ) -> T:
-    """``call()`` under the failure policy, for a phase on the ranks after the statistics (the
+    """``call()`` under the failure policy, for every phase on the ranks (the statistics, the
     INT8 range pass): a failure the policy retries runs the phase again (``failures`` and
     ``on_retry`` hear why), the last one is raised saying how many retries it had."""
     while True:

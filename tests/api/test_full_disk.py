@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from bnrecal.service.jobserver.server import tenant_of_key
 from tests.api.conftest import submit, upload, wait_for, write_samples
 from tests.api.test_storage import KEY, client_of, job_spec, problem, serve
 from tests.conftest import save_state
+from tests.disks import mounted_tmpfs
 from tests.nets import mixed_net, perturbed
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -28,16 +28,8 @@ WIDE = 40_000  # channels of mixed_net: a checkpoint of about 10 MB
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs of its own (root only; skipped where mounting is not permitted)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", f"{DISK_BYTES // 2**20}m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def leave_free(disk: Path, free: int) -> Path:

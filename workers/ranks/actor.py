@@ -7,10 +7,10 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -24,6 +24,8 @@ from bnrecal.workers.ranks.collectives import RayCollective
 from bnrecal.workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
 
+T = TypeVar("T")
+
 HEARTBEAT_S = 1.0
 """How often a rank reports while a step is in flight, so the driver can tell a rank
 stuck in its own work (fewer collectives entered) from one waiting for its peers."""
@@ -35,13 +37,6 @@ class _Finished:
 
     calibration: PassResult
     evaluation: dict[str, Any] | None
-
-
-@dataclass
-class _Gathered:
-    """The INT8 range thread's last message: this rank's part of the combined ranges."""
-
-    result: Any
 
 
 class CalibrationRank:
@@ -137,56 +132,39 @@ class CalibrationRank:
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
         yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
-        events: queue.SimpleQueue[dict[str, Any] | _Finished | BaseException] = queue.SimpleQueue()
-
-        def on_step(step: int, samples: int) -> None:
-            events.put(
-                {
-                    "kind": "progress", "phase": "calibrating", "rank": self.rank, "step": step,
-                    "samples": samples, "calls": collective.calls,
-                }
-            )
-
-        def work() -> None:
-            try:
-                result = calibration_pass(
-                    model,
-                    layers,
-                    batches,
-                    mode=plan.mode,
-                    collective=collective,
-                    call_order=plan.call_order,
-                    device=device,
-                    on_step=on_step,
-                    memory_format=plan.memory_format,
-                    sample_ranges=ranges,
-                    step_ranges=steps,
-                    feed=plan.feed,
-                    stop=plan.stop,
-                    row_of=row_of(plan),
-                )
-                evaluation = None
-                if plan.evaluation is not None:
-                    evaluation = self._evaluate(plan, model, result, eval_shard, collective, events.put)
-                events.put(_Finished(result, evaluation))
-            except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
-                events.put(exc)
 
         # The work runs on a thread so this generator can stream its progress as it goes.
-        worker = threading.Thread(target=work, name=f"calibration-rank-{self.rank}", daemon=True)
-        worker.start()
-        while True:
-            try:
-                event = events.get(timeout=HEARTBEAT_S)
-            except queue.Empty:
-                yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
-                continue
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, _Finished):
-                break
-            yield event
-        worker.join()
+        def work(emit: Callable[[dict[str, Any]], None]) -> _Finished:
+            def on_step(step: int, samples: int) -> None:
+                emit(
+                    {
+                        "kind": "progress", "phase": "calibrating", "rank": self.rank, "step": step,
+                        "samples": samples, "calls": collective.calls,
+                    }
+                )
+
+            result = calibration_pass(
+                model,
+                layers,
+                batches,
+                mode=plan.mode,
+                collective=collective,
+                call_order=plan.call_order,
+                device=device,
+                on_step=on_step,
+                memory_format=plan.memory_format,
+                sample_ranges=ranges,
+                step_ranges=steps,
+                feed=plan.feed,
+                stop=plan.stop,
+                row_of=row_of(plan),
+            )
+            evaluation = None
+            if plan.evaluation is not None:
+                evaluation = self._evaluate(plan, model, result, eval_shard, collective, emit)
+            return _Finished(result, evaluation)
+
+        event = yield from self._streamed(work, collective, f"calibration-rank-{self.rank}")
         passed = event.calibration
         yield {
             "kind": "result",
@@ -257,35 +235,50 @@ class CalibrationRank:
             total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
             ranges = rank_ranges(total, batch_size, world_size, self.rank)
             yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
-            events: queue.SimpleQueue[dict[str, Any] | _Gathered | BaseException] = queue.SimpleQueue()
+            def work(emit: Callable[[dict[str, Any]], None]) -> Any:
+                def on_batch(samples: int) -> None:
+                    emit({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
 
-            def on_batch(samples: int) -> None:
-                events.put({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
+                return range_pass(
+                    model, request, lambda: iter_batches(data, ranges), collective, self.rank,
+                    threads=self.num_threads, on_batch=on_batch,
+                )
 
-            def work() -> None:
-                try:
-                    events.put(_Gathered(range_pass(
-                        model, request, lambda: iter_batches(data, ranges), collective, self.rank,
-                        threads=self.num_threads, on_batch=on_batch,
-                    )))
-                except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
-                    events.put(exc)
+            gathered = yield from self._streamed(work, collective, f"int8-ranges-rank-{self.rank}")
+            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": gathered}
 
-            worker = threading.Thread(target=work, name=f"int8-ranges-rank-{self.rank}", daemon=True)
-            worker.start()
-            while True:
-                try:
-                    event = events.get(timeout=HEARTBEAT_S)
-                except queue.Empty:
-                    yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
-                    continue
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, _Gathered):
-                    break
-                yield event
-            worker.join()
-            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": event.result}
+    def _streamed(
+        self, work: Callable[[Callable[[dict[str, Any]], None]], T], collective: RayCollective, name: str
+    ) -> Generator[dict[str, Any], None, T]:
+        """Run ``work(emit)`` on a thread and stream what it emits as it goes, with a
+        heartbeat (the collectives entered so far) whenever it is quiet for ``HEARTBEAT_S``;
+        the generator's return value is ``work``'s (``result = yield from ...``)."""
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        done = object()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(work(events.put))
+                events.put(done)
+            except BaseException as exc:  # noqa: BLE001 - handed to the streaming side
+                events.put(exc)
+
+        worker = threading.Thread(target=run, name=name, daemon=True)
+        worker.start()
+        while True:
+            try:
+                event = events.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            if event is done:
+                break
+            yield event
+        worker.join()
+        return outcome[0]
 
     @contextmanager
     def _rank_named(self, doing: str = "") -> Iterator[None]:

@@ -6,7 +6,6 @@ ledger write that does not fit loses nothing stored before."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,18 +17,13 @@ from bnrecal.service.jobserver.problems import http_status
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.errors import InsufficientStorageError
 
+from tests.disks import mounted_tmpfs
+
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def fill(disk: Path) -> Path:
