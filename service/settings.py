@@ -59,6 +59,10 @@ class Settings(BaseSettings):
         "the default layout otherwise.",
     )
     max_retries: int = Field(default=0, ge=0, description="Re-runs of a failed pass, from scratch (0: off).")
+    job_max_retries: int = Field(
+        default=1, ge=0, description="Re-runs of a server job's failed pass when its spec gives no max_retries "
+        "(a retry gives identical bytes; 0: off).",
+    )
     collective_timeout_s: float = Field(default=300.0, gt=0, description="Longest a job may go without progress.")
     placement_timeout_s: float = Field(default=120.0, gt=0, description="Longest to wait for the ranks' resources.")
     capacity_check: bool = Field(

@@ -63,6 +63,8 @@ def run_job(
     into ``workdir``: the artifacts' files and the report (which names its job, with a ``label``)."""
     _check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
+    if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
+        request = request.model_copy(update={"max_retries": settings.job_max_retries})
     if "onnx_int8" in spec.outputs:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
         from bnrecal.service.export.int8.options import int8_options
         from bnrecal.service.run.int8_names import check_int8_names
