@@ -54,6 +54,24 @@ def serve(
         APP_FACTORY, factory=True, http=HTTP_PROTOCOL, host=host, port=port, log_level=log_level,
         timeout_graceful_shutdown=10,
     )
+    _leave_ray()
+
+
+def _leave_ray() -> None:
+    """Leave a joined Ray cluster before the process ends, within moments: Ray's own exit
+    handler would wait on a cluster that does not answer until its reconnect timeout (a
+    minute), so the server ends without it then (docs/api.md, "Restarts")."""
+    import os
+    import sys
+
+    import ray
+
+    from bnrecal.service.jobserver.server import RAY_SHUTDOWN_S, shutdown_within
+
+    if ray.is_initialized() and not shutdown_within(2 * RAY_SHUTDOWN_S):
+        print("error: the Ray cluster did not let go within "
+              f"{2 * RAY_SHUTDOWN_S:g} s: exiting without it", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 @opt.run_command(server="out", api_key="program", ray_address="transform")

@@ -291,22 +291,21 @@ class Services:
         if self.pool is not None and reachable:  # after the runner: no job runs there any more
             self.pool.close()
         self.ledger.close()
-        if not ray.is_initialized():
+        if not ray.is_initialized() or not self.started_ray:
+            return  # a cluster this server joined is not its to stop (nor is its host process to end)
+        lost = self.health is not None and self.health.lost is not None
+        if reachable and not lost:
+            ray.shutdown()
             return
-        if reachable:
-            if self.started_ray:
-                ray.shutdown()
-            return
-        if self.started_ray:  # dead for good: its processes are killed, Ray's shutdown would wait on them
-            kill_embedded_processes()
-            log.error("stopped with the embedded Ray instance gone: exiting without Ray's shutdown")
-            _exit_now(1)
-        if not _shutdown_within(RAY_SHUTDOWN_S):  # a cluster joined by address that does not answer
-            log.error("Ray did not let go of the unreachable cluster within %g s: exiting without it", RAY_SHUTDOWN_S)
-            _exit_now(1)
+        if not lost and shutdown_within(RAY_SHUTDOWN_S):
+            return  # a late probe on a busy machine is not a dead instance: Ray's own shutdown, bounded
+        # dead for good (or its shutdown hangs): its processes are killed, Ray's shutdown would wait on them
+        kill_embedded_processes()
+        log.error("stopped with the embedded Ray instance gone: exiting without Ray's shutdown")
+        _exit_now(1)
 
 
-def _shutdown_within(timeout_s: float) -> bool:
+def shutdown_within(timeout_s: float) -> bool:
     """``ray.shutdown`` in a thread of its own; whether it returned within ``timeout_s``."""
     done = threading.Event()
 
