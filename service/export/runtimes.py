@@ -14,8 +14,6 @@ OpenVINO is optional (the ``test`` extra installs it); without it the report say
 
 from __future__ import annotations
 
-import io
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from bnrecal.errors import first_line
 
 OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 
@@ -39,38 +36,67 @@ class RuntimeRun:
 
 
 def openvino_version() -> str | None:
-    """OpenVINO's version, or None when it is not installed."""
+    """OpenVINO's version, or None when it is not installed (read from its package
+    metadata: OpenVINO itself is only ever loaded in a child process, below)."""
+    from importlib import metadata
+
     try:
-        import openvino
-    except ImportError:
+        return metadata.version("openvino").split("-")[0]
+    except metadata.PackageNotFoundError:
         return None
-    return str(openvino.__version__).split("-")[0]
+
+
+_CHILD = """
+import io, os, sys
+import numpy as np
+import openvino as ov
+folder = sys.argv[1]
+batches = np.load(os.path.join(folder, "batches.npz"))
+core = ov.Core()
+config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": min(4, os.cpu_count() or 1)}
+try:
+    compiled = core.compile_model(core.read_model(os.path.join(folder, "model.onnx")), "CPU", config)
+except Exception as exc:
+    sys.exit("OpenVINO cannot compile the model: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+request = compiled.create_infer_request()
+outputs = {}
+for b in range(len(batches.files)):
+    batch = batches[f"b{b}"]
+    try:
+        result = request.infer({0: batch})
+    except Exception as exc:
+        sys.exit(f"OpenVINO fails on a batch of {len(batch)}: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+    for i, port in enumerate(compiled.outputs):
+        outputs[f"b{b}_o{i}"] = np.array(result[port])
+np.savez(os.path.join(folder, "outputs.npz"), **outputs)
+"""
+"""The OpenVINO run, in a process of its own: OpenVINO loaded into a process that also runs
+torch and Ray (the driver, a job host) corrupted that process's memory later on (a segfault
+in a later test, reproduced with four command-line test files; none without OpenVINO)."""
 
 
 def run_openvino(model: Path | bytes, batches: Sequence[np.ndarray]) -> RuntimeRun:
     """Compile ``model`` (a file or serialized bytes) for OpenVINO's CPU plugin as written
-    (dynamic batch kept dynamic) and run it on each batch. Raises ``RuntimeError`` with
-    one line when OpenVINO cannot read, compile or run it."""
+    (dynamic batch kept dynamic) and run it on each batch, in a child process. Raises
+    ``RuntimeError`` with one line when OpenVINO cannot read, compile or run it."""
+    import subprocess
+    import sys
+    import tempfile
+
     version = openvino_version()
     if version is None:
         return RuntimeRun("openvino", "", None, "openvino is not installed")
-    import openvino as ov
-
-    source = model.read_bytes() if isinstance(model, Path) else model
-    core = ov.Core()
-    config: dict[str, Any] = {**OPENVINO_CONFIG, "INFERENCE_NUM_THREADS": min(4, os.cpu_count() or 1)}
-    try:
-        compiled = core.compile_model(core.read_model(io.BytesIO(source)), "CPU", config)
-    except Exception as exc:  # noqa: BLE001 - OpenVINO raises its own types
-        raise RuntimeError(f"OpenVINO cannot compile the model: {first_line(exc)}") from exc
-    request = compiled.create_infer_request()
-    outputs: list[list[np.ndarray]] = []
-    for batch in batches:
-        try:
-            result = request.infer({0: batch})
-        except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"OpenVINO fails on a batch of {len(batch)}: {first_line(exc)}") from exc
-        outputs.append([np.array(result[port]) for port in compiled.outputs])
+    with tempfile.TemporaryDirectory(prefix="bnrecal-openvino-") as folder:
+        target = Path(folder, "model.onnx")
+        target.write_bytes(model.read_bytes() if isinstance(model, Path) else model)
+        np.savez(Path(folder, "batches.npz"), **{f"b{b}": batch for b, batch in enumerate(batches)})
+        done = subprocess.run([sys.executable, "-c", _CHILD, folder], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else f"OpenVINO's process ended with code {done.returncode}")
+        with np.load(Path(folder, "outputs.npz")) as saved:
+            count = len({name.split("_")[1] for name in saved.files}) if saved.files else 0
+            outputs = [[saved[f"b{b}_o{i}"] for i in range(count)] for b in range(len(batches))]
     return RuntimeRun("openvino", version, outputs)
 
 
