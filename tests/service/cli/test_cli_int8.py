@@ -110,8 +110,9 @@ def mobilenet(tmp_path: Path) -> dict[str, Path]:
 def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp_path, capsys, mobilenet):
     """A one-worker run evaluates on the driver's own model (channels-last): its FP32 and
     INT8 files must still be the graph a two-worker run writes, and run alike in OpenVINO
-    at a dynamic batch (the old code wrote an extra as_strided subgraph: 113 nodes, not 104)."""
-    import openvino as ov
+    at a dynamic batch (the old code wrote an extra as_strided subgraph: 113 nodes, not 104).
+    OpenVINO runs in a child process, as the product runs it (service/export/runtimes.py)."""
+    from bnrecal.service.export.runtimes import run_openvino
 
     graphs, outputs = {}, {}
     batch = np.load(mobilenet["data"])[:8]
@@ -129,8 +130,7 @@ def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp
         for kind in ("", "-int8"):
             graph = onnx.load(f"{out}{kind}.onnx").graph
             graphs[workers, kind] = [(node.op_type, list(node.input)) for node in graph.node]
-        compiled = ov.Core().compile_model(f"{out}-int8.onnx", "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-        outputs[workers] = compiled(batch)[0]
+        outputs[workers] = run_openvino(Path(f"{out}-int8.onnx"), [batch]).outputs[0][0]
     assert graphs[1, ""] == graphs[2, ""] and graphs[1, "-int8"] == graphs[2, "-int8"]
     assert not any(op in ("Range", "Gather") for op, _ in graphs[1, ""])
     assert np.array_equal(outputs[1].argmax(1), outputs[2].argmax(1))
