@@ -42,6 +42,9 @@ HTTP status, problem title and problem ``type`` in ``bnrecal.service.jobserver.p
     │   │                          collective (their BN call order differs)
     │   └── CancelledError         the run was cancelled
     ├── ExportError                the ONNX export could not be made or verified
+    │   ├── Int8GuardError         the INT8 file failed its accuracy guard (the
+    │   │                          other outputs are still written)
+    │   └── Int8GuardUnreachableError  the guard cannot hold within max_float_ops
     └── InsufficientStorageError   the server's disk is full
 
 :func:`first_line` and :func:`one_line` quote a wrapped cause inside such a message.
@@ -65,6 +68,8 @@ __all__ = [
     "HeadersTooLargeError",
     "InputError",
     "InsufficientStorageError",
+    "Int8GuardError",
+    "Int8GuardUnreachableError",
     "ModelInputError",
     "NoBatchNormError",
     "NotFoundError",
@@ -234,6 +239,25 @@ class CancelledError(RunError):
 
 class ExportError(BnrecalError):
     """The ONNX export could not be produced or failed its verification."""
+
+
+class Int8GuardError(ExportError):
+    """The INT8 output failed its accuracy guard (``max_top1_drop``): the run's other
+    outputs (checkpoint, FP32 export, report) are still written; ``section`` is the report's
+    ``int8`` section saying why there is no INT8 file (``"written": false``)."""
+
+    def __init__(self, message: str, section: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.section: dict[str, object] = section if section is not None else {}
+
+
+class Int8GuardUnreachableError(ExportError):
+    """The guard's bound cannot hold within ``max_float_ops`` ops kept in float: no INT8
+    file. ``kept`` lists the ops tried in float, as the report gives them."""
+
+    def __init__(self, message: str, kept: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self.kept: list[dict[str, object]] = kept if kept is not None else []
 
 
 class InsufficientStorageError(BnrecalError):

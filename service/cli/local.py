@@ -76,7 +76,7 @@ def calibrate(
                 )
                 update(1, 1, "exporting and verifying ONNX")
             if flags.onnx_int8 is not None:
-                from bnrecal.service.export.int8.guard import Int8GuardFailed
+                from bnrecal.errors import Int8GuardError
                 from bnrecal.service.run.int8 import quantize_recalibrated
 
                 float32 = flags.onnx is not None and flags.onnx_dtype.value == "float32"
@@ -87,7 +87,7 @@ def calibrate(
                         export_options={"opset": flags.onnx_opset}, pool=pool, cancel=cancel,
                         on_phase=lambda phase: update(0, 1, phase),
                     )
-                except Int8GuardFailed as failed:  # the other outputs are still written (docs/int8.md)
+                except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
                     result.report.int8, int8_failed = failed.section, failed
                 update(1, 1, "writing and verifying INT8")
         finally:

@@ -95,7 +95,7 @@ def run_job(
         int8_file = workdir / "recalibrated-int8.onnx"
         onnx_options = spec.onnx
         fp32 = files["onnx"][0].read_bytes() if "onnx" in files and onnx_options.dtype == "float32" else None
-        from bnrecal.service.export.int8.guard import Int8GuardFailed
+        from bnrecal.errors import Int8GuardError
 
         try:
             summary.int8 = quantize_recalibrated(
@@ -107,7 +107,7 @@ def run_job(
                 pool=pool, cancel=cancel, on_phase=lambda phase: report((None, None, phase)),
             )
             files["onnx_int8"] = (int8_file, OCTET_STREAM)
-        except Int8GuardFailed as failed:  # no INT8 artifact; the others and the report saying why (docs/int8.md)
+        except Int8GuardError as failed:  # no INT8 artifact; the others and the report saying why (docs/int8.md)
             summary.int8 = failed.section
     _check_cancel(cancel)
     report((None, None, "writing"))

@@ -69,6 +69,8 @@ PROBLEM_KINDS: dict[type[BnrecalError], ProblemKind] = {
     errors.CallOrderError: ProblemKind(500, "BatchNorm call order differs between ranks"),
     errors.CancelledError: ProblemKind(409, "Cancelled"),
     errors.ExportError: ProblemKind(500, "ONNX export failed"),
+    errors.Int8GuardError: ProblemKind(500, "INT8 file failed its accuracy guard"),
+    errors.Int8GuardUnreachableError: ProblemKind(500, "INT8 accuracy guard cannot hold"),
     errors.InsufficientStorageError: ProblemKind(507, "Insufficient storage"),
 }
 """Every class of :mod:`bnrecal.errors` and how it answers over HTTP."""

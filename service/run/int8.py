@@ -22,7 +22,7 @@ import torch
 
 from bnrecal.workers.data import DatasetSpec, iter_batches
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.errors import ExportError
+from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 from bnrecal.workers.ranks.range_group import GroupRanges
@@ -32,8 +32,6 @@ from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, check_
 from bnrecal.service.export.int8.guard import (
     REPORT_RULE,
     SELECTION_RULE,
-    GuardCannotHold,
-    Int8GuardFailed,
     enforce_top1_drop,
     split_for_guard,
 )
@@ -99,7 +97,7 @@ def quantize_export(
     """Quantize the folded FP32 export: ranges by ``gather``, QDQ by onnxruntime's quantizer
     placed for ``options.target``, checked on the ``verify`` samples, measured and guarded on
     ``evaluation`` (with the stale model's export quantized alike when given). Raises
-    ``ExportError`` on a failed check, ``Int8GuardFailed`` (carrying the report's section) when
+    ``ExportError`` on a failed check, ``Int8GuardError`` (carrying the report's section) when
     the guard cannot hold."""
     phase = on_phase or (lambda _: None)
     if options.max_top1_drop is not None and evaluation is None:
@@ -171,7 +169,7 @@ def _evaluate(section: dict[str, Any], fp32_model: bytes, model: bytes, prepared
     ``max_top1_drop`` is set: the float ops chosen on the selection part of ``evaluation``,
     the accuracies reported on the other part. Returns the model to write and the part the
     accuracies are reported on; raises
-    ``Int8GuardFailed`` (with ``section``) when the guard cannot hold."""
+    ``Int8GuardError`` (with ``section``) when the guard cannot hold."""
     guarding = options.max_top1_drop is not None
     if guarding and evaluation.samples < 2:
         raise ExportError("int8.max_top1_drop needs at least 2 labelled evaluation samples: one part chooses, "
@@ -196,11 +194,11 @@ def _evaluate(section: dict[str, Any], fp32_model: bytes, model: bytes, prepared
                 prepared, data, options, list(reasons), model, selection_fp32, selection_int8,
                 lambda candidate: accuracy(candidate, selection)["top1"],
             )
-        except GuardCannotHold as failed:
+        except Int8GuardUnreachableError as failed:
             guard.update({"held": False, "kept_float": failed.kept, "reason": str(failed)})
             scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
             section.update({"written": False, "failure": str(failed)})
-            raise Int8GuardFailed(str(failed), section) from failed
+            raise Int8GuardError(str(failed), section) from failed
         guard["selection"]["int8_top1_after"] = guarded.top1
         guard.update({"held": True, "kept_float": guarded.kept, "models_measured": guarded.measured})
         if guarded.kept:

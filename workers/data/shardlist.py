@@ -198,16 +198,19 @@ def check_one_split(names: Sequence[str], shown: str) -> None:
         )
 
 
-def read_manifest(text: str, base: str, shown: str) -> list[str]:
+def read_manifest(text: str, base: str, shown: str, role: str = "data") -> list[str]:
     """The paths or URIs of a manifest, relative paths resolved against ``base`` (a folder or
-    a ``s3://`` prefix)."""
+    a ``s3://`` prefix); ``role`` names the data in messages (a ``.txt`` given by mistake
+    is read as a manifest, so the message says which input it was)."""
     entries = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         if not is_shard_name(line):
-            raise DatasetError(f"manifest {shown}, line {number}: {line!r} is not a .tar, .tar.gz or .parquet shard")
+            raise DatasetError(
+                f"{role}: manifest {shown}, line {number}: {line!r} is not a .tar, .tar.gz or .parquet shard"
+            )
         if is_data_uri(line):
             entries.append(parse_data_uri(line, f"manifest {shown}, line {number}"))
         elif is_data_uri(base):

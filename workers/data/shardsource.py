@@ -63,7 +63,7 @@ def local_shards(
         if source.stat().st_size > MAX_MANIFEST_BYTES:
             raise DatasetError(f"manifest {shown} is larger than {MAX_MANIFEST_BYTES} bytes")
         text = source.read_text(errors="replace")
-        return _format_of(refs_of(read_manifest(text, str(source.parent), shown), role, endpoint_url, cache_root))
+        return _format_of(refs_of(read_manifest(text, str(source.parent), shown, role), role, endpoint_url, cache_root))
     with open(source, "rb") as stream:
         head = stream.read(4)
     if lower.endswith(".parquet") or head == PARQUET_MAGIC:
@@ -99,7 +99,7 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
         if len(raw) > MAX_MANIFEST_BYTES:
             raise DatasetError(f"manifest {remote.uri} is larger than {MAX_MANIFEST_BYTES} bytes")
         base = remote.uri.rsplit("/", 1)[0]
-        entries = read_manifest(raw.decode(errors="replace"), base, remote.name)
+        entries = read_manifest(raw.decode(errors="replace"), base, remote.name, role)
         return _format_of(refs_of(entries, role, remote.endpoint_url, cache_root))
     if lower.endswith(".parquet"):
         return _format_of(refs_of([remote.uri], role, remote.endpoint_url))

@@ -9,7 +9,7 @@ part, which took no part in the choice. Sensitivity is measured, not guessed: ea
 runs in INT8 is kept in float alone (the same ranges, onnxruntime's quantizer writing the
 graph again); ops are then kept in float in order of the top-1 points each recovered alone
 (graph order breaks ties), re-measuring after each, until the drop on the selection part
-is within the bound, or ``max_float_ops`` ops are float: then ``GuardCannotHold``.
+is within the bound, or ``max_float_ops`` ops are float: then ``Int8GuardUnreachableError``.
 
 Units: top-1 values are fractions (as everywhere in the report); every difference of
 them (a drop, a gain, the bound) is in points, and named ``..._points``.
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bnrecal.errors import ExportError
+from bnrecal.errors import Int8GuardUnreachableError
 
 from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import Int8Options
@@ -31,26 +31,6 @@ from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_
 
 SELECTION_RULE = "evaluation samples at even positions (0, 2, 4, ...)"
 REPORT_RULE = "evaluation samples at odd positions (1, 3, 5, ...)"
-
-
-class GuardCannotHold(ExportError):
-    """The bound cannot hold within ``max_float_ops``: no INT8 file. ``kept`` lists the ops
-    tried in float, as the report gives them."""
-
-    def __init__(self, message: str, kept: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.kept = kept
-
-
-class Int8GuardFailed(ExportError):
-    """The INT8 output failed its guard: the run's other outputs (checkpoint, FP32 export,
-    report) are still written; ``section`` is the report's ``int8`` section saying why there
-    is no INT8 file (``"written": false``). Raised by ``service.run.int8``; callers that
-    write the other outputs catch it (docs/int8.md)."""
-
-    def __init__(self, message: str, section: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.section = section
 
 
 @dataclass
@@ -90,7 +70,7 @@ def enforce_top1_drop(
     top1_of: Callable[[bytes], float],
 ) -> Guarded:
     """The INT8 model within ``options.max_top1_drop`` points of ``fp32_top1`` as ``top1_of``
-    measures it (on the selection part), or ``GuardCannotHold`` when keeping up to
+    measures it (on the selection part), or ``Int8GuardUnreachableError`` when keeping up to
     ``max_float_ops`` ops in float cannot make it hold."""
     bound = options.max_top1_drop
 
@@ -102,7 +82,7 @@ def enforce_top1_drop(
     candidates = quantized_node_names(model, options)
     limit = options.max_float_ops if options.max_float_ops is not None else len(candidates) // 2
     if limit == 0 or not candidates:
-        raise GuardCannotHold(
+        raise Int8GuardUnreachableError(
             f"INT8 top-1 {int8_top1:.2%} is {drop(int8_top1):.2f} points below FP32 {fp32_top1:.2%} on the guard's "
             f"selection samples, more than int8.max_top1_drop {bound:g}, and no op may be kept in float "
             "(int8.max_float_ops 0); no INT8 file written",
@@ -121,7 +101,7 @@ def enforce_top1_drop(
         kept[-1]["selection_top1_after"] = top1
         if drop(top1) <= bound:
             return Guarded(model, top1, kept, measured=len(candidates) + len(kept))
-    raise GuardCannotHold(
+    raise Int8GuardUnreachableError(
         f"INT8 top-1 stays {drop(top1):.2f} points below FP32 {fp32_top1:.2%} on the guard's selection samples with "
         f"the {len(kept)} most sensitive ops kept in float ({', '.join(k['name'] for k in kept)}): "
         f"int8.max_top1_drop {bound:g} cannot hold within int8.max_float_ops {limit}; no INT8 file written",

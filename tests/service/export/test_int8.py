@@ -16,7 +16,8 @@ from bnrecal.errors import ExportError, SpecError
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 
 from bnrecal.service.export.int8.checks import LabelledBatches, accuracy
-from bnrecal.service.export.int8.guard import Int8GuardFailed, split_for_guard
+from bnrecal.errors import Int8GuardError
+from bnrecal.service.export.int8.guard import split_for_guard
 from bnrecal.service.export.int8.options import Int8Options, int8_options
 from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
 from bnrecal.service.run.int8 import in_process, quantize_export
@@ -195,7 +196,7 @@ def test_guard_selection_and_report_samples_are_disjoint_and_cover_the_evaluatio
 
 def test_guard_that_cannot_hold_fails_saying_so_with_the_section(outlier):
     fp32, samples, dataset, data = outlier
-    with pytest.raises(Int8GuardFailed, match=r"max_top1_drop 0\.5.*no INT8 file written") as caught:
+    with pytest.raises(Int8GuardError, match=r"max_top1_drop 0\.5.*no INT8 file written") as caught:
         quantize_export(fp32, Int8Options(max_top1_drop=0.5, max_float_ops=0), in_process(dataset, 32), samples,
                         evaluation=data)
     section = caught.value.section

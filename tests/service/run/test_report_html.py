@@ -36,6 +36,7 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     checkpoint = save_state(tmp_path / "m.pt", perturbed(mixed_net()))
     data = save_array(tmp_path / "x.npy", torch.randn(20, 3, 6, 5))
     html, report = tmp_path / "out" / "report.html", tmp_path / "report.json"
+    html.parent.mkdir()  # every output's folder must exist (checked before the run: docs/cli.md)
     code = 0
     try:
         main([

@@ -115,8 +115,11 @@ def test_labels_come_from_npz_y_and_class_folders(tmp_path: Path) -> None:
 
 
 def test_evaluation_data_errors_say_evaluation(tmp_path: Path) -> None:
-    (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(DatasetError, match="unknown evaluation data format 'notes.txt'"):
+    (tmp_path / "notes.bin").write_text("hello")
+    with pytest.raises(DatasetError, match="unknown evaluation data format 'notes.bin'"):
+        describe_dataset(tmp_path / "notes.bin", role="evaluation data")
+    (tmp_path / "notes.txt").write_text("hello")  # a .txt is read as a manifest of shards
+    with pytest.raises(DatasetError, match="^evaluation data: manifest notes.txt, line 1: 'hello' is not a"):
         describe_dataset(tmp_path / "notes.txt", role="evaluation data")
     with pytest.raises(DatasetError, match="evaluation data not found"):
         describe_dataset(tmp_path / "missing.npz", role="evaluation data")
