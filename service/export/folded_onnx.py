@@ -21,7 +21,14 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.export.exporters import export_unfolded
 from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from bnrecal.service.export.float16 import convert_to_float16
-from bnrecal.service.export.graph_passes import batchnorm_count, check_final_model, check_size, finalize, fold_constants
+from bnrecal.service.export.graph_passes import (
+    batchnorm_count,
+    check_final_model,
+    check_size,
+    finalize,
+    fold_constants,
+    globalize_whole_input_pools,
+)
 from bnrecal.service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
 from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 from bnrecal.service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
@@ -135,6 +142,7 @@ def _export_graph(
                           exporter=exporter)
     graph = raw.model
     fold_constants(graph)
+    globalize_whole_input_pools(graph)  # a window over the whole input, as OpenVINO reads it
     onnx_result = fold_batchnorm_nodes(graph)
     finalize(graph)
     return graph, torch_result, onnx_result, raw.exporter

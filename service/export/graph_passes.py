@@ -60,6 +60,58 @@ def drop_zero_conv_biases(model: ir.Model) -> int:
     return dropped
 
 
+def globalize_whole_input_pools(model: ir.Model) -> int:
+    """Rewrite each ``AveragePool``/``MaxPool`` whose one window covers its whole (static)
+    spatial input into ``GlobalAveragePool``/``GlobalMaxPool``; returns how many.
+
+    Hugging Face's EfficientNet pools with ``AvgPool2d(hidden_dim, ceil_mode=True)``: a
+    kernel (1280) larger than the feature map. PyTorch and onnxruntime clip the window to
+    the input (a global pool), but OpenVINO refuses a kernel larger than its input, so the
+    file would not run there. With no padding and one output position per axis the two ops
+    compute the same values (the divisor is the input's area either way).
+    """
+    rewritten = 0
+    for node in list(model.graph):
+        if node.domain != "" or node.op_type not in ("AveragePool", "MaxPool"):
+            continue
+        if len(node.outputs) != 1:  # a MaxPool's indices have no global counterpart
+            continue
+        spatial = _static_spatial_dims(node.inputs[0])
+        attrs = {name: attr.value for name, attr in node.attributes.items()}
+        kernel = list(attrs.get("kernel_shape", []))
+        if spatial is None or len(kernel) != len(spatial):
+            continue
+        strides = list(attrs.get("strides", [1] * len(kernel)))
+        no_padding = not any(attrs.get("pads", [])) and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "VALID")
+        undilated = all(d == 1 for d in attrs.get("dilations", [1] * len(kernel)))
+        ceil = bool(attrs.get("ceil_mode", 0))
+        if not (no_padding and undilated and all(_one_window(d, k, s, ceil) for d, k, s in zip(spatial, kernel, strides))):
+            continue
+        pooled = ir.node("Global" + node.op_type, inputs=[node.inputs[0]], name=f"{node.name}_global")
+        ir.convenience.replace_nodes_and_values(
+            model.graph, node, [node], [pooled], list(node.outputs), list(pooled.outputs)
+        )
+        rewritten += 1
+    return rewritten
+
+
+def _static_spatial_dims(value: ir.Value | None) -> list[int] | None:
+    """The input's spatial sizes (after batch and channels) when all are known integers."""
+    if value is None or value.shape is None or len(value.shape) < 3:
+        return None
+    dims = list(value.shape)[2:]
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def _one_window(size: int, kernel: int, stride: int, ceil: bool) -> bool:
+    """Whether a pool over ``size`` with ``kernel`` and ``stride`` (no padding) has exactly
+    one output position, whose window starts at 0 and covers the whole input."""
+    if kernel < size or stride < 1:
+        return False
+    steps = -((kernel - size) // stride) if ceil else (size - kernel) // stride  # ceil/floor of (size-kernel)/stride
+    return steps == 0
+
+
 def finalize(model: ir.Model) -> None:
     """Drop what the fold left unused, merge identical initializers, give every value a
     unique name, and strip the exporter's per-node metadata (stack traces, local paths)."""

@@ -51,13 +51,17 @@ import io, os, sys
 import numpy as np
 import openvino as ov
 folder = sys.argv[1]
+def said(exc):
+    # OpenVINO's messages open with "Exception from src/...cpp:N:" lines; the cause follows
+    lines = [l.strip() for l in str(exc).splitlines() if l.strip() and not l.strip().startswith("Exception from ")]
+    return " ".join(lines)[:400] or type(exc).__name__
 batches = np.load(os.path.join(folder, "batches.npz"))
 core = ov.Core()
 config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": min(4, os.cpu_count() or 1)}
 try:
     compiled = core.compile_model(core.read_model(os.path.join(folder, "model.onnx")), "CPU", config)
 except Exception as exc:
-    sys.exit("OpenVINO cannot compile the model: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+    sys.exit("OpenVINO cannot compile the model: " + said(exc))
 request = compiled.create_infer_request()
 outputs = {}
 for b in range(len(batches.files)):
@@ -65,7 +69,7 @@ for b in range(len(batches.files)):
     try:
         result = request.infer({0: batch})
     except Exception as exc:
-        sys.exit(f"OpenVINO fails on a batch of {len(batch)}: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+        sys.exit(f"OpenVINO fails on a batch of {len(batch)}: " + said(exc))
     for i, port in enumerate(compiled.outputs):
         outputs[f"b{b}_o{i}"] = np.array(result[port])
 np.savez(os.path.join(folder, "outputs.npz"), **outputs)

@@ -189,3 +189,29 @@ def test_bn_between_two_convs_folds_once(tmp_path: Path) -> None:
     assert (report["folded"], report["batchnorm_nodes"]) == (2, 0)
     assert op_counts(out) == Counter({"Conv": 2})
     assert_matches_torch(out, model, torch.randn(3, 3, 8, 8))
+
+
+@pytest.mark.parametrize("pool", [nn.AvgPool2d(64, ceil_mode=True), nn.MaxPool2d(64, ceil_mode=True), nn.AvgPool2d(8)],
+                         ids=["avg-ceil-oversized", "max-ceil-oversized", "avg-exact"])
+def test_a_pool_whose_window_is_the_whole_input_exports_as_a_global_pool(pool: nn.Module, tmp_path: Path) -> None:
+    """Hugging Face's EfficientNet pools with ``AvgPool2d(hidden_dim, ceil_mode=True)``, a
+    kernel larger than its input: PyTorch and onnxruntime take the whole input, OpenVINO
+    refused the file (so the export failed its OpenVINO check). Written as a global pool it
+    runs in both, with the same values."""
+    torch.manual_seed(0)
+    model = set_batchnorm_statistics(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), pool,
+                                                   nn.Flatten(), nn.Linear(4, 3)))
+    out = tmp_path / "model.onnx"
+    report = export_folded_onnx(model, torch.randn(4, 3, 8, 8), out)
+    ops = op_counts(out)
+    assert ops["GlobalAveragePool"] + ops["GlobalMaxPool"] == 1 and ops["AveragePool"] + ops["MaxPool"] == 0
+    assert report["runtimes"]["openvino"]["ran"] and report["runtimes"]["openvino"]["max_abs_diff"] <= 1e-4
+    assert_matches_torch(out, model, torch.randn(3, 3, 8, 8))
+
+
+def test_a_pool_with_several_windows_stays_as_it_is(tmp_path: Path) -> None:
+    model = set_batchnorm_statistics(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.AvgPool2d(3, ceil_mode=True)))
+    out = tmp_path / "model.onnx"
+    export_folded_onnx(model, torch.randn(4, 3, 8, 8), out)
+    assert op_counts(out)["AveragePool"] == 1
+    assert_matches_torch(out, model, torch.randn(3, 3, 8, 8))
