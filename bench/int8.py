@@ -81,7 +81,8 @@ def ranks(folder: Path, workers: int) -> None:
     from bnrecal.service.export.int8.checks import accuracy
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.run.cluster import ensure_ray
-    from bnrecal.service.run.int8 import on_ranks, quantize_export
+    from bnrecal.service.run.executors import on_ranks
+    from bnrecal.service.run.int8 import quantize_export
     from bnrecal.service.settings import Settings
 
     ensure_ray(None, min_cpus=workers)
@@ -140,7 +141,8 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
     import onnxruntime
 
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.run.int8 import in_process, quantize_export
+    from bnrecal.service.run.int8 import quantize_export
+    from bnrecal.service.run.ranges import in_process
     from bnrecal.workers.data import describe_dataset
 
     rows = []
@@ -187,7 +189,8 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
     from bnrecal.workers.data import describe_dataset
 
     from bnrecal.service.export.int8.options import int8_options
-    from bnrecal.service.run.int8 import in_process, quantize_export
+    from bnrecal.service.run.int8 import quantize_export
+    from bnrecal.service.run.ranges import in_process
 
     fp32 = (folder / "fp32.onnx").read_bytes()
     calib = np.load(folder / "calib.npy").astype(np.float32)

@@ -41,6 +41,8 @@ def calibrate(
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
     options = flags.run_options()
+    from bnrecal.service.run.options import ExportOptions
+    from bnrecal.service.run.outputs import RunOutputs
     from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
 
     request = RecalibrationRequest(
@@ -55,41 +57,21 @@ def calibrate(
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
-    int8_failed = None
     with progress_bar(STARTING_PHASE) as update:
         # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
         pool = _command_pool() if flags.onnx_int8 is not None and not in_process else None
+        outputs = RunOutputs(
+            onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
+            export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
+        )
         try:
-            try:
-                result = recalibrate(
-                    request, settings, on_progress=update, cancel=cancel, pool=pool, in_process=in_process,
-                )
-            except KeyboardInterrupt:
-                cancel.set()
-                raise
-            if flags.onnx is not None:
-                from bnrecal.service.run.exporting import export_recalibrated
-
-                update(0, 1, "exporting and verifying ONNX")
-                result.report.onnx = export_recalibrated(
-                    result, flags.onnx, opset=flags.onnx_opset, dtype=flags.onnx_dtype.value
-                )
-                update(1, 1, "exporting and verifying ONNX")
-            if flags.onnx_int8 is not None:
-                from bnrecal.errors import Int8GuardError
-                from bnrecal.service.run.int8 import quantize_recalibrated
-
-                float32 = flags.onnx is not None and flags.onnx_dtype.value == "float32"
-                fp32 = flags.onnx.read_bytes() if float32 else None
-                try:
-                    result.report.int8 = quantize_recalibrated(
-                        result, request, settings, flags.onnx_int8, int8_options, fp32_model=fp32,
-                        export_options={"opset": flags.onnx_opset}, pool=pool, cancel=cancel,
-                        on_phase=lambda phase: update(0, 1, phase),
-                    )
-                except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
-                    result.report.int8, int8_failed = failed.section, failed
-                update(1, 1, "writing and verifying INT8")
+            result = recalibrate(
+                request, settings, on_progress=update, cancel=cancel, pool=pool, in_process=in_process,
+                outputs=outputs,
+            )
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
         finally:
             if pool is not None:
                 pool.close()
@@ -106,6 +88,7 @@ def calibrate(
             update(0, 1, "stopping Ray")
             _stop_ray()
             update(1, 1, "stopping Ray")
+    int8_failed = result.int8_failed
     written_int8 = flags.onnx_int8 if int8_failed is None else None
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
     for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):

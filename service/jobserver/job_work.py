@@ -17,7 +17,9 @@ from typing import Any
 from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.pool import WarmPool
 
-from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.export.int8.options import int8_options
+from bnrecal.service.run.options import ExportOptions
+from bnrecal.service.run.outputs import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 from bnrecal.service.run.report_html import job_section, write_html_report
 
@@ -66,49 +68,25 @@ def run_job(
     if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
         request = request.model_copy(update={"max_retries": settings.job_max_retries})
     if "onnx_int8" in spec.outputs:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
-        from bnrecal.service.export.int8.options import int8_options
         from bnrecal.service.run.int8_names import check_int8_names
 
         check_int8_names(request, settings, int8_options(spec.int8), opset=spec.onnx.opset)
-    result = recalibrate(
-        request, settings, on_progress=lambda done, total, phase: report((done, total, phase)),
-        cancel=cancel, pool=pool,
+    outputs = RunOutputs(
+        onnx=workdir / "recalibrated.onnx" if "onnx" in spec.outputs else None,
+        int8=workdir / "recalibrated-int8.onnx" if "onnx_int8" in spec.outputs else None,
+        export=ExportOptions(
+            opset=spec.onnx.opset, dtype=spec.onnx.dtype, dynamic_batch=spec.onnx.dynamic_batch,
+            input_shape=tuple(spec.onnx.input_shape) if spec.onnx.input_shape is not None else None,
+        ),
+        int8_options=int8_options(spec.int8) if "onnx_int8" in spec.outputs else None,
     )
+    result = recalibrate(request, settings, on_progress=_events(report), cancel=cancel, pool=pool, outputs=outputs)
     summary = result.report
     files: dict[str, tuple[Path, str]] = {}
-    if "onnx" in spec.outputs:
-        _check_cancel(cancel)
-        report((None, None, "exporting"))
-        onnx_file = workdir / "recalibrated.onnx"
-        options = spec.onnx
-        summary.onnx = export_recalibrated(
-            result, onnx_file, opset=options.opset, dtype=options.dtype,
-            dynamic_batch=options.dynamic_batch, input_shape=options.input_shape,
-        )
-        files["onnx"] = (onnx_file, OCTET_STREAM)
-    if "onnx_int8" in spec.outputs:
-        from bnrecal.service.export.int8.options import int8_options
-        from bnrecal.service.run.int8 import quantize_recalibrated
-
-        _check_cancel(cancel)
-        report((None, None, "quantizing to INT8"))
-        int8_file = workdir / "recalibrated-int8.onnx"
-        onnx_options = spec.onnx
-        fp32 = files["onnx"][0].read_bytes() if "onnx" in files and onnx_options.dtype == "float32" else None
-        from bnrecal.errors import Int8GuardError
-
-        try:
-            summary.int8 = quantize_recalibrated(
-                result, request, settings, int8_file, int8_options(spec.int8), fp32_model=fp32,
-                export_options={
-                    "opset": onnx_options.opset, "dynamic_batch": onnx_options.dynamic_batch,
-                    "input_shape": onnx_options.input_shape,
-                },
-                pool=pool, cancel=cancel, on_phase=lambda phase: report((None, None, phase)),
-            )
-            files["onnx_int8"] = (int8_file, OCTET_STREAM)
-        except Int8GuardError as failed:  # no INT8 artifact; the others and the report saying why (docs/int8.md)
-            summary.int8 = failed.section
+    if outputs.onnx is not None:
+        files["onnx"] = (outputs.onnx, OCTET_STREAM)
+    if outputs.int8 is not None and result.int8_failed is None:  # else no INT8 artifact; the report says why
+        files["onnx_int8"] = (outputs.int8, OCTET_STREAM)
     _check_cancel(cancel)
     report((None, None, "writing"))
     for name in ("checkpoint", "program"):
@@ -125,6 +103,20 @@ def run_job(
     write_html_report(summary, html_file)
     files["report.html"] = (html_file, "text/html; charset=utf-8")
     return JobFiles(files, summary.to_dict())
+
+
+def _events(report: Callable[[Event], None]) -> Callable[[int, int | None, str], None]:
+    """The run's progress as job events: a phase that counts no samples (exporting,
+    quantizing) as (None, None, phase), once."""
+    last: list[Event] = []
+
+    def on_progress(done: int, total: int | None, phase: str) -> None:
+        event: Event = (done, total, phase) if total is not None else (None, None, phase)
+        if not last or last[0] != event:
+            last[:] = [event]
+            report(event)
+
+    return on_progress
 
 
 def _check_cancel(cancel: threading.Event) -> None:

@@ -70,7 +70,8 @@ def quantize(
 
     from ..export.int8.checks import LabelledBatches
     from ..export.int8.options import int8_options
-    from ..run.int8 import in_process, quantize_export
+    from ..run.int8 import quantize_export
+    from ..run.ranges import in_process
 
     checked = int8_options(options, "options")
     if checked.max_top1_drop is not None and eval_data is None:

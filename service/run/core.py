@@ -37,13 +37,18 @@ from bnrecal.workers.ranks.local import IN_PROCESS
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
+from bnrecal.service.run.ranges import RangeGatherer
 from bnrecal.service.run.report import LayerDrift, Placement, Report, build_report
 
-ProgressCallback = Callable[[int, int, str], None]
+ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
-attempt, then ``calibrating``, then ``evaluating`` when the plan evaluates."""
+attempt, then ``calibrating``, then ``evaluating`` when the plan evaluates; a later phase
+that counts no samples (``exporting``, ``quantizing to INT8``, ...) with total None."""
 
 Feed = Callable[[nn.Module, Any], Any]
+Phase = Callable[["RunResult", "Executor"], None]
+"""A later phase of the run (an export, the INT8 file), given the finished statistics and
+the run's executor, while its ranks' world is still up."""
 T = TypeVar("T")
 
 
@@ -131,6 +136,11 @@ class Executor(Protocol):
     def placement(self, run: RunPlan) -> Placement:
         """Where and how the ranks ran, for the report."""
 
+    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
+                       failures: list[str], on_phase: Callable[[str], None] | None,
+                       cancel: threading.Event | None) -> RangeGatherer:
+        """Where the INT8 ranges of the run are gathered: its ranks, with its sharding."""
+
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""
 
@@ -142,34 +152,50 @@ def run(
     policy: FailurePolicy | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    phases: Sequence[Phase] = (),
 ) -> RunResult:
     """Recompute every BN layer's running statistics of ``plan.model`` on the executor's
-    ranks (docs/calibration.md), evaluate when the plan says so, and return the report."""
+    ranks (docs/calibration.md), evaluate when the plan says so, then run the later
+    ``phases`` (the export and INT8 files: ``service.run.outputs``) on the same executor,
+    and return the result with the report."""
     options = plan.options
     try:
-        layers, skipped = find_batchnorm_layers(plan.model)
-        if not layers:
-            detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-            raise NoBatchNormError(f"{plan.label} has no BatchNorm layer to recalibrate{detail}")
-        call_order = probe_call_order(plan.model, layers, plan.probe, plan.feed)
-        old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
-        stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
-        executor.start(plan)
-        rank_plan = executor.rank_plan(RankPlan(
-            model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
-            world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
-            layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
-            memory_format=plan.memory_format, evaluation=plan.evaluation, feed=plan.feed,
-            stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
-        ))
-        result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
-        placement = executor.placement(plan)
-    finally:
         try:
+            layers, skipped = find_batchnorm_layers(plan.model)
+            if not layers:
+                detail = f" ({len(skipped)} without running statistics)" if skipped else ""
+                raise NoBatchNormError(f"{plan.label} has no BatchNorm layer to recalibrate{detail}")
+            call_order = probe_call_order(plan.model, layers, plan.probe, plan.feed)
+            old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+            stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
+            executor.start(plan)
+            rank_plan = executor.rank_plan(RankPlan(
+                model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
+                world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
+                layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
+                memory_format=plan.memory_format, evaluation=plan.evaluation, feed=plan.feed,
+                stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
+            ))
+            result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+            placement = executor.placement(plan)
+        finally:
             if plan.release is not None:
                 plan.release()
-        finally:
-            executor.close()
+        finished = _finish(plan, layers, skipped, old, stale, result, placement, failures)
+        for phase in phases:  # the later phases, on the same executor, while its world is up
+            check_cancel(cancel)
+            phase(finished, executor)
+        return finished
+    finally:
+        executor.close()
+
+
+def _finish(
+    plan: RunPlan, layers: list[BatchNormLayer], skipped: list[SkippedLayer],
+    old: list[tuple[torch.Tensor, torch.Tensor]], stale: dict[str, torch.Tensor], result: GroupResult,
+    placement: Placement, failures: list[str],
+) -> RunResult:
+    """Write the statistics into the driver's layers and build the report."""
     stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
     not_called = apply_statistics(layers, stats, result.steps)  # in layer order
     unreached = set(not_called)
@@ -178,7 +204,7 @@ def run(
         LayerDrift(layer, *old[i], result.calls[i], stats[i]) for i, layer in enumerate(layers)
         if layer.name not in unreached
     ]
-    report = build_report(options, result, drifts, skipped, placement, plan.data, failures)
+    report = build_report(plan.options, result, drifts, skipped, placement, plan.data, failures)
     if plan.evaluation is not None and result.evaluation is not None:
         report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     calibrated = [layer for layer in layers if layer.name not in unreached]
@@ -257,6 +283,12 @@ def _discard_unpacked(plan: RunPlan) -> None:
     for spec in plan.datasets():
         if isinstance(spec, DatasetSpec) and spec.kind == "images" and spec.path != spec.source:
             discard_unpack(spec.path)
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Stop between phases when the run was cancelled."""
+    if cancel is not None and cancel.is_set():
+        raise CancelledError("the job was cancelled")
 
 
 def bn_buffer_updates(layers: Sequence[BatchNormLayer]) -> dict[str, torch.Tensor]:

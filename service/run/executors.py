@@ -19,10 +19,13 @@ import torch
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.ranks.int8_ranges import RangeRequest
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
+from bnrecal.workers.ranks.range_group import GroupRanges
 from bnrecal.workers.ranks.plan import GroupResult, RankPlan
 
-from bnrecal.service.run.core import RunPlan
+from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
+from bnrecal.service.run.ranges import RangeGatherer, in_process, samples_read
 from bnrecal.service.run.report import Placement
 from bnrecal.service.settings import Settings
 
@@ -54,6 +57,12 @@ class InProcess:
         remote = isinstance(run.data, DatasetSpec) and run.data.remote is not None
         return Placement(IN_PROCESS, IN_PROCESS, "remote" if remote else IN_PROCESS, float(torch.get_num_threads()), False)
 
+    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
+                       failures: list[str], on_phase: Callable[[str], None] | None,
+                       cancel: threading.Event | None) -> RangeGatherer:
+        """The INT8 ranges, gathered here (a world of one, as the statistics were)."""
+        return in_process(dataset, batch_size, samples)
+
     def close(self) -> None:
         """Nothing was started."""
 
@@ -81,7 +90,7 @@ class RayRanks:
         """Start or join Ray, place nothing yet; decide how the data reaches the ranks."""
         from bnrecal.service.run.cluster import ensure_ray
 
-        options = plan.options
+        options = self.options = plan.options
         self.started_local = ensure_ray(self.address, min_cpus=options.workers)
         self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
         if isinstance(plan.data, DatasetSpec):
@@ -127,12 +136,64 @@ class RayRanks:
             object_store_bytes=sum(shard.nbytes for shard in shipped),
         )
 
+    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
+                       failures: list[str], on_phase: Callable[[str], None] | None,
+                       cancel: threading.Event | None) -> RangeGatherer:
+        """The INT8 ranges, gathered on the statistics' ranks (warm from the pool) with their
+        sharding and placement, under the run's failure policy."""
+        options = self.options
+        return on_ranks(
+            dataset, batch_size, options.workers, options.device, self.settings, placement=self.placement_strategy,
+            samples=samples, pool=self.pool, cancel=cancel, policy=policy, failures=failures, on_phase=on_phase,
+        )
+
     def close(self) -> None:
         """Shut down an embedded instance this run started, when asked to."""
         if self.stop_embedded and self.started_local:
             from bnrecal.service.run.cluster import shutdown_embedded
 
             shutdown_embedded()
+
+
+def on_ranks(
+    dataset: DatasetSpec,
+    batch_size: int,
+    workers: int,
+    device: str,
+    settings: Settings,
+    *,
+    placement: str | None = None,
+    samples: int | None = None,
+    pool: WarmPool | None = None,
+    cancel: threading.Event | None = None,
+    policy: FailurePolicy | None = None,
+    failures: list[str] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> RangeGatherer:
+    """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
+    (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
+    the calibration's ranks. A lost rank re-runs this range pass only, as ``policy`` (the
+    run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
+    from bnrecal.workers.ranks.collectives import backend_for_device
+    from bnrecal.workers.ranks.range_group import run_range_group
+
+    options = group_options(settings, workers, device, placement)
+    shards = None
+    if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
+        shards = ship_rank_shards(dataset, batch_size, workers)
+
+    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
+        def one_pass() -> GroupRanges:
+            check_cancel(cancel)
+            return run_range_group(
+                model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
+                num_samples=samples_read(dataset, samples), shards=shards, pool=pool, cancel=cancel,
+            )
+
+        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
+        return with_retries(one_pass, policy or FailurePolicy(), failures if failures is not None else [], retried)
+
+    return gather
 
 
 def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:

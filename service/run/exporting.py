@@ -14,7 +14,7 @@ from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
 from bnrecal.service.run.options import DEFAULT_OPSET
-from bnrecal.service.run.recalibrate import Recalibration
+from bnrecal.service.run.recalibration import Recalibration
 from bnrecal.service.settings import Settings
 
 VERIFY_SAMPLES = 8

@@ -3,9 +3,11 @@ calibration samples with the calibration's sharding, the QDQ graph written by
 onnxruntime's tooling (``service.export.int8``), verified, measured on the evaluation
 data beside the FP32 model and the stale model quantized alike, and guarded.
 
-``quantize_export`` is the one path; where the ranges come from is a ``RangeGatherer``:
-the job's Ray ranks (``on_ranks``), or this process as the world of one (``in_process``:
-``bnrecal export`` and the Python API), which gives the same file.
+``quantize_export`` is the one path; where the ranges come from is a ``RangeGatherer``
+(``service.run.ranges``): a run's executor's (its Ray ranks, or this process for a
+one-worker run), or this process as the world of one (``bnrecal export``, the Python
+API), which gives the same file. A run's INT8 file is one of its later phases
+(``service.run.outputs``).
 """
 
 from __future__ import annotations
@@ -15,18 +17,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data import DatasetSpec, iter_batches
-from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
 from bnrecal.workers.files import atomic_write
-from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
-from bnrecal.workers.ranks.range_group import GroupRanges
-from bnrecal.workers.ranks.sharding import rank_ranges
+from bnrecal.workers.ranks.int8_ranges import RangeRequest
 
 from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
 from bnrecal.service.export.int8.guard import (
@@ -46,30 +45,13 @@ from bnrecal.service.export.int8.quantizer import (
     tensors_data,
     write_qdq,
 )
-from bnrecal.service.run.core import FailurePolicy, with_retries
-from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest
+from bnrecal.service.run.core import check_cancel
+from bnrecal.service.run.options import ExportOptions
+from bnrecal.service.run.ranges import RangeGatherer, in_process
+from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
 from bnrecal.service.settings import Settings
 
-if TYPE_CHECKING:
-    from bnrecal.workers.ranks.pool import WarmPool
-
-RangeGatherer = Callable[[bytes, RangeRequest], GroupRanges]
-"""Gathers the ranges of a prepared FP32 model (serialized) over the calibration samples."""
-
 VERIFY_SAMPLES = 8
-
-
-def in_process(dataset: DatasetSpec, batch_size: int, samples: int | None = None) -> RangeGatherer:
-    """Gather in this process, over the first ``samples`` (default: all) of ``dataset`` at
-    global batch ``batch_size`` (a world of one)."""
-
-    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        ranges = rank_ranges(_samples(dataset, samples), batch_size, 1, 0)
-        with dataset.open() as data:
-            result = range_pass(model, request, lambda: iter_batches(data, ranges), SingleProcessCollective(), 0)
-        return GroupRanges(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
-
-    return gather
 
 
 @dataclass
@@ -278,111 +260,38 @@ def quantize_file(
     return quantized.section
 
 
-def _samples(dataset: DatasetSpec, samples: int | None) -> int:
-    """How many samples of ``dataset`` (in its order) a range pass reads."""
-    return dataset.num_samples if samples is None else min(samples, dataset.num_samples)
-
-
-def check_cancel(cancel: threading.Event | None) -> None:
-    """Stop between phases when the job was cancelled."""
-    from bnrecal.errors import CancelledError
-
-    if cancel is not None and cancel.is_set():
-        raise CancelledError("the job was cancelled")
-
-
-def on_ranks(
-    dataset: DatasetSpec,
-    batch_size: int,
-    workers: int,
-    device: str,
-    settings: Settings,
-    *,
-    placement: str | None = None,
-    samples: int | None = None,
-    pool: WarmPool | None = None,
-    cancel: threading.Event | None = None,
-    policy: FailurePolicy | None = None,
-    failures: list[str] | None = None,
-    on_phase: Callable[[str], None] | None = None,
-) -> RangeGatherer:
-    """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
-    (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
-    the calibration's ranks. A lost rank re-runs this range pass only, as ``policy`` (the
-    run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
-    from bnrecal.workers.ranks.collectives import backend_for_device
-    from bnrecal.workers.ranks.range_group import run_range_group
-
-    from bnrecal.service.run.recalibrate import group_options, resolve_data_transport, ship_rank_shards
-
-    options = group_options(settings, workers, device, placement)
-    shards = None
-    if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
-        shards = ship_rank_shards(dataset, batch_size, workers)
-
-    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        def one_pass() -> GroupRanges:
-            check_cancel(cancel)
-            return run_range_group(
-                model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
-                num_samples=_samples(dataset, samples), shards=shards, pool=pool, cancel=cancel,
-            )
-
-        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
-        return with_retries(one_pass, policy or FailurePolicy(), failures if failures is not None else [], retried)
-
-    return gather
-
-
 def quantize_recalibrated(
     result: Recalibration,
     request: RecalibrationRequest,
-    settings: Settings,
     path: str | Path,
     options: Int8Options,
+    gather: RangeGatherer,
     *,
     fp32_model: bytes | None = None,
-    export_options: dict[str, Any] | None = None,
-    pool: WarmPool | None = None,
+    export_options: ExportOptions | None = None,
     cancel: threading.Event | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The INT8 export of a recalibration, written to ``path``; returns the report's ``int8``
-    section. ``fp32_model`` is the run's folded FP32 export when it wrote one (float32),
-    else one is made with ``export_options`` (opset, dynamic_batch, input_shape)."""
+    """The INT8 export of a recalibration, written to ``path``, its ranges by ``gather`` (the
+    run's executor's: the statistics' ranks, over the samples the statistics were computed
+    on); returns the report's ``int8`` section. ``fp32_model`` is the run's folded FP32
+    export when it wrote one (float32), else one is made with ``export_options``."""
     from bnrecal.service.run.exporting import export_recalibrated
-    from bnrecal.service.run.recalibrate import plan_evaluation
 
-    kwargs = {key: value for key, value in (export_options or {}).items() if key != "dtype"}
+    export = export_options or ExportOptions()
+    kwargs = {"opset": export.opset, "dynamic_batch": export.dynamic_batch, "input_shape": export.input_shape}
     if fp32_model is None:
         fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
-    # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
-    # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
-    # they converged.
-    samples = int(result.report["samples"])
-    range_failures: list[str] = []
-    if result.report.get("backend") == "in-process":
-        gather = in_process(result.dataset, request.batch_size, samples)
-    else:
-        retries = settings.max_retries if request.max_retries is None else request.max_retries
-        gather = on_ranks(
-            result.dataset, request.batch_size, request.workers, request.device, settings,
-            placement=request.placement, samples=samples, pool=pool, cancel=cancel,
-            policy=FailurePolicy(retries), failures=range_failures, on_phase=on_phase,
-        )
     evaluation = stale = None
-    if request.eval_data is not None:
-        plan = plan_evaluation(request, result.model, settings)
-        if plan.labels is not None and plan.target.labelled:
-            evaluation = labelled_batches(plan.dataset, plan.labels, request.batch_size)
-            stale_model = result.stale_model()
-            stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, **kwargs))
+    plan = result.evaluation
+    if plan is not None and plan.labels is not None and plan.target.labelled:
+        evaluation = labelled_batches(plan.dataset, plan.labels, request.batch_size)
+        stale_model = result.stale_model()
+        stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, **kwargs))
     quantized = quantize_export(
         fp32_model, options, gather, result.calibration_samples(VERIFY_SAMPLES),
         evaluation=evaluation, stale_fp32_model=stale, on_phase=on_phase,
     )
     check_cancel(cancel)
     quantized.write(path)
-    quantized.section["attempts"] = len(range_failures) + 1  # range passes run, as the report's top level counts
-    quantized.section["retried_failures"] = range_failures
     return quantized.section

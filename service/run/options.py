@@ -8,6 +8,7 @@ this model and the code that uses it, nothing else.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
@@ -197,3 +198,14 @@ def check_model_choice(
     for field, value in (("arch", arch), ("checkpoint", checkpoint)):
         if value is None:
             raise SpecError(f"{name(field)} is required with an architecture (or give {name('program')})", field=name(field))
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How a run's folded ONNX export is made (docs/onnx.md): the opset, the float type, a
+    dynamic batch axis, and the per-sample shape to export at (default: the data's)."""
+
+    opset: int = DEFAULT_OPSET
+    dtype: Literal["float32", "float16"] = "float32"
+    dynamic_batch: bool = True
+    input_shape: tuple[int, ...] | None = None

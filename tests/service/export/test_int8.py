@@ -20,7 +20,8 @@ from bnrecal.errors import Int8GuardError
 from bnrecal.service.export.int8.guard import split_for_guard
 from bnrecal.service.export.int8.options import Int8Options, int8_options
 from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
-from bnrecal.service.run.int8 import in_process, quantize_export
+from bnrecal.service.run.int8 import quantize_export
+from bnrecal.service.run.ranges import in_process
 from tests.service.export.int8_helpers import (
     OutlierNet,
     array_dataset,

@@ -18,7 +18,8 @@ from bnrecal.errors import SpecError
 
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.export.int8.targets import OPENVINO_OPS, TENSORRT_OPS
-from bnrecal.service.run.int8 import in_process, quantize_export
+from bnrecal.service.run.int8 import quantize_export
+from bnrecal.service.run.ranges import in_process
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 

@@ -109,7 +109,7 @@ def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, w
     so the file is the one a run told that many samples writes, and not the one over all the
     data."""
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.run.int8 import quantize_recalibrated
+    from bnrecal.service.run.outputs import RunOutputs
 
     _, samples, checkpoint, data = mixed
     options = dict(workers=workers, batch_size=16, seed=2)
@@ -119,9 +119,9 @@ def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, w
         request = RecalibrationRequest(
             arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, max_samples=max_samples, **options
         )
-        result = recalibrate(request, settings, pool=warm_pool, **in_process)
-        section = quantize_recalibrated(result, request, settings, tmp_path / name, Int8Options())
-        return result.report, section, (tmp_path / name).read_bytes()
+        outputs = RunOutputs(int8=tmp_path / name, int8_options=Int8Options())
+        result = recalibrate(request, settings, pool=warm_pool, outputs=outputs, **in_process)
+        return result.report, result.report.int8, (tmp_path / name).read_bytes()
 
     auto, auto_section, auto_file = int8("auto", "auto.onnx")
     converged = auto["samples"]

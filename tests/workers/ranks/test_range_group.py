@@ -15,7 +15,7 @@ from bnrecal.workers.ranks.range_group import run_range_group
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare, tensors_data, write_qdq
-from bnrecal.service.run.int8 import in_process
+from bnrecal.service.run.ranges import in_process
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 SAMPLES, BATCH = 41, 16  # the last step has one sample: ranks 1..K-1 take an empty slice
@@ -73,7 +73,7 @@ def test_a_rank_lost_in_the_range_pass_reruns_that_pass_only_and_gives_the_same_
     import threading
     import time
 
-    from bnrecal.service.run.int8 import on_ranks
+    from bnrecal.service.run.executors import on_ranks
     from bnrecal.service.run.core import FailurePolicy
     from bnrecal.service.settings import Settings
 

@@ -1,0 +1,106 @@
+"""The files a run makes after its statistics: the folded ONNX export (docs/onnx.md) and
+the INT8 file (docs/int8.md), later phases of the same run (``service.run.core``) for the
+command line and the job server alike.
+
+They run on the run's executor while its world is up: the INT8 ranges are gathered by the
+statistics' ranks (warm from the pool), over the samples the statistics were computed on,
+under the run's failure policy. Each surface only says where the files go.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from bnrecal.errors import Int8GuardError
+
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
+from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.int8 import quantize_recalibrated
+from bnrecal.service.run.options import ExportOptions
+from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
+
+EXPORTING_PHASE = "exporting"
+QUANTIZING_PHASE = "quantizing to INT8"
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """Which files a run makes beyond the statistics, and where: ``onnx`` (the folded FP32
+    or FP16 export, by ``export``) and ``int8`` (the INT8 QDQ file, by ``int8_options``;
+    its FP32 base is the ONNX export when that is float32, else one made by ``export``)."""
+
+    onnx: Path | None = None
+    int8: Path | None = None
+    export: ExportOptions = ExportOptions()
+    int8_options: Int8Options | None = None
+
+    def __post_init__(self) -> None:
+        if self.int8 is not None and self.int8_options is None:
+            raise ValueError("an INT8 output needs its Int8Options")
+
+    @property
+    def any(self) -> bool:
+        """Whether there is anything to make."""
+        return self.onnx is not None or self.int8 is not None
+
+
+def make_outputs(
+    result: Recalibration,
+    request: RecalibrationRequest,
+    outputs: RunOutputs,
+    executor: Executor,
+    policy: FailurePolicy,
+    *,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Write ``outputs`` for a finished recalibration, setting the report's ``onnx`` and
+    ``int8`` sections. An INT8 file that fails its guard is not written: the report says
+    why and ``result.int8_failed`` holds the error, for the surface to raise once the other
+    outputs are kept (docs/int8.md). Any other failure raises (``ExportError``, ``RunError``)."""
+    progress = on_progress or (lambda done, total, phase: None)
+    if outputs.onnx is not None:
+        check_cancel(cancel)
+        progress(0, None, EXPORTING_PHASE)
+        export = outputs.export
+        result.report.onnx = export_recalibrated(
+            result, outputs.onnx, opset=export.opset, dtype=export.dtype, dynamic_batch=export.dynamic_batch,
+            input_shape=export.input_shape,
+        )
+    if outputs.int8 is not None:
+        assert outputs.int8_options is not None
+        check_cancel(cancel)
+        progress(0, None, QUANTIZING_PHASE)
+        _make_int8(result, request, outputs, executor, policy, progress, cancel)
+
+
+def _make_int8(
+    result: Recalibration, request: RecalibrationRequest, outputs: RunOutputs, executor: Executor,
+    policy: FailurePolicy, progress: ProgressCallback, cancel: threading.Event | None,
+) -> None:
+    """The INT8 phase: ranges on the run's ranks, the file, its report section."""
+    assert outputs.int8 is not None and outputs.int8_options is not None
+    float32_base = outputs.onnx is not None and outputs.export.dtype == "float32"
+    failures: list[str] = []
+    # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
+    # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
+    # they converged.
+    gather = executor.range_gatherer(
+        result.dataset, request.batch_size, int(result.report["samples"]), policy=policy, failures=failures,
+        on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
+    )
+    try:
+        section = quantize_recalibrated(
+            result, request, outputs.int8, outputs.int8_options, gather,
+            fp32_model=outputs.onnx.read_bytes() if float32_base else None,  # type: ignore[union-attr]
+            export_options=outputs.export, cancel=cancel, on_phase=lambda phase: progress(0, None, phase),
+        )
+    except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
+        result.report.int8, result.int8_failed = failed.section, failed
+        return
+    section["attempts"] = len(failures) + 1  # range passes run, as the report's top level counts
+    section["retried_failures"] = failures
+    result.report.int8 = section

@@ -1,0 +1,132 @@
+"""What a recalibration of files is: the request (run options, the checkpoint or program,
+the data as paths or URIs) and the finished :class:`Recalibration`, with the evaluation
+planned on the driver. The run itself is ``service.run.recalibrate``; the export phases
+(``service.run.outputs``, ``exporting``, ``int8``) read these types.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import Field, StrictInt, field_validator, model_validator
+from torch import nn
+
+from bnrecal.errors import Int8GuardError
+from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, read_labels
+from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.engine.evaluation import check_eval_output
+from bnrecal.workers.models.checkpoints import Checkpoint
+from bnrecal.workers.ranks.plan import EvalPlan
+
+from bnrecal.service.run.model_source import LoadedModel
+from bnrecal.service.run.options import RunOptions, check_model_choice
+from bnrecal.service.run.report import Report, write_report
+from bnrecal.service.settings import Settings
+
+
+class RecalibrationRequest(RunOptions):
+    """The run options, with the checkpoint (or program) and data as local paths: what
+    ``recalibrate`` takes. A program replaces ``arch``, ``model_kwargs`` and ``checkpoint``.
+
+    With ``eval_data`` the model is evaluated before and after on it (report ``evaluation``).
+    The ``*_name`` fields are what messages and the report call each file instead of its
+    own name: the service stores uploads under their digest and passes the names they
+    were uploaded with (only shown, never used as paths).
+    """
+
+    checkpoint: Path | None = None
+    program: Path | None = None
+    data: Path | str
+    eval_data: Path | str | None = None
+    eval_max_samples: StrictInt | None = Field(default=None, ge=1, le=2**53)
+    checkpoint_name: str | None = None
+    program_name: str | None = None
+    data_name: str | None = None
+    eval_data_name: str | None = None
+
+    @field_validator("data", "eval_data", mode="before")
+    @classmethod
+    def _path_unless_uri(cls, value: object) -> object:
+        """Data is a local path, or kept as written when it is a URI (``s3://...``)."""
+        if isinstance(value, str) and not is_data_uri(value):
+            return Path(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_model(self) -> RecalibrationRequest:
+        """An architecture with a checkpoint, or a program: exactly one model."""
+        check_model_choice(self.arch, self.checkpoint, self.program, self.model_kwargs)
+        return self
+
+
+@dataclass
+class Recalibration:
+    """A finished recalibration: the updated model, its buffer updates and the report."""
+
+    model: nn.Module
+    loaded: LoadedModel
+    updates: dict[str, torch.Tensor]
+    dataset: DatasetSpec
+    report: Report
+    stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    evaluation: EvalPlan | None = None
+    int8_failed: Int8GuardError | None = None
+    """Set when the INT8 file failed its guard: the other outputs were written, the report's
+    ``int8`` section says why (docs/int8.md); a surface raises it once they are kept."""
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint as uploaded (None for a program)."""
+        return self.loaded.checkpoint
+
+    def save_model(self, path: str | os.PathLike[str]) -> None:
+        """Write the recalibrated checkpoint in the uploaded format and layout, or the
+        recalibrated program (the same archive with new running buffers)."""
+        self.loaded.save(self.updates, path)
+
+    def save_report(self, path: str | os.PathLike[str]) -> None:
+        """Write ``report.json``."""
+        write_report(self.report, path)
+
+    def stale_model(self) -> nn.Module:
+        """A copy of the model with its BN statistics as they were before the recalibration
+        (to show what recalibrating bought, e.g. in INT8)."""
+        stale = copy.deepcopy(self.model)
+        state = stale.state_dict()
+        for key, value in self.stale_buffers.items():
+            state[key].copy_(value)
+        return stale
+
+    def calibration_samples(self, count: int) -> torch.Tensor:
+        """The first ``count`` calibration samples, e.g. to verify an export."""
+        with self.dataset.open() as data:
+            return data.load(0, min(count, self.dataset.num_samples))
+
+
+def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
+    """Describe the evaluation data, read its labels and check on one sample, on the driver,
+    that the model's output can be evaluated: a problem fails here, before any actor starts."""
+    assert request.eval_data is not None
+    source = request.eval_data
+    # The transform is for images: evaluation arrays beside calibration images are fed as they are.
+    if isinstance(source, str):  # object storage: arrays by their extension
+        arrays = source.lower().endswith((".npy", ".npz"))
+    else:
+        arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
+    dataset = describe_dataset(
+        source,
+        transform=None if arrays else request.transform,
+        max_samples=request.eval_max_samples,
+        **settings.unpack_options(),
+        role="evaluation data",
+        name=request.eval_data_name,
+        endpoint_url=settings.s3_endpoint_url,
+    )
+    labels = read_labels(dataset)
+    with dataset.open() as data:
+        target = check_eval_output(model, data.load(0, 1), labels)
+    return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
