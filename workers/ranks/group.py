@@ -22,9 +22,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
-from bnrecal.errors import BnrecalError, CallOrderError, CancelledError, RunError, first_line
+from bnrecal.errors import BnrecalError, CallOrderError, RunError, first_line
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.ranks.streams import follow_streams
 
 ProgressCallback = Callable[[str, int], None]
 """Called with the phase (``calibrating``, ``evaluating``) and the number of samples all
@@ -102,8 +103,6 @@ def _follow(
     cancel: threading.Event | None,
 ) -> GroupResult:
     """Consume every rank's event stream until all have sent their result."""
-    rank_of = {id(stream): rank for rank, stream in enumerate(streams)}
-    pending = list(streams)
     results: dict[int, dict[str, Any]] = {}
     steps_done = [0] * len(streams)
     calls_entered = [0] * len(streams)
@@ -112,19 +111,9 @@ def _follow(
     samples_done = {"calibrating": 0, "evaluating": 0}
     startup_deadline = time.monotonic() + options.placement_timeout_s
     last_progress = time.monotonic()
-    while pending:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("the job was cancelled")
-        ready, _ = ray.wait(pending, num_returns=1, timeout=0.2)
-        for stream in ready:
-            rank = rank_of[id(stream)]
-            try:
-                event = ray.get(next(stream))
-            except StopIteration:
-                pending.remove(stream)
-                continue
-            except (RayTaskError, RayActorError) as exc:
-                raise _root_cause(rank, exc, streams, nodes) from None
+    for arrived in follow_streams(streams, cancel, lambda rank, exc: _root_cause(rank, exc, streams, nodes)):
+        if arrived is not None:
+            rank, event = arrived
             if event["kind"] == "started":
                 started.add(rank)
                 nodes[rank] = event["node_id"]
@@ -145,6 +134,7 @@ def _follow(
             elif event["kind"] == "result":
                 results[rank] = event
                 last_progress = time.monotonic()
+            continue
         if plan.mode == "sync" and results:
             _check_collective_counts(results, calls_entered, nodes)
         if len(started) < len(streams):

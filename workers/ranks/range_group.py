@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
+from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.group import GroupOptions
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, RangeResult
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.ranks.streams import follow_streams
 
 
 @dataclass
@@ -94,26 +95,15 @@ def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event |
     """Every rank's result, from its event stream. The ranks must start within the placement
     timeout; after that the pass fails only when no rank made progress (a batch run, a
     collective entered) for the collective timeout: a long pass is not a stuck one."""
-    pending = list(streams)
     results: list[dict[str, Any]] = []
     nodes: dict[int, str] = {}
     calls = [0] * len(streams)
     started: set[int] = set()
     startup_deadline = time.monotonic() + options.placement_timeout_s
     last_progress = time.monotonic()
-    while pending:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("the job was cancelled")
-        ready, _ = ray.wait(pending, num_returns=1, timeout=0.2)
-        for stream in ready:
-            rank = streams.index(stream)
-            try:
-                event = ray.get(next(stream))
-            except StopIteration:
-                pending.remove(stream)
-                continue
-            except (RayTaskError, RayActorError) as exc:
-                raise _failure(rank, exc, nodes.get(rank)) from None
+    for arrived in follow_streams(streams, cancel, lambda rank, exc: _failure(rank, exc, nodes.get(rank))):
+        if arrived is not None:
+            rank, event = arrived
             kind = event["kind"]
             if kind == "started":
                 started.add(rank)
@@ -124,6 +114,7 @@ def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event |
                 results.append(event)
             calls[rank] = event.get("calls", calls[rank])
             last_progress = time.monotonic()
+            continue
         if len(started) < len(streams):
             if time.monotonic() > startup_deadline:
                 late = sorted(set(range(len(streams))) - started)

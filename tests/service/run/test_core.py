@@ -122,3 +122,53 @@ def test_release_runs_even_when_the_run_fails_early():
     with pytest.raises(Exception, match="no BatchNorm layer"):
         run(plan, InProcess())
     assert released == [True]
+
+
+class Watched(InProcess):
+    """The real in-process executor, noting when it is closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
+    """The export and INT8 phases of a run see the statistics written and the executor's
+    world still up (its range gatherer is theirs), and a failing phase still closes it."""
+    model, samples = stale
+    reference = reference_statistics(model, samples, batch_size=8)
+    executor, seen = Watched(), []
+
+    def phase(result, running):
+        assert running is executor and not executor.closed
+        assert_matches_reference(model, reference)  # the statistics are in the driver's model already
+        gather = running.range_gatherer(running_data, 8, 16, policy=FailurePolicy(), failures=[], on_phase=None,
+                                        cancel=None)
+        seen.append((result.report.samples, callable(gather)))
+
+    plan = plan_for(model, samples)
+    running_data = plan.data
+    result = run(plan, executor, phases=[phase])
+    assert seen == [(29, True)] and executor.closed and result.report.samples == 29
+
+    def failing(result, running):
+        raise RunError("the INT8 ranks were lost")
+
+    executor = Watched()
+    with pytest.raises(RunError, match="INT8 ranks were lost"):
+        run(plan_for(model, samples), executor, phases=[failing])
+    assert executor.closed
+
+
+def test_a_run_cancelled_after_its_statistics_runs_no_later_phase(stale):
+    model, samples = stale
+    cancel, ran = threading.Event(), []
+
+    def cancels(result, running):
+        cancel.set()  # as a user's cancel arriving during the export
+
+    with pytest.raises(CancelledError):
+        run(plan_for(model, samples), InProcess(), cancel=cancel, phases=[cancels, lambda *_: ran.append(True)])
+    assert ran == []
