@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
 from bnrecal.service.run.ranges import RangeGatherer
+
+if TYPE_CHECKING:
+    from bnrecal.service.export.int8.checks import Scorer
 from bnrecal.service.run.report import LayerDrift, Placement, Report, build_report
 
 ProgressCallback = Callable[[int, int | None, str], None]
@@ -140,6 +143,10 @@ class Executor(Protocol):
                        failures: list[str], on_phase: Callable[[str], None] | None,
                        cancel: threading.Event | None) -> RangeGatherer:
         """Where the INT8 ranges of the run are gathered: its ranks, with its sharding."""
+
+    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
+               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> Scorer:
+        """Where exported models are scored on the labelled evaluation data: its ranks."""
 
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data import DatasetSpec, iter_batches
 from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.int8_ranges import RangeRequest
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
-from bnrecal.workers.ranks.range_group import GroupRanges
-from bnrecal.workers.ranks.plan import GroupResult, RankPlan
+from bnrecal.workers.ranks.onnx_scores import ScoreRequest, ScoreResult, score_pass
+from bnrecal.workers.ranks.sharding import rank_ranges
+from bnrecal.workers.ranks.plan import EvalPlan, GroupRanges, GroupResult, RankPlan
 
 from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
 from bnrecal.service.run.ranges import RangeGatherer, in_process, samples_read
@@ -62,6 +64,19 @@ class InProcess:
                        cancel: threading.Event | None) -> RangeGatherer:
         """The INT8 ranges, gathered here (a world of one, as the statistics were)."""
         return in_process(dataset, batch_size, samples)
+
+    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
+               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> PassScorer:
+        """Exported models scored here, each call one pass over the evaluation data."""
+
+        def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
+            check_cancel(cancel)
+            dataset = evaluation.dataset
+            ranges = rank_ranges(dataset.num_samples, evaluation.batch_size, 1, 0)
+            with dataset.open() as data:
+                return score_pass(models, request, ranges, iter_batches(data, ranges), SingleProcessCollective())
+
+        return PassScorer(one_pass, evaluation)
 
     def close(self) -> None:
         """Nothing was started."""
@@ -147,6 +162,29 @@ class RayRanks:
             samples=samples, pool=self.pool, cancel=cancel, policy=policy, failures=failures, on_phase=on_phase,
         )
 
+    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
+               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> PassScorer:
+        """Exported models scored on the run's ranks, each call one pass over their shards of
+        the evaluation data (the evaluation's sharding), under the run's failure policy."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+        from bnrecal.workers.ranks.range_group import run_range_group
+
+        options = self.options
+        retried = (lambda why: on_phase(f"scoring again after: {why}")) if on_phase else None
+
+        def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
+            def attempt() -> Any:
+                check_cancel(cancel)
+                return run_range_group(
+                    models, request, evaluation.dataset, evaluation.batch_size, options.workers, options.device,
+                    backend_for_device(options.device), self.group, shards=self.eval_shards, pool=self.pool,
+                    cancel=cancel,
+                ).result
+
+            return with_retries(attempt, policy, failures, retried)
+
+        return PassScorer(one_pass, evaluation)
+
     def close(self) -> None:
         """Shut down an embedded instance this run started, when asked to."""
         if self.stop_embedded and self.started_local:
@@ -194,6 +232,27 @@ def on_ranks(
         return with_retries(one_pass, policy or FailurePolicy(), failures if failures is not None else [], retried)
 
     return gather
+
+
+class PassScorer:
+    """A scorer (``service.export.int8.checks.Scorer``) whose every call is one pass over the
+    evaluation data, every model scored on each batch as it is read (``workers.ranks.onnx_scores``)."""
+
+    def __init__(self, one_pass: Callable[[list[bytes], ScoreRequest], ScoreResult], evaluation: EvalPlan) -> None:
+        if evaluation.labels is None:
+            raise ValueError("scoring needs labelled evaluation data")
+        self.one_pass = one_pass
+        self.labels = evaluation.labels
+        self.samples = evaluation.dataset.num_samples
+        self.passes = 0
+
+    def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
+        """Each model's top-1/top-5 on ``part`` of the evaluation data, from one pass."""
+        if not models:
+            return []
+        result = self.one_pass(list(models), ScoreRequest(self.labels, part))
+        self.passes += 1
+        return [result.scores(index) for index in range(len(models))]
 
 
 def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:

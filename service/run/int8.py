@@ -19,21 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.int8_ranges import RangeRequest
 
-from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, check_int8, latency_ms
-from bnrecal.service.export.int8.guard import (
-    REPORT_RULE,
-    SELECTION_RULE,
-    enforce_top1_drop,
-    split_for_guard,
-)
+from bnrecal.service.export.int8.checks import HeldScorer, LabelledBatches, Scorer, check_int8, latency_ms
+from bnrecal.service.export.int8.guard import REPORT_RULE, SELECTION_RULE, enforce_top1_drop
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import (
     PreparedModel,
@@ -72,7 +65,7 @@ def quantize_export(
     gather: RangeGatherer,
     verify: torch.Tensor,
     *,
-    evaluation: LabelledBatches | None = None,
+    evaluation: Scorer | LabelledBatches | None = None,
     stale_fp32_model: bytes | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> Quantized:
@@ -126,13 +119,18 @@ def quantize_export(
             section["quantized_bins"] = options.quantized_bins
         section["ranges_as_minmax"] = ranges_as_minmax(data, gathered.result.ranges)
     if evaluation is not None:
-        phase("evaluating INT8")
-        model, report_part = _evaluate(section, fp32_model, model, prepared, data, options, reasons, evaluation)
-        if stale_fp32_model is not None:
+        score = HeldScorer(evaluation) if isinstance(evaluation, LabelledBatches) else evaluation
+
+        def stale_alike(float_ops: set[str]) -> bytes:
+            assert stale_fp32_model is not None
             phase("quantizing the stale model alike")
-            stale = _quantize_alike(stale_fp32_model, options, gather, request, set(reasons))
-            section["evaluation"]["stale_fp32"] = _top(accuracy(stale_fp32_model, report_part))
-            section["evaluation"]["stale_int8"] = _top(accuracy(stale, report_part))
+            return _quantize_alike(stale_fp32_model, options, gather, request, float_ops)
+
+        phase("evaluating INT8")
+        model = _evaluate(
+            section, fp32_model, model, prepared, data, options, reasons, score,
+            stale_fp32_model, stale_alike if stale_fp32_model is not None else None,
+        )
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
     section.update(check_int8(model, fp32_model, [samples[:1], samples]))
     section["verified_batches"] = [1, len(samples)]
@@ -145,56 +143,68 @@ def quantize_export(
     return Quantized(model, section)
 
 
-def _evaluate(section: dict[str, Any], fp32_model: bytes, model: bytes, prepared: PreparedModel, data: Any,
-              options: Int8Options, reasons: dict[str, str], evaluation: LabelledBatches) -> tuple[bytes, LabelledBatches]:
-    """Top-1/top-5 of the FP32 and INT8 models into ``section["evaluation"]``, guarded when
-    ``max_top1_drop`` is set: the float ops chosen on the selection part of ``evaluation``,
-    the accuracies reported on the other part. Returns the model to write and the part the
-    accuracies are reported on; raises
-    ``Int8GuardError`` (with ``section``) when the guard cannot hold."""
+def _evaluate(
+    section: dict[str, Any], fp32_model: bytes, model: bytes, prepared: PreparedModel, data: Any,
+    options: Int8Options, reasons: dict[str, str], score: Scorer, stale_fp32_model: bytes | None,
+    stale_alike: Callable[[set[str]], bytes] | None,
+) -> bytes:
+    """Top-1/top-5 of the FP32 and INT8 models (and the stale model's, FP32 and quantized
+    alike, when given) into ``section["evaluation"]``, guarded when ``max_top1_drop`` is set:
+    the float ops chosen on the selection part (even positions), the accuracies reported on
+    the other part (odd positions). Every model reported is scored in one pass (``score``);
+    the guard's sensitivity measurements score many candidates per pass. Returns the model
+    to write; raises ``Int8GuardError`` (with ``section``) when the guard cannot hold."""
     guarding = options.max_top1_drop is not None
-    if guarding and evaluation.samples < 2:
+    if guarding and score.samples < 2:
         raise ExportError("int8.max_top1_drop needs at least 2 labelled evaluation samples: one part chooses, "
                           "the other reports")
-    selection, report_part = split_for_guard(evaluation) if guarding else (None, evaluation)
-    fp32 = accuracy(fp32_model, report_part)
-    scores: dict[str, Any] = {"samples": report_part.samples, "fp32": _top(fp32), "int8": _top(accuracy(model, report_part))}
-    section["evaluation"] = scores
+    report_part = "odd" if guarding else "all"
+    guard: dict[str, Any] = {}
     if guarding:
-        assert selection is not None
-        selection_fp32 = accuracy(fp32_model, selection)["top1"]
-        selection_int8 = accuracy(model, selection)["top1"]
-        guard: dict[str, Any] = {
+        selection = score([fp32_model, model], "even")
+        selection_fp32, selection_int8 = selection[0]["top1"], selection[1]["top1"]
+        guard.update({
             "max_top1_drop": options.max_top1_drop,
-            "selection": {"samples": selection.samples, "which": SELECTION_RULE, "fp32_top1": selection_fp32,
+            "selection": {"samples": selection[0]["samples"], "which": SELECTION_RULE, "fp32_top1": selection_fp32,
                           "int8_top1_before": selection_int8},
-            "report": {"samples": report_part.samples, "which": REPORT_RULE},
-        }
+            "report": {"which": REPORT_RULE},
+        })
         section["guard"] = guard
         try:
             guarded = enforce_top1_drop(
                 prepared, data, options, list(reasons), model, selection_fp32, selection_int8,
-                lambda candidate: accuracy(candidate, selection)["top1"],
+                lambda candidates: [scores["top1"] for scores in score(candidates, "even")],
             )
         except Int8GuardUnreachableError as failed:
+            fp32, int8 = score([fp32_model, model], report_part)
+            guard["report"]["samples"] = fp32["samples"]
             guard.update({"held": False, "kept_float": failed.kept, "reason": str(failed)})
-            scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
+            section["evaluation"] = {"samples": fp32["samples"], "fp32": _top(fp32), "int8": _top(int8),
+                                     "top1_drop_points": 100.0 * (fp32["top1"] - int8["top1"])}
             section.update({"written": False, "failure": str(failed)})
             raise Int8GuardError(str(failed), section) from failed
         guard["selection"]["int8_top1_after"] = guarded.top1
         guard.update({"held": True, "kept_float": guarded.kept, "models_measured": guarded.measured})
         if guarded.kept:
             model = guarded.model
-            scores["int8"] = _top(accuracy(model, report_part))
             for kept in guarded.kept:
                 reasons[kept["name"]] = (
                     f"kept float by int8.max_top1_drop (recovers {kept['top1_gain_alone_points']:+.2f} top-1 points alone)"
                 )
+    models = [fp32_model, model]
+    if stale_fp32_model is not None and stale_alike is not None:
+        models += [stale_fp32_model, stale_alike(set(reasons))]
+    reported = score(models, report_part)
+    scores: dict[str, Any] = {"samples": reported[0]["samples"], "fp32": _top(reported[0]), "int8": _top(reported[1])}
+    if len(reported) == 4:
+        scores["stale_fp32"], scores["stale_int8"] = _top(reported[2]), _top(reported[3])
     scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
+    section["evaluation"] = scores
     if guarding:
-        section["guard"]["report_drop_points"] = scores["top1_drop_points"]
-        section["guard"]["held_on_report"] = scores["top1_drop_points"] <= float(options.max_top1_drop)  # type: ignore[arg-type]
-    return model, report_part
+        guard["report"]["samples"] = scores["samples"]
+        guard["report_drop_points"] = scores["top1_drop_points"]
+        guard["held_on_report"] = scores["top1_drop_points"] <= float(options.max_top1_drop)  # type: ignore[arg-type]
+    return model
 
 
 def _quantize_alike(
@@ -216,17 +226,6 @@ def _writer() -> str:
     import onnxruntime
 
     return f"onnxruntime {onnxruntime.__version__} QDQQuantizer"
-
-
-def labelled_batches(dataset: DatasetSpec, labels: np.ndarray, batch_size: int) -> LabelledBatches:
-    """The evaluation data read once, to measure several models on."""
-    batches, targets = [], []
-    with dataset.open() as data:
-        for start in range(0, dataset.num_samples, batch_size):
-            stop = min(start + batch_size, dataset.num_samples)
-            batches.append(data.load(start, stop).numpy().astype(np.float32, copy=False))
-            targets.append(np.asarray(labels[start:stop], dtype=np.int64))
-    return LabelledBatches(batches, targets)
 
 
 def fp32_bytes_for(export: Callable[[Path], Any]) -> bytes:
@@ -267,30 +266,31 @@ def quantize_recalibrated(
     options: Int8Options,
     gather: RangeGatherer,
     *,
+    score: Scorer | None = None,
     fp32_model: bytes | None = None,
     export_options: ExportOptions | None = None,
     cancel: threading.Event | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The INT8 export of a recalibration, written to ``path``, its ranges by ``gather`` (the
-    run's executor's: the statistics' ranks, over the samples the statistics were computed
-    on); returns the report's ``int8`` section. ``fp32_model`` is the run's folded FP32
-    export when it wrote one (float32), else one is made with ``export_options``."""
+    """The INT8 export of a recalibration, written to ``path``, its ranges by ``gather`` and
+    its models scored by ``score`` when there is labelled evaluation data (both the run's
+    executor's: the statistics' ranks, over the samples the statistics were computed on,
+    and over the evaluation's shards); returns the report's ``int8`` section.
+    ``fp32_model`` is the run's folded FP32 export when it wrote one (float32), else one is
+    made with ``export_options``."""
     from bnrecal.service.run.exporting import export_recalibrated
 
     export = export_options or ExportOptions()
     kwargs = {"opset": export.opset, "dynamic_batch": export.dynamic_batch, "input_shape": export.input_shape}
     if fp32_model is None:
         fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
-    evaluation = stale = None
-    plan = result.evaluation
-    if plan is not None and plan.labels is not None and plan.target.labelled:
-        evaluation = labelled_batches(plan.dataset, plan.labels, request.batch_size)
+    stale = None
+    if score is not None:
         stale_model = result.stale_model()
         stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, **kwargs))
     quantized = quantize_export(
         fp32_model, options, gather, result.calibration_samples(VERIFY_SAMPLES),
-        evaluation=evaluation, stale_fp32_model=stale, on_phase=on_phase,
+        evaluation=score, stale_fp32_model=stale, on_phase=on_phase,
     )
     check_cancel(cancel)
     quantized.write(path)

@@ -92,15 +92,20 @@ def _make_int8(
         result.dataset, request.batch_size, int(result.report["samples"]), policy=policy, failures=failures,
         on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
     )
+    evaluation, score = result.evaluation, None
+    if evaluation is not None and evaluation.labels is not None and evaluation.target.labelled:
+        score = executor.scorer(
+            evaluation, policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
+        )
     try:
         section = quantize_recalibrated(
-            result, request, outputs.int8, outputs.int8_options, gather,
+            result, request, outputs.int8, outputs.int8_options, gather, score=score,
             fp32_model=outputs.onnx.read_bytes() if float32_base else None,  # type: ignore[union-attr]
             export_options=outputs.export, cancel=cancel, on_phase=lambda phase: progress(0, None, phase),
         )
     except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
         result.report.int8, result.int8_failed = failed.section, failed
         return
-    section["attempts"] = len(failures) + 1  # range passes run, as the report's top level counts
+    section["attempts"] = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
     section["retried_failures"] = failures
     result.report.int8 = section

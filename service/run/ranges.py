@@ -12,7 +12,7 @@ from collections.abc import Callable
 from bnrecal.workers.data import DatasetSpec, iter_batches
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
-from bnrecal.workers.ranks.range_group import GroupRanges
+from bnrecal.workers.ranks.plan import GroupRanges
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 RangeGatherer = Callable[[bytes, RangeRequest], GroupRanges]

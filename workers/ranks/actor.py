@@ -203,9 +203,9 @@ class CalibrationRank:
 
         return evaluate_rank(plan, self.rank, model, calibration, shard, collective, on_samples)
 
-    def collect_ranges(
+    def onnx_pass(
         self,
-        model: bytes,
+        model: Any,
         request: Any,
         dataset: Any,
         batch_size: int,
@@ -215,20 +215,23 @@ class CalibrationRank:
         shard: CalibrationData | None = None,
         num_samples: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Gather INT8 activation ranges of the folded FP32 ``model`` (onnxruntime) over this
-        rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
-        calibration's sharding rule, combined with the peers' in one collective per pass
-        (``workers.ranks.int8_ranges``). Streams events as ``run`` does: ``started``, a
-        ``progress`` per batch, ``heartbeat`` while a batch or a collective is in flight, then
-        the ``result`` (``{"rank", "node_id", "result"}``), so the driver's timeout counts
-        time without progress, not the length of the pass."""
+        """One onnxruntime pass over this rank's shard of the first ``num_samples`` (default:
+        all) of ``dataset``, with the calibration's sharding rule, combined with the peers' in
+        collectives: the INT8 activation ranges of the folded FP32 ``model`` for a
+        ``RangeRequest`` (``workers.ranks.int8_ranges``), or the top-1/top-5 of each of the
+        ``model`` files for a ``ScoreRequest`` (``workers.ranks.onnx_scores``). Streams events
+        as ``run`` does: ``started``, a ``progress`` per batch, ``heartbeat`` while a batch or
+        a collective is in flight, then the ``result`` (``{"rank", "node_id", "result"}``), so
+        the driver's timeout counts time without progress, not the length of the pass."""
         from bnrecal.workers.data import iter_batches
         from bnrecal.workers.ranks.int8_ranges import range_pass
+        from bnrecal.workers.ranks.onnx_scores import ScoreRequest, score_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
 
+        scoring = isinstance(request, ScoreRequest)
         self.jobs += 1
         self._groups = [group_name]
-        with self._rank_named(" gathering INT8 ranges"):
+        with self._rank_named(" scoring ONNX models" if scoring else " gathering INT8 ranges"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
             collective = self._collective
             data = shard if shard is not None else dataset.open()
@@ -239,12 +242,18 @@ class CalibrationRank:
                 def on_batch(samples: int) -> None:
                     emit({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
 
+                if scoring:
+                    return score_pass(
+                        model, request, ranges, iter_batches(data, ranges), collective, threads=self.num_threads,
+                        on_batch=on_batch,
+                    )
                 return range_pass(
                     model, request, lambda: iter_batches(data, ranges), collective, self.rank,
                     threads=self.num_threads, on_batch=on_batch,
                 )
 
-            gathered = yield from self._streamed(work, collective, f"int8-ranges-rank-{self.rank}")
+            name = f"{'onnx-scores' if scoring else 'int8-ranges'}-rank-{self.rank}"
+            gathered = yield from self._streamed(work, collective, name)
             yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": gathered}
 
     def _streamed(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,10 @@ from bnrecal.workers.data.loader import LoaderSpec
 from bnrecal.workers.engine.calibration import StopRule
 from bnrecal.workers.engine.evaluation import EvalTarget
 from bnrecal.workers.models.sources import ModelSource
+
+if TYPE_CHECKING:
+    from bnrecal.workers.ranks.int8_ranges import RangeResult
+    from bnrecal.workers.ranks.onnx_scores import ScoreResult
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,16 @@ class GroupOptions:
     placement_strategy: str = "SPREAD"
     collective_timeout_s: float = 300.0
     placement_timeout_s: float = 120.0
+
+
+@dataclass
+class GroupRanges:
+    """What the ranks gathered together: rank 0's combined result (every rank holds the
+    same: the ranges, or the models' scores), the samples each rank read, the collectives
+    each made, and their nodes."""
+
+    result: RangeResult | ScoreResult
+    samples: list[int]
+    collectives: list[int]
+    nodes: list[str]
+    seconds: float

@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -23,26 +22,16 @@ from ray.exceptions import RayTaskError
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.group import GroupOptions
-from bnrecal.workers.ranks.int8_ranges import RangeRequest, RangeResult
+from bnrecal.workers.ranks.int8_ranges import RangeRequest
+from bnrecal.workers.ranks.onnx_scores import ScoreRequest
+from bnrecal.workers.ranks.plan import GroupRanges
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 from bnrecal.workers.ranks.streams import follow_streams
 
 
-@dataclass
-class GroupRanges:
-    """What the ranks gathered together: rank 0's combined result (every rank holds the
-    same), the samples each rank read, the collectives each made, and their nodes."""
-
-    result: RangeResult
-    samples: list[int]
-    collectives: list[int]
-    nodes: list[str]
-    seconds: float
-
-
 def run_range_group(
-    model: bytes,
-    request: RangeRequest,
+    model: bytes | Sequence[bytes],
+    request: RangeRequest | ScoreRequest,
     dataset: DatasetSpec,
     batch_size: int,
     world_size: int,
@@ -55,9 +44,11 @@ def run_range_group(
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
 ) -> GroupRanges:
-    """Gather the ranges on ``world_size`` rank actors over the first ``num_samples``
-    (default: all) of ``dataset``; ``shards`` (one per rank) carry the data through the
-    object store, else every rank opens ``dataset`` from its path."""
+    """Gather the ranges (a ``RangeRequest``) of ``model``, or score the ``model`` files (a
+    ``ScoreRequest``: a list of models), on ``world_size`` rank actors over the first
+    ``num_samples`` (default: all) of ``dataset``; ``shards`` (one per rank) carry the data
+    through the object store, else every rank opens ``dataset`` from its path."""
+    what = "scoring ONNX models" if isinstance(request, ScoreRequest) else "gathering INT8 ranges"
     key = GangKey(world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, device)
     gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
     if gang is None:
@@ -68,13 +59,13 @@ def run_range_group(
     try:
         model_ref = ray.put(model)
         streams = [
-            actor.collect_ranges.remote(
+            actor.onnx_pass.remote(
                 model_ref, request, dataset, batch_size, world_size, backend, group_name,
                 shards[rank] if shards is not None else None, num_samples,
             )
             for rank, actor in enumerate(gang.actors)
         ]
-        answers = _follow(streams, options, cancel)
+        answers = _follow(streams, options, cancel, what)
         succeeded = True
     finally:
         if succeeded and pool is not None:
@@ -91,7 +82,9 @@ def run_range_group(
     )
 
 
-def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event | None) -> list[dict[str, Any]]:
+def _follow(
+    streams: list[Any], options: GroupOptions, cancel: threading.Event | None, what: str,
+) -> list[dict[str, Any]]:
     """Every rank's result, from its event stream. The ranks must start within the placement
     timeout; after that the pass fails only when no rank made progress (a batch run, a
     collective entered) for the collective timeout: a long pass is not a stuck one."""
@@ -101,7 +94,7 @@ def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event |
     started: set[int] = set()
     startup_deadline = time.monotonic() + options.placement_timeout_s
     last_progress = time.monotonic()
-    for arrived in follow_streams(streams, cancel, lambda rank, exc: _failure(rank, exc, nodes.get(rank))):
+    for arrived in follow_streams(streams, cancel, lambda rank, exc: _failure(rank, exc, nodes.get(rank), what)):
         if arrived is not None:
             rank, event = arrived
             kind = event["kind"]
@@ -119,7 +112,7 @@ def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event |
             if time.monotonic() > startup_deadline:
                 late = sorted(set(range(len(streams))) - started)
                 raise RunError(
-                    f"ranks {late} did not start gathering INT8 ranges within {options.placement_timeout_s:g} s; "
+                    f"ranks {late} did not start {what} within {options.placement_timeout_s:g} s; "
                     "raise BNRECAL_PLACEMENT_TIMEOUT_S", rank=late[0],
                 )
         elif time.monotonic() - last_progress > options.collective_timeout_s:
@@ -127,14 +120,14 @@ def _follow(streams: list[Any], options: GroupOptions, cancel: threading.Event |
                          key=lambda r: calls[r])
             node = nodes.get(behind, "unknown")
             raise RunError(
-                f"INT8 range collection made no progress for {options.collective_timeout_s:g} s (rank {behind} on "
+                f"{what[0].upper()}{what[1:]} made no progress for {options.collective_timeout_s:g} s (rank {behind} on "
                 f"node {node[:12]}, {calls[behind]} collectives entered); raise BNRECAL_COLLECTIVE_TIMEOUT_S if "
                 "its batches are legitimately this slow", rank=behind, node=node,
             )
     return results
 
 
-def _failure(rank: int, exc: BaseException, node: str | None) -> BnrecalError:
+def _failure(rank: int, exc: BaseException, node: str | None, what: str) -> BnrecalError:
     """The error of a rank that failed or died, naming it and its node."""
     where = f"rank {rank} on node {(node or 'unknown')[:12]}"
     if isinstance(exc, RayTaskError):
@@ -143,5 +136,5 @@ def _failure(rank: int, exc: BaseException, node: str | None) -> BnrecalError:
             if isinstance(cause, RunError) and cause.node is None:
                 return RunError(cause.message, rank=rank, node=node)
             return cause
-        return RunError(f"{where} failed gathering INT8 ranges: {first_line(exc)}", rank=rank, node=node)
-    return RunError(f"{where} died gathering INT8 ranges: {first_line(exc)}", rank=rank, node=node)
+        return RunError(f"{where} failed {what}: {first_line(exc)}", rank=rank, node=node)
+    return RunError(f"{where} died {what}: {first_line(exc)}", rank=rank, node=node)

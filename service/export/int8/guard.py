@@ -21,16 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from bnrecal.errors import Int8GuardUnreachableError
 
-from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
 
 SELECTION_RULE = "evaluation samples at even positions (0, 2, 4, ...)"
 REPORT_RULE = "evaluation samples at odd positions (1, 3, 5, ...)"
+CANDIDATES_PER_PASS = 16
+"""Candidate INT8 models (one op kept float each) scored in one pass over the selection
+samples: every pass reads the data once, and the models it holds stay within memory."""
 
 
 @dataclass
@@ -44,21 +45,6 @@ class Guarded:
     measured: int = 0
 
 
-def split_for_guard(data: LabelledBatches) -> tuple[LabelledBatches, LabelledBatches]:
-    """The selection part (samples at even positions of the evaluation data) and the report
-    part (odd positions). Interleaved, not halves: evaluation files are often sorted by class."""
-    samples = np.concatenate(data.batches) if data.batches else np.zeros((0,))
-    labels = np.concatenate(data.labels) if data.labels else np.zeros((0,), dtype=np.int64)
-    size = max((len(batch) for batch in data.batches), default=1)
-
-    def part(start: int) -> LabelledBatches:
-        x, y = samples[start::2], labels[start::2]
-        return LabelledBatches([x[i : i + size] for i in range(0, len(x), size)],
-                               [y[i : i + size] for i in range(0, len(y), size)])
-
-    return part(0), part(1)
-
-
 def enforce_top1_drop(
     prepared: PreparedModel,
     data: Any,
@@ -67,11 +53,13 @@ def enforce_top1_drop(
     model: bytes,
     fp32_top1: float,
     int8_top1: float,
-    top1_of: Callable[[bytes], float],
+    top1_of: Callable[[Sequence[bytes]], list[float]],
 ) -> Guarded:
     """The INT8 model within ``options.max_top1_drop`` points of ``fp32_top1`` as ``top1_of``
-    measures it (on the selection part), or ``Int8GuardUnreachableError`` when keeping up to
-    ``max_float_ops`` ops in float cannot make it hold."""
+    measures it (on the selection part; it scores several models in one pass over the data:
+    the sensitivity of each op alone in passes of ``CANDIDATES_PER_PASS``, then one pass per
+    op kept), or ``Int8GuardUnreachableError`` when keeping up to ``max_float_ops`` ops in
+    float cannot make it hold."""
     bound = options.max_top1_drop
 
     def drop(top1: float) -> float:
@@ -89,15 +77,17 @@ def enforce_top1_drop(
             [],
         )
     gain: dict[str, float] = {}
-    for name in candidates:
-        gain[name] = 100.0 * (top1_of(write_qdq(prepared, data, options, [*exclude, name])) - int8_top1)
+    for first in range(0, len(candidates), CANDIDATES_PER_PASS):
+        names = candidates[first : first + CANDIDATES_PER_PASS]
+        tops = top1_of([write_qdq(prepared, data, options, [*exclude, name]) for name in names])
+        gain.update({name: 100.0 * (top1 - int8_top1) for name, top1 in zip(names, tops, strict=True)})
     order = sorted(candidates, key=lambda name: (-gain[name], candidates.index(name)))
     kept: list[dict[str, Any]] = []
     top1 = int8_top1
     for name in order[:limit]:
         kept.append({"name": name, "op_type": prepared.op_types.get(name, ""), "top1_gain_alone_points": gain[name]})
         model = write_qdq(prepared, data, options, [*exclude, *(k["name"] for k in kept)])
-        top1 = top1_of(model)
+        top1 = top1_of([model])[0]
         kept[-1]["selection_top1_after"] = top1
         if drop(top1) <= bound:
             return Guarded(model, top1, kept, measured=len(candidates) + len(kept))

@@ -15,9 +15,8 @@ from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.errors import ExportError, SpecError
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 
-from bnrecal.service.export.int8.checks import LabelledBatches, accuracy
+from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, split_for_guard
 from bnrecal.errors import Int8GuardError
-from bnrecal.service.export.int8.guard import split_for_guard
 from bnrecal.service.export.int8.options import Int8Options, int8_options
 from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
 from bnrecal.service.run.int8 import quantize_export
