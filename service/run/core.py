@@ -17,6 +17,7 @@ model) stays with the surface.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,7 +42,7 @@ from bnrecal.service.run.ranges import RangeGatherer
 
 if TYPE_CHECKING:
     from bnrecal.service.export.int8.checks import Scorer
-from bnrecal.service.run.report import LayerDrift, Placement, Report, build_report
+from bnrecal.service.run.report import LayerDrift, Placement, Report, add_to_timeline, build_report
 
 ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
@@ -183,12 +184,15 @@ def run(
                 memory_format=plan.memory_format, evaluation=plan.evaluation, feed=plan.feed,
                 stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
             ))
+            started = time.monotonic()
             result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+            wall = time.monotonic() - started
             placement = executor.placement(plan)
         finally:
             if plan.release is not None:
                 plan.release()
         finished = _finish(plan, layers, skipped, old, stale, result, placement, failures)
+        _time_the_pass(finished.report, plan, result, wall, len(failures) + 1)
         for phase in phases:  # the later phases, on the same executor, while its world is up
             check_cancel(cancel)
             phase(finished, executor)
@@ -216,6 +220,18 @@ def _finish(
         report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     calibrated = [layer for layer in layers if layer.name not in unreached]
     return RunResult(report, calibrated, stale)
+
+
+def _time_the_pass(report: Report, plan: RunPlan, result: GroupResult, wall: float, attempts: int) -> None:
+    """The statistics pass in the report's timeline (docs/report.md): the ranks' start-up,
+    the statistics, and the evaluation before and after (fused: one read of its data,
+    both models on each batch, in the same rank call)."""
+    where = IN_PROCESS if report.backend == IN_PROCESS else "ranks"
+    evaluating = float(result.evaluation.get("seconds", 0.0)) if result.evaluation else 0.0
+    add_to_timeline(report, STARTING_PHASE, max(0.0, wall - result.seconds - evaluating), 0, 0, where)
+    add_to_timeline(report, "statistics", result.seconds, result.samples, attempts, where)
+    if plan.evaluation is not None and result.evaluation is not None:
+        add_to_timeline(report, "evaluation before and after", evaluating, plan.evaluation.dataset.num_samples, 1, where)
 
 
 def _attempts(

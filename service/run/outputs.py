@@ -10,18 +10,26 @@ under the run's failure policy. Each surface only says where the files go.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bnrecal.errors import Int8GuardError
+from bnrecal.workers.ranks.int8_ranges import RangeRequest
+from bnrecal.workers.ranks.local import IN_PROCESS
+from bnrecal.workers.ranks.plan import GroupRanges
 
+from bnrecal.service.export.int8.checks import Scorer
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
 from bnrecal.service.run.exporting import export_recalibrated
-from bnrecal.service.run.int8 import quantize_recalibrated
+from bnrecal.service.run.int8 import VERIFY_SAMPLES, quantize_recalibrated
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
+from bnrecal.service.run.report import Report, add_to_timeline
 
+HOST = "host"
 EXPORTING_PHASE = "exporting"
 QUANTIZING_PHASE = "quantizing to INT8"
 
@@ -65,38 +73,55 @@ def make_outputs(
     if outputs.onnx is not None:
         check_cancel(cancel)
         progress(0, None, EXPORTING_PHASE)
-        export = outputs.export
+        export, started = outputs.export, time.monotonic()
         result.report.onnx = export_recalibrated(
             result, outputs.onnx, opset=export.opset, dtype=export.dtype, dynamic_batch=export.dynamic_batch,
             input_shape=export.input_shape,
         )
+        verified = max(result.report.onnx.get("verified_batches") or [0])
+        add_to_timeline(result.report, "ONNX export and its checks", time.monotonic() - started, verified, 0, HOST)
     if outputs.int8 is not None:
         assert outputs.int8_options is not None
         check_cancel(cancel)
         progress(0, None, QUANTIZING_PHASE)
-        _make_int8(result, request, outputs, executor, policy, progress, cancel)
+        started = time.monotonic()
+        on_ranks = _make_int8(result, request, outputs, executor, policy, progress, cancel)
+        add_to_timeline(result.report, "INT8 quantizing and checks", time.monotonic() - started - on_ranks,
+                        VERIFY_SAMPLES, 0, HOST)
 
 
 def _make_int8(
     result: Recalibration, request: RecalibrationRequest, outputs: RunOutputs, executor: Executor,
     policy: FailurePolicy, progress: ProgressCallback, cancel: threading.Event | None,
-) -> None:
-    """The INT8 phase: ranges on the run's ranks, the file, its report section."""
+) -> float:
+    """The INT8 phase: ranges and scores on the run's ranks, the file, its report section;
+    returns the seconds its passes on the ranks took (each in the report's timeline)."""
     assert outputs.int8 is not None and outputs.int8_options is not None
     float32_base = outputs.onnx is not None and outputs.export.dtype == "float32"
     failures: list[str] = []
     # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
-    gather = executor.range_gatherer(
-        result.dataset, request.batch_size, int(result.report["samples"]), policy=policy, failures=failures,
+    report, where = result.report, IN_PROCESS if result.report.backend == IN_PROCESS else "ranks"
+    spent = [0.0]
+    ranges = executor.range_gatherer(
+        result.dataset, request.batch_size, int(report["samples"]), policy=policy, failures=failures,
         on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
     )
+
+    def gather(model: bytes, range_request: RangeRequest) -> GroupRanges:
+        started = time.monotonic()
+        gathered = ranges(model, range_request)
+        spent[0] += time.monotonic() - started
+        passes = gathered.collectives[0] if gathered.collectives else 0  # a histogram method reads the data twice
+        add_to_timeline(report, "INT8 ranges", time.monotonic() - started, sum(gathered.samples) * passes, passes, where)
+        return gathered
+
     evaluation, score = result.evaluation, None
     if evaluation is not None and evaluation.labels is not None and evaluation.target.labelled:
-        score = executor.scorer(
+        score = _Timed(executor.scorer(
             evaluation, policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
-        )
+        ), report, where, spent)
     try:
         section = quantize_recalibrated(
             result, request, outputs.int8, outputs.int8_options, gather, score=score,
@@ -105,7 +130,25 @@ def _make_int8(
         )
     except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
         result.report.int8, result.int8_failed = failed.section, failed
-        return
+        return spent[0]
     section["attempts"] = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
     section["retried_failures"] = failures
     result.report.int8 = section
+    return spent[0]
+
+
+class _Timed:
+    """A scorer whose passes are counted in the report's timeline."""
+
+    def __init__(self, score: Scorer, report: Report, where: str, spent: list[float]) -> None:
+        self.score, self.report, self.where, self.spent = score, report, where, spent
+        self.samples = score.samples
+
+    def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
+        started = time.monotonic()
+        scores = self.score(models, part)
+        took = time.monotonic() - started
+        self.spent[0] += took
+        add_to_timeline(self.report, "INT8 evaluations", took, self.samples if models else 0, 1 if models else 0,
+                        self.where)
+        return scores

@@ -114,6 +114,31 @@ class DatasetReport:
     sample_shape: list[int]
 
 
+@dataclass
+class TimelineEntry:
+    """One phase of the run (``timeline[]``): its wall seconds, the samples it read, its
+    passes over them, and where it ran (``ranks``, ``in-process`` for a one-worker run in
+    the calling process, or ``host`` for the driver's own work)."""
+
+    phase: str
+    seconds: float
+    samples: int
+    passes: int
+    where: str
+
+
+def add_to_timeline(report: Report, phase: str, seconds: float, samples: int, passes: int, where: str) -> None:
+    """Count a phase in the report's timeline, added to its earlier entry of the same name
+    (a second range pass, another scoring pass)."""
+    for entry in report.timeline:
+        if entry.phase == phase and entry.where == where:
+            entry.seconds = round(entry.seconds + seconds, 6)
+            entry.samples += samples
+            entry.passes += passes
+            return
+    report.timeline.append(TimelineEntry(phase, round(seconds, 6), samples, passes, where))
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where and how the ranks ran: facts only the executor knows."""
@@ -160,6 +185,7 @@ class Report(Mapping[str, Any]):
     seed: int | None
     standard_error_max: WorstError | None
     convergence: Convergence | None = None
+    timeline: list[TimelineEntry] = field(default_factory=list)
     model: Section | None = None
     data: Section | None = None
     program: Section | None = None
@@ -191,6 +217,7 @@ class Report(Mapping[str, Any]):
         values["dataset"] = DatasetReport(**data["dataset"]) if data.get("dataset") else None
         values["layers"] = [_layer_from(entry) for entry in data.get("layers", [])]
         values["skipped"] = [SkippedLayerReport(**entry) for entry in data.get("skipped", [])]
+        values["timeline"] = [TimelineEntry(**entry) for entry in data.get("timeline") or []]
         values["standard_error_max"] = _worst_from(data.get("standard_error_max"))
         reached = data.get("convergence")
         values["convergence"] = (

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -50,6 +51,26 @@ def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, 
     assert section["ops_quantized"]["Conv"] == 1
     assert set(section["evaluation"]) >= {"fp32", "int8", "stale_fp32", "stale_int8", "top1_drop_points"}
     assert "INT8" in err and "stale INT8" in err
+    # The scores came from the ranks; here they are counted again, plainly: the INT8 file in
+    # onnxruntime, the FP32 figures by the PyTorch models themselves (stale and recalibrated).
+    evaluation = np.load(inputs["eval"])
+    x, y = evaluation["x"].astype(np.float32), evaluation["y"]
+    session = ort.InferenceSession(str(tmp_path / "m-int8.onnx"), providers=["CPUExecutionProvider"])
+    int8_top1 = float(np.mean(session.run(None, {session.get_inputs()[0].name: x})[0].argmax(1) == y))
+    assert section["evaluation"]["int8"]["top1"] == pytest.approx(int8_top1) and section["evaluation"]["samples"] == 30
+    for key, weights in (("stale_fp32", inputs["checkpoint"]), ("fp32", tmp_path / "out.pt")):
+        net = classifier_net(6)
+        net.load_state_dict(torch.load(weights))
+        with torch.no_grad():
+            top1 = float(np.mean(net.eval()(torch.from_numpy(x)).argmax(1).numpy() == y))
+        assert section["evaluation"][key]["top1"] == pytest.approx(top1), key
+    # Every phase that reads samples ran on the ranks; the four models were scored in one pass.
+    timeline = {entry["phase"]: entry for entry in json.loads((tmp_path / "r.json").read_text())["timeline"]}
+    assert [p for p, entry in timeline.items() if entry["samples"] and entry["where"] != "ranks"] == [
+        "INT8 quantizing and checks"]  # its 8 verification samples, on the host
+    assert timeline["INT8 evaluations"]["passes"] == 1 and timeline["INT8 evaluations"]["samples"] == 30
+    assert timeline["INT8 ranges"]["passes"] == 4  # percentile: two passes, for the model and the stale one
+    assert timeline["statistics"]["samples"] == 40 and timeline["evaluation before and after"]["passes"] == 1
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def _gathering_rank_pids() -> set[int]:
 
     pids = set()
     for process in psutil.process_iter(["cmdline"]):
-        if any("CalibrationRank.collect_ranges" in part for part in process.info["cmdline"] or []):
+        if any("CalibrationRank.onnx_pass" in part for part in process.info["cmdline"] or []):
             pids.add(process.pid)
     return pids
 
