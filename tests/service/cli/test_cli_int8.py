@@ -35,7 +35,11 @@ def inputs(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, inputs):
+@pytest.mark.parametrize("transport", ["shared", "object_store"])
+def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, inputs, monkeypatch, transport):
+    """Shipped through the object store, each rank scores only its own evaluation samples:
+    the same figures as read from shared paths."""
+    monkeypatch.setenv("BNRECAL_DATA_TRANSPORT", transport)
     code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 6}',
         "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--eval-data", str(inputs["eval"]),
@@ -65,7 +69,9 @@ def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, 
             top1 = float(np.mean(net.eval()(torch.from_numpy(x)).argmax(1).numpy() == y))
         assert section["evaluation"][key]["top1"] == pytest.approx(top1), key
     # Every phase that reads samples ran on the ranks; the four models were scored in one pass.
-    timeline = {entry["phase"]: entry for entry in json.loads((tmp_path / "r.json").read_text())["timeline"]}
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["data_transport"] == transport
+    timeline = {entry["phase"]: entry for entry in written["timeline"]}
     assert [p for p, entry in timeline.items() if entry["samples"] and entry["where"] != "ranks"] == [
         "INT8 quantizing and checks"]  # its 8 verification samples, on the host
     assert timeline["INT8 evaluations"]["passes"] == 1 and timeline["INT8 evaluations"]["samples"] == 30
