@@ -14,10 +14,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.export.int8.options import int8_options
+from bnrecal.service.run.core import check_cancel
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.outputs import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
@@ -63,7 +63,7 @@ def run_job(
 ) -> JobFiles:
     """Recalibrate, export if asked, and write the model, ``report.json`` and ``report.html``
     into ``workdir``: the artifacts' files and the report (which names its job, with a ``label``)."""
-    _check_cancel(cancel)
+    check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
     if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
         request = request.model_copy(update={"max_retries": settings.job_max_retries})
@@ -87,7 +87,7 @@ def run_job(
         files["onnx"] = (outputs.onnx, OCTET_STREAM)
     if outputs.int8 is not None and result.int8_failed is None:  # else no INT8 artifact; the report says why
         files["onnx_int8"] = (outputs.int8, OCTET_STREAM)
-    _check_cancel(cancel)
+    check_cancel(cancel)
     report((None, None, "writing"))
     for name in ("checkpoint", "program"):
         if name in spec.outputs:
@@ -118,7 +118,3 @@ def _events(report: Callable[[Event], None]) -> Callable[[int, int | None, str],
 
     return on_progress
 
-
-def _check_cancel(cancel: threading.Event) -> None:
-    if cancel.is_set():
-        raise CancelledError("the job was cancelled")

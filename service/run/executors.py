@@ -155,33 +155,30 @@ class RayRanks:
                        failures: list[str], on_phase: Callable[[str], None] | None,
                        cancel: threading.Event | None) -> RangeGatherer:
         """The INT8 ranges, gathered on the statistics' ranks (warm from the pool) with their
-        sharding and placement, under the run's failure policy."""
+        sharding, placement and shipped shards, under the run's failure policy."""
         options = self.options
-        return on_ranks(
-            dataset, batch_size, options.workers, options.device, self.settings, placement=self.placement_strategy,
-            samples=samples, pool=self.pool, cancel=cancel, policy=policy, failures=failures, on_phase=on_phase,
-        )
+        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
+
+        def gather(model: bytes, request: RangeRequest) -> GroupRanges:
+            return _pass_on_ranks(
+                model, request, dataset, batch_size, options.workers, options.device, self.group, self.shards,
+                self.pool, cancel, policy, failures, retried, num_samples=samples_read(dataset, samples),
+            )
+
+        return gather
 
     def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
                on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> PassScorer:
         """Exported models scored on the run's ranks, each call one pass over their shards of
         the evaluation data (the evaluation's sharding), under the run's failure policy."""
-        from bnrecal.workers.ranks.collectives import backend_for_device
-        from bnrecal.workers.ranks.range_group import run_range_group
-
         options = self.options
         retried = (lambda why: on_phase(f"scoring again after: {why}")) if on_phase else None
 
         def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
-            def attempt() -> Any:
-                check_cancel(cancel)
-                return run_range_group(
-                    models, request, evaluation.dataset, evaluation.batch_size, options.workers, options.device,
-                    backend_for_device(options.device), self.group, shards=self.eval_shards, pool=self.pool,
-                    cancel=cancel,
-                ).result
-
-            return with_retries(attempt, policy, failures, retried)
+            return _pass_on_ranks(
+                models, request, evaluation.dataset, evaluation.batch_size, options.workers, options.device,
+                self.group, self.eval_shards, self.pool, cancel, policy, failures, retried,
+            ).result
 
         return PassScorer(one_pass, evaluation)
 
@@ -212,26 +209,41 @@ def on_ranks(
     (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
     the calibration's ranks. A lost rank re-runs this range pass only, as ``policy`` (the
     run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
-    from bnrecal.workers.ranks.collectives import backend_for_device
-    from bnrecal.workers.ranks.range_group import run_range_group
-
     options = group_options(settings, workers, device, placement)
     shards = None
     if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
         shards = ship_rank_shards(dataset, batch_size, workers)
+    retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
 
     def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        def one_pass() -> GroupRanges:
-            check_cancel(cancel)
-            return run_range_group(
-                model, request, dataset, batch_size, workers, device, backend_for_device(device), options,
-                num_samples=samples_read(dataset, samples), shards=shards, pool=pool, cancel=cancel,
-            )
-
-        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
-        return with_retries(one_pass, policy or FailurePolicy(), failures if failures is not None else [], retried)
+        return _pass_on_ranks(
+            model, request, dataset, batch_size, workers, device, options, shards, pool, cancel,
+            policy or FailurePolicy(), failures if failures is not None else [], retried,
+            num_samples=samples_read(dataset, samples),
+        )
 
     return gather
+
+
+def _pass_on_ranks(
+    model: bytes | list[bytes], request: RangeRequest | ScoreRequest, dataset: DatasetSpec, batch_size: int,
+    workers: int, device: str, group: Any, shards: list[Any] | None, pool: WarmPool | None,
+    cancel: threading.Event | None, policy: FailurePolicy, failures: list[str],
+    on_retry: Callable[[str], None] | None, *, num_samples: int | None = None,
+) -> GroupRanges:
+    """One onnxruntime pass on the ranks (the ranges, or the scores), retried as ``policy``
+    allows: the one way every INT8 pass reaches the rank group."""
+    from bnrecal.workers.ranks.collectives import backend_for_device
+    from bnrecal.workers.ranks.range_group import run_range_group
+
+    def attempt() -> GroupRanges:
+        check_cancel(cancel)
+        return run_range_group(
+            model, request, dataset, batch_size, workers, device, backend_for_device(device), group,
+            num_samples=num_samples, shards=shards, pool=pool, cancel=cancel,
+        )
+
+    return with_retries(attempt, policy, failures, on_retry)
 
 
 class PassScorer:
@@ -244,14 +256,12 @@ class PassScorer:
         self.one_pass = one_pass
         self.labels = evaluation.labels
         self.samples = evaluation.dataset.num_samples
-        self.passes = 0
 
     def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
         """Each model's top-1/top-5 on ``part`` of the evaluation data, from one pass."""
         if not models:
             return []
         result = self.one_pass(list(models), ScoreRequest(self.labels, part))
-        self.passes += 1
         return [result.scores(index) for index in range(len(models))]
 
 

@@ -168,12 +168,10 @@ class HeldScorer:
     def __init__(self, data: LabelledBatches) -> None:
         self.data = data
         self.samples = data.samples
-        self.passes = 0
 
     def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
         """Each model's scores on ``part`` of the held batches."""
         data = self.data if part == "all" else split_for_guard(self.data)[0 if part == "even" else 1]
-        self.passes += 1
         return [accuracy(model, data) for model in models]
 
 
