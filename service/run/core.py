@@ -39,10 +39,10 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
 from bnrecal.service.run.ranges import RangeGatherer
+from bnrecal.service.run.report import LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran
 
 if TYPE_CHECKING:
     from bnrecal.service.export.int8.checks import Scorer
-from bnrecal.service.run.report import LayerDrift, Placement, Report, add_to_timeline, build_report
 
 ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
@@ -226,7 +226,7 @@ def _time_the_pass(report: Report, plan: RunPlan, result: GroupResult, wall: flo
     """The statistics pass in the report's timeline (docs/report.md): the ranks' start-up,
     the statistics, and the evaluation before and after (fused: one read of its data,
     both models on each batch, in the same rank call)."""
-    where = IN_PROCESS if report.backend == IN_PROCESS else "ranks"
+    where = where_ranks_ran(report)
     evaluating = float(result.evaluation.get("seconds", 0.0)) if result.evaluation else 0.0
     add_to_timeline(report, STARTING_PHASE, max(0.0, wall - result.seconds - evaluating), 0, 0, where)
     add_to_timeline(report, "statistics", result.seconds, result.samples, attempts, where)

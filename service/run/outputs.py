@@ -17,7 +17,6 @@ from pathlib import Path
 
 from bnrecal.errors import Int8GuardError
 from bnrecal.workers.ranks.int8_ranges import RangeRequest
-from bnrecal.workers.ranks.local import IN_PROCESS
 from bnrecal.workers.ranks.plan import GroupRanges
 
 from bnrecal.service.export.int8.checks import Scorer
@@ -27,7 +26,7 @@ from bnrecal.service.run.exporting import export_recalibrated
 from bnrecal.service.run.int8 import VERIFY_SAMPLES, quantize_recalibrated
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
-from bnrecal.service.run.report import Report, add_to_timeline
+from bnrecal.service.run.report import Report, add_to_timeline, where_ranks_ran
 
 HOST = "host"
 EXPORTING_PHASE = "exporting"
@@ -102,7 +101,7 @@ def _make_int8(
     # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
-    report, where = result.report, IN_PROCESS if result.report.backend == IN_PROCESS else "ranks"
+    report, where = result.report, where_ranks_ran(result.report)
     spent = [0.0]
     ranges = executor.range_gatherer(
         result.dataset, request.batch_size, int(report["samples"]), policy=policy, failures=failures,
@@ -112,9 +111,10 @@ def _make_int8(
     def gather(model: bytes, range_request: RangeRequest) -> GroupRanges:
         started = time.monotonic()
         gathered = ranges(model, range_request)
-        spent[0] += time.monotonic() - started
+        took = time.monotonic() - started
+        spent[0] += took
         passes = gathered.collectives[0] if gathered.collectives else 0  # a histogram method reads the data twice
-        add_to_timeline(report, "INT8 ranges", time.monotonic() - started, sum(gathered.samples) * passes, passes, where)
+        add_to_timeline(report, "INT8 ranges", took, sum(gathered.samples) * passes, passes, where)
         return gathered
 
     evaluation, score = result.evaluation, None

@@ -22,6 +22,7 @@ import torch
 
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 from bnrecal.workers.files import atomic_write
+from bnrecal.workers.ranks.local import IN_PROCESS
 
 from bnrecal.service.run.options import AUTO, RunOptions
 
@@ -125,6 +126,12 @@ class TimelineEntry:
     samples: int
     passes: int
     where: str
+
+
+def where_ranks_ran(report: Report) -> str:
+    """A timeline entry's ``where`` for the run's passes over the data: ``in-process`` for one
+    worker in the calling process, else ``ranks``."""
+    return IN_PROCESS if report.backend == IN_PROCESS else "ranks"
 
 
 def add_to_timeline(report: Report, phase: str, seconds: float, samples: int, passes: int, where: str) -> None:
