@@ -198,3 +198,31 @@ def test_mistyped_keep_float_exits_2_before_any_calibration(tmp_path, capsys, in
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "--int8.keep_float: 'Gemn' names no node" in lines[0], err
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_guard_measures_the_same_on_two_ranks_as_in_process(tmp_path, capsys):
+    """The guard's measurements (the selection part, each op's sensitivity, every op kept)
+    run on the ranks, 16 candidate files to a pass: the same choice, the same figures and the
+    same written or not as one worker scoring in its own process (the files themselves differ
+    in the last bits of the statistics, which the world size may round otherwise)."""
+    from tests.service.export.int8_helpers import write_outlier_inputs
+
+    inputs = write_outlier_inputs(tmp_path)
+    sections, files = {}, {}
+    for workers in (1, 2):
+        out = tmp_path / f"k{workers}"
+        code, _, err = run_cli(
+            capsys, "calibrate", "--arch", "tests.service.export.int8_helpers:OutlierNet",
+            "--checkpoint", str(inputs["checkpoint"]), "--data", str(inputs["data"]), "--eval-data", str(inputs["eval"]),
+            "--workers", str(workers), "--batch-size", "32", "--out", f"{out}.pt", "--onnx-int8", f"{out}.onnx",
+            "--int8", '{"max_top1_drop": 1.0, "max_float_ops": 2}', "--report", f"{out}.json",
+        )
+        report = json.loads(Path(f"{out}.json").read_text())
+        sections[workers], timeline = report["int8"], {entry["phase"]: entry for entry in report["timeline"]}
+        assert timeline["INT8 evaluations"]["where"] == ("in-process" if workers == 1 else "ranks")
+        assert timeline["INT8 evaluations"]["passes"] >= 3  # the selection, the candidates, the report part
+        files[workers] = Path(f"{out}.onnx").read_bytes() if code == 0 else None
+    assert sections[1]["guard"] == sections[2]["guard"] and sections[1]["guard"]["kept_float"]
+    assert sections[1]["evaluation"] == sections[2]["evaluation"]
+    assert (files[1] is None) == (files[2] is None) == (not sections[1]["guard"]["held"])
