@@ -47,6 +47,18 @@ class Settings(BaseSettings):
         description="How data reaches the ranks: the object store, or a path every node sees (shared); "
         "auto shares only on a single-node cluster that includes this process.",
     )
+    kept_memory_mb: int = Field(
+        default=2048,
+        ge=0,
+        description="Memory each rank keeps a job's decoded samples in for the job's later passes (docs/data.md, "
+        '"Read once per job"); beyond it they spill to local disk.',
+    )
+    kept_disk_mb: int = Field(
+        default=16384,
+        ge=0,
+        description="Local disk each rank may spill a job's decoded samples to, beyond kept_memory_mb; past both, "
+        "a sample is decoded again when a later pass reads it.",
+    )
     max_model_bytes: int = Field(
         default=4 * 2**30,
         gt=0,

@@ -58,23 +58,18 @@ def calibrate(
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
-        # With --onnx-int8 the range passes reuse the calibration's ranks (a warm pool for this command).
-        pool = _command_pool() if flags.onnx_int8 is not None and not in_process else None
+        # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.job_gang).
         outputs = RunOutputs(
             onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
             export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
         )
         try:
             result = recalibrate(
-                request, settings, on_progress=update, cancel=cancel, pool=pool, in_process=in_process,
-                outputs=outputs,
+                request, settings, on_progress=update, cancel=cancel, in_process=in_process, outputs=outputs,
             )
         except KeyboardInterrupt:
             cancel.set()
             raise
-        finally:
-            if pool is not None:
-                pool.close()
         update(0, 1, "writing")
         result.save_model(flags.out)
         if flags.report is not None:
@@ -96,13 +91,6 @@ def calibrate(
     if int8_failed is not None:
         raise int8_failed  # exit 1: the INT8 file asked for was not written
 
-
-
-def _command_pool() -> Any:
-    """A warm pool for one command: the INT8 range passes run on the calibration's rank actors."""
-    from bnrecal.workers.ranks.pool import WarmPool
-
-    return WarmPool(idle_s=300)
 
 
 def _ray_connected() -> bool:

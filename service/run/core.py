@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.data import DatasetSpec, discard_unpack
+from bnrecal.workers.data.kept import KeepDecoded, KeptCounts
 from bnrecal.workers.data.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
@@ -39,7 +41,9 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
 from bnrecal.service.run.ranges import RangeGatherer
-from bnrecal.service.run.report import LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran
+from bnrecal.service.run.report import (
+    DecodingReport, LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran,
+)
 
 if TYPE_CHECKING:
     from bnrecal.service.export.int8.checks import Scorer
@@ -57,6 +61,20 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class KeepBudget:
+    """What each rank may hold of the samples it decoded, for the run's later passes
+    (docs/data.md, "Read once per job"): bytes of memory, then of local disk."""
+
+    memory_bytes: int
+    disk_bytes: int
+
+    @classmethod
+    def from_megabytes(cls, memory_mb: int, disk_mb: int) -> KeepBudget:
+        """The budget of the settings ``kept_memory_mb`` and ``kept_disk_mb``."""
+        return cls(memory_mb * 2**20, disk_mb * 2**20)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A recalibration as a surface prepared it.
 
@@ -65,7 +83,9 @@ class RunPlan:
     (a Ray run puts ``weights`` in the object store once). ``probe`` is a batch of the
     first samples as the ranks feed it (through ``feed`` when given). ``label`` names the
     model in messages. ``release``, when given, runs once the ranks are done, before the
-    statistics are written (a caller's own modules put back as they were).
+    statistics are written (a caller's own modules put back as they were). With ``keep``
+    the ranks keep the samples of the described data they decode for the run's later
+    passes (the evaluation, the INT8 passes), within its budget.
     """
 
     model: nn.Module
@@ -79,6 +99,7 @@ class RunPlan:
     feed: Feed | None = None
     memory_format: str = "auto"
     release: Callable[[], None] | None = None
+    keep: KeepBudget | None = None
 
     def datasets(self) -> list[DatasetSpec | LoaderSpec]:
         """The data the run reads: calibration, then evaluation."""
@@ -93,6 +114,10 @@ class RunResult:
     report: Report
     calibrated: list[BatchNormLayer]
     stale_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    data: DatasetSpec | LoaderSpec | None = None
+    evaluation: EvalPlan | None = None
+    """The run's data and evaluation as its passes read them (marked to be kept on the
+    ranks): what a later phase reads again."""
 
     @property
     def updates(self) -> dict[str, torch.Tensor]:
@@ -140,6 +165,10 @@ class Executor(Protocol):
     def placement(self, run: RunPlan) -> Placement:
         """Where and how the ranks ran, for the report."""
 
+    def release_decoded(self, scope: str) -> KeptCounts:
+        """The run is over: the ranks drop the samples they kept for ``scope``; what its
+        passes decoded and reused (idempotent: zeros the second time)."""
+
     def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
                        failures: list[str], on_phase: Callable[[str], None] | None,
                        cancel: threading.Event | None) -> RangeGatherer:
@@ -167,6 +196,8 @@ def run(
     ``phases`` (the export and INT8 files: ``service.run.outputs``) on the same executor,
     and return the result with the report."""
     options = plan.options
+    scope = uuid.uuid4().hex
+    plan = _kept(plan, scope)
     try:
         try:
             layers, skipped = find_batchnorm_layers(plan.model)
@@ -196,9 +227,38 @@ def run(
         for phase in phases:  # the later phases, on the same executor, while its world is up
             check_cancel(cancel)
             phase(finished, executor)
+        if plan.keep is not None:
+            finished.report.decoding = _decoding(executor.release_decoded(scope), plan.keep)
         return finished
     finally:
-        executor.close()
+        try:
+            executor.release_decoded(scope)
+        finally:
+            executor.close()
+
+
+def _kept(plan: RunPlan, scope: str) -> RunPlan:
+    """The plan with its described data marked to be kept on the ranks for ``scope``."""
+    if plan.keep is None:
+        return plan
+
+    def marked(data: Any, name: str) -> Any:
+        if not isinstance(data, DatasetSpec):
+            return data
+        return replace(data, keep=KeepDecoded(scope, name, plan.keep.memory_bytes, plan.keep.disk_bytes))  # type: ignore[union-attr]
+
+    evaluation = plan.evaluation
+    if evaluation is not None:
+        evaluation = replace(evaluation, dataset=marked(evaluation.dataset, "evaluation"))
+    return replace(plan, data=marked(plan.data, "calibration"), evaluation=evaluation)
+
+
+def _decoding(counts: KeptCounts, budget: KeepBudget) -> DecodingReport:
+    """The report's ``decoding``, from what the ranks counted."""
+    return DecodingReport(
+        decoded=counts.decoded, reused=counts.reused, kept_bytes=counts.memory_bytes, spilled_bytes=counts.disk_bytes,
+        not_kept=counts.not_kept, memory_budget_bytes=budget.memory_bytes, disk_budget_bytes=budget.disk_bytes,
+    )
 
 
 def _finish(
@@ -219,7 +279,7 @@ def _finish(
     if plan.evaluation is not None and result.evaluation is not None:
         report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
     calibrated = [layer for layer in layers if layer.name not in unreached]
-    return RunResult(report, calibrated, stale)
+    return RunResult(report, calibrated, stale, plan.data, plan.evaluation)
 
 
 def _time_the_pass(report: Report, plan: RunPlan, result: GroupResult, wall: float, attempts: int) -> None:

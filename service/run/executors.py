@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bnrecal.workers.data import DatasetSpec, iter_batches
+from bnrecal.workers.data.kept import KeptCounts, open_kept, release_kept
 from bnrecal.workers.data.loader import LoaderSpec
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.int8_ranges import RangeRequest
@@ -32,6 +33,7 @@ from bnrecal.service.run.report import Placement
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
+    from bnrecal.workers.ranks.job_gang import JobGang
     from bnrecal.workers.ranks.pool import WarmPool
 
 
@@ -73,10 +75,14 @@ class InProcess:
             check_cancel(cancel)
             dataset = evaluation.dataset
             ranges = rank_ranges(dataset.num_samples, evaluation.batch_size, 1, 0)
-            with dataset.open() as data:
+            with open_kept(dataset, dataset.open()) as data:
                 return score_pass(models, request, ranges, iter_batches(data, ranges), SingleProcessCollective())
 
         return PassScorer(one_pass, evaluation)
+
+    def release_decoded(self, scope: str) -> KeptCounts:
+        """Drop the samples this process kept for the run; what its passes decoded and reused."""
+        return release_kept(scope)
 
     def close(self) -> None:
         """Nothing was started."""
@@ -100,13 +106,17 @@ class RayRanks:
         self.transport = "python"
         self.shards: list[Any] | None = None
         self.eval_shards: list[Any] | None = None
+        self.gang: JobGang | None = None
 
     def start(self, plan: RunPlan) -> None:
         """Start or join Ray, place nothing yet; decide how the data reaches the ranks."""
         from bnrecal.service.run.cluster import ensure_ray
 
+        from bnrecal.workers.ranks.job_gang import JobGang
+
         options = self.options = plan.options
         self.started_local = ensure_ray(self.address, min_cpus=options.workers)
+        self.gang = JobGang(self.pool)  # every pass of the run on the same ranks, which keep what they decode
         self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
         if isinstance(plan.data, DatasetSpec):
             self.transport = "remote" if plan.data.remote is not None else resolve_data_transport(self.settings.data_transport)
@@ -134,7 +144,7 @@ class RayRanks:
 
         return run_rank_group(
             plan, run.weights, self.group, on_progress=on_progress, cancel=cancel,
-            shards=self.shards, eval_shards=self.eval_shards, pool=self.pool,
+            shards=self.shards, eval_shards=self.eval_shards, pool=self.gang,
         )
 
     def placement(self, run: RunPlan) -> Placement:
@@ -162,7 +172,7 @@ class RayRanks:
         def gather(model: bytes, request: RangeRequest) -> GroupRanges:
             return _pass_on_ranks(
                 model, request, dataset, batch_size, options.workers, options.device, self.group, self.shards,
-                self.pool, cancel, policy, failures, retried, num_samples=samples_read(dataset, samples),
+                self.gang, cancel, policy, failures, retried, num_samples=samples_read(dataset, samples),
             )
 
         return gather
@@ -177,13 +187,20 @@ class RayRanks:
         def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
             return _pass_on_ranks(
                 models, request, evaluation.dataset, evaluation.batch_size, options.workers, options.device,
-                self.group, self.eval_shards, self.pool, cancel, policy, failures, retried,
+                self.group, self.eval_shards, self.gang, cancel, policy, failures, retried,
             ).result
 
         return PassScorer(one_pass, evaluation)
 
+    def release_decoded(self, scope: str) -> KeptCounts:
+        """The run is over: its ranks drop the samples they kept and go back to the pool (or
+        are killed); what their passes decoded and reused, summed."""
+        return self.gang.close(scope) if self.gang is not None else KeptCounts()
+
     def close(self) -> None:
-        """Shut down an embedded instance this run started, when asked to."""
+        """Let the run's ranks go (when ``release_decoded`` has not), and shut down an
+        embedded instance this run started, when asked to."""
+        self.release_decoded("")
         if self.stop_embedded and self.started_local:
             from bnrecal.service.run.cluster import shutdown_embedded
 
@@ -227,7 +244,7 @@ def on_ranks(
 
 def _pass_on_ranks(
     model: bytes | list[bytes], request: RangeRequest | ScoreRequest, dataset: DatasetSpec, batch_size: int,
-    workers: int, device: str, group: Any, shards: list[Any] | None, pool: WarmPool | None,
+    workers: int, device: str, group: Any, shards: list[Any] | None, pool: WarmPool | JobGang | None,
     cancel: threading.Event | None, policy: FailurePolicy, failures: list[str],
     on_retry: Callable[[str], None] | None, *, num_samples: int | None = None,
 ) -> GroupRanges:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bnrecal.workers.data import DatasetSpec, iter_batches
+from bnrecal.workers.data.kept import open_kept
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
 from bnrecal.workers.ranks.plan import GroupRanges
@@ -25,7 +26,7 @@ def in_process(dataset: DatasetSpec, batch_size: int, samples: int | None = None
 
     def gather(model: bytes, request: RangeRequest) -> GroupRanges:
         ranges = rank_ranges(samples_read(dataset, samples), batch_size, 1, 0)
-        with dataset.open() as data:
+        with open_kept(dataset, dataset.open()) as data:
             result = range_pass(model, request, lambda: iter_batches(data, ranges), SingleProcessCollective(), 0)
         return GroupRanges(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
 

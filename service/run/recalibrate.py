@@ -17,7 +17,7 @@ from bnrecal.errors import NoBatchNormError
 from bnrecal.workers.data import describe_dataset
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 
-from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, RunResult, RunPlan, run
+from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, run
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
 from bnrecal.service.run.options import RunOptions
@@ -79,6 +79,7 @@ def recalibrate(
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
+        keep=kept_budget(settings, outputs),
     )
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")
@@ -92,7 +93,9 @@ def recalibrate(
 
     def recalibration(result: RunResult, executor: Executor) -> None:
         """The statistics as the files keep them; then the later phases, on the run's executor."""
-        made.append(Recalibration(model, loaded, result.updates, dataset, result.report, result.stale_buffers, evaluation))
+        made.append(Recalibration(
+            model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
+        ))
         if loaded.is_program:
             result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
         if outputs is not None and outputs.any:
@@ -100,6 +103,15 @@ def recalibrate(
 
     run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, phases=[recalibration])
     return made[0]
+
+
+def kept_budget(settings: Settings, outputs: RunOutputs | None) -> KeepBudget:
+    """What the ranks keep of the samples they decode: within the settings' budgets when a
+    later pass reads them again (the INT8 file's range and scoring passes), else nothing
+    (every decode is still counted for the report's ``decoding``)."""
+    if outputs is None or outputs.int8 is None:
+        return KeepBudget(0, 0)
+    return KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb)
 
 
 def rank_resources(settings: Settings, options: RunOptions) -> tuple[float, float]:

@@ -146,6 +146,22 @@ def add_to_timeline(report: Report, phase: str, seconds: float, samples: int, pa
     report.timeline.append(TimelineEntry(phase, round(seconds, 6), samples, passes, where))
 
 
+@dataclass
+class DecodingReport:
+    """What the ranks decoded over the whole job (``decoding``, docs/report.md): each decode
+    of a sample, the reads later passes took from what the ranks kept, the bytes kept in
+    memory and spilled to local disk, the samples no budget had room for, and each rank's
+    budgets."""
+
+    decoded: int
+    reused: int
+    kept_bytes: int
+    spilled_bytes: int
+    not_kept: int
+    memory_budget_bytes: int
+    disk_budget_bytes: int
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where and how the ranks ran: facts only the executor knows."""
@@ -193,6 +209,7 @@ class Report(Mapping[str, Any]):
     standard_error_max: WorstError | None
     convergence: Convergence | None = None
     timeline: list[TimelineEntry] = field(default_factory=list)
+    decoding: DecodingReport | None = None
     model: Section | None = None
     data: Section | None = None
     program: Section | None = None
@@ -225,6 +242,7 @@ class Report(Mapping[str, Any]):
         values["layers"] = [_layer_from(entry) for entry in data.get("layers", [])]
         values["skipped"] = [SkippedLayerReport(**entry) for entry in data.get("skipped", [])]
         values["timeline"] = [TimelineEntry(**entry) for entry in data.get("timeline") or []]
+        values["decoding"] = DecodingReport(**data["decoding"]) if data.get("decoding") else None
         values["standard_error_max"] = _worst_from(data.get("standard_error_max"))
         reached = data.get("convergence")
         values["convergence"] = (
@@ -245,7 +263,7 @@ class Report(Mapping[str, Any]):
         return key in self.to_dict()
 
 
-OPTIONAL_SECTIONS = ("convergence", "model", "data", "program", "evaluation", "onnx", "int8", "job")
+OPTIONAL_SECTIONS = ("convergence", "decoding", "model", "data", "program", "evaluation", "onnx", "int8", "job")
 
 
 def _plain(value: Any) -> Any:

@@ -30,10 +30,26 @@ class CalibrationData(ABC):
         empty slice still has a batch to run its collectives with.
         """
 
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """Samples ``[start, stop)`` in the form a rank keeps them between the passes of a
+        job (``workers.data.kept``): what ``load`` gives before its last, cheap step (uint8
+        crops for images, before scaling and normalisation). ``from_kept`` finishes it."""
+        return self.load(start, stop)
+
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """Samples read by ``load_kept`` as ``load`` gives them, bit for bit."""
+        return kept
+
     @property
     def decodes(self) -> bool:
         """Whether ``load`` does CPU-heavy decoding worth moving to DataLoader workers."""
         return False
+
+    @property
+    def worth_keeping(self) -> bool:
+        """Whether reading a sample again costs a decode, so a rank keeps what it read for
+        the job's later passes (``workers.data.kept``); arrays read from a memory map are not."""
+        return self.decodes
 
     def close(self) -> None:
         """Release open files and memory maps; ``load`` reopens them if called again."""

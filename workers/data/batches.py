@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.kept import KeptData
 from bnrecal.errors import BnrecalError
 
 
@@ -21,9 +22,10 @@ class _LoadFailure:
 class _RangeLoads(Dataset[torch.Tensor | _LoadFailure]):
     """Item ``i`` is the whole batch of range ``i``; errors come back as values (one-line messages)."""
 
-    def __init__(self, data: CalibrationData, ranges: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, data: CalibrationData, ranges: Sequence[tuple[int, int]], kept: bool = False) -> None:
         self.data = data
         self.ranges = ranges
+        self.kept = kept  # load_kept (the consumer keeps and finishes each batch), else load
 
     def __len__(self) -> int:
         return len(self.ranges)
@@ -31,7 +33,7 @@ class _RangeLoads(Dataset[torch.Tensor | _LoadFailure]):
     def __getitem__(self, index: int) -> torch.Tensor | _LoadFailure:
         start, stop = self.ranges[index]
         try:
-            return self.data.load(start, stop)
+            return self.data.load_kept(start, stop) if self.kept else self.data.load(start, stop)
         except BnrecalError as exc:
             return _LoadFailure(exc)
 
@@ -57,19 +59,34 @@ def iter_batches(
             raise IndexError(f"sample range [{start}, {stop}) is outside [0, {len(data)})")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if isinstance(data, KeptData):  # a rank's kept samples: only the ranges not kept yet are decoded
+        to_decode = [r for r, needed in zip(checked, data.missing(checked)) if needed]
+        decoded = _decoded(data.inner, to_decode, num_workers, multiprocessing_context, kept=True)
+        for batch in data.kept_batches(checked, decoded):
+            yield batch.pin_memory() if pin_memory else batch
+        return
+    yield from _decoded(data, checked, num_workers, multiprocessing_context, pin_memory=pin_memory)
+
+
+def _decoded(
+    data: CalibrationData, ranges: list[tuple[int, int]], num_workers: int, multiprocessing_context: str | None,
+    *, kept: bool = False, pin_memory: bool = False,
+) -> Iterator[torch.Tensor]:
+    """One batch per range, in order (``load_kept``'s form with ``kept``), decoded ahead in
+    DataLoader workers when the data decodes and workers are asked for."""
     plan = getattr(data, "plan_reads", None)
     if plan is not None:  # a reader that reads ahead in a shuffled order learns the steps to come
-        plan(checked)
-    if num_workers == 0 or not data.decodes or not checked:
-        for start, stop in checked:
-            batch = data.load(start, stop)
+        plan(ranges)
+    if num_workers == 0 or not data.decodes or not ranges:
+        for start, stop in ranges:
+            batch = data.load_kept(start, stop) if kept else data.load(start, stop)
             yield batch.pin_memory() if pin_memory else batch
         return
     loader = DataLoader(
-        _RangeLoads(data, checked),
+        _RangeLoads(data, ranges, kept),
         batch_size=None,
         shuffle=False,
-        num_workers=min(num_workers, len(checked)),
+        num_workers=min(num_workers, len(ranges)),
         pin_memory=pin_memory,
         multiprocessing_context=multiprocessing_context,
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bnrecal.workers.data.base import CalibrationData
-from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.transform import ImageTransform, decode_image, normalize
 from bnrecal.errors import DatasetError
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
@@ -146,8 +146,16 @@ class ImageData(CalibrationData):
 
     def load(self, start: int, stop: int) -> torch.Tensor:
         """Decode and transform images ``[start, stop)``; a broken file raises a DatasetError naming it."""
+        return self.from_kept(self.load_kept(start, stop))
+
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """Decode, resize and crop images ``[start, stop)`` to uint8 (``load`` normalises them)."""
         self._check_range(start, stop)
         if start == stop:
-            return self._empty()
+            return self._empty().to(torch.uint8)
         root = Path(self.root)
-        return torch.stack([load_image(root / name, name, self.transform) for name in self.files[start:stop]])
+        return torch.stack([decode_image(root / name, name, self.transform) for name in self.files[start:stop]])
+
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """uint8 crops scaled and normalised by the transform."""
+        return normalize(kept, self.transform)

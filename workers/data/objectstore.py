@@ -31,7 +31,7 @@ import torch
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
 from bnrecal.workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
 from bnrecal.workers.data.order import gather_runs
-from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.transform import ImageTransform, decode_image
 from bnrecal.errors import DatasetError, SpecError
 
 SCHEMES = ("s3",)
@@ -325,11 +325,11 @@ class RemoteImageData(ImageData):
         super().__init__(root, files, transform, classes=classes, labels=labels)
         self.source = source
 
-    def load(self, start: int, stop: int) -> torch.Tensor:
-        """Fetch, decode and transform images ``[start, stop)``."""
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """Fetch, decode, resize and crop images ``[start, stop)`` to uint8 (``load`` normalises them)."""
         self._check_range(start, stop)
         if start == stop:
-            return self._empty()
+            return self._empty().to(torch.uint8)
         names = self.files[start:stop]
         paths = [f"{self.root}/{name}" for name in names]
         try:
@@ -337,5 +337,5 @@ class RemoteImageData(ImageData):
         except Exception as exc:  # noqa: BLE001
             raise remote_error(exc, self.source, "calibration data") from exc
         return torch.stack(
-            [load_image(io.BytesIO(fetched[path]), name, self.transform) for path, name in zip(paths, names)]
+            [decode_image(io.BytesIO(fetched[path]), name, self.transform) for path, name in zip(paths, names)]  # type: ignore[arg-type]
         )

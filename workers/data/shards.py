@@ -29,7 +29,7 @@ from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.columnar import ColumnarReader
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.shardlist import ShardRef
-from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.transform import ImageTransform, decode_image, normalize
 from bnrecal.workers.data.webdataset import NO_LABEL, TarReader, tar_index
 from bnrecal.errors import DatasetError
 
@@ -89,6 +89,26 @@ class ShardSet:
 def decode_sample(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:
     """One sample from its encoded bytes: an ``.npy`` array as it is (float32), else an
     image decoded and transformed exactly as an image file is."""
+    sample = decode_kept(name, data, transform)
+    return normalize(sample, transform) if sample.dtype == torch.uint8 and transform is not None else sample
+
+
+def kept_batch(samples: list[torch.Tensor], transform: ImageTransform | None) -> torch.Tensor:
+    """Samples from :func:`decode_kept` as one batch: uint8 when all are image crops, else
+    float32 as ``load`` gives them (an ``.npy`` sample among images is fed as it is)."""
+    if transform is not None and any(sample.dtype != torch.uint8 for sample in samples):
+        samples = [normalize(s, transform) if s.dtype == torch.uint8 else s for s in samples]
+    return torch.stack(samples)
+
+
+def from_kept_batch(kept: torch.Tensor, transform: ImageTransform | None) -> torch.Tensor:
+    """A batch of :func:`kept_batch` as ``load`` gives it."""
+    return normalize(kept, transform) if kept.dtype == torch.uint8 and transform is not None else kept
+
+
+def decode_kept(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:
+    """One sample from its encoded bytes in the form a rank keeps it: an ``.npy`` array as
+    float32, an image as its uint8 crop (:func:`workers.data.transform.decode_image`)."""
     if data[:6] == _NPY_MAGIC:
         try:
             array = np.load(io.BytesIO(data), allow_pickle=False)
@@ -99,7 +119,7 @@ def decode_sample(name: str, data: bytes, transform: ImageTransform | None) -> t
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
     if transform is None:
         raise DatasetError(f"sample {name} is not an .npy array, but the data's first sample was")
-    return load_image(io.BytesIO(data), name, transform)  # type: ignore[arg-type]
+    return decode_image(io.BytesIO(data), name, transform)  # type: ignore[arg-type]
 
 
 class ShardData(CalibrationData):
@@ -126,16 +146,24 @@ class ShardData(CalibrationData):
     def load(self, start: int, stop: int) -> torch.Tensor:
         """Read, decode and transform samples ``[start, stop)``; a broken sample raises a
         DatasetError naming its shard and member (or row)."""
+        return self.from_kept(self.load_kept(start, stop))
+
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """Read and decode samples ``[start, stop)``: image crops as uint8 (``load`` normalises them)."""
         self._check_range(start, stop)
         if start == stop:
             return self._empty()
         samples = []
         for name, data in self.load_encoded(start, stop):
-            sample = decode_sample(name, data, self.transform)
+            sample = decode_kept(name, data, self.transform)
             if tuple(sample.shape) != self.sample_shape:
                 raise DatasetError(f"sample {name} has shape {tuple(sample.shape)}, not {self.sample_shape} like the first")
             samples.append(sample)
-        return torch.stack(samples)
+        return kept_batch(samples, self.transform)
+
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """Kept samples as ``load`` gives them."""
+        return from_kept_batch(kept, self.transform)
 
     def load_encoded(self, start: int, stop: int) -> list[tuple[str, bytes]]:
         """``(shard:member, encoded bytes)`` of samples ``[start, stop)``, in order (what the

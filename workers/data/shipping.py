@@ -10,7 +10,6 @@ bytes and are decoded in the actor, and so do the samples of shards.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +20,9 @@ import torch
 from bnrecal.workers.data.arrays import ArrayData
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.images import ImageData
-from bnrecal.workers.data.shards import ShardData, decode_sample
+from bnrecal.workers.data.shards import ShardData, decode_kept, from_kept_batch, kept_batch
 from bnrecal.workers.data.spec import DatasetSpec
-from bnrecal.workers.data.transform import ImageTransform, load_image
+from bnrecal.workers.data.transform import ImageTransform
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -59,6 +58,15 @@ class ShippedData(CalibrationData):
 
     def load(self, start: int, stop: int) -> torch.Tensor:
         """The samples of one of this rank's ranges (an empty range gives an empty batch)."""
+        return self.from_kept(self.load_kept(start, stop))
+
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """Kept samples as ``load`` gives them: arrays as float32, image crops normalised."""
+        return from_kept_batch(kept, self.transform).to(torch.float32)
+
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """One of this rank's ranges as it travelled (arrays in their compact type), images
+        decoded to their uint8 crops."""
         self._check_range(start, stop)
         if start == stop:
             return self._empty()
@@ -68,10 +76,13 @@ class ShippedData(CalibrationData):
         block = self._block(index)
         rows = block[offset : offset + stop - start]
         if isinstance(rows, torch.Tensor):
-            return rows.to(torch.float32)
-        if self.transform is None:  # encoded .npy samples of shards
-            return torch.stack([decode_sample(name, data, None) for name, data in rows])
-        return torch.stack([load_image(io.BytesIO(data), name, self.transform) for name, data in rows])
+            return rows
+        return kept_batch([decode_kept(name, data, self.transform) for name, data in rows], self.transform)
+
+    @property
+    def worth_keeping(self) -> bool:
+        """Encoded images are decoded on every read: worth keeping; arrays are not."""
+        return self.transform is not None
 
     @property
     def nbytes(self) -> int:

@@ -22,6 +22,7 @@ from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, de
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.formats import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
+from bnrecal.workers.data.kept import KeepDecoded
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
     RemoteImageData,
@@ -66,6 +67,7 @@ class DatasetSpec:
     order: str = "given"  # "shuffled" (seeded) or "given" (file order)
     seed: int = 0
     shards: ShardSet | None = None  # shards: the shards, their sample counts, the columns (transform None: .npy samples)
+    keep: KeepDecoded | None = None  # set by a run: its ranks keep what they decode for its later passes (workers.data.kept)
 
     def sample_rows(self) -> np.ndarray:
         """The file row (array row, or index in the sorted image listing) of each sample position."""

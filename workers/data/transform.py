@@ -114,8 +114,16 @@ def apply_transform(image: Image.Image, transform: ImageTransform) -> torch.Tens
     """An RGB PIL image as the normalised float32 tensor ``(3, crop, crop)`` fed to the model.
 
     Same steps as the torchvision ImageNet evaluation preset: bilinear antialiased resize
-    of the shorter side, centre crop, scale to [0, 1], normalise by mean/std.
+    of the shorter side, centre crop, scale to [0, 1], normalise by mean/std. It is
+    :func:`crop_image` then :func:`normalize`: what a rank keeps between passes is the
+    uint8 crop, which becomes the same floats, bit for bit, when read again.
     """
+    return normalize(crop_image(image, transform), transform)
+
+
+def crop_image(image: Image.Image, transform: ImageTransform) -> torch.Tensor:
+    """The resized, centre-cropped RGB image as uint8 ``(3, crop, crop)``: the transform
+    before its scaling and normalisation (a quarter of the float32 bytes)."""
     # torchvision is imported here, on the first image, not with the module: importing it
     # takes ~1.3 s (it imports torch._dynamo), which every rank would pay for array data too.
     from torchvision.transforms import InterpolationMode
@@ -123,19 +131,34 @@ def apply_transform(image: Image.Image, transform: ImageTransform) -> torch.Tens
 
     image = TF.resize(image, [transform.resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
     image = TF.center_crop(image, [transform.crop, transform.crop])
-    tensor = TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True)
+    return TF.pil_to_tensor(image)
+
+
+def normalize(crops: torch.Tensor, transform: ImageTransform) -> torch.Tensor:
+    """uint8 crops (one ``(3, H, W)`` or a batch ``(N, 3, H, W)``) scaled to [0, 1] and
+    normalised by mean/std, as float32. Elementwise, so a batch gives each sample's floats
+    exactly as the sample alone would."""
+    from torchvision.transforms.v2 import functional as TF
+
+    tensor = TF.to_dtype(crops, torch.float32, scale=True)
     return TF.normalize(tensor, list(transform.mean), list(transform.std))
 
 
 def load_image(path: Path, name: str, transform: ImageTransform) -> torch.Tensor:
     """Decode and transform one image file; a file that cannot be decoded is a DatasetError naming ``name``."""
+    return normalize(decode_image(path, name, transform), transform)
+
+
+def decode_image(path: Path, name: str, transform: ImageTransform) -> torch.Tensor:
+    """Decode, resize and crop one image file to uint8 ``(3, crop, crop)`` (:func:`crop_image`);
+    a file that cannot be decoded is a DatasetError naming ``name``."""
     try:
         with Image.open(path) as image:
             image.load()
             rgb = to_rgb(image)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"cannot decode image {name}: {_one_line(exc, path, name)}") from exc
-    return apply_transform(rgb, transform)
+    return crop_image(rgb, transform)
 
 
 def check_image_header(path: Path, name: str) -> None:

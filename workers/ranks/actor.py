@@ -16,6 +16,7 @@ import ray
 import torch
 
 from bnrecal.workers.data import CalibrationData
+from bnrecal.workers.data.kept import KeptCounts, keep_one_scope, release_kept
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.errors import BnrecalError, RunError, first_line
@@ -60,6 +61,15 @@ class CalibrationRank:
         self._seed = torch.initial_seed()
         self._groups: list[str] = []
         self.jobs = 0
+        keep_one_scope()  # what it keeps of a job's samples, it keeps for that job only
+
+    def release_kept(self, scope: str) -> KeptCounts:
+        """Drop the samples this rank kept for the job ``scope`` (``workers.data.kept``) and
+        give their memory back; what the job's passes decoded and reused here."""
+        counts = release_kept(scope)
+        gc.collect()
+        release_free_memory()
+        return counts
 
     def reset(self) -> bool:
         """Clear what a job left, so a warm rank starts the next job as a fresh one would;
@@ -224,6 +234,7 @@ class CalibrationRank:
         a collective is in flight, then the ``result`` (``{"rank", "node_id", "result"}``), so
         the driver's timeout counts time without progress, not the length of the pass."""
         from bnrecal.workers.data import iter_batches
+        from bnrecal.workers.data.kept import open_kept
         from bnrecal.workers.ranks.int8_ranges import range_pass
         from bnrecal.workers.ranks.onnx_scores import ScoreRequest, score_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
@@ -234,7 +245,7 @@ class CalibrationRank:
         with self._rank_named(" scoring ONNX models" if scoring else " gathering INT8 ranges"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
             collective = self._collective
-            data = shard if shard is not None else dataset.open()
+            data = open_kept(dataset, shard if shard is not None else dataset.open())
             total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
             ranges = rank_ranges(total, batch_size, world_size, self.rank)
             yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}

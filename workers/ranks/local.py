@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import CalibrationData, iter_batches
+from bnrecal.workers.data.kept import open_kept
 from bnrecal.workers.data.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
@@ -48,7 +49,7 @@ def rank_batches(
     if isinstance(plan.dataset, LoaderSpec):
         ranges = plan.dataset.rank_ranges(rank, plan.world_size)
         return plan.dataset.rank_steps(rank, plan.world_size), ranges, plan.dataset.step_ranges()
-    data = shard if shard is not None else plan.dataset.open()
+    data = open_kept(plan.dataset, shard if shard is not None else plan.dataset.open())
     loader_workers = plan.loader_workers if shard is None else 0
     ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, rank)
     steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
@@ -68,7 +69,7 @@ def evaluate_rank(
     evaluation = plan.evaluation
     assert evaluation is not None
     after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
-    data = shard if shard is not None else evaluation.dataset.open()
+    data = open_kept(evaluation.dataset, shard if shard is not None else evaluation.dataset.open())
     ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, rank)
     labels = [evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges]
     loader_workers = plan.loader_workers if shard is None else 0
