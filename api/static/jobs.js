@@ -167,6 +167,12 @@ function samplesField(id) {
   return text.toLowerCase() === "auto" ? "auto" : intField(id);
 }
 
+/** A text field, or undefined when empty (the option's default). */
+function textField(id) {
+  const text = document.getElementById(id).value.trim();
+  return text === "" ? undefined : text;
+}
+
 function numberField(id) {
   const input = document.getElementById(id);
   if (input.value.trim() === "") return undefined;
@@ -230,6 +236,8 @@ async function describe(state) {
     tolerance: numberField("tolerance"),
     order: document.getElementById("order").value,
     seed: intField("seed"),
+    image_column: textField("image-column"),
+    label_column: textField("label-column"),
     outputs: document.getElementById("onnx").checked ? [kind, "onnx"] : [kind],
   };
   if (document.getElementById("int8").checked) {
@@ -345,6 +353,8 @@ async function editFrom(jobId) {
   document.getElementById("tolerance").value = spec.tolerance ?? "";
   document.getElementById("order").value = spec.order || "shuffled";
   document.getElementById("seed").value = spec.seed ?? 0;
+  document.getElementById("image-column").value = spec.image_column || "";
+  document.getElementById("label-column").value = spec.label_column || "";
   document.getElementById("mode").value = spec.mode;
   document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
   document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");

@@ -72,6 +72,8 @@ Order = _choices("Order", OrderChoice)
 OrderOpt = Annotated[Order, typer.Option(help=description("order"))]
 SeedOpt = Annotated[int, typer.Option(help=description("seed"))]
 ToleranceOpt = Annotated[float | None, typer.Option(help=description("tolerance"))]
+ImageColumnOpt = Annotated[str | None, typer.Option(help=description("image_column"))]
+LabelColumnOpt = Annotated[str | None, typer.Option(help=description("label_column"))]
 DeviceOpt = Annotated[Device, typer.Option(help=description("device"))]
 TransformOpt = Annotated[str | None, typer.Option(help=description("transform") + " (JSON object)")]
 PlacementOpt = Annotated[Placement | None, typer.Option(help=description("placement"))]
@@ -194,6 +196,8 @@ class RunFlags:
     tolerance: ToleranceOpt = None
     device: DeviceOpt = DEVICE
     transform: TransformOpt = None
+    image_column: ImageColumnOpt = None
+    label_column: LabelColumnOpt = None
     placement: PlacementOpt = None
     max_retries: MaxRetriesOpt = None
     onnx: OnnxOpt = None
@@ -229,6 +233,8 @@ class RunFlags:
             max_samples=parse_max_samples(self.max_samples),
             order=self.order.value,
             seed=self.seed,
+            image_column=self.image_column,
+            label_column=self.label_column,
             **tolerance,
         )
 

@@ -45,13 +45,14 @@ def is_path_data(data: Any) -> bool:
 
 def describe_python_data(
     data: Any, *, batch_size: int | None, max_samples: int | str | None, select_input: bool, settings: Settings,
-    order: str = "shuffled", seed: int = 0,
+    order: str = "shuffled", seed: int = 0, image_column: str | None = None,
 ) -> DatasetSpec | LoaderSpec:
     """Describe ``data`` for the ranks (see the module's docstring), refusing what cannot be.
 
     A path or URI is read in ``order`` (seeded ``shuffled`` by default, as ``--data``);
     data in memory keeps its own order. ``max_samples="auto"`` keeps every sample: the
-    ranks stop once the statistics converge."""
+    ranks stop once the statistics converge. ``image_column`` names the image column of
+    Parquet or Arrow data (refused for any other)."""
     if max_samples == "auto":
         max_samples = None
     if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
@@ -64,8 +65,10 @@ def describe_python_data(
         return describe_dataset(
             data if is_data_uri(data) or is_shard_list(data) else Path(data), max_samples=max_samples,
             **settings.unpack_options(),
-            endpoint_url=settings.s3_endpoint_url, order=order, seed=seed,
+            endpoint_url=settings.s3_endpoint_url, order=order, seed=seed, image_column=image_column,
         )
+    if image_column is not None:
+        raise SpecError("image_column names a column of Parquet or Arrow data given as a path or URI", field="image_column")
     if isinstance(data, (torch.Tensor, np.ndarray)):
         data = TensorDataset(torch.as_tensor(data))
     if isinstance(data, DataLoader):

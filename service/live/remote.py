@@ -89,7 +89,7 @@ def recalibrate_on_server(
         raise SpecError("with server=, model must be a torch.nn.Module", field="model")
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=Settings(),
-        order=options.order, seed=options.seed,
+        order=options.order, seed=options.seed, image_column=options.image_column,
     )
     if isinstance(spec, DatasetSpec) and spec.remote is not None:
         raise SpecError("with server=, data in object storage is not sent: give a local path", field="data")
@@ -121,6 +121,8 @@ def recalibrate_on_server(
             job_spec["order"] = "given"
         else:
             job_spec.update(order=options.order, seed=options.seed)
+            if options.image_column is not None:
+                job_spec["image_column"] = options.image_column
         with BnrecalClient(server, api_key=api_key) as client:
             # A file the server already holds for this key (the same data, again) is not sent twice.
             job_spec["program"] = client.upload_missing(program_file)[0]

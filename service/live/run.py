@@ -56,6 +56,7 @@ def recalibrate(
     tolerance: float | None = None,
     order: str = "shuffled",
     seed: int = 0,
+    image_column: str | None = None,
 ) -> RecalibrationReport:
     """Recompute every BatchNorm layer's running statistics of ``model`` in place, like
     ``torch.optim.swa_utils.update_bn(loader, model)``, and return the report.
@@ -83,6 +84,8 @@ def recalibrate(
         standard errors are below ``tolerance`` (default 0.05; sync mode only).
     order, seed: the order a path's samples are read in (``shuffled`` with ``seed``, or
         ``given``); data in memory keeps its own order, as with ``update_bn``.
+    image_column: Parquet or Arrow data (a path, a URI or a list of shard URLs): the column
+        of encoded images (default ``image``, or the one column holding image bytes).
     device: where the ranks compute (``cpu`` or ``cuda``).
     forward: ``forward(model, batch)`` feeds the model a batch (e.g. ``model(**batch)``);
         with it the model travels pickled (see below), never as a program. A model that
@@ -107,6 +110,7 @@ def recalibrate(
         workers=_count(workers, "workers"), mode=mode, device=device,
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
         max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
+        image_column=image_column,
     )
     if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
         raise _no_batchnorm(model, find_batchnorm_layers(model)[1])
@@ -119,7 +123,7 @@ def recalibrate(
         )
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
-        order=options.order, seed=options.seed,
+        order=options.order, seed=options.seed, image_column=options.image_column,
     )
     sample = _probe_batch(spec, forward)
     feed = forward if forward is not None or isinstance(sample, torch.Tensor) else call_model

@@ -84,6 +84,15 @@ class RunOptions(BaseModel):
         description=f'With max_samples "auto": the standard error to reach (default {DEFAULT_TOLERANCE:g}, '
         "i.e. 5% on the variance, worst channel).",
     )
+    image_column: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="Parquet or Arrow data (calibration and evaluation alike): the column of encoded images "
+        "(default: image, or the one column that holds image bytes).",
+    )
+    label_column: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="Parquet or Arrow evaluation data: the column of integer labels (default: label).",
+    )
     device: Device = Field(default="cpu", description="Where the ranks compute.")
     transform: dict[str, Any] | None = Field(
         default=None, description='Image transform (image data only), e.g. {"resize": 256, "crop": 224}.'

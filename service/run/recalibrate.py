@@ -25,6 +25,7 @@ from bnrecal.service.run.outputs import RunOutputs, make_outputs
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
     RecalibrationRequest,
+    check_columns_used,
     plan_evaluation,
 )
 from bnrecal.service.settings import Settings
@@ -72,10 +73,13 @@ def recalibrate(
         endpoint_url=settings.s3_endpoint_url,
         order=request.order,
         seed=request.seed,
+        image_column=request.image_column,
+        columns_elsewhere="ignore",
     )
     with dataset.open() as data:
         probe = data.load(0, 1)
     evaluation = plan_evaluation(request, model, settings) if request.eval_data is not None else None
+    check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
-from bnrecal.errors import Int8GuardError
+from bnrecal.errors import DatasetOptionError, Int8GuardError
 from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, read_labels
 from bnrecal.workers.data.objectstore import is_data_uri
 from bnrecal.workers.engine.evaluation import check_eval_output
@@ -107,6 +107,27 @@ class Recalibration:
             return data.load(0, min(count, self.dataset.num_samples))
 
 
+def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: DatasetSpec | None) -> None:
+    """Refuse a column name that names no column: ``image_column`` without Parquet or Arrow
+    data, ``label_column`` without Parquet or Arrow evaluation data (the options apply to
+    whichever data set is columnar, docs/data.md)."""
+
+    def columnar(spec: DatasetSpec | None) -> bool:
+        return spec is not None and spec.shards is not None and spec.shards.format != "webdataset"
+
+    if request.image_column is not None and not (columnar(data) or columnar(evaluation)):
+        raise DatasetOptionError(
+            "image_column names a Parquet or Arrow column; neither the data nor the evaluation data is Parquet or Arrow",
+            field="image_column",
+        )
+    if request.label_column is not None and not columnar(evaluation):
+        raise DatasetOptionError(
+            "label_column names the labels of Parquet or Arrow evaluation data; "
+            + ("there is no evaluation data" if evaluation is None else "the evaluation data is not Parquet or Arrow"),
+            field="label_column",
+        )
+
+
 def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
     """Describe the evaluation data, read its labels and check on one sample, on the driver,
     that the model's output can be evaluated: a problem fails here, before any actor starts."""
@@ -125,6 +146,9 @@ def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: S
         role="evaluation data",
         name=request.eval_data_name,
         endpoint_url=settings.s3_endpoint_url,
+        image_column=request.image_column,
+        label_column=request.label_column,
+        columns_elsewhere="ignore",
     )
     labels = read_labels(dataset)
     with dataset.open() as data:

@@ -235,6 +235,40 @@ def test_a_program_submitted_through_the_form_comes_back_recalibrated(live_serve
     assert tab.problems == []
 
 
+def test_parquet_data_with_its_image_column_named_in_the_form(live_server, tab, tmp_path):
+    """A Parquet file with two columns of image bytes needs its image column named: the form's
+    field reaches the job's spec and the job calibrates on that column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.nets import classifier_net
+    from tests.shards import photos
+
+    items = photos(6, size=40)
+    thumbs = photos(6, size=24, seed=1)
+    pq.write_table(pa.table({"img": [data for _, data, _ in items], "thumb": [data for _, data, _ in thumbs]}),
+                   tmp_path / "photos.parquet")
+    torch.manual_seed(0)
+    checkpoint = save_state(tmp_path / "classifier.pt", perturbed(classifier_net(3)))
+    page = tab.page
+    sign_in(page, f"{live_server.url}/")
+    page.fill("#arch", "tests.nets:classifier_net")
+    page.fill("#model-kwargs", '{"classes": 3}')
+    page.set_input_files("#checkpoint", str(checkpoint))
+    page.set_input_files("#data", str(tmp_path / "photos.parquet"))
+    page.fill("#batch-size", "3")
+    page.fill("#image-column", "img")
+    page.click("#submit-button")
+    expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=JOB_TIMEOUT_MS)
+    row = page.locator("#jobs-body tr").first
+    expect(row.locator(".status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    with live_server.client("web") as client:
+        job = client.get(f"/v1/jobs/{row.get_attribute('data-job-id')}").json()
+    assert job["spec"]["image_column"] == "img" and job["spec"].get("label_column") is None
+    assert job["report"]["samples"] == 6 and job["report"]["dataset"]["sample_shape"] == [3, 224, 224]
+    assert tab.problems == []
+
+
 def test_the_key_lives_in_session_storage_only(live_server, tab):
     page = tab.page
     sign_in(page, f"{live_server.url}/")

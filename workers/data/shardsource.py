@@ -173,10 +173,14 @@ def describe_shards(
     endpoint_url: str | None,
     cache_root: Path | None,
     role: str,
+    strict_columns: bool = True,
 ) -> tuple[ShardSet, ImageTransform | None, tuple[int, ...]]:
     """Count every shard's samples (building or loading each tar's index, reading each
     Parquet footer), concurrently, and read the first sample for the sample shape:
-    ``(shards, transform or None for arrays, sample shape)``."""
+    ``(shards, transform or None for arrays, sample shape)``; tar shards refuse column names,
+    or without ``strict_columns`` read as if none were given."""
+    if data_format == "webdataset" and not strict_columns:
+        image_column = label_column = None
     if data_format == "webdataset" and (image_column is not None or label_column is not None):
         raise DatasetOptionError("image_column and label_column apply to Parquet and Arrow data, not tar shards",
                                  field="image_column")

@@ -160,6 +160,7 @@ def describe_dataset(
     seed: int = 0,
     image_column: str | None = None,
     label_column: str | None = None,
+    columns_elsewhere: Literal["error", "ignore"] = "error",
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
@@ -178,7 +179,9 @@ def describe_dataset(
     paths or URIs, a brace pattern, a folder or prefix of shards, a manifest, a WebDataset
     tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shardsource`) are counted
     here, each tar's index built and cached under the unpack root's parent folder
-    (``shard-index/``); ``image_column``/``label_column`` name a Parquet or Arrow file's columns.
+    (``shard-index/``); ``image_column``/``label_column`` name a Parquet or Arrow file's columns
+    (data of another format refuses them, or with ``columns_elsewhere="ignore"`` reads as if
+    they were not given: options that name the columns of whichever data set is columnar).
     """
     if max_samples is not None and (
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
@@ -194,7 +197,8 @@ def describe_dataset(
         if value is not None and (not isinstance(value, str) or not value):
             raise DatasetOptionError(f"{option} must be a column name, got {value!r}", field=option)
     shard_options = {
-        "transform": transform, **columns, "endpoint_url": endpoint_url, "role": role,
+        "transform": transform, **columns, "strict_columns": columns_elsewhere == "error",
+        "endpoint_url": endpoint_url, "role": role,
         "cache_root": Path(unpack_root if unpack_root is not None else default_unpack_root()).expanduser().absolute().parent,
     }
     if is_shard_list(path):
@@ -220,7 +224,7 @@ def describe_dataset(
     if found is not None:
         spec = _shard_spec(*found, str(source), max_samples, ordering, shard_options)
         return spec if name is None else replace(spec, name=name)
-    if image_column is not None or label_column is not None:
+    if (image_column is not None or label_column is not None) and columns_elsewhere == "error":
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet and Arrow shards; {name or source.name} is not",
             field="image_column" if image_column is not None else "label_column",
@@ -317,7 +321,9 @@ def _describe_remote(
     found = remote_shards(remote, kind, role, shard_options["cache_root"])
     if found is not None:
         return _shard_spec(*found, remote.uri, max_samples, ordering, shard_options)
-    if shard_options["image_column"] is not None or shard_options["label_column"] is not None:
+    if (shard_options["image_column"] is not None or shard_options["label_column"] is not None) and shard_options[
+        "strict_columns"
+    ]:
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet and Arrow shards; {remote.uri} is not", field="image_column"
         )

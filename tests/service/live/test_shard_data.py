@@ -29,3 +29,34 @@ def test_a_list_of_shards_calibrates_as_the_folder(tmp_path):
     assert torch.equal(model.bn.running_mean, twin.bn.running_mean)
     assert torch.equal(model.bn.running_var, twin.bn.running_var)
     assert not torch.equal(model.bn.running_var, perturbed(classifier_net(3)).bn.running_var)
+
+
+def two_image_columns(path, items, other):
+    """A Parquet file with two columns of image bytes: ``img`` (the photos) and ``thumb``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"thumb": [data for _, data, _ in other], "img": [data for _, data, _ in items]}), path)
+    return path
+
+
+def test_parquet_with_its_image_column_named_calibrates_as_the_folder(tmp_path):
+    import pytest
+
+    from bnrecal import DatasetError, SpecError
+
+    items = folder_order(photos(12, size=32))
+    write_folder(tmp_path / "folder", items)
+    parquet = two_image_columns(tmp_path / "photos.parquet", items, photos(12, size=24, seed=2))
+    settings = Settings(data_dir=tmp_path / "data")
+    model = perturbed(classifier_net(3))
+    twin = copy.deepcopy(model)
+    options = {"batch_size": 4, "progress": False, "order": "given", "settings": settings}
+    bnrecal.recalibrate(model, parquet, image_column="img", **options)
+    bnrecal.recalibrate(twin, tmp_path / "folder", **options)
+    assert torch.equal(model.bn.running_var, twin.bn.running_var)
+    with pytest.raises(DatasetError, match="image_column"):  # two image columns: which one?
+        bnrecal.recalibrate(copy.deepcopy(twin), parquet, **options)
+    with pytest.raises(SpecError, match="image_column") as refused:
+        bnrecal.recalibrate(copy.deepcopy(twin), tmp_path / "folder", image_column="img", **options)
+    assert refused.value.field == "image_column"
