@@ -145,3 +145,40 @@ def test_each_phase_is_one_event(live_server, files):
     assert phases.count("starting workers") <= 1 and phases.count("exporting") <= 1 and phases.count("writing") <= 1
     entered = [phase for index, phase in enumerate(phases) if index == 0 or phases[index - 1] != phase]
     assert len(entered) == len(set(entered)), entered  # a phase, once left, never comes back
+
+
+@pytest.mark.parametrize("layout", ["tar shards", "parquet"])
+def test_submit_sends_a_folder_of_shards_read_as_shards(live_server, tmp_path, capsys, monkeypatch, layout):
+    """A local folder of WebDataset shards or of Parquet files (as the Hub lays them out) goes up
+    as one tar and is read on the server as the shards it holds: the same checkpoint as the
+    same photos calibrated from a folder of images here."""
+    import torch
+
+    from tests.conftest import save_state
+    from tests.nets import classifier_net, perturbed
+    from tests.shards import folder_order, photos, write_folder, write_parquet, write_tar_shards
+
+    items = folder_order(photos(10, size=32))
+    write_folder(tmp_path / "photos", items)
+    shards = tmp_path / "shards"
+    if layout == "tar shards":
+        write_tar_shards(shards, items, 4)
+    else:
+        write_parquet(shards, items, 6, row_group=3)
+    torch.manual_seed(1)
+    checkpoint = save_state(tmp_path / "m.pt", perturbed(classifier_net(3)))
+    common = ["--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 3}', "--checkpoint", str(checkpoint),
+              "--transform", '{"resize": 20, "crop": 16}', "--batch-size", "4", "--order", "given"]
+    code, _, err = run_cli(capsys, "submit", "--server", live_server.url, "--api-key", KEY, *common,
+                           "--data", str(shards), "--out", str(tmp_path / "remote.pt"),
+                           "--report", str(tmp_path / "remote.json"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "remote.json").read_text())
+    assert report["dataset"]["kind"] == "shards" and report["samples"] == 10
+    monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
+    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "state"))
+    code, _, err = run_cli(capsys, "calibrate", *common, "--data", str(tmp_path / "photos"),
+                           "--out", str(tmp_path / "local.pt"))
+    assert code == 0, err
+    remote, local = torch.load(tmp_path / "remote.pt"), torch.load(tmp_path / "local.pt")
+    assert all(torch.equal(remote[key], local[key]) for key in local)
