@@ -91,6 +91,11 @@ def main() -> None:
     for entry in report.get("timeline", []):
         print(f"  {entry['phase']:32s} {entry['seconds']:7.2f} s  {entry['samples']:6d} samples  "
               f"{entry['passes']} passes  {entry['where']}")
+    decoding = report.get("decoding")
+    if decoding is not None:  # an older checkout's report has none
+        used = report["samples"] + report["evaluation"]["data"]["samples"]
+        print(f"samples decoded by the ranks: {decoding['decoded']} for {used} samples used "
+              f"({decoding['reused']} reads from what they kept)")
     print(f"after: load average {os.getloadavg()[0]:.2f}")
 
 
