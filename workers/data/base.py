@@ -45,6 +45,12 @@ class CalibrationData(ABC):
         """Whether ``load`` does CPU-heavy decoding worth moving to DataLoader workers."""
         return False
 
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        """Samples ``[start, stop)`` as their encoded bytes ``(name, bytes)``, for a decoder
+        elsewhere (a CUDA rank's, ``workers.data.device_decode``); None where the data has
+        no encoded form (arrays)."""
+        return None
+
     @property
     def worth_keeping(self) -> bool:
         """Whether reading a sample again costs a decode, so a rank keeps what it read for

@@ -159,3 +159,12 @@ class ImageData(CalibrationData):
     def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
         """uint8 crops scaled and normalised by the transform."""
         return normalize(kept, self.transform)
+
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        """The image files' bytes ``[start, stop)``, named as in messages."""
+        self._check_range(start, stop)
+        root = Path(self.root)
+        try:
+            return [(name, (root / name).read_bytes()) for name in self.files[start:stop]]
+        except OSError as exc:
+            raise DatasetError(f"cannot read image {exc.filename and Path(exc.filename).name}: {exc.strerror}") from exc

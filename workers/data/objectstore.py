@@ -330,12 +330,17 @@ class RemoteImageData(ImageData):
         self._check_range(start, stop)
         if start == stop:
             return self._empty().to(torch.uint8)
+        return torch.stack([decode_image(io.BytesIO(data), name, self.transform) for name, data in self.encoded(start, stop)])  # type: ignore[arg-type]
+
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]]:
+        """The objects' bytes ``[start, stop)``, fetched concurrently."""
+        self._check_range(start, stop)
         names = self.files[start:stop]
         paths = [f"{self.root}/{name}" for name in names]
+        if not paths:
+            return []
         try:
             fetched = self.source.filesystem().cat(paths, on_error="raise")
         except Exception as exc:  # noqa: BLE001
             raise remote_error(exc, self.source, "calibration data") from exc
-        return torch.stack(
-            [decode_image(io.BytesIO(fetched[path]), name, self.transform) for path, name in zip(paths, names)]  # type: ignore[arg-type]
-        )
+        return [(name, fetched[path]) for path, name in zip(paths, names)]

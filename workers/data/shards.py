@@ -165,6 +165,11 @@ class ShardData(CalibrationData):
         """Kept samples as ``load`` gives them."""
         return from_kept_batch(kept, self.transform)
 
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        """The samples' encoded bytes, named ``shard:member`` (or row)."""
+        self._check_range(start, stop)
+        return self.load_encoded(start, stop) if stop > start else []
+
     def load_encoded(self, start: int, stop: int) -> list[tuple[str, bytes]]:
         """``(shard:member, encoded bytes)`` of samples ``[start, stop)``, in order (what the
         object-store transport ships: the ranks decode)."""

@@ -79,6 +79,18 @@ class ShippedData(CalibrationData):
             return rows
         return kept_batch([decode_kept(name, data, self.transform) for name, data in rows], self.transform)
 
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        """One of this rank's ranges as its encoded samples (None for arrays)."""
+        if self.transform is None:
+            return None
+        self._check_range(start, stop)
+        if start == stop:
+            return []
+        if (start, stop) not in self._where:
+            raise IndexError(f"range [{start}, {stop}) was not shipped to this rank")
+        index, offset = self._where[(start, stop)]
+        return list(self._block(index)[offset : offset + stop - start])
+
     @property
     def worth_keeping(self) -> bool:
         """Encoded images are decoded on every read: worth keeping; arrays are not."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import CalibrationData, iter_batches
+from bnrecal.workers.data.device_decode import on_device
 from bnrecal.workers.data.kept import open_kept
 from bnrecal.workers.data.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import layers_named
@@ -49,7 +50,7 @@ def rank_batches(
     if isinstance(plan.dataset, LoaderSpec):
         ranges = plan.dataset.rank_ranges(rank, plan.world_size)
         return plan.dataset.rank_steps(rank, plan.world_size), ranges, plan.dataset.step_ranges()
-    data = open_kept(plan.dataset, shard if shard is not None else plan.dataset.open())
+    data = open_kept(plan.dataset, on_device(shard if shard is not None else plan.dataset.open(), plan.device))
     loader_workers = plan.loader_workers if shard is None else 0
     ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, rank)
     steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
@@ -69,7 +70,7 @@ def evaluate_rank(
     evaluation = plan.evaluation
     assert evaluation is not None
     after = with_statistics(model, plan.layer_names, calibration.stats, calibration.steps)
-    data = open_kept(evaluation.dataset, shard if shard is not None else evaluation.dataset.open())
+    data = open_kept(evaluation.dataset, on_device(shard if shard is not None else evaluation.dataset.open(), plan.device))
     ranges = rank_ranges(evaluation.dataset.num_samples, evaluation.batch_size, plan.world_size, rank)
     labels = [evaluation.labels[start:stop] if evaluation.labels is not None else None for start, stop in ranges]
     loader_workers = plan.loader_workers if shard is None else 0

@@ -1,0 +1,116 @@
+"""JPEG decoded on the rank's device: nvJPEG on CUDA ranks, chosen by device as the
+collective backend is (docs/data.md, "Decoding on CUDA ranks").
+
+A CUDA rank reading images does not decode them in CPU loader processes. It reads a batch's
+encoded bytes (cheap reads), decodes its JPEGs together with
+``torchvision.io.decode_jpeg(..., device="cuda")``, and resizes and centre-crops them there
+with the same torchvision operations on tensors. The uint8 crops come back to host memory,
+where the rank keeps them for the job's later passes (``workers.data.kept``) and where
+every later step is the CPU path's. A sample that is not a JPEG (PNG, WebP, BMP, ``.npy``)
+or that the device decoder refuses (a CMYK JPEG, say) is decoded by the CPU path.
+
+On the same photos the crops are within one level of 255 of the CPU path's (PIL's decode
+and resize), so statistics computed on CUDA ranks differ from CPU ranks' in their last
+digits. This project's machines have no GPU: the tests run this module's code with the CPU
+device (torchvision's own JPEG decoder in place of nvJPEG) and hold it to that bound; on
+CUDA it has not run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.shards import decode_kept, kept_batch
+from bnrecal.workers.data.transform import ImageTransform
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def on_device(data: CalibrationData, device: str | torch.device) -> CalibrationData:
+    """``data`` as a rank on ``device`` reads it: on CUDA, images whose encoded bytes the
+    data gives (``encoded``) are decoded there; anything else is read as it is."""
+    if torch.device(device).type != "cuda" or getattr(data, "transform", None) is None:
+        return data
+    if data.encoded(0, 0) is None:  # this data gives no encoded bytes: decoded by its own load
+        return data
+    return DeviceDecoded(data, torch.device(device))
+
+
+class DeviceDecoded(CalibrationData):
+    """An image dataset whose JPEGs are decoded on ``device`` (:func:`decode_on_device`)."""
+
+    def __init__(self, inner: CalibrationData, device: torch.device) -> None:
+        self.inner = inner
+        self.device = device
+        self.transform: ImageTransform = inner.transform  # type: ignore[attr-defined]
+        self.sample_shape = inner.sample_shape
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def decodes(self) -> bool:
+        return False  # read in this process: the device decodes, not loader processes
+
+    @property
+    def worth_keeping(self) -> bool:
+        return self.inner.worth_keeping
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Samples ``[start, stop)`` as ``load`` gives them, decoded on the device."""
+        return self.from_kept(self.load_kept(start, stop))
+
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """The batch's uint8 crops, its JPEGs decoded on the device, in host memory."""
+        self._check_range(start, stop)
+        if start == stop:
+            return self._empty().to(torch.uint8)
+        encoded = self.inner.encoded(start, stop)
+        assert encoded is not None
+        return kept_batch(decode_on_device(encoded, self.transform, self.device), self.transform)
+
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        return self.inner.from_kept(kept)
+
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+        return self.inner.encoded(start, stop)
+
+    def plan_reads(self, ranges: list[tuple[int, int]]) -> None:
+        """The ranges this pass reads, for a reader that reads ahead (shards in a shuffled order)."""
+        plan = getattr(self.inner, "plan_reads", None)
+        if plan is not None:
+            plan(ranges)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def decode_on_device(encoded: list[tuple[str, bytes]], transform: ImageTransform, device: torch.device) -> list[torch.Tensor]:
+    """Each sample's crop in host memory (uint8 ``(3, crop, crop)``, or an ``.npy`` sample as
+    float32): the JPEGs decoded together on ``device``, resized and cropped there; the others
+    (and a JPEG the device refuses) by the CPU path, whose errors name the sample."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    jpegs = [i for i, (_, data) in enumerate(encoded) if data[:3] == JPEG_MAGIC]
+    out: list[torch.Tensor | None] = [None] * len(encoded)
+    if jpegs:
+        raw = [torch.frombuffer(bytearray(encoded[i][1]), dtype=torch.uint8) for i in jpegs]
+        try:
+            images = decode_jpeg(raw, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # one the device refuses: the CPU path decodes the batch's JPEGs, naming a bad one
+            images = [None] * len(jpegs)
+        for i, image in zip(jpegs, images):
+            if image is not None:
+                out[i] = _crop(image, transform).cpu()
+    return [sample if sample is not None else decode_kept(name, data, transform)
+            for sample, (name, data) in zip(out, encoded)]
+
+
+def _crop(image: torch.Tensor, transform: ImageTransform) -> torch.Tensor:
+    """The transform's resize and centre crop of a decoded ``(3, H, W)`` uint8 image, where it lies."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
+    image = TF.resize(image, [transform.resize], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    return TF.center_crop(image, [transform.crop, transform.crop])
