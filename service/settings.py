@@ -50,8 +50,8 @@ class Settings(BaseSettings):
     kept_memory_mb: int = Field(
         default=2048,
         ge=0,
-        description="Memory each rank keeps a job's decoded samples in for the job's later passes (docs/data.md, "
-        '"Read once per job"); beyond it they spill to local disk.',
+        description="Memory each rank keeps a job's decoded samples in for the job's later passes; beyond it "
+        'they spill to local disk (docs/data.md, "Read once per job").',
     )
     kept_disk_mb: int = Field(
         default=16384,
