@@ -195,6 +195,11 @@ class DecodedStore:
             old.close()
         return made
 
+    def scopes(self) -> list[str]:
+        """The scopes this process keeps samples for now."""
+        with self._lock:
+            return list(self._scopes)
+
     def release(self, scope: str) -> KeptCounts:
         """Drop a scope's samples; what its passes decoded and reused (zeros for a scope not here)."""
         with self._lock:

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from bnrecal.workers.data import CalibrationData
-from bnrecal.workers.data.kept import KeptCounts, keep_one_scope, release_kept
+from bnrecal.workers.data.kept import STORE, KeptCounts, keep_one_scope, release_kept
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.errors import BnrecalError, RunError, first_line
@@ -100,6 +100,7 @@ class CalibrationRank:
             "threads": torch.get_num_threads(),
             "initial_seed": torch.initial_seed(),
             "groups": [name for name in self._groups if collective.is_group_initialized(name)],
+            "kept": STORE.scopes(),
             "allocator": {name: os.environ.get(name) for name in RANK_ENV_VARS},
         }
 

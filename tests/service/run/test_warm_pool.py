@@ -3,6 +3,7 @@ eviction for a job that needs the CPUs, and no reuse after a cancelled or failed
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -205,3 +206,36 @@ def test_closing_the_services_kills_the_warm_ranks(two_models, settings):
         services.close()
     assert host.idle() == []
     assert all(process_gone(pid) for pid in gang.pids)
+
+
+def test_a_job_holds_its_ranks_across_its_passes_and_leaves_them_holding_nothing(settings, tmp_path):
+    """A job with an INT8 file runs its statistics, range and scoring passes on one warm gang
+    (the ranks' kept photos serve the later passes), and gives it back holding no kept sample
+    and no spill file; the next job takes the same processes."""
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.run.outputs import RunOutputs
+    from tests.nets import classifier_net
+    from tests.shards import photos, write_folder
+
+    write_folder(tmp_path / "photos", photos(16, size=32))
+    torch.manual_seed(4)
+    checkpoint = save_state(tmp_path / "m.pt", perturbed(classifier_net(3)))
+    request = RecalibrationRequest(
+        arch="tests.nets:classifier_net", model_kwargs={"classes": 3}, checkpoint=checkpoint, data=tmp_path / "photos",
+        eval_data=tmp_path / "photos", transform={"resize": 20, "crop": 16}, workers=2, batch_size=4,
+    )
+    settings = settings.model_copy(update={"cpus_per_worker": 1.0})
+    pool = WarmPool(idle_s=120)
+    try:
+        outputs = RunOutputs(int8=tmp_path / "m8.onnx", int8_options=Int8Options())
+        result = recalibrate(request, settings, pool=pool, outputs=outputs)
+        decoding = result.report.decoding
+        assert (decoding.decoded, decoding.reused) == (32, 48)  # range passes of the model and the stale one, then the scores
+        [ranks] = idle_states(pool)
+        assert [s["kept"] for s in ranks] == [[], []]
+        assert not list(Path(tempfile.gettempdir()).glob("bnrecal-kept-*"))
+        recalibrate(request, settings, pool=pool, outputs=outputs)
+        [again] = idle_states(pool)
+        assert [s["pid"] for s in again] == [s["pid"] for s in ranks] and [s["kept"] for s in again] == [[], []]
+    finally:
+        pool.close()
