@@ -79,3 +79,22 @@ class CalibrationData(ABC):
     def _empty(self) -> torch.Tensor:
         """The empty batch ``(0, *sample_shape)``."""
         return torch.empty((0, *self.sample_shape), dtype=torch.float32)
+
+
+class DecodedData(CalibrationData):
+    """Data whose samples are decoded (images, shards, shipped encoded samples): ``load`` is
+    ``load_kept`` (the decode) finished by ``from_kept``, so what a pass reads and what a rank
+    keeps for the job's later passes (``workers.data.kept``) come from one decode."""
+
+    def load(self, start: int, stop: int) -> torch.Tensor:
+        """Samples ``[start, stop)`` as float32: decoded, then finished (scaled, normalised)."""
+        return self.from_kept(self.load_kept(start, stop))
+
+    @abstractmethod
+    def load_kept(self, start: int, stop: int) -> torch.Tensor:
+        """Samples ``[start, stop)`` decoded (image crops as uint8); a broken sample raises a
+        DatasetError naming it."""
+
+    @abstractmethod
+    def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
+        """Decoded samples as ``load`` gives them, bit for bit."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.base import CalibrationData, DecodedData
 from bnrecal.workers.data.shards import decode_kept, kept_batch
 from bnrecal.workers.data.transform import ImageTransform
 
@@ -37,7 +37,7 @@ def on_device(data: CalibrationData, device: str | torch.device) -> CalibrationD
     return DeviceDecoded(data, torch.device(device))
 
 
-class DeviceDecoded(CalibrationData):
+class DeviceDecoded(DecodedData):
     """An image dataset whose JPEGs are decoded on ``device`` (:func:`decode_on_device`)."""
 
     def __init__(self, inner: CalibrationData, device: torch.device) -> None:
@@ -56,10 +56,6 @@ class DeviceDecoded(CalibrationData):
     @property
     def worth_keeping(self) -> bool:
         return self.inner.worth_keeping
-
-    def load(self, start: int, stop: int) -> torch.Tensor:
-        """Samples ``[start, stop)`` as ``load`` gives them, decoded on the device."""
-        return self.from_kept(self.load_kept(start, stop))
 
     def load_kept(self, start: int, stop: int) -> torch.Tensor:
         """The batch's uint8 crops, its JPEGs decoded on the device, in host memory."""

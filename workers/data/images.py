@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.base import DecodedData
 from bnrecal.workers.data.transform import ImageTransform, decode_image, normalize
 from bnrecal.errors import DatasetError
 
@@ -117,7 +117,7 @@ def _raise_walk_error(exc: OSError) -> None:
     raise DatasetError(f"cannot list {Path(exc.filename or '').name}: {exc.strerror}") from exc
 
 
-class ImageData(CalibrationData):
+class ImageData(DecodedData):
     """Images decoded and transformed on each ``load`` (so DataLoader workers can do it ahead)."""
 
     def __init__(
@@ -144,12 +144,9 @@ class ImageData(CalibrationData):
         """Image decoding is CPU-heavy: worth DataLoader workers."""
         return True
 
-    def load(self, start: int, stop: int) -> torch.Tensor:
-        """Decode and transform images ``[start, stop)``; a broken file raises a DatasetError naming it."""
-        return self.from_kept(self.load_kept(start, stop))
-
     def load_kept(self, start: int, stop: int) -> torch.Tensor:
-        """Decode, resize and crop images ``[start, stop)`` to uint8 (``load`` normalises them)."""
+        """Decode, resize and crop images ``[start, stop)`` to uint8 (``load`` normalises them);
+        a broken file raises a DatasetError naming it."""
         self._check_range(start, stop)
         if start == stop:
             return self._empty().to(torch.uint8)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.base import DecodedData
 from bnrecal.workers.data.columnar import ColumnarReader
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.shardlist import ShardRef
@@ -122,7 +122,7 @@ def decode_kept(name: str, data: bytes, transform: ImageTransform | None) -> tor
     return decode_image(io.BytesIO(data), name, transform)  # type: ignore[arg-type]
 
 
-class ShardData(CalibrationData):
+class ShardData(DecodedData):
     """The samples of a :class:`ShardSet` at the positions of ``order`` (global sample rows)."""
 
     def __init__(self, shards: ShardSet, order: np.ndarray, transform: ImageTransform | None,
@@ -143,13 +143,9 @@ class ShardData(CalibrationData):
         """Decoding is CPU-heavy: worth DataLoader workers."""
         return True
 
-    def load(self, start: int, stop: int) -> torch.Tensor:
-        """Read, decode and transform samples ``[start, stop)``; a broken sample raises a
-        DatasetError naming its shard and member (or row)."""
-        return self.from_kept(self.load_kept(start, stop))
-
     def load_kept(self, start: int, stop: int) -> torch.Tensor:
-        """Read and decode samples ``[start, stop)``: image crops as uint8 (``load`` normalises them)."""
+        """Read and decode samples ``[start, stop)``: image crops as uint8 (``load`` normalises
+        them); a broken sample raises a DatasetError naming its shard and member (or row)."""
         self._check_range(start, stop)
         if start == stop:
             return self._empty()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data.arrays import ArrayData
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.base import CalibrationData, DecodedData
 from bnrecal.workers.data.images import ImageData
 from bnrecal.workers.data.shards import ShardData, decode_kept, from_kept_batch, kept_batch
 from bnrecal.workers.data.spec import DatasetSpec
@@ -36,7 +36,7 @@ class ShippedBlock:
     nbytes: int = 0  # payload bytes put in the object store
 
 
-class ShippedData(CalibrationData):
+class ShippedData(DecodedData):
     """One rank's samples, read from its object-store blocks instead of a path."""
 
     def __init__(
@@ -55,10 +55,6 @@ class ShippedData(CalibrationData):
 
     def __len__(self) -> int:
         return self.num_samples
-
-    def load(self, start: int, stop: int) -> torch.Tensor:
-        """The samples of one of this rank's ranges (an empty range gives an empty batch)."""
-        return self.from_kept(self.load_kept(start, stop))
 
     def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
         """Kept samples as ``load`` gives them: arrays as float32, image crops normalised."""
