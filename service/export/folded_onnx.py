@@ -21,6 +21,7 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.export.exporters import export_unfolded
 from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from bnrecal.service.export.float16 import convert_to_float16
+from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.graph_passes import (
     batchnorm_count,
     check_final_model,
@@ -130,22 +131,54 @@ def _fold_in_torch(model: torch.nn.Module, example: torch.Tensor) -> tuple[torch
     return folded, result
 
 
-def _export_graph(
+def _traced_graph(
     model: torch.nn.Module, example: torch.Tensor, *, opset: int, dynamic_batch: bool, n_outputs: int,
-    exporter: str, torch_fold: bool,
-) -> tuple[ir.Model, TorchFoldResult, OnnxFoldResult, str]:
-    """Fold in PyTorch, export, fold on the graph: the float32 graph and what each pass did."""
+    exporter: str, torch_fold: bool, reuse: GraphReuse | None,
+) -> tuple[ir.Model, TorchFoldResult, str]:
+    """Fold in PyTorch, then the exporter's graph (``reuse``'s, with this model's weights,
+    where it traced one of the same structure), and the exporter that made it."""
     torch_result = TorchFoldResult(method="none")
     if torch_fold and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         model, torch_result = _fold_in_torch(model, example)
+    key = (opset, dynamic_batch, n_outputs, exporter, tuple(example.shape[1:]), torch_result.method,
+           tuple(torch_result.folded))
+    graph = reuse.graph_for(model, key) if reuse is not None else None
+    if graph is not None:
+        return graph, torch_result, "dynamo (the graph traced for a model of the same structure)"
     raw = export_unfolded(model, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
                           exporter=exporter)
-    graph = raw.model
+    if reuse is not None:
+        reuse.keep(raw.model, raw.exporter, key, model)
+    return raw.model, torch_result, raw.exporter
+
+
+def trace_ahead(model: torch.nn.Module, sample: torch.Tensor, reuse: GraphReuse, *, opset: int = DEFAULT_OPSET,
+                dynamic_batch: bool = True, input_shape: Sequence[int] | None = None) -> None:
+    """Trace ``model``'s export graph into ``reuse``, writing and verifying nothing: the
+    exporter's work that an export of a model of the same structure then skips (a run traces
+    the stale model while its ranks compute the statistics). ``sample`` gives the shape."""
+    shaped = _shaped_samples(sample[:1].repeat(2, *([1] * (sample.dim() - 1))), input_shape)
+    reference = export_copy(model)
+    example = shaped if dynamic_batch else shaped[:1]
+    with torch.no_grad():
+        n_outputs = len(flatten_outputs(reference(example)))
+    _traced_graph(reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
+                  exporter="auto", torch_fold=True, reuse=reuse)
+
+
+def _export_graph(
+    model: torch.nn.Module, example: torch.Tensor, *, opset: int, dynamic_batch: bool, n_outputs: int,
+    exporter: str, torch_fold: bool, reuse: GraphReuse | None = None,
+) -> tuple[ir.Model, TorchFoldResult, OnnxFoldResult, str]:
+    """Fold in PyTorch, export (or take ``reuse``'s graph of the same structure with this
+    model's weights), fold on the graph: the float32 graph and what each pass did."""
+    graph, torch_result, used = _traced_graph(model, example, opset=opset, dynamic_batch=dynamic_batch,
+                                              n_outputs=n_outputs, exporter=exporter, torch_fold=torch_fold, reuse=reuse)
     fold_constants(graph)
     globalize_whole_input_pools(graph)  # a window over the whole input, as OpenVINO reads it
     onnx_result = fold_batchnorm_nodes(graph)
     finalize(graph)
-    return graph, torch_result, onnx_result, raw.exporter
+    return graph, torch_result, onnx_result, used
 
 
 def export_folded_onnx(
@@ -158,6 +191,8 @@ def export_folded_onnx(
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
     fixed_batch: int = 1,
+    reuse: GraphReuse | None = None,
+    openvino: bool = True,
     _exporter: str = "auto",
     _torch_fold: bool = True,
 ) -> dict:
@@ -171,8 +206,12 @@ def export_folded_onnx(
     ``dynamic_batch=False``, only at ``fixed_batch``, the fixed batch it exports: 1, or a
     program's static batch). ``input_shape`` is the
     per-sample shape to export at; samples of another spatial size are resized to it for
-    verification. Any failure raises ExportError and leaves no file at ``path``: the
-    model is written beside it and renamed into place only once verified. ``_exporter``
+    verification. ``reuse`` carries a traced graph from one export to the next of a model
+    of the same structure (``graph_reuse``: the stale model beside the recalibrated one);
+    ``openvino=False`` leaves out the OpenVINO check (a file nobody deploys, such as that
+    stale model's, is verified in onnxruntime only). Any failure raises ExportError and
+    leaves no file at ``path``: the model is written beside it and renamed into place only
+    once verified. ``_exporter``
     (``auto``/``dynamo``/``torchscript``) and ``_torch_fold`` exist for tests.
     """
     _validate(samples, opset, dtype, input_shape)
@@ -193,7 +232,7 @@ def export_folded_onnx(
     try:
         graph, torch_result, onnx_result, exporter = _export_graph(
             reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
-            exporter=_exporter, torch_fold=_torch_fold,
+            exporter=_exporter, torch_fold=_torch_fold, reuse=reuse,
         )
         check_size(graph)
         proto = ir.serde.serialize_model(graph)
@@ -216,7 +255,7 @@ def export_folded_onnx(
         np_dtype = np.float16 if dtype == "float16" else np.float32
         written["openvino"] = check_in_openvino(
             temp, [b.numpy().astype(np_dtype) for b in batches], references, TOLERANCE[dtype], "the exported model"
-        )
+        ) if openvino else {"ran": False, "reason": "not checked: a file made only to be measured, not deployed"}
         written["size"] = temp.stat().st_size
 
     try:

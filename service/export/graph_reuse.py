@@ -1,0 +1,86 @@
+"""One exporter trace for models that differ only in their weights: the stale model beside
+the recalibrated one (docs/onnx.md, "The file").
+
+Tracing a model through torch's dynamo exporter is most of an export's time, and the stale
+model (the checkpoint as uploaded, exported to measure what recalibrating bought) has the
+recalibrated model's structure exactly: only BN statistics differ, and folds depend on the
+structure, not the statistics. So the first export keeps its graph as the exporter wrote it
+(before the graph passes) with the weights it was traced with, and the next export of a
+model of the same structure puts that model's weights into it instead of tracing again.
+
+The dynamo exporter makes every parameter and buffer an initializer named by its module
+path, so a weight is found by name. A graph is reused only where that holds for the new
+model: the same fold in PyTorch, the same export settings, each of its weights an
+initializer of the same shape and dtype, or equal to the traced one. Anything else traces
+anew. The result is then verified against the new model's own PyTorch outputs, as every
+export is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+
+@dataclass
+class TracedGraph:
+    """An exporter's graph before the graph passes (serialized), what it was traced with
+    (``key``: export settings, sample shape, the PyTorch fold), and the traced model's weights."""
+
+    raw: bytes
+    exporter: str
+    key: tuple[Any, ...]
+    weights: dict[str, torch.Tensor]
+
+    def with_weights(self, model: torch.nn.Module, key: tuple[Any, ...]) -> ir.Model | None:
+        """This graph with ``model``'s weights in it, or None where ``model`` is not the
+        traced structure (then it must be traced)."""
+        import onnx
+        import onnx_ir as ir
+
+        if key != self.key or self.exporter != "dynamo":
+            return None
+        weights = model_weights(model)
+        if weights.keys() != self.weights.keys():
+            return None
+        graph = ir.serde.deserialize_model(onnx.load_from_string(self.raw))
+        initializers = graph.graph.initializers
+        for name, tensor in weights.items():
+            traced = self.weights[name]
+            if tensor.shape != traced.shape or tensor.dtype != traced.dtype:
+                return None
+            if name not in initializers:
+                if not torch.equal(tensor, traced):
+                    return None  # a weight that differs and is not an initializer: not found by name
+                continue
+            initializers[name].const_value = ir.tensor(tensor.detach().cpu().numpy(), name=name)
+        return graph
+
+
+class GraphReuse:
+    """Keeps the first export's graph for the next export of the same structure."""
+
+    def __init__(self) -> None:
+        self.traced: TracedGraph | None = None
+
+    def keep(self, graph: ir.Model, exporter: str, key: tuple[Any, ...], model: torch.nn.Module) -> None:
+        """Keep ``graph`` (before the graph passes, which change it in place) as traced from ``model``."""
+        import onnx_ir as ir
+
+        if self.traced is None:
+            raw = ir.serde.serialize_model(graph).SerializeToString()
+            self.traced = TracedGraph(raw, exporter, key, {k: v.detach().clone() for k, v in model_weights(model).items()})
+
+    def graph_for(self, model: torch.nn.Module, key: tuple[Any, ...]) -> ir.Model | None:
+        """The kept graph with ``model``'s weights, or None (trace it)."""
+        return self.traced.with_weights(model, key) if self.traced is not None else None
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model``, by the name the exporter gives its initializer."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}

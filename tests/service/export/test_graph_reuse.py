@@ -1,0 +1,90 @@
+"""One exporter trace for models of one structure (``service/export/graph_reuse.py``): the
+stale model's export made from the recalibrated model's traced graph with its own weights is
+byte for byte the file a trace of its own writes; a model of another structure is traced
+anew."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+
+import bnrecal.service.export.folded_onnx as folded_onnx
+from bnrecal.service.export import export_folded_onnx
+from bnrecal.service.export.graph_reuse import GraphReuse
+
+
+@pytest.fixture
+def traces(monkeypatch) -> list[str]:
+    """Each exporter trace, counted (the real exporter runs)."""
+    calls: list[str] = []
+    real = folded_onnx.export_unfolded
+
+    def counted(*args, **kwargs):
+        calls.append("trace")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(folded_onnx, "export_unfolded", counted)
+    return calls
+
+
+def with_other_statistics(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with other BN running statistics (a stale checkpoint of it)."""
+    stale = copy.deepcopy(model)
+    for module in stale.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    return stale
+
+
+def test_the_stale_models_export_from_the_traced_graph_is_the_file_of_its_own_trace(tmp_path, traces):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    stale = with_other_statistics(model)
+    samples = torch.randn(8, 3, 32, 32)
+    reuse = GraphReuse()
+    export_folded_onnx(model, samples, tmp_path / "model.onnx", reuse=reuse)
+    assert reuse.traced is not None and len(traces) == 1
+    section = export_folded_onnx(stale, samples, tmp_path / "reused.onnx", reuse=reuse, openvino=False)
+    assert len(traces) == 1  # no trace of its own
+    export_folded_onnx(stale, samples, tmp_path / "traced.onnx", openvino=False)
+    assert (tmp_path / "reused.onnx").read_bytes() == (tmp_path / "traced.onnx").read_bytes()
+    assert (tmp_path / "reused.onnx").read_bytes() != (tmp_path / "model.onnx").read_bytes()
+    assert section["runtimes"]["openvino"]["ran"] is False and section["max_abs_diff"] < 1e-4
+
+
+def test_a_model_of_another_structure_is_traced_anew(tmp_path, traces):
+    torch.manual_seed(1)
+    first = torchvision.models.resnet18(num_classes=10).eval()
+    other = torchvision.models.resnet18(num_classes=7).eval()  # another head: other shapes
+    samples = torch.randn(8, 3, 32, 32)
+    reuse = GraphReuse()
+    export_folded_onnx(first, samples, tmp_path / "first.onnx", reuse=reuse, openvino=False)
+    export_folded_onnx(other, samples, tmp_path / "other.onnx", reuse=reuse, openvino=False)
+    assert len(traces) == 2  # its weights do not fit the traced graph
+    export_folded_onnx(other, samples, tmp_path / "alone.onnx", openvino=False)
+    assert (tmp_path / "other.onnx").read_bytes() == (tmp_path / "alone.onnx").read_bytes()
+
+
+def test_a_graph_traced_ahead_from_one_sample_serves_both_exports(tmp_path, traces):
+    """The run traces the stale model from its probe sample while the ranks compute the
+    statistics; the recalibrated and the stale exports made from that trace are byte for
+    byte what exports of their own write."""
+    from bnrecal.service.export.folded_onnx import trace_ahead
+
+    torch.manual_seed(2)
+    stale = torchvision.models.resnet18(num_classes=10).eval()
+    recalibrated = with_other_statistics(stale)
+    samples = torch.randn(8, 3, 32, 32)
+    reuse = GraphReuse()
+    trace_ahead(stale, samples[:1], reuse)
+    assert reuse.traced is not None and len(traces) == 1
+    for name, model in (("recalibrated", recalibrated), ("stale", stale)):
+        before = len(traces)
+        export_folded_onnx(model, samples, tmp_path / f"{name}-reused.onnx", reuse=reuse, openvino=False)
+        assert len(traces) == before, name  # no trace of its own
+        export_folded_onnx(model, samples, tmp_path / f"{name}-alone.onnx", openvino=False)
+        assert (tmp_path / f"{name}-reused.onnx").read_bytes() == (tmp_path / f"{name}-alone.onnx").read_bytes()
