@@ -111,7 +111,10 @@ def test_class_ordered_data_with_300_samples_calibrates_as_well_as_all_of_it(
              (("all", everything), ("fair", fair), ("first", first))}
     # Within noise: over 5 seeds 300 fair samples give 0.970 +- 0.006 and 0.106 +- 0.012 against
     # 0.975 and 0.091 for all (docs/calibration.md); the file's first 300 give 0.658 and 7.2.
+    # The demo model is trained here, so its figures follow the machine's kernels: on another
+    # machine of this kind the first 300 gave 0.903 and 1.40 against the fair 300's 0.972: worse
+    # by 7 points, and many times in cross-entropy.
     assert after["fair"]["top1"] >= after["all"]["top1"] - 0.02, after
     assert after["fair"]["cross_entropy"] <= after["all"]["cross_entropy"] + 0.05, after
-    assert after["first"]["top1"] <= after["fair"]["top1"] - 0.1, after
+    assert after["first"]["top1"] <= after["fair"]["top1"] - 0.05, after
     assert after["first"]["cross_entropy"] >= after["fair"]["cross_entropy"] + 0.5, after
