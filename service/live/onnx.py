@@ -71,7 +71,7 @@ def quantize(
     from ..export.int8.checks import LabelledBatches
     from ..export.int8.options import int8_options
     from ..run.int8 import quantize_export
-    from ..run.ranges import in_process
+    from ..run.onnx_passes import InProcessPasses
 
     checked = int8_options(options, "options")
     if checked.max_top1_drop is not None and eval_data is None:
@@ -97,8 +97,7 @@ def quantize(
         export_onnx(model, fp32, samples[:VERIFY_SAMPLES], opset=opset)
         np.save(Path(tmp) / "data.npy", samples.numpy())
         dataset = describe_dataset(Path(tmp) / "data.npy")
-        quantized = quantize_export(
-            fp32.read_bytes(), checked, in_process(dataset, batch_size), samples, evaluation=evaluation
-        )
+        passes = InProcessPasses(dataset, batch_size, evaluation=evaluation)
+        quantized = quantize_export(fp32.read_bytes(), checked, passes, samples)
     quantized.write(path)
     return quantized.section

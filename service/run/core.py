@@ -16,6 +16,7 @@ model) stays with the surface.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -40,18 +41,19 @@ from bnrecal.workers.ranks.local import IN_PROCESS
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
-from bnrecal.service.run.ranges import RangeGatherer
 from bnrecal.service.run.report import (
-    DecodingReport, LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran,
+    PYTORCH_RUNTIME, DecodingReport, LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran,
 )
 
 if TYPE_CHECKING:
-    from bnrecal.service.export.int8.checks import Scorer
+    from bnrecal.service.run.onnx_passes import OnnxPasses, PassRecorder
 
 ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
 attempt, then ``calibrating``, then ``evaluating`` when the plan evaluates; a later phase
 that counts no samples (``exporting``, ``quantizing to INT8``, ...) with total None."""
+
+log = logging.getLogger("bnrecal.run")
 
 Feed = Callable[[nn.Module, Any], Any]
 Phase = Callable[["RunResult", "Executor"], None]
@@ -85,7 +87,13 @@ class RunPlan:
     model in messages. ``release``, when given, runs once the ranks are done, before the
     statistics are written (a caller's own modules put back as they were). With ``keep``
     the ranks keep the samples of the described data they decode for the run's later
-    passes (the evaluation, the INT8 passes), within its budget.
+    passes (the evaluation, the INT8 passes), within its budget. ``head`` asks the ranks
+    for the first samples of the order as they read them (an export's checks run on them,
+    so the driver reads none); with ``evaluation_later`` the statistics' pass does not
+    evaluate: a later phase measures the evaluation (the INT8 export's, on the folded FP32
+    models, in the pass that gathers their ranges). ``meanwhile`` is work of a later phase
+    this process does while the ranks compute the statistics (the exporter's trace of the
+    model), in a thread of its own; it is best effort: what fails there is left to the phase.
     """
 
     model: nn.Module
@@ -100,6 +108,9 @@ class RunPlan:
     memory_format: str = "auto"
     release: Callable[[], None] | None = None
     keep: KeepBudget | None = None
+    head: int = 0
+    evaluation_later: bool = False
+    meanwhile: Callable[[], None] | None = None
 
     def datasets(self) -> list[DatasetSpec | LoaderSpec]:
         """The data the run reads: calibration, then evaluation."""
@@ -118,6 +129,8 @@ class RunResult:
     evaluation: EvalPlan | None = None
     """The run's data and evaluation as its passes read them (marked to be kept on the
     ranks): what a later phase reads again."""
+    head: torch.Tensor | None = None
+    """The first samples of the order as the ranks read them (``RunPlan.head``)."""
 
     @property
     def updates(self) -> dict[str, torch.Tensor]:
@@ -169,14 +182,11 @@ class Executor(Protocol):
         """The run is over: the ranks drop the samples they kept for ``scope``; what its
         passes decoded and reused (idempotent: zeros the second time)."""
 
-    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
-                       failures: list[str], on_phase: Callable[[str], None] | None,
-                       cancel: threading.Event | None) -> RangeGatherer:
-        """Where the INT8 ranges of the run are gathered: its ranks, with its sharding."""
-
-    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
-               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> Scorer:
-        """Where exported models are scored on the labelled evaluation data: its ranks."""
+    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
+                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
+                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+        """Where the run's onnxruntime passes run, on its ranks: over the first ``samples`` of
+        ``dataset`` with the calibration's sharding, and over the evaluation data."""
 
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""
@@ -212,11 +222,15 @@ def run(
                 model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
                 world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
                 layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
-                memory_format=plan.memory_format, evaluation=plan.evaluation, feed=plan.feed,
-                stop=StopRule(options.stop_tolerance) if options.auto_samples else None,
+                memory_format=plan.memory_format, evaluation=None if plan.evaluation_later else plan.evaluation,
+                feed=plan.feed, stop=StopRule(options.stop_tolerance) if options.auto_samples else None, head=plan.head,
             ))
             started = time.monotonic()
-            result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+            beside = _beside(plan.meanwhile)
+            try:
+                result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+            finally:
+                beside.join()
             wall = time.monotonic() - started
             placement = executor.placement(plan)
         finally:
@@ -235,6 +249,22 @@ def run(
             executor.release_decoded(scope)
         finally:
             executor.close()
+
+
+def _beside(work: Callable[[], None] | None) -> threading.Thread:
+    """``work`` running in a thread of this process (started; join it), its failure logged
+    and left to the phase that needs it."""
+
+    def run() -> None:
+        try:
+            if work is not None:
+                work()
+        except Exception:  # noqa: BLE001 - best effort: the later phase does the work again and reports
+            log.info("work beside the statistics failed; the later phase does it", exc_info=True)
+
+    thread = threading.Thread(target=run, name="bnrecal-beside-statistics", daemon=True)
+    thread.start()
+    return thread
 
 
 def _kept(plan: RunPlan, scope: str) -> RunPlan:
@@ -277,9 +307,10 @@ def _finish(
     ]
     report = build_report(plan.options, result, drifts, skipped, placement, plan.data, failures)
     if plan.evaluation is not None and result.evaluation is not None:
-        report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1}
+        report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1,
+                             "runtime": PYTORCH_RUNTIME}
     calibrated = [layer for layer in layers if layer.name not in unreached]
-    return RunResult(report, calibrated, stale, plan.data, plan.evaluation)
+    return RunResult(report, calibrated, stale, plan.data, plan.evaluation, result.head)
 
 
 def _time_the_pass(report: Report, plan: RunPlan, result: GroupResult, wall: float, attempts: int) -> None:
@@ -344,7 +375,7 @@ def _phase_ordered_progress(plan: RunPlan, on_progress: ProgressCallback | None)
     """The ranks' (phase, done) reports as (done, total, phase), calibration to its end
     first: a rank may start evaluating while a peer's last steps are on their way."""
     totals = {"calibrating": plan.data.num_samples}
-    if plan.evaluation is not None:
+    if plan.evaluation is not None and not plan.evaluation_later:
         totals["evaluating"] = plan.evaluation.dataset.num_samples
     seen = dict.fromkeys(totals, 0)
     auto = plan.options.auto_samples

@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bnrecal.workers.data import DatasetSpec, iter_batches
-from bnrecal.workers.data.kept import KeptCounts, open_kept, release_kept
+from bnrecal.workers.data import DatasetSpec
+from bnrecal.workers.data.kept import KeptCounts, release_kept
 from bnrecal.workers.data.loader import LoaderSpec
-from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.ranks.int8_ranges import RangeRequest
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
-from bnrecal.workers.ranks.onnx_scores import ScoreRequest, ScoreResult, score_pass
-from bnrecal.workers.ranks.sharding import rank_ranges
-from bnrecal.workers.ranks.plan import EvalPlan, GroupRanges, GroupResult, RankPlan
+from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, pass_phase
+from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
 
 from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
-from bnrecal.service.run.ranges import RangeGatherer, in_process, samples_read
+from bnrecal.service.run.onnx_passes import (
+    CALIBRATION, InProcessPasses, OnnxPasses, PassRecorder, described_evaluation, samples_read,
+)
 from bnrecal.service.run.report import Placement
 from bnrecal.service.settings import Settings
 
@@ -61,24 +60,11 @@ class InProcess:
         remote = isinstance(run.data, DatasetSpec) and run.data.remote is not None
         return Placement(IN_PROCESS, IN_PROCESS, "remote" if remote else IN_PROCESS, float(torch.get_num_threads()), False)
 
-    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
-                       failures: list[str], on_phase: Callable[[str], None] | None,
-                       cancel: threading.Event | None) -> RangeGatherer:
-        """The INT8 ranges, gathered here (a world of one, as the statistics were)."""
-        return in_process(dataset, batch_size, samples)
-
-    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
-               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> PassScorer:
-        """Exported models scored here, each call one pass over the evaluation data."""
-
-        def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
-            check_cancel(cancel)
-            dataset = evaluation.dataset
-            ranges = rank_ranges(dataset.num_samples, evaluation.batch_size, 1, 0)
-            with open_kept(dataset, dataset.open()) as data:
-                return score_pass(models, request, ranges, iter_batches(data, ranges), SingleProcessCollective())
-
-        return PassScorer(one_pass, evaluation)
+    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
+                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
+                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+        """The run's onnxruntime passes, here (a world of one, as the statistics were)."""
+        return InProcessPasses(dataset, batch_size, samples, evaluation=evaluation, record=record)
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """Drop the samples this process kept for the run; what its passes decoded and reused."""
@@ -161,36 +147,16 @@ class RayRanks:
             object_store_bytes=sum(shard.nbytes for shard in shipped),
         )
 
-    def range_gatherer(self, dataset: DatasetSpec, batch_size: int, samples: int, *, policy: FailurePolicy,
-                       failures: list[str], on_phase: Callable[[str], None] | None,
-                       cancel: threading.Event | None) -> RangeGatherer:
-        """The INT8 ranges, gathered on the statistics' ranks (warm from the pool) with their
-        sharding, placement and shipped shards, under the run's failure policy."""
-        options = self.options
-        retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
-
-        def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-            return _pass_on_ranks(
-                model, request, dataset, batch_size, options.workers, options.device, self.group, self.shards,
-                self.gang, cancel, policy, failures, retried, num_samples=samples_read(dataset, samples),
-            )
-
-        return gather
-
-    def scorer(self, evaluation: EvalPlan, *, policy: FailurePolicy, failures: list[str],
-               on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> PassScorer:
-        """Exported models scored on the run's ranks, each call one pass over their shards of
-        the evaluation data (the evaluation's sharding), under the run's failure policy."""
-        options = self.options
-        retried = (lambda why: on_phase(f"scoring again after: {why}")) if on_phase else None
-
-        def one_pass(models: list[bytes], request: ScoreRequest) -> ScoreResult:
-            return _pass_on_ranks(
-                models, request, evaluation.dataset, evaluation.batch_size, options.workers, options.device,
-                self.group, self.eval_shards, self.gang, cancel, policy, failures, retried,
-            ).result
-
-        return PassScorer(one_pass, evaluation)
+    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
+                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
+                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+        """The run's onnxruntime passes on its ranks (the job's gang) with their placement,
+        sharding and shipped shards, under the run's failure policy."""
+        return RankPasses(
+            dataset, batch_size, samples, evaluation, workers=self.options.workers, device=self.options.device,
+            group=self.group, shards=self.shards, eval_shards=self.eval_shards, pool=self.gang, cancel=cancel,
+            policy=policy, failures=failures, on_phase=on_phase, record=record,
+        )
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """The run is over: its ranks drop the samples they kept and go back to the pool (or
@@ -207,79 +173,68 @@ class RayRanks:
             shutdown_embedded()
 
 
+class RankPasses(OnnxPasses):
+    """Passes on Ray rank actors (``workers.ranks.onnx_group``): over the first ``samples``
+    of ``dataset`` by the calibration's sharding at ``batch_size``, and over the evaluation
+    data by its own, placed and fed like the calibration's ranks (``shards``, one per rank,
+    carry data through the object store). A lost rank re-runs that pass only, as ``policy``
+    (the run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
+
+    def __init__(
+        self, dataset: DatasetSpec, batch_size: int, samples: int | None, evaluation: EvalPlan | None, *,
+        workers: int, device: str, group: Any, shards: list[Any] | None = None, eval_shards: list[Any] | None = None,
+        pool: WarmPool | JobGang | None = None, cancel: threading.Event | None = None,
+        policy: FailurePolicy | None = None, failures: list[str] | None = None,
+        on_phase: Callable[[str], None] | None = None, record: PassRecorder | None = None,
+    ) -> None:
+        self.dataset, self.batch_size, self.samples = dataset, batch_size, samples_read(dataset, samples)
+        self.evaluation = evaluation
+        self.workers, self.device, self.group = workers, device, group
+        self.shards, self.eval_shards, self.pool, self.cancel = shards, eval_shards, pool, cancel
+        self.policy, self.failures, self.on_phase = policy or FailurePolicy(), failures if failures is not None else [], on_phase
+        super().__init__(*described_evaluation(dataset, self.samples, evaluation), record=record)
+
+    def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
+        """One pass on the ranks, retried as the policy allows."""
+        from bnrecal.workers.ranks.collectives import backend_for_device
+        from bnrecal.workers.ranks.onnx_group import run_onnx_pass_group
+
+        if over == CALIBRATION:
+            dataset, batch, shards, total = self.dataset, self.batch_size, self.shards, self.samples
+        else:
+            assert self.evaluation is not None
+            dataset, batch, shards, total = self.evaluation.dataset, self.evaluation.batch_size, self.eval_shards, None
+        phase = pass_phase(request)
+
+        def attempt() -> GroupPass:
+            check_cancel(self.cancel)
+            return run_onnx_pass_group(
+                request, dataset, batch, self.workers, self.device, backend_for_device(self.device), self.group,
+                num_samples=total, shards=shards, pool=self.pool, cancel=self.cancel,
+            )
+
+        retried = (lambda why: self.on_phase(f"running the {phase} pass again after: {why}")) if self.on_phase else None
+        return with_retries(attempt, self.policy, self.failures, retried)
+
+
 def on_ranks(
-    dataset: DatasetSpec,
-    batch_size: int,
-    workers: int,
-    device: str,
-    settings: Settings,
-    *,
-    placement: str | None = None,
-    samples: int | None = None,
-    pool: WarmPool | None = None,
-    cancel: threading.Event | None = None,
-    policy: FailurePolicy | None = None,
-    failures: list[str] | None = None,
-    on_phase: Callable[[str], None] | None = None,
-) -> RangeGatherer:
-    """Gather on ``workers`` Ray rank actors, each over its shard of the first ``samples``
-    (default: all) of ``dataset`` by the calibration's sharding rule, placed and fed like
-    the calibration's ranks. A lost rank re-runs this range pass only, as ``policy`` (the
-    run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
-    options = group_options(settings, workers, device, placement)
-    shards = None
-    if dataset.remote is None and resolve_data_transport(settings.data_transport) == "object_store":
-        shards = ship_rank_shards(dataset, batch_size, workers)
-    retried = (lambda why: on_phase(f"collecting INT8 ranges again after: {why}")) if on_phase else None
-
-    def gather(model: bytes, request: RangeRequest) -> GroupRanges:
-        return _pass_on_ranks(
-            model, request, dataset, batch_size, workers, device, options, shards, pool, cancel,
-            policy or FailurePolicy(), failures if failures is not None else [], retried,
-            num_samples=samples_read(dataset, samples),
-        )
-
-    return gather
-
-
-def _pass_on_ranks(
-    model: bytes | list[bytes], request: RangeRequest | ScoreRequest, dataset: DatasetSpec, batch_size: int,
-    workers: int, device: str, group: Any, shards: list[Any] | None, pool: WarmPool | JobGang | None,
-    cancel: threading.Event | None, policy: FailurePolicy, failures: list[str],
-    on_retry: Callable[[str], None] | None, *, num_samples: int | None = None,
-) -> GroupRanges:
-    """One onnxruntime pass on the ranks (the ranges, or the scores), retried as ``policy``
-    allows: the one way every INT8 pass reaches the rank group."""
-    from bnrecal.workers.ranks.collectives import backend_for_device
-    from bnrecal.workers.ranks.range_group import run_range_group
-
-    def attempt() -> GroupRanges:
-        check_cancel(cancel)
-        return run_range_group(
-            model, request, dataset, batch_size, workers, device, backend_for_device(device), group,
-            num_samples=num_samples, shards=shards, pool=pool, cancel=cancel,
-        )
-
-    return with_retries(attempt, policy, failures, on_retry)
-
-
-class PassScorer:
-    """A scorer (``service.export.int8.checks.Scorer``) whose every call is one pass over the
-    evaluation data, every model scored on each batch as it is read (``workers.ranks.onnx_scores``)."""
-
-    def __init__(self, one_pass: Callable[[list[bytes], ScoreRequest], ScoreResult], evaluation: EvalPlan) -> None:
-        if evaluation.labels is None:
-            raise ValueError("scoring needs labelled evaluation data")
-        self.one_pass = one_pass
-        self.labels = evaluation.labels
-        self.samples = evaluation.dataset.num_samples
-
-    def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
-        """Each model's top-1/top-5 on ``part`` of the evaluation data, from one pass."""
-        if not models:
-            return []
-        result = self.one_pass(list(models), ScoreRequest(self.labels, part))
-        return [result.scores(index) for index in range(len(models))]
+    dataset: DatasetSpec, batch_size: int, workers: int, device: str, settings: Settings, *,
+    placement: str | None = None, samples: int | None = None, evaluation: EvalPlan | None = None,
+    pool: WarmPool | None = None, cancel: threading.Event | None = None, policy: FailurePolicy | None = None,
+    failures: list[str] | None = None, on_phase: Callable[[str], None] | None = None,
+) -> RankPasses:
+    """Passes on ``workers`` Ray rank actors outside a run (a bench, a test): placed and fed
+    like a calibration's ranks, by the settings."""
+    shards = eval_shards = None
+    if resolve_data_transport(settings.data_transport) == "object_store":
+        shards = ship_rank_shards(dataset, batch_size, workers) if dataset.remote is None else None
+        if evaluation is not None and evaluation.dataset.remote is None:
+            eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, workers)
+    return RankPasses(
+        dataset, batch_size, samples, evaluation, workers=workers, device=device,
+        group=group_options(settings, workers, device, placement), shards=shards, eval_shards=eval_shards, pool=pool,
+        cancel=cancel, policy=policy, failures=failures, on_phase=on_phase,
+    )
 
 
 def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:

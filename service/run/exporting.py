@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import describe_dataset
-from bnrecal.errors import SpecError
+from bnrecal.errors import EvaluationError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
+from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.run.options import DEFAULT_OPSET
 from bnrecal.service.run.recalibration import Recalibration
 from bnrecal.service.settings import Settings
@@ -30,9 +31,11 @@ def export_recalibrated(
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
     model: torch.nn.Module | None = None,
+    reuse: GraphReuse | None = None,
+    openvino: bool = True,
 ) -> dict[str, Any]:
     """Fold and export the recalibrated model (or ``model``, e.g. the stale one), verified on
-    its own calibration samples.
+    its own calibration samples (``reuse`` and ``openvino``: ``export_folded_onnx``'s).
 
     Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
     when the export cannot be verified.
@@ -47,9 +50,31 @@ def export_recalibrated(
         fixed, dynamic_batch = result.model.batch.low, False
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     return export_folded_onnx(
-        result.model if model is None else model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape,
-        fixed_batch=fixed,
+        result.model if model is None else model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch,
+        input_shape=input_shape, fixed_batch=fixed, reuse=reuse, openvino=openvino,
     )
+
+
+def scores_output(model: torch.nn.Module, sample: torch.Tensor) -> int:
+    """Which output of the exported graph holds the class scores: the one evaluation reads
+    (``model_logits``: a tensor, a mapping's ``out`` or ``logits``, a tuple's first), among
+    the model's outputs in the exporters' order."""
+    from bnrecal.workers.engine.evaluation import model_logits
+
+    from bnrecal.service.export.verification import flatten_outputs
+
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            output = model.eval()(sample.to(torch.float32))
+    finally:
+        for module, training in modes:
+            module.training = training
+    try:
+        logits = model_logits(output)
+    except EvaluationError:
+        return 0
+    return next((i for i, tensor in enumerate(flatten_outputs(output)) if tensor is logits), 0)
 
 
 def export_checkpoint(

@@ -1,20 +1,21 @@
-"""The INT8 export of a run (docs/int8.md): ranges gathered by the ranks over the
-calibration samples with the calibration's sharding, the QDQ graph written by
-onnxruntime's tooling (``service.export.int8``), verified, measured on the evaluation
-data beside the FP32 model and the stale model quantized alike, and guarded.
+"""The INT8 export of a run (docs/int8.md): ranges gathered over the calibration samples with
+the calibration's sharding, the QDQ graph written by onnxruntime's tooling
+(``service.export.int8``), verified, measured on the evaluation data beside the FP32 model
+and the stale model quantized alike, and guarded.
 
-``quantize_export`` is the one path; where the ranges come from is a ``RangeGatherer``
-(``service.run.ranges``): a run's executor's (its Ray ranks, or this process for a
-one-worker run), or this process as the world of one (``bnrecal export``, the Python
-API), which gives the same file. A run's INT8 file is one of its later phases
-(``service.run.outputs``).
+``quantize_export`` is the one path, in the fewest passes over the samples: the FP32 models'
+ranges in one pass over the calibration samples (which also scores them, and measures the
+evaluation before and after, where the evaluation samples are those samples), then one pass
+scoring the INT8 models. Where the passes run is an ``OnnxPasses`` (``service.run.onnx_passes``):
+a run's executor's (its Ray ranks, or this process for a one-worker run), or this process
+as the world of one (``bnrecal export``, the Python API), which gives the same file. A run's
+INT8 file is one of its later phases (``service.run.outputs``).
 """
 
 from __future__ import annotations
 
 import tempfile
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ from typing import Any
 import torch
 
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
+from bnrecal.workers.engine.evaluation import EvalTarget
 from bnrecal.workers.files import atomic_write
-from bnrecal.workers.ranks.int8_ranges import RangeRequest
+from bnrecal.workers.ranks.onnx_pass import Comparison, ModelResult, OnnxPassResult, PassModel, RangeRequest
+from bnrecal.workers.ranks.plan import GroupPass
 
-from bnrecal.service.export.int8.checks import HeldScorer, LabelledBatches, Scorer, check_int8, latency_ms
+from bnrecal.service.export.int8.checks import check_int8, latency_ms
 from bnrecal.service.export.int8.guard import REPORT_RULE, SELECTION_RULE, enforce_top1_drop
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import (
@@ -38,13 +41,12 @@ from bnrecal.service.export.int8.quantizer import (
     tensors_data,
     write_qdq,
 )
-from bnrecal.service.run.core import check_cancel
-from bnrecal.service.run.options import ExportOptions
-from bnrecal.service.run.ranges import RangeGatherer, in_process
-from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
+from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
 from bnrecal.service.settings import Settings
 
 VERIFY_SAMPLES = 8
+MODEL, STALE = 0, 1
+"""Where the model to quantize and the stale model stand in a pass of both."""
 
 
 @dataclass
@@ -59,38 +61,116 @@ class Quantized:
         atomic_write(Path(path), lambda scratch: scratch.write_bytes(self.model))
 
 
+@dataclass
+class _Float32Pass:
+    """The FP32 models' pass: the ranges of the model (and of the stale model), and their
+    scores on every part of the evaluation data where measured."""
+
+    gathered: GroupPass
+    measured: OnnxPassResult | None
+
+    def ranges(self, index: int) -> ModelResult:
+        return self.gathered.result.models[index]
+
+
+def range_request(prepared: PreparedModel, options: Int8Options) -> RangeRequest:
+    """What a range pass gathers of ``prepared`` for ``options``."""
+    bins = options.histogram_bins() if options.method != "minmax" else 0
+    return RangeRequest(prepared.tensors, options.method, bins, options.absolute)
+
+
 def quantize_export(
     fp32_model: bytes,
     options: Int8Options,
-    gather: RangeGatherer,
+    passes: OnnxPasses,
     verify: torch.Tensor,
     *,
-    evaluation: Scorer | LabelledBatches | None = None,
     stale_fp32_model: bytes | None = None,
+    compare: EvalTarget | None = None,
+    on_evaluation: Callable[[dict[str, Any]], None] | None = None,
+    output: int = 0,
     on_phase: Callable[[str], None] | None = None,
 ) -> Quantized:
-    """Quantize the folded FP32 export: ranges by ``gather``, QDQ by onnxruntime's quantizer
-    placed for ``options.target``, checked on the ``verify`` samples, measured and guarded on
-    ``evaluation`` (with the stale model's export quantized alike when given). Raises
-    ``ExportError`` on a failed check, ``Int8GuardError`` (carrying the report's section) when
-    the guard cannot hold."""
+    """Quantize the folded FP32 export: ranges by ``passes`` over the calibration samples,
+    QDQ by onnxruntime's quantizer placed for ``options.target``, checked on the ``verify``
+    samples, measured and guarded on the labelled evaluation data when ``passes`` has some
+    (with the stale model's export quantized alike when given). With ``compare`` (and the
+    stale export) the same FP32 pass measures the evaluation before and after, handed to
+    ``on_evaluation``. ``output`` is the graph output holding the class scores. Raises
+    ``ExportError`` on a failed check, ``Int8GuardError`` (carrying the report's section)
+    when the guard cannot hold."""
     phase = on_phase or (lambda _: None)
-    if options.max_top1_drop is not None and evaluation is None:
+    if options.max_top1_drop is not None and not passes.labelled:
         raise ExportError(
             "int8.max_top1_drop needs labelled evaluation data (eval data with labels) to measure top-1 on"
         )
     prepared = prepare(fp32_model)
     reasons = resolve_keep_float(prepared, options.keep_float)  # before the range passes: a typo costs nothing
     check_op_types(options)
-    phase("collecting INT8 ranges")
-    request = RangeRequest(
-        prepared.tensors, options.method, options.histogram_bins() if options.method != "minmax" else 0,
-        options.absolute,
-    )
-    gathered = gather(prepared.model, request)
-    data = tensors_data(gathered.result.ranges, gathered.result.histograms, gathered.result.edges, options)
+    stale = prepare(stale_fp32_model) if stale_fp32_model is not None and (passes.labelled or compare) else None
+    fp32 = _float32_pass(fp32_model, prepared, stale_fp32_model, stale, options, passes, compare, output, phase)
+    if fp32.measured is not None and fp32.measured.evaluation is not None and on_evaluation is not None:
+        on_evaluation({**fp32.measured.evaluation, "seconds": fp32.measured.seconds})
+    found = fp32.ranges(MODEL)
+    data = tensors_data(found.ranges, found.histograms, found.edges, options)
     phase("writing and verifying INT8")
     model = write_qdq(prepared, data, options, list(reasons))
+    section = _section(options, prepared, fp32.gathered)
+    if options.method != "minmax":
+        section["ranges_as_minmax"] = ranges_as_minmax(data, found.ranges)
+    if passes.labelled:
+        assert fp32.measured is not None
+        alike = _quantizer_alike(stale, fp32.ranges(STALE), options, phase) if stale is not None else None
+        phase("evaluating INT8")
+        model = _evaluate(section, fp32.measured, model, prepared, data, options, reasons, passes, alike, output)
+    samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
+    section.update(check_int8(model, fp32_model, [samples[:1], samples]))
+    section["verified_batches"] = [1, len(samples)]
+    section.update(graph_summary(model, prepared, reasons, options))
+    section["bytes"] = len(model)
+    section["fp32_bytes"] = len(fp32_model)
+    one = samples[:1]  # batch 1, as a deployed model answers one request
+    section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
+    section["written"] = True
+    return Quantized(model, section)
+
+
+def _float32_pass(
+    fp32_model: bytes, prepared: PreparedModel, stale_fp32_model: bytes | None, stale: PreparedModel | None,
+    options: Int8Options, passes: OnnxPasses, compare: EvalTarget | None, output: int, phase: Callable[[str], None],
+) -> _Float32Pass:
+    """The FP32 models' ranges in one pass over the calibration samples; their scores on the
+    evaluation data (and the evaluation before and after) in the same pass where those are
+    the calibration samples, else in one pass over the evaluation data."""
+    comparison = Comparison(STALE, MODEL, compare) if compare is not None and stale is not None else None
+    measure = passes.labelled or comparison is not None
+    together = measure and passes.shares_samples
+    models = [PassModel(prepared.model, range_request(prepared, options))]
+    if stale is not None and (passes.labelled or together):  # its ranges only where its INT8 model is scored
+        models.append(PassModel(stale.model, range_request(stale, options) if passes.labelled else None))
+    phase("collecting INT8 ranges" + (" and evaluating" if together else ""))
+    gathered = passes.over_calibration(models, evaluate=together, compare=comparison, output=output)
+    if together or not measure:
+        return _Float32Pass(gathered, gathered.result if together else None)
+    phase("evaluating the FP32 exports")
+    exported = [PassModel(fp32_model)] + ([PassModel(stale_fp32_model)] if stale_fp32_model and stale else [])
+    return _Float32Pass(gathered, passes.over_evaluation(exported, compare=comparison, output=output).result)
+
+
+def _quantizer_alike(stale: PreparedModel, found: ModelResult, options: Int8Options,
+                     phase: Callable[[str], None]) -> Callable[[set[str]], bytes]:
+    """Writes the stale model's INT8 file alike: its own ranges, the same options and float ops."""
+    data = tensors_data(found.ranges, found.histograms, found.edges, options)
+
+    def alike(float_ops: set[str]) -> bytes:
+        phase("quantizing the stale model alike")
+        return write_qdq(stale, data, options, sorted(float_ops & set(stale.node_names)))
+
+    return alike
+
+
+def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass) -> dict[str, Any]:
+    """The report's ``int8`` section as far as the ranges go."""
     section: dict[str, Any] = {
         "target": options.target,
         "method": options.method,
@@ -117,70 +197,55 @@ def quantize_export(
             section["percentile"] = options.percentile
         else:
             section["quantized_bins"] = options.quantized_bins
-        section["ranges_as_minmax"] = ranges_as_minmax(data, gathered.result.ranges)
-    if evaluation is not None:
-        score = HeldScorer(evaluation) if isinstance(evaluation, LabelledBatches) else evaluation
-
-        def stale_alike(float_ops: set[str]) -> bytes:
-            assert stale_fp32_model is not None
-            phase("quantizing the stale model alike")
-            return _quantize_alike(stale_fp32_model, options, gather, request, float_ops)
-
-        phase("evaluating INT8")
-        model = _evaluate(
-            section, fp32_model, model, prepared, data, options, reasons, score,
-            stale_fp32_model, stale_alike if stale_fp32_model is not None else None,
-        )
-    samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
-    section.update(check_int8(model, fp32_model, [samples[:1], samples]))
-    section["verified_batches"] = [1, len(samples)]
-    section.update(graph_summary(model, prepared, reasons, options))
-    section["bytes"] = len(model)
-    section["fp32_bytes"] = len(fp32_model)
-    one = samples[:1]  # batch 1, as a deployed model answers one request
-    section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
-    section["written"] = True
-    return Quantized(model, section)
+    return section
 
 
 def _evaluate(
-    section: dict[str, Any], fp32_model: bytes, model: bytes, prepared: PreparedModel, data: Any,
-    options: Int8Options, reasons: dict[str, str], score: Scorer, stale_fp32_model: bytes | None,
-    stale_alike: Callable[[set[str]], bytes] | None,
+    section: dict[str, Any], fp32: OnnxPassResult, model: bytes, prepared: PreparedModel, data: Any,
+    options: Int8Options, reasons: dict[str, str], passes: OnnxPasses,
+    stale_alike: Callable[[set[str]], bytes] | None, output: int,
 ) -> bytes:
     """Top-1/top-5 of the FP32 and INT8 models (and the stale model's, FP32 and quantized
     alike, when given) into ``section["evaluation"]``, guarded when ``max_top1_drop`` is set:
     the float ops chosen on the selection part (even positions), the accuracies reported on
-    the other part (odd positions). Every model reported is scored in one pass (``score``);
-    the guard's sensitivity measurements score many candidates per pass. Returns the model
-    to write; raises ``Int8GuardError`` (with ``section``) when the guard cannot hold."""
+    the other part (odd positions). ``fp32`` holds the FP32 models' scores on every part; the
+    INT8 models are scored together in one pass, the guard's candidates many to a pass.
+    Returns the model to write; raises ``Int8GuardError`` (with ``section``) when the guard
+    cannot hold."""
     guarding = options.max_top1_drop is not None
-    if guarding and score.samples < 2:
+    if guarding and passes.evaluation_samples < 2:
         raise ExportError("int8.max_top1_drop needs at least 2 labelled evaluation samples: one part chooses, "
                           "the other reports")
     report_part = "odd" if guarding else "all"
-    guard: dict[str, Any] = {}
+
+    def score(models: Sequence[bytes], part: str = "all") -> OnnxPassResult:
+        return passes.over_evaluation([PassModel(m) for m in models], part=part, output=output).result
+
+    def selection_top1(candidates: Sequence[bytes]) -> list[float]:
+        scored = score(candidates, "even")
+        return [scored.scores(i, "even")["top1"] for i in range(len(candidates))]
+
+    stale_int8 = [stale_alike(set(reasons))] if stale_alike is not None else []
+    reported = score([model, *stale_int8])  # every part: the guard's selection, and the report part
     if guarding:
-        selection = score([fp32_model, model], "even")
-        selection_fp32, selection_int8 = selection[0]["top1"], selection[1]["top1"]
-        guard.update({
+        selection_fp32, selection_int8 = fp32.scores(MODEL, "even")["top1"], reported.scores(MODEL, "even")["top1"]
+        guard: dict[str, Any] = {
             "max_top1_drop": options.max_top1_drop,
-            "selection": {"samples": selection[0]["samples"], "which": SELECTION_RULE, "fp32_top1": selection_fp32,
-                          "int8_top1_before": selection_int8},
+            "selection": {"samples": fp32.scores(MODEL, "even")["samples"], "which": SELECTION_RULE,
+                          "fp32_top1": selection_fp32, "int8_top1_before": selection_int8},
             "report": {"which": REPORT_RULE},
-        })
+        }
         section["guard"] = guard
         try:
             guarded = enforce_top1_drop(
-                prepared, data, options, list(reasons), model, selection_fp32, selection_int8,
-                lambda candidates: [scores["top1"] for scores in score(candidates, "even")],
+                prepared, data, options, list(reasons), model, selection_fp32, selection_int8, selection_top1,
             )
         except Int8GuardUnreachableError as failed:
-            fp32, int8 = score([fp32_model, model], report_part)
-            guard["report"]["samples"] = fp32["samples"]
+            fp32_top, int8_top = fp32.scores(MODEL, report_part), reported.scores(MODEL, report_part)
+            guard["report"]["samples"] = fp32_top["samples"]
             guard.update({"held": False, "kept_float": failed.kept, "reason": str(failed)})
-            section["evaluation"] = {"samples": fp32["samples"], "fp32": _top(fp32), "int8": _top(int8),
-                                     "top1_drop_points": 100.0 * (fp32["top1"] - int8["top1"])}
+            section["evaluation"] = {"samples": fp32_top["samples"], "fp32": _top(fp32_top), "int8": _top(int8_top),
+                                     "top1_drop_points": 100.0 * (fp32_top["top1"] - int8_top["top1"])}
             section.update({"written": False, "failure": str(failed)})
             raise Int8GuardError(str(failed), section) from failed
         guard["selection"]["int8_top1_after"] = guarded.top1
@@ -191,13 +256,15 @@ def _evaluate(
                 reasons[kept["name"]] = (
                     f"kept float by int8.max_top1_drop (recovers {kept['top1_gain_alone_points']:+.2f} top-1 points alone)"
                 )
-    models = [fp32_model, model]
-    if stale_fp32_model is not None and stale_alike is not None:
-        models += [stale_fp32_model, stale_alike(set(reasons))]
-    reported = score(models, report_part)
-    scores: dict[str, Any] = {"samples": reported[0]["samples"], "fp32": _top(reported[0]), "int8": _top(reported[1])}
-    if len(reported) == 4:
-        scores["stale_fp32"], scores["stale_int8"] = _top(reported[2]), _top(reported[3])
+            stale_int8 = [stale_alike(set(reasons))] if stale_alike is not None else []
+            reported = score([model, *stale_int8], report_part)  # the model kept, the stale one alike
+    scores: dict[str, Any] = {
+        "samples": fp32.scores(MODEL, report_part)["samples"],
+        "fp32": _top(fp32.scores(MODEL, report_part)), "int8": _top(reported.scores(MODEL, report_part)),
+    }
+    if stale_int8:
+        scores["stale_fp32"] = _top(fp32.scores(STALE, report_part))
+        scores["stale_int8"] = _top(reported.scores(STALE, report_part))
     scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
     section["evaluation"] = scores
     if guarding:
@@ -205,17 +272,6 @@ def _evaluate(
         guard["report_drop_points"] = scores["top1_drop_points"]
         guard["held_on_report"] = scores["top1_drop_points"] <= float(options.max_top1_drop)  # type: ignore[arg-type]
     return model
-
-
-def _quantize_alike(
-    fp32_model: bytes, options: Int8Options, gather: RangeGatherer, like: RangeRequest, float_ops: set[str]
-) -> bytes:
-    """Another export (the stale model's) quantized with the same options and float ops."""
-    prepared: PreparedModel = prepare(fp32_model)
-    request = RangeRequest(prepared.tensors, like.method, like.bins, like.absolute)
-    gathered = gather(prepared.model, request)
-    data = tensors_data(gathered.result.ranges, gathered.result.histograms, gathered.result.edges, options)
-    return write_qdq(prepared, data, options, sorted(float_ops & set(prepared.node_names)))
 
 
 def _top(scores: dict[str, float]) -> dict[str, float]:
@@ -254,44 +310,6 @@ def quantize_file(
     dataset = describe_dataset(data, transform=transform, **settings.unpack_options())
     with dataset.open() as opened:
         verify = opened.load(0, min(VERIFY_SAMPLES, dataset.num_samples))
-    quantized = quantize_export(Path(fp32_path).read_bytes(), options, in_process(dataset, batch_size), verify)
-    quantized.write(path)
-    return quantized.section
-
-
-def quantize_recalibrated(
-    result: Recalibration,
-    request: RecalibrationRequest,
-    path: str | Path,
-    options: Int8Options,
-    gather: RangeGatherer,
-    *,
-    score: Scorer | None = None,
-    fp32_model: bytes | None = None,
-    export_options: ExportOptions | None = None,
-    cancel: threading.Event | None = None,
-    on_phase: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """The INT8 export of a recalibration, written to ``path``, its ranges by ``gather`` and
-    its models scored by ``score`` when there is labelled evaluation data (both the run's
-    executor's: the statistics' ranks, over the samples the statistics were computed on,
-    and over the evaluation's shards); returns the report's ``int8`` section.
-    ``fp32_model`` is the run's folded FP32 export when it wrote one (float32), else one is
-    made with ``export_options``."""
-    from bnrecal.service.run.exporting import export_recalibrated
-
-    export = export_options or ExportOptions()
-    kwargs = {"opset": export.opset, "dynamic_batch": export.dynamic_batch, "input_shape": export.input_shape}
-    if fp32_model is None:
-        fp32_model = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
-    stale = None
-    if score is not None:
-        stale_model = result.stale_model()
-        stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, **kwargs))
-    quantized = quantize_export(
-        fp32_model, options, gather, result.calibration_samples(VERIFY_SAMPLES),
-        evaluation=score, stale_fp32_model=stale, on_phase=on_phase,
-    )
-    check_cancel(cancel)
+    quantized = quantize_export(Path(fp32_path).read_bytes(), options, InProcessPasses(dataset, batch_size), verify)
     quantized.write(path)
     return quantized.section

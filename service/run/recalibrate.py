@@ -11,12 +11,14 @@ the same program archive.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bnrecal.errors import NoBatchNormError
 from bnrecal.workers.data import describe_dataset
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 
+from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, run
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
@@ -31,6 +33,9 @@ from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and 
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
+    import torch
+    from torch import nn
+
     from bnrecal.workers.ranks.pool import WarmPool
 
 
@@ -80,10 +85,13 @@ def recalibrate(
         probe = data.load(0, 1)
     evaluation = plan_evaluation(request, model, settings) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
+    later = evaluation is not None and evaluation_with_int8(outputs, model)
+    reuse = GraphReuse() if outputs is not None and outputs.int8 is not None else None
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
-        keep=kept_budget(settings, outputs),
+        keep=kept_budget(settings, outputs), head=head_samples(outputs, model), evaluation_later=later,
+        meanwhile=None if in_process or reuse is None else trace_beside(model, probe, reuse, outputs),  # type: ignore[arg-type]
     )
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")
@@ -99,14 +107,55 @@ def recalibrate(
         """The statistics as the files keep them; then the later phases, on the run's executor."""
         made.append(Recalibration(
             model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
+            head=result.head, evaluation_later=later,
         ))
         if loaded.is_program:
             result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
         if outputs is not None and outputs.any:
-            make_outputs(made[0], request, outputs, executor, policy, on_progress=on_progress, cancel=cancel)
+            make_outputs(made[0], request, outputs, executor, policy, on_progress=on_progress, cancel=cancel,
+                         reuse=reuse)
 
     run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, phases=[recalibration])
     return made[0]
+
+
+def trace_beside(model: nn.Module, probe: torch.Tensor, reuse: GraphReuse, outputs: RunOutputs) -> Callable[[], None] | None:
+    """The exporter's trace of the model as uploaded, for a run with an INT8 file to do while
+    its ranks compute the statistics: the stale and the recalibrated exports then reuse the
+    graph (docs/onnx.md, "The file"). None for a program of a static batch (its export
+    runs at that batch, which the probe cannot show)."""
+    from bnrecal.service.export.folded_onnx import trace_ahead
+
+    if static_batch(model) is not None:
+        return None
+    export = outputs.export  # the model is copied there, before its statistics change after the pass
+    return lambda: trace_ahead(model, probe, reuse, opset=export.opset, dynamic_batch=export.dynamic_batch,
+                               input_shape=export.input_shape)
+
+
+def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
+    """How many of the first samples the ranks hand back for the exports' checks: the
+    verified batch, or a program's static batch where it is larger; none without an export."""
+    from bnrecal.service.run.exporting import VERIFY_SAMPLES
+
+    if outputs is None or not outputs.any:
+        return 0
+    return max(VERIFY_SAMPLES, static_batch(model) or 0)
+
+
+def evaluation_with_int8(outputs: RunOutputs | None, model: nn.Module) -> bool:
+    """Whether the evaluation before and after is measured by the INT8 export's passes, on
+    the folded FP32 models whose ranges they gather (the same samples read once for both,
+    docs/evaluation.md), instead of beside the statistics: with an INT8 file, unless the
+    model is a program of a static batch (its export runs at that batch only)."""
+    return outputs is not None and outputs.int8 is not None and static_batch(model) is None
+
+
+def static_batch(model: nn.Module) -> int | None:
+    """The batch a program exported with a static batch runs at, else None."""
+    from bnrecal.workers.programs import ProgramModule
+
+    return model.batch.low if isinstance(model, ProgramModule) and model.batch.static else None
 
 
 def kept_budget(settings: Settings, outputs: RunOutputs | None) -> KeepBudget:

@@ -77,6 +77,12 @@ class Recalibration:
     int8_failed: Int8GuardError | None = None
     """Set when the INT8 file failed its guard: the other outputs were written, the report's
     ``int8`` section says why (docs/int8.md); a surface raises it once they are kept."""
+    head: torch.Tensor | None = None
+    """The first calibration samples, as the ranks read them (``RunPlan.head``)."""
+    read_here: int = 0
+    """Calibration samples this process read itself (an export the run did not plan for)."""
+    evaluation_later: bool = False
+    """The evaluation before and after is left to the INT8 export's passes (``RunPlan.evaluation_later``)."""
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -102,9 +108,15 @@ class Recalibration:
         return stale
 
     def calibration_samples(self, count: int) -> torch.Tensor:
-        """The first ``count`` calibration samples, e.g. to verify an export."""
+        """The first ``count`` calibration samples, to verify an export: those the ranks read
+        first and handed back where the run asked for them (``head``: its own exports), so
+        the driver reads none; else read here (counted in ``read_here``)."""
+        wanted = min(count, self.dataset.num_samples)
+        if self.head is not None and len(self.head) >= min(wanted, int(self.report["samples"])):
+            return self.head[:count]
+        self.read_here = max(self.read_here, wanted)
         with self.dataset.open() as data:
-            return data.load(0, min(count, self.dataset.num_samples))
+            return data.load(0, wanted)
 
 
 def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: DatasetSpec | None) -> None:

@@ -70,6 +70,10 @@ class LayerReport:
         return {key: entry[key] for key in LAYER_KEYS}
 
 
+PYTORCH_RUNTIME, ONNX_RUNTIME = "pytorch", "onnxruntime"
+"""Where the evaluation before and after was measured (``evaluation.runtime``): the model
+itself beside the statistics, or its folded FP32 exports in the INT8 export's passes."""
+
 LAYER_KEYS = (
     "name", "class", "channels", "calls", "mean_shift", "var_ratio_max", "var_ratio_min",
     "se_mean_max", "se_mean_median", "se_var_max", "se_var_median",

@@ -62,6 +62,7 @@ class DatasetSpec:
     transform: ImageTransform | None = None  # images: the resolved transform
     classes: tuple[str, ...] = ()  # images in class folders: class names, label = index
     files_digest: str | None = None  # images: digest of the sample file list
+    listing_digest: str | None = None  # images: digest of the whole listing in file order (any order, any prefix)
     name: str | None = None  # the name the user knows, where the file's is an internal one
     remote: RemoteSource | None = None  # data in object storage: ranks fetch their own samples from it
     order: str = "given"  # "shuffled" (seeded) or "given" (file order)
@@ -335,7 +336,7 @@ def _describe_remote(
         return DatasetSpec(
             kind="images", path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape,
             total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
-            files_digest=files_digest(files), remote=remote, **ordering,
+            files_digest=files_digest(files), listing_digest=files_digest(listing.files), remote=remote, **ordering,
         )
     data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format in (None, "parquet", "manifest"):
@@ -387,7 +388,7 @@ def _describe_images(
     return DatasetSpec(
         kind="images", path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape,
         total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
-        files_digest=files_digest(files), **ordering,
+        files_digest=files_digest(files), listing_digest=files_digest(listing.files), **ordering,
     )
 
 

@@ -61,25 +61,38 @@ class MinMaxAccumulator:
         self.batches = 0
 
     def add(self, index: int, values: np.ndarray) -> None:
-        """Fold one batch's values of tensor ``index`` in."""
+        """Fold one batch's values of tensor ``index`` in: one read of them (``torch.aminmax``),
+        a second only where a NaN is among them."""
         if values.size == 0:
             return
-        finite = values[~np.isnan(values)] if np.isnan(values).any() else values
-        if finite.size == 0:
-            return
-        self.low[index] = min(self.low[index], np.float32(finite.min()))
-        self.high[index] = max(self.high[index], np.float32(finite.max()))
+        low, high = (float(v) for v in torch.aminmax(torch.from_numpy(np.ascontiguousarray(values)).reshape(-1)))
+        if np.isnan(low) or np.isnan(high):
+            finite = values[~np.isnan(values)]
+            if finite.size == 0:
+                return
+            low, high = float(finite.min()), float(finite.max())
+        self.low[index] = min(self.low[index], np.float32(low))
+        self.high[index] = max(self.high[index], np.float32(high))
+
+    def slots(self, world_size: int, rank: int) -> torch.Tensor:
+        """This rank's ``[world, 2, tensors]`` float64 buffer: its min and max in its own slot,
+        zeros elsewhere; summed over the ranks it holds every rank's (``from_slots``)."""
+        buffer = torch.zeros((world_size, 2, len(self.names)), dtype=torch.float64)
+        buffer[rank, 0] = torch.from_numpy(self.low.astype(np.float64))
+        buffer[rank, 1] = torch.from_numpy(self.high.astype(np.float64))
+        return buffer
+
+    def from_slots(self, summed: torch.Tensor) -> TensorRanges:
+        """The min and max over every rank, from the summed ``slots`` buffers."""
+        low = summed[:, 0].min(dim=0).values.numpy().astype(np.float32)
+        high = summed[:, 1].max(dim=0).values.numpy().astype(np.float32)
+        return TensorRanges(self.names, low, high)
 
     def combine(self, collective: Collective, rank: int) -> TensorRanges:
         """The min and max over every rank, in one SUM allreduce of one-hot slots."""
-        count = len(self.names)
-        buffer = torch.zeros((collective.world_size, 2, count), dtype=torch.float64)
-        buffer[rank, 0] = torch.from_numpy(self.low.astype(np.float64))
-        buffer[rank, 1] = torch.from_numpy(self.high.astype(np.float64))
+        buffer = self.slots(collective.world_size, rank)
         collective.allreduce(buffer)
-        low = buffer[:, 0].min(dim=0).values.numpy().astype(np.float32)
-        high = buffer[:, 1].max(dim=0).values.numpy().astype(np.float32)
-        return TensorRanges(self.names, low, high)
+        return self.from_slots(buffer)
 
 
 def histogram_range(low: np.float32, high: np.float32, absolute: bool) -> tuple[np.float32, np.float32]:

@@ -22,7 +22,7 @@ from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from bnrecal.workers.ranks.collectives import RayCollective
-from bnrecal.workers.ranks.local import evaluate_rank, rank_batches, row_of, stats_payload
+from bnrecal.workers.ranks.local import evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
 
 T = TypeVar("T")
@@ -139,6 +139,8 @@ class CalibrationRank:
         model.to(device).eval()
         layers = layers_named(model, plan.layer_names)
         batches, ranges, steps = rank_batches(plan, self.rank, shard)
+        head: list[tuple[int, torch.Tensor]] = []
+        batches = keeping_head(batches, ranges, plan.head, head)
         self._groups = [plan.group_name]
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
@@ -191,6 +193,7 @@ class CalibrationRank:
             "stats": stats_payload(passed) if self.rank == 0 else None,
             "convergence": None if passed.convergence is None else asdict(passed.convergence),
             "evaluation": event.evaluation,
+            "head": head,
         }
 
     def _evaluate(
@@ -216,7 +219,6 @@ class CalibrationRank:
 
     def onnx_pass(
         self,
-        model: Any,
         request: Any,
         dataset: Any,
         batch_size: int,
@@ -226,47 +228,40 @@ class CalibrationRank:
         shard: CalibrationData | None = None,
         num_samples: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """One onnxruntime pass over this rank's shard of the first ``num_samples`` (default:
-        all) of ``dataset``, with the calibration's sharding rule, combined with the peers' in
-        collectives: the INT8 activation ranges of the folded FP32 ``model`` for a
-        ``RangeRequest`` (``workers.ranks.int8_ranges``), or the top-1/top-5 of each of the
-        ``model`` files for a ``ScoreRequest`` (``workers.ranks.onnx_scores``). Streams events
-        as ``run`` does: ``started``, a ``progress`` per batch, ``heartbeat`` while a batch or
-        a collective is in flight, then the ``result`` (``{"rank", "node_id", "result"}``), so
-        the driver's timeout counts time without progress, not the length of the pass."""
+        """One onnxruntime pass (an ``OnnxPassRequest``: ``workers.ranks.onnx_pass``) over this
+        rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
+        calibration's sharding rule, combined with the peers' in collectives: the INT8
+        activation ranges of models, their top-1/top-5, the evaluation before and after.
+        Streams events as ``run`` does: ``started``, a ``progress`` per batch, ``heartbeat``
+        while a batch or a collective is in flight, then the ``result`` (``{"rank",
+        "node_id", "result"}``), so the driver's timeout counts time without progress, not
+        the length of the pass."""
         from bnrecal.workers.data import iter_batches
         from bnrecal.workers.data.kept import open_kept
-        from bnrecal.workers.ranks.int8_ranges import range_pass
-        from bnrecal.workers.ranks.onnx_scores import ScoreRequest, score_pass
+        from bnrecal.workers.ranks.onnx_pass import onnx_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
 
-        scoring = isinstance(request, ScoreRequest)
         self.jobs += 1
         self._groups = [group_name]
-        with self._rank_named(" scoring ONNX models" if scoring else " gathering INT8 ranges"):
+        with self._rank_named(" in an ONNX pass"):
             self._collective = RayCollective(world_size, self.rank, backend, group_name)
             collective = self._collective
             data = open_kept(dataset, shard if shard is not None else dataset.open())
             total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
             ranges = rank_ranges(total, batch_size, world_size, self.rank)
             yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+
             def work(emit: Callable[[dict[str, Any]], None]) -> Any:
                 def on_batch(samples: int) -> None:
                     emit({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
 
-                if scoring:
-                    return score_pass(
-                        model, request, ranges, iter_batches(data, ranges), collective, threads=self.num_threads,
-                        on_batch=on_batch,
-                    )
-                return range_pass(
-                    model, request, lambda: iter_batches(data, ranges), collective, self.rank,
+                return onnx_pass(
+                    request, ranges, lambda: iter_batches(data, ranges), collective, self.rank,
                     threads=self.num_threads, on_batch=on_batch,
                 )
 
-            name = f"{'onnx-scores' if scoring else 'int8-ranges'}-rank-{self.rank}"
-            gathered = yield from self._streamed(work, collective, name)
-            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": gathered}
+            passed = yield from self._streamed(work, collective, f"onnx-pass-rank-{self.rank}")
+            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": passed}
 
     def _streamed(
         self, work: Callable[[Callable[[dict[str, Any]], None]], T], collective: RayCollective, name: str

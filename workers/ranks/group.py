@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
 from bnrecal.errors import BnrecalError, CallOrderError, RunError, first_line
+from bnrecal.workers.ranks.local import joined_head
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 from bnrecal.workers.ranks.streams import follow_streams
@@ -168,6 +169,7 @@ def _follow(
         memory_formats=[results[r]["memory_format"] for r in sorted(results)],
         evaluation=first["evaluation"],
         convergence=first.get("convergence"),
+        head=joined_head(part for r in results.values() for part in r.get("head", ())),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -55,6 +55,24 @@ def rank_batches(
     ranges = rank_ranges(plan.dataset.num_samples, plan.batch_size, plan.world_size, rank)
     steps = step_ranges(plan.dataset.num_samples, plan.batch_size)
     return iter_batches(data, ranges, num_workers=loader_workers), ranges, steps
+
+
+def keeping_head(
+    batches: Iterable[Any], ranges: Ranges, count: int, head: list[tuple[int, torch.Tensor]]
+) -> Iterator[Any]:
+    """``batches`` as they are, with a copy of the samples at positions below ``count`` put
+    in ``head`` as ``(position, samples)`` on the way: the first samples of the order, as
+    the ranks read them, for the checks of an export (so the driver never reads them)."""
+    for (start, stop), batch in zip(ranges, batches):
+        if start < min(stop, count) and isinstance(batch, torch.Tensor):
+            head.append((start, batch[: min(stop, count) - start].detach().cpu().clone()))
+        yield batch
+
+
+def joined_head(parts: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
+    """The head pieces of every rank, in position order, as one batch (None without any)."""
+    ordered = [samples for _, samples in sorted(parts, key=lambda part: part[0])]
+    return torch.cat(ordered) if ordered else None
 
 
 def evaluate_rank(
@@ -107,6 +125,8 @@ def run_in_process(
     model.to(device).eval()
     layers = layers_named(model, plan.layer_names)
     batches, ranges, steps = rank_batches(plan, 0)
+    head: list[tuple[int, torch.Tensor]] = []
+    batches = keeping_head(batches, ranges, plan.head, head)
     collective = SingleProcessCollective()
     done = {"calibrating": 0, "evaluating": 0}
 
@@ -136,6 +156,7 @@ def run_in_process(
         memory_formats=[result.memory_format],
         evaluation=evaluation,
         convergence=None if result.convergence is None else asdict(result.convergence),
+        head=joined_head(head),
     )
 
 

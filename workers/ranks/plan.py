@@ -15,8 +15,9 @@ from bnrecal.workers.engine.evaluation import EvalTarget
 from bnrecal.workers.models.sources import ModelSource
 
 if TYPE_CHECKING:
-    from bnrecal.workers.ranks.int8_ranges import RangeResult
-    from bnrecal.workers.ranks.onnx_scores import ScoreResult
+    import torch
+
+    from bnrecal.workers.ranks.onnx_pass import OnnxPassResult
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RankPlan:
     evaluation: EvalPlan | None = None
     feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches
     stop: StopRule | None = None  # max_samples "auto": stop once the statistics have converged
+    head: int = 0  # the first samples of the order, as read, handed back (an export's checks run on them)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class GroupResult:
     memory_formats: list[str] = field(default_factory=list)
     evaluation: dict[str, Any] | None = None
     convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
+    head: torch.Tensor | None = None  # the first ``RankPlan.head`` samples the ranks read, in order
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,12 @@ class GroupOptions:
 
 
 @dataclass
-class GroupRanges:
-    """What the ranks gathered together: rank 0's combined result (every rank holds the
-    same: the ranges, or the models' scores), the samples each rank read, the collectives
-    each made, and their nodes."""
+class GroupPass:
+    """What the ranks of an onnxruntime pass found together (``workers.ranks.onnx_pass``):
+    rank 0's combined result (every rank holds the same), the samples each rank read, the
+    collectives each made, and their nodes."""
 
-    result: RangeResult | ScoreResult
+    result: OnnxPassResult
     samples: list[int]
     collectives: list[int]
     nodes: list[str]

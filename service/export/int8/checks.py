@@ -1,7 +1,8 @@
 """The INT8 file checked like the FP32 export (docs/onnx.md, "The file"; docs/int8.md,
 "Checks and the report's `int8` section"): ``onnx.checker`` full check, runs in
-onnxruntime, its outputs against the FP32 export's on calibration samples; and
-top-1/top-5 on labelled evaluation data.
+onnxruntime, its outputs against the FP32 export's on calibration samples; its latency;
+and the labelled evaluation data the Python API holds in memory (scored by the passes of
+``workers.ranks.onnx_pass``, as the ranks score theirs).
 
 Sessions here run with onnxruntime's default graph optimizations, as a deployment runs
 the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels.
@@ -12,13 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from bnrecal.errors import ExportError, first_line
-from bnrecal.workers.engine.ranges import fixed_batch, in_batches_of
-from bnrecal.workers.ranks.onnx_scores import correct_answers, scoring_session
+from bnrecal.workers.engine.ranges import fixed_batch
+from bnrecal.workers.ranks.onnx_pass import scoring_session
 
 from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 
@@ -115,64 +116,6 @@ class LabelledBatches:
     def samples(self) -> int:
         """How many samples the batches hold."""
         return sum(len(labels) for labels in self.labels)
-
-
-def accuracy(model: bytes, data: LabelledBatches) -> dict[str, float]:
-    """Top-1 and top-5 (fractions, as the report's ``evaluation``) of the model's first output
-    taken as class scores."""
-    runner = session(model)
-    name = runner.get_inputs()[0].name
-    top1 = top5 = 0
-    fixed = fixed_batch(runner)
-    for whole, labels in zip(data.batches, data.labels):
-        parts = [runner.run(None, {name: part})[0] for part in in_batches_of(whole, fixed)]
-        right1, right5 = correct_answers(np.concatenate(parts), labels)
-        top1, top5 = top1 + right1, top5 + right5
-    total = max(1, data.samples)
-    return {"top1": top1 / total, "top5": top5 / total, "samples": data.samples}
-
-
-def split_for_guard(data: LabelledBatches) -> tuple[LabelledBatches, LabelledBatches]:
-    """The selection part (samples at even positions of the evaluation data) and the report
-    part (odd positions). Interleaved, not halves: evaluation files are often sorted by class."""
-    samples = np.concatenate(data.batches) if data.batches else np.zeros((0,))
-    labels = np.concatenate(data.labels) if data.labels else np.zeros((0,), dtype=np.int64)
-    size = max((len(batch) for batch in data.batches), default=1)
-
-    def part(start: int) -> LabelledBatches:
-        x, y = samples[start::2], labels[start::2]
-        return LabelledBatches([x[i : i + size] for i in range(0, len(x), size)],
-                               [y[i : i + size] for i in range(0, len(y), size)])
-
-    return part(0), part(1)
-
-
-class Scorer(Protocol):
-    """Scores exported models on labelled evaluation data: top-1/top-5 (fractions) and the
-    samples scored, of each model, on ``part`` of the data (``all``; ``even`` positions, the
-    INT8 guard's selection; ``odd``, its report part). Where it runs is the caller's: the
-    run's ranks (one pass per call, every model on each batch), or held batches here."""
-
-    samples: int
-    """How many labelled evaluation samples there are."""
-
-    def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
-        """Each model's scores on ``part``, in order."""
-        ...
-
-
-class HeldScorer:
-    """A :class:`Scorer` over evaluation batches held in this process (the Python API's
-    data, a test's), each model scored in turn."""
-
-    def __init__(self, data: LabelledBatches) -> None:
-        self.data = data
-        self.samples = data.samples
-
-    def __call__(self, models: Sequence[bytes], part: str = "all") -> list[dict[str, float]]:
-        """Each model's scores on ``part`` of the held batches."""
-        data = self.data if part == "all" else split_for_guard(self.data)[0 if part == "even" else 1]
-        return [accuracy(model, data) for model in models]
 
 
 def latency_ms(model: bytes, sample: np.ndarray, *, budget_s: float = 0.5, runs: int = 50) -> float:

@@ -68,15 +68,19 @@ def test_calibrate_writes_a_checked_int8_model_and_its_report(tmp_path, capsys, 
         with torch.no_grad():
             top1 = float(np.mean(net.eval()(torch.from_numpy(x)).argmax(1).numpy() == y))
         assert section["evaluation"][key]["top1"] == pytest.approx(top1), key
-    # Every phase that reads samples ran on the ranks; the four models were scored in one pass.
+    # Every phase that reads samples ran on the ranks, the host read none; each model ran once
+    # over each set of samples: both FP32 models' ranges in one pass (percentile reads twice),
+    # both evaluated (before and after, and scored) in one pass, both INT8 models in one.
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["data_transport"] == transport
     timeline = {entry["phase"]: entry for entry in written["timeline"]}
-    assert [p for p, entry in timeline.items() if entry["samples"] and entry["where"] != "ranks"] == [
-        "INT8 quantizing and checks"]  # its 8 verification samples, on the host
+    assert [p for p, entry in timeline.items() if entry["samples"] and entry["where"] != "ranks"] == []
     assert timeline["INT8 evaluations"]["passes"] == 1 and timeline["INT8 evaluations"]["samples"] == 30
-    assert timeline["INT8 ranges"]["passes"] == 4  # percentile: two passes, for the model and the stale one
-    assert timeline["statistics"]["samples"] == 40 and timeline["evaluation before and after"]["passes"] == 1
+    assert timeline["INT8 ranges"]["passes"] == 2 and timeline["INT8 ranges"]["samples"] == 80
+    assert timeline["statistics"]["samples"] == 40
+    assert timeline["evaluation before and after"]["passes"] == 1
+    assert timeline["evaluation before and after"]["samples"] == 30
+    assert written["evaluation"]["runtime"] == "onnxruntime" and written["evaluation"]["samples"] == 30
 
 
 @pytest.mark.parametrize(
@@ -160,7 +164,10 @@ def test_one_worker_run_with_evaluation_exports_the_graph_two_workers_export(tmp
         outputs[workers] = run_openvino(Path(f"{out}-int8.onnx"), [batch]).outputs[0][0]
     assert graphs[1, ""] == graphs[2, ""] and graphs[1, "-int8"] == graphs[2, "-int8"]
     assert not any(op in ("Range", "Gather") for op, _ in graphs[1, ""])
-    assert np.array_equal(outputs[1].argmax(1), outputs[2].argmax(1))
+    # Alike, not equal: the two runs' statistics differ by float rounding, so their INT8 ranges
+    # do in the last bits, and INT8 outputs move by a quantization step (argmax can flip on a
+    # near tie of this random-weight net); a graph read wrongly is off by the outputs' scale.
+    assert np.abs(outputs[1] - outputs[2]).max() <= 0.1 * np.abs(outputs[2]).max()
 
 
 @pytest.fixture

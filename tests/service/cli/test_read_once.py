@@ -1,8 +1,9 @@
 """A whole job reads each photo once (docs/data.md, "Read once per job"): the statistics, the
-evaluation, the INT8 range passes and the INT8 scores of a job on real photos decode each
-calibration and evaluation sample once, on one worker in process and on two ranks (paths
-shared, or shipped through the object store); and what the ranks kept gives the very INT8
-file and report figures that decoding again gives."""
+evaluation, the INT8 range passes and the INT8 scores of a job on real photos given as both
+its calibration and its evaluation data decode each photo once, on one worker in process
+and on two ranks (paths shared, or shipped through the object store), in the fewest passes;
+and what the ranks kept gives the very INT8 file and report figures that decoding again
+gives."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.shards import photos, write_folder
 pytestmark = pytest.mark.usefixtures("cli_environment")
 
 SAMPLES = 24
-RANGE_PASSES = 4  # percentile: two passes, for the recalibrated model and the stale one
+FP32_READS = 2  # percentile: two reads of the one pass that runs both FP32 models (ranges, evaluation, scores)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +49,24 @@ def test_a_whole_job_decodes_each_sample_once(tmp_path, capsys, monkeypatch, job
     monkeypatch.setenv("BNRECAL_DATA_TRANSPORT", transport)
     report = whole_job(capsys, tmp_path, job_inputs, workers, "kept")
     decoding = report["decoding"]
-    assert decoding["decoded"] == 2 * SAMPLES  # the calibration photos and the evaluation photos, once each
-    assert decoding["reused"] == RANGE_PASSES * SAMPLES + SAMPLES  # the range passes, and the INT8 scores
+    assert decoding["decoded"] == SAMPLES  # the photos are the calibration and the evaluation data: once in all
+    assert decoding["reused"] == FP32_READS * SAMPLES + SAMPLES  # the FP32 models' pass, and the INT8 scores
     assert decoding["not_kept"] == 0 and decoding["spilled_bytes"] == 0
-    assert decoding["kept_bytes"] == 2 * SAMPLES * 3 * 16 * 16  # uint8 crops
+    assert decoding["kept_bytes"] == SAMPLES * 3 * 16 * 16  # uint8 crops
     timeline = {entry["phase"]: entry for entry in report["timeline"]}
-    assert timeline["INT8 ranges"]["passes"] == RANGE_PASSES and timeline["INT8 evaluations"]["passes"] == 1
-    if workers == 2:
-        assert {entry["where"] for entry in report["timeline"] if entry["samples"]} == {"ranks", "host"}
+    fused = timeline["INT8 ranges and evaluation before and after"]
+    assert fused["passes"] == FP32_READS and fused["samples"] == FP32_READS * SAMPLES
+    assert timeline["INT8 evaluations"]["passes"] == 1 and timeline["INT8 evaluations"]["samples"] == SAMPLES
+    assert "INT8 ranges" not in timeline and "evaluation before and after" not in timeline
+    where = "in-process" if workers == 1 else "ranks"
+    assert {entry["where"] for entry in report["timeline"] if entry["samples"]} == {where}  # the host read none
+    assert report["evaluation"]["runtime"] == "onnxruntime" and report["evaluation"]["samples"] == SAMPLES
 
     # Nothing kept (both budgets 0): every pass decodes again, and the files are the same.
     monkeypatch.setenv("BNRECAL_KEPT_MEMORY_MB", "0")
     monkeypatch.setenv("BNRECAL_KEPT_DISK_MB", "0")
     again = whole_job(capsys, tmp_path, job_inputs, workers, "decoded")
-    assert again["decoding"]["decoded"] == 2 * SAMPLES + RANGE_PASSES * SAMPLES + SAMPLES  # each read a decode
+    assert again["decoding"]["decoded"] == SAMPLES + FP32_READS * SAMPLES + SAMPLES  # each read a decode
     assert again["decoding"]["reused"] == 0
     assert (tmp_path / "kept.onnx").read_bytes() == (tmp_path / "decoded.onnx").read_bytes()
     assert (tmp_path / "kept.pt").read_bytes() == (tmp_path / "decoded.pt").read_bytes()

@@ -3,24 +3,25 @@ file, the checks hold on real zoo models, the options and the accuracy guard beh
 
 from __future__ import annotations
 
-from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import torchvision
 
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.errors import ExportError, SpecError
-from bnrecal.workers.ranks.int8_ranges import RangeRequest, range_pass
+from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, PassModel, onnx_pass
 
-from bnrecal.service.export.int8.checks import LabelledBatches, accuracy, split_for_guard
+from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.errors import Int8GuardError
 from bnrecal.service.export.int8.options import Int8Options, int8_options
 from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
-from bnrecal.service.run.int8 import quantize_export
-from bnrecal.service.run.ranges import in_process
+from bnrecal.service.run.int8 import quantize_export, range_request
+from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
 from tests.service.export.int8_helpers import (
     OutlierNet,
     array_dataset,
@@ -41,11 +42,23 @@ def resnet(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, torch.Tenso
     return fp32_export(model, samples, tmp_path_factory.mktemp("resnet") / "fp32.onnx"), samples
 
 
-def ranges_here(prepared, samples: torch.Tensor, options: Int8Options):
-    request = RangeRequest(prepared.tensors, options.method,
-                           options.histogram_bins() if options.method != "minmax" else 0, options.absolute)
-    batches = lambda: (samples[i : i + BATCH] for i in range(0, len(samples), BATCH))  # noqa: E731
-    return range_pass(prepared.model, request, batches, SingleProcessCollective(), 0)
+def ranges_here(prepared, samples: torch.Tensor, options: Int8Options) -> SimpleNamespace:
+    """One range pass in this process: the model's ranges (histograms, edges) and the collectives made."""
+    request = OnnxPassRequest((PassModel(prepared.model, range_request(prepared, options)),))
+    ranges = [(i, min(i + BATCH, len(samples))) for i in range(0, len(samples), BATCH)]
+    batches = lambda: (samples[a:b] for a, b in ranges)  # noqa: E731
+    result = onnx_pass(request, ranges, batches, SingleProcessCollective(), 0)
+    found = result.models[0]
+    return SimpleNamespace(ranges=found.ranges, histograms=found.histograms, edges=found.edges,
+                           collectives=result.collectives)
+
+
+def top1(model: bytes, data: LabelledBatches) -> float:
+    """The model's top-1 on held batches, counted plainly in onnxruntime."""
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    right = sum(int((session.run(None, {name: x})[0].argmax(1) == y).sum()) for x, y in zip(data.batches, data.labels))
+    return right / data.samples
 
 
 def test_minmax_file_is_byte_for_byte_what_quantize_static_writes(resnet, tmp_path):
@@ -109,7 +122,7 @@ def test_zoo_models_quantize_checker_clean_and_run(arch, tmp_path):
         model = torchvision.models.get_model(arch, weights=None, num_classes=7)
     samples = torch.randn(24, 3, 32, 32)
     fp32 = fp32_export(model, samples, tmp_path / "fp32.onnx")
-    quantized = quantize_export(fp32, Int8Options(), in_process(array_dataset(tmp_path / "x.npy", samples), 8), samples)
+    quantized = quantize_export(fp32, Int8Options(), InProcessPasses(array_dataset(tmp_path / "x.npy", samples), 8), samples)
     onnx.checker.check_model(onnx.load_from_string(quantized.model), full_check=True)
     section = quantized.section
     assert section["ops_quantized"]["Conv"] >= 10
@@ -121,12 +134,12 @@ def test_zoo_models_quantize_checker_clean_and_run(arch, tmp_path):
 def test_keep_float_by_op_type_leaves_those_ops_float_with_the_reason(resnet, tmp_path):
     fp32, samples = resnet
     dataset = array_dataset(tmp_path / "x.npy", samples)
-    section = quantize_export(fp32, Int8Options(keep_float=["Gemm"]), in_process(dataset, BATCH), samples).section
+    section = quantize_export(fp32, Int8Options(keep_float=["Gemm"]), InProcessPasses(dataset, BATCH), samples).section
     assert "Gemm" not in section["ops_quantized"]
     gemm = [op for op in section["ops_float"] if op["op_type"] == "Gemm"]
     assert len(gemm) == 1 and "int8.keep_float" in gemm[0]["reason"]
     with pytest.raises(ExportError, match="int8.keep_float: 'NoSuchOp'"):
-        quantize_export(fp32, Int8Options(keep_float=["NoSuchOp"]), in_process(dataset, BATCH), samples)
+        quantize_export(fp32, Int8Options(keep_float=["NoSuchOp"]), InProcessPasses(dataset, BATCH), samples)
 
 
 @pytest.mark.parametrize(
@@ -162,12 +175,11 @@ def outlier(tmp_path_factory: pytest.TempPathFactory):
 
 def test_guard_keeps_the_measured_most_sensitive_ops_float_until_the_bound_holds(outlier):
     fp32, samples, dataset, data = outlier
-    plain = quantize_export(fp32, Int8Options(), in_process(dataset, 32), samples, evaluation=data).section
-    assert accuracy(fp32, data)["top1"] == 1.0
+    passes = InProcessPasses(dataset, 32, evaluation=data)
+    plain = quantize_export(fp32, Int8Options(), passes, samples).section
+    assert top1(fp32, data) == 1.0
     assert plain["evaluation"]["top1_drop_points"] > 5  # the outlier channel costs real accuracy
-    guarded = quantize_export(
-        fp32, Int8Options(max_top1_drop=1.0, max_float_ops=2), in_process(dataset, 32), samples, evaluation=data
-    ).section
+    guarded = quantize_export(fp32, Int8Options(max_top1_drop=1.0, max_float_ops=2), passes, samples).section
     guard = guarded["guard"]
     kept = guard["kept_float"]
     assert kept and guard["held"] and guarded["written"]
@@ -181,24 +193,11 @@ def test_guard_keeps_the_measured_most_sensitive_ops_float_until_the_bound_holds
     assert guard["held_on_report"] == (guard["report_drop_points"] <= 1.0)
 
 
-def test_guard_selection_and_report_samples_are_disjoint_and_cover_the_evaluation_data():
-    samples = np.arange(37, dtype=np.float32).reshape(37, 1, 1, 1)  # each sample's value is its position
-    data = LabelledBatches([samples[i : i + 10] for i in range(0, 37, 10)],
-                           [np.arange(37)[i : i + 10] for i in range(0, 37, 10)])
-    selection, report = split_for_guard(data)
-    chosen = {float(v) for batch in selection.batches for v in batch.ravel()}
-    reported = {float(v) for batch in report.batches for v in batch.ravel()}
-    assert not chosen & reported and chosen | reported == set(map(float, range(37)))
-    assert chosen == set(map(float, range(0, 37, 2)))  # even positions, whatever the class order
-    for part in (selection, report):  # labels travel with their samples
-        assert all(np.array_equal(b.ravel(), y.astype(np.float32)) for b, y in zip(part.batches, part.labels))
-
-
 def test_guard_that_cannot_hold_fails_saying_so_with_the_section(outlier):
     fp32, samples, dataset, data = outlier
     with pytest.raises(Int8GuardError, match=r"max_top1_drop 0\.5.*no INT8 file written") as caught:
-        quantize_export(fp32, Int8Options(max_top1_drop=0.5, max_float_ops=0), in_process(dataset, 32), samples,
-                        evaluation=data)
+        quantize_export(fp32, Int8Options(max_top1_drop=0.5, max_float_ops=0),
+                        InProcessPasses(dataset, 32, evaluation=data), samples)
     section = caught.value.section
     assert section["written"] is False and "max_top1_drop" in section["failure"]
     assert section["guard"]["held"] is False and section["evaluation"]["samples"] == 128
@@ -207,8 +206,11 @@ def test_guard_that_cannot_hold_fails_saying_so_with_the_section(outlier):
 def test_keep_float_and_op_types_are_checked_before_any_range_pass(resnet):
     fp32, samples = resnet
 
-    def no_range_pass(model, request):
-        raise AssertionError("a range pass ran before the names were checked")
+    class NoPasses(OnnxPasses):
+        def _run(self, request, over):
+            raise AssertionError("a pass ran before the names were checked")
+
+    no_range_pass = NoPasses(None, 0, None)
 
     with pytest.raises(ExportError, match="int8.keep_float: 'Conv_typo'"):
         quantize_export(fp32, Int8Options(keep_float=["Conv_typo"]), no_range_pass, samples)
@@ -220,6 +222,6 @@ def test_file_does_not_depend_on_the_batches_it_was_gathered_in(resnet, tmp_path
     """The same samples in other batch splits (what K ranks see) give the same bytes."""
     fp32, samples = resnet
     dataset = array_dataset(tmp_path / "x.npy", samples)
-    files = {batch: quantize_export(fp32, Int8Options(), in_process(dataset, batch), samples).model
+    files = {batch: quantize_export(fp32, Int8Options(), InProcessPasses(dataset, batch), samples).model
              for batch in (5, 16, 48)}
     assert len(set(files.values())) == 1

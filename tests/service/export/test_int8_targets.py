@@ -19,7 +19,7 @@ from bnrecal.errors import SpecError
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.export.int8.targets import OPENVINO_OPS, TENSORRT_OPS
 from bnrecal.service.run.int8 import quantize_export
-from bnrecal.service.run.ranges import in_process
+from bnrecal.service.run.onnx_passes import InProcessPasses
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 
@@ -35,7 +35,7 @@ def resnet(tmp_path_factory: pytest.TempPathFactory):
 
 def quantized(resnet, options: dict):
     fp32, samples, dataset = resnet
-    return quantize_export(fp32, int8_options(options), in_process(dataset, 16), samples)
+    return quantize_export(fp32, int8_options(options), InProcessPasses(dataset, 16), samples)
 
 
 def qdq_facts(model: bytes):

@@ -136,7 +136,7 @@ class Watched(InProcess):
 
 def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
     """The export and INT8 phases of a run see the statistics written and the executor's
-    world still up (its range gatherer is theirs), and a failing phase still closes it."""
+    world still up (its onnxruntime passes are theirs), and a failing phase still closes it."""
     model, samples = stale
     reference = reference_statistics(model, samples, batch_size=8)
     executor, seen = Watched(), []
@@ -144,9 +144,9 @@ def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
     def phase(result, running):
         assert running is executor and not executor.closed
         assert_matches_reference(model, reference)  # the statistics are in the driver's model already
-        gather = running.range_gatherer(running_data, 8, 16, policy=FailurePolicy(), failures=[], on_phase=None,
-                                        cancel=None)
-        seen.append((result.report.samples, callable(gather)))
+        passes = running.onnx_passes(running_data, 8, 16, None, policy=FailurePolicy(), failures=[], on_phase=None,
+                                     cancel=None, record=None)
+        seen.append((result.report.samples, callable(passes.over_calibration)))
 
     plan = plan_for(model, samples)
     running_data = plan.data
@@ -172,3 +172,47 @@ def test_a_run_cancelled_after_its_statistics_runs_no_later_phase(stale):
     with pytest.raises(CancelledError):
         run(plan_for(model, samples), InProcess(), cancel=cancel, phases=[cancels, lambda *_: ran.append(True)])
     assert ran == []
+
+
+class Timed(InProcess):
+    """The real in-process executor, noting when its pass ran."""
+
+    def __init__(self) -> None:
+        self.pass_started = self.pass_ended = 0.0
+
+    def execute(self, plan, run_plan, on_progress, cancel):
+        import time
+
+        self.pass_started = time.monotonic()
+        try:
+            return super().execute(plan, run_plan, on_progress, cancel)
+        finally:
+            self.pass_ended = time.monotonic()
+
+
+def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_later_phases(stale):
+    """``RunPlan.meanwhile`` (an INT8 run's exporter trace) runs in a thread while the pass runs
+    and is finished before any later phase; its failure fails nothing (the phase that needs
+    the work does it again)."""
+    import time
+
+    model, samples = stale
+    executor, seen = Timed(), {}
+
+    def meanwhile():
+        seen["started"] = time.monotonic()
+        seen["thread"] = threading.current_thread().name
+        time.sleep(0.3)
+        seen["ended"] = time.monotonic()
+
+    plan = RunPlan(**{**plan_for(model, samples).__dict__, "meanwhile": meanwhile})
+    run(plan, executor, phases=[lambda result, running: seen.update(phase=time.monotonic())])
+    assert seen["thread"] != threading.current_thread().name
+    assert seen["started"] < executor.pass_ended  # beside the pass, not after it
+    assert seen["ended"] <= seen["phase"]  # finished before the later phases
+
+    def fails():
+        raise RuntimeError("the trace failed")
+
+    result = run(RunPlan(**{**plan_for(model, samples).__dict__, "meanwhile": fails}), InProcess())
+    assert result.report.samples == 29

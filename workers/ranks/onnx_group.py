@@ -1,10 +1,12 @@
-"""The driver's side of INT8 range collection: K rank actors gather the activation
-ranges of the folded FP32 model over their shards (docs/int8.md, "How the ranges are gathered").
+"""The driver's side of an onnxruntime pass on the ranks (``workers.ranks.onnx_pass``): K
+rank actors run the pass's models over their shards, the INT8 ranges, scores and the
+evaluation before and after combined in collectives (docs/int8.md, "How the ranges are
+gathered").
 
-The ranks are placed and supervised like a calibration's (``workers.ranks.group``): a warm
-gang of the same shape from the pool when one is idle, else a new one; any failure names
-the rank and its node; a job making no progress within the collective timeout fails;
-actors go back to the pool after a success and are killed otherwise. Each rank streams its
+The ranks are placed and supervised like a calibration's (``workers.ranks.group``): the
+job's gang (or a warm one of the same shape from the pool, else a new one); any failure
+names the rank and its node; a pass making no progress within the collective timeout
+fails; the gang goes back after a success and is killed otherwise. Each rank streams its
 progress, so the timeout counts time without progress, never the length of the pass.
 """
 
@@ -22,16 +24,14 @@ from ray.exceptions import RayTaskError
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.group import GroupOptions
-from bnrecal.workers.ranks.int8_ranges import RangeRequest
-from bnrecal.workers.ranks.onnx_scores import ScoreRequest
-from bnrecal.workers.ranks.plan import GroupRanges
+from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, pass_phase
+from bnrecal.workers.ranks.plan import GroupPass
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 from bnrecal.workers.ranks.streams import follow_streams
 
 
-def run_range_group(
-    model: bytes | Sequence[bytes],
-    request: RangeRequest | ScoreRequest,
+def run_onnx_pass_group(
+    request: OnnxPassRequest,
     dataset: DatasetSpec,
     batch_size: int,
     world_size: int,
@@ -43,24 +43,24 @@ def run_range_group(
     shards: Sequence[Any] | None = None,
     pool: WarmPool | None = None,
     cancel: threading.Event | None = None,
-) -> GroupRanges:
-    """Gather the ranges (a ``RangeRequest``) of ``model``, or score the ``model`` files (a
-    ``ScoreRequest``: a list of models), on ``world_size`` rank actors over the first
-    ``num_samples`` (default: all) of ``dataset``; ``shards`` (one per rank) carry the data
-    through the object store, else every rank opens ``dataset`` from its path."""
-    what = "scoring ONNX models" if isinstance(request, ScoreRequest) else "gathering INT8 ranges"
+) -> GroupPass:
+    """Run the pass ``request`` on ``world_size`` rank actors over the first ``num_samples``
+    (default: all) of ``dataset``, by the calibration's sharding at ``batch_size``; ``shards``
+    (one per rank) carry the data through the object store, else every rank opens
+    ``dataset`` from its path."""
+    what = f"the {pass_phase(request)} pass"
     key = GangKey(world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, device)
     gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
     if gang is None:
         gang = Gang.start(key, options.placement_timeout_s, cancel, name=pool.group_name() if pool is not None else "")
-    group_name = f"bnrecal-int8-{uuid.uuid4().hex[:12]}"
+    group_name = f"bnrecal-onnx-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
     succeeded = False
     try:
-        model_ref = ray.put(model)
+        request_ref = ray.put(request)
         streams = [
             actor.onnx_pass.remote(
-                model_ref, request, dataset, batch_size, world_size, backend, group_name,
+                request_ref, dataset, batch_size, world_size, backend, group_name,
                 shards[rank] if shards is not None else None, num_samples,
             )
             for rank, actor in enumerate(gang.actors)
@@ -73,7 +73,7 @@ def run_range_group(
         else:
             gang.kill()
     answers.sort(key=lambda answer: answer["rank"])
-    return GroupRanges(
+    return GroupPass(
         result=answers[0]["result"],
         samples=[answer["result"].samples for answer in answers],
         collectives=[answer["result"].collectives for answer in answers],
@@ -136,5 +136,5 @@ def _failure(rank: int, exc: BaseException, node: str | None, what: str) -> Bnre
             if isinstance(cause, RunError) and cause.node is None:
                 return RunError(cause.message, rank=rank, node=node)
             return cause
-        return RunError(f"{where} failed {what}: {first_line(exc)}", rank=rank, node=node)
-    return RunError(f"{where} died {what}: {first_line(exc)}", rank=rank, node=node)
+        return RunError(f"{where} failed in {what}: {first_line(exc)}", rank=rank, node=node)
+    return RunError(f"{where} died in {what}: {first_line(exc)}", rank=rank, node=node)

@@ -1,0 +1,149 @@
+"""Where a run's onnxruntime passes run (``workers.ranks.onnx_pass``), and over which
+samples: the calibration samples the statistics came from, with their sharding, or the
+evaluation data, with its own (docs/int8.md, "How the ranges are gathered").
+
+:class:`OnnxPasses` is what the INT8 phase (``service.run.int8``) asks for passes. It knows
+the evaluation's labels and whether the evaluation samples are the calibration samples (the
+same data given for both, ``workers.data.alignment``): then one pass over them gathers the
+FP32 models' ranges and measures them too, each sample's label and part found by its
+evaluation position. Where a pass runs is a subclass's: this process
+(:class:`InProcessPasses`: ``bnrecal export``, the Python API, a one-worker run) or the
+run's Ray ranks (``service.run.executors``). Both give the same file and figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from bnrecal.workers.data import DatasetSpec, iter_batches
+from bnrecal.workers.data.alignment import positions_in
+from bnrecal.workers.data.kept import open_kept
+from bnrecal.workers.engine.collective import SingleProcessCollective
+from bnrecal.workers.ranks.onnx_pass import (
+    Comparison, OnnxPassRequest, PassModel, onnx_pass, pass_phase,
+)
+from bnrecal.workers.ranks.plan import EvalPlan, GroupPass
+from bnrecal.workers.ranks.sharding import rank_ranges
+
+from bnrecal.service.export.int8.checks import LabelledBatches
+
+PassRecorder = Callable[[str, GroupPass], None]
+"""Hears each pass as it ends, with the phase it served (``pass_phase``): the report's timeline."""
+
+CALIBRATION, EVALUATION = "calibration", "evaluation"
+
+
+class OnnxPasses:
+    """The passes of one INT8 export: over the calibration samples (``over_calibration``) or
+    the evaluation data (``over_evaluation``), each one read of the samples (two for the
+    histogram methods' ranges) combined in one collective per read."""
+
+    def __init__(self, labels: np.ndarray | None, evaluation_samples: int, shared: np.ndarray | None,
+                 record: PassRecorder | None = None) -> None:
+        self.labels = labels
+        self.evaluation_samples = evaluation_samples
+        self.shared = shared
+        self.record = record
+
+    @property
+    def labelled(self) -> bool:
+        """Whether there is labelled evaluation data to score models on."""
+        return self.labels is not None
+
+    @property
+    def shares_samples(self) -> bool:
+        """Whether the evaluation samples are the calibration samples: a pass over them does both."""
+        return self.shared is not None
+
+    def over_calibration(self, models: Sequence[PassModel], *, evaluate: bool = False,
+                         compare: Comparison | None = None, output: int = 0) -> GroupPass:
+        """One pass over the calibration samples, gathering each model's ranges; with
+        ``evaluate`` (only where they are the evaluation samples) also scoring the models on
+        their labels and measuring ``compare``."""
+        labels = positions = None
+        if evaluate:
+            if self.shared is None:
+                raise ValueError("the calibration samples are not the evaluation samples")
+            positions = self.shared
+            labels = self.labels[self.shared] if self.labels is not None else None
+        request = OnnxPassRequest(tuple(models), labels, positions, compare if evaluate else None, "all", output)
+        return self._recorded(request, CALIBRATION)
+
+    def over_evaluation(self, models: Sequence[PassModel], *, compare: Comparison | None = None, part: str = "all",
+                        output: int = 0) -> GroupPass:
+        """One pass over ``part`` of the evaluation data: the models scored (when it is
+        labelled) on each part, and ``compare`` measured. Where the evaluation samples are
+        the calibration samples the pass reads those (what the ranks kept of them), each
+        sample's label and part found by its evaluation position."""
+        if self.shared is not None:
+            labels = self.labels[self.shared] if self.labels is not None else None
+            request = OnnxPassRequest(tuple(models), labels, self.shared, compare, part, output)
+            return self._recorded(request, CALIBRATION)
+        request = OnnxPassRequest(tuple(models), self.labels, None, compare, part, output)
+        return self._recorded(request, EVALUATION)
+
+    def _recorded(self, request: OnnxPassRequest, over: str) -> GroupPass:
+        done = self._run(request, over)
+        if self.record is not None:
+            self.record(pass_phase(request), done)
+        return done
+
+    def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
+        """Run one pass over ``over`` (``CALIBRATION`` or ``EVALUATION``): the subclass's."""
+        raise NotImplementedError
+
+
+class InProcessPasses(OnnxPasses):
+    """Passes in this process (a world of one): over the first ``samples`` (default: all) of
+    ``calibration`` at global batch ``batch_size``, and over the evaluation data: a described
+    one (an ``EvalPlan``) or batches held in memory (the Python API's)."""
+
+    def __init__(self, calibration: DatasetSpec, batch_size: int, samples: int | None = None, *,
+                 evaluation: EvalPlan | LabelledBatches | None = None, record: PassRecorder | None = None) -> None:
+        self.calibration = calibration
+        self.batch_size = batch_size
+        self.samples = samples_read(calibration, samples)
+        self.evaluation = evaluation
+        if isinstance(evaluation, LabelledBatches):
+            labels = np.concatenate(evaluation.labels) if evaluation.labels else np.zeros(0, dtype=np.int64)
+            super().__init__(labels, evaluation.samples, None, record)
+        else:
+            super().__init__(*described_evaluation(calibration, self.samples, evaluation), record=record)
+
+    def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
+        collective = SingleProcessCollective()
+        if over == EVALUATION and isinstance(self.evaluation, LabelledBatches):
+            held = [np.asarray(batch, dtype=np.float32) for batch in self.evaluation.batches]
+            starts = np.cumsum([0, *map(len, held)])
+            ranges = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+            result = onnx_pass(request, ranges, lambda: map(torch.from_numpy, held), collective, 0)
+        else:
+            if over == EVALUATION:
+                assert isinstance(self.evaluation, EvalPlan)
+                dataset, batch, total = self.evaluation.dataset, self.evaluation.batch_size, None
+            else:
+                dataset, batch, total = self.calibration, self.batch_size, self.samples
+            ranges = rank_ranges(samples_read(dataset, total), batch, 1, 0)
+            with open_kept(dataset, dataset.open()) as data:
+                result = onnx_pass(request, ranges, lambda: iter_batches(data, ranges), collective, 0)
+        return GroupPass(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
+
+
+def described_evaluation(
+    calibration: DatasetSpec, samples: int, evaluation: EvalPlan | None,
+) -> tuple[np.ndarray | None, int, np.ndarray | None]:
+    """What the passes know of described evaluation data: its labels (where accuracy is
+    measured), its samples, and each calibration position's evaluation position where the
+    first ``samples`` of the calibration order are exactly its samples."""
+    if evaluation is None:
+        return None, 0, None
+    labels = evaluation.labels if evaluation.target.labelled else None
+    return labels, evaluation.dataset.num_samples, positions_in(calibration, samples, evaluation.dataset)
+
+
+def samples_read(dataset: DatasetSpec, samples: int | None) -> int:
+    """How many samples of ``dataset`` (in its order) a pass reads."""
+    return dataset.num_samples if samples is None else min(samples, dataset.num_samples)
