@@ -26,9 +26,10 @@ of one: ``bnrecal export``, the Python API, a one-worker run).
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +197,14 @@ def correct_answers(scores: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
     return int(np.sum(ranked[:, 0] == labels)), int(np.sum(np.any(ranked == labels[:, None], axis=1)))
 
 
+RUN_BYTES = 128 * 2**20
+"""The most output bytes one onnxruntime run of a pass should return: a model whose ranges are
+gathered returns every calibrated tensor (resnet18 at 224: 24 MB a sample), so a rank's slice
+runs in pieces of about that many bytes. Each piece's values are reduced before the next runs,
+and a rank keeps touching the same memory: touching fresh memory for a whole slice of such
+outputs cost ranks here as much time in page faults as the forward itself."""
+
+
 @dataclass
 class _Runner:
     """One model's session and the outputs a pass reads of it."""
@@ -207,16 +216,56 @@ class _Runner:
     fixed: int | None = None
     right: np.ndarray = field(default_factory=lambda: np.zeros((2, len(PARTS)), dtype=np.float64))
 
-    def run(self, array: np.ndarray, names: Sequence[str] | None = None) -> list[np.ndarray]:
-        """The named outputs on ``array``, run whole or in the model's fixed batch."""
+    def pieces(self, array: np.ndarray, names: Sequence[str] | None = None) -> Iterator[list[np.ndarray]]:
+        """The named outputs on ``array``, run in pieces: of the model's fixed batch, else of
+        about ``RUN_BYTES`` of outputs (``piece_sizes``)."""
         wanted = list(names if names is not None else self.names)
-        if not wanted:
-            return []
+        if not wanted or not len(array):
+            return
         feed = self.session.get_inputs()[0].name
-        parts = [self.session.run(wanted, {feed: part}) for part in in_batches_of(array, self.fixed)]
-        if len(parts) <= 1:  # the usual case, run whole: no copy of the (large) outputs
-            return parts[0] if parts else []
-        return [np.concatenate([part[i] for part in parts]) for i in range(len(wanted))]
+        if self.fixed is not None:
+            for part in in_batches_of(array, self.fixed):
+                yield self.session.run(wanted, {feed: part})
+            return
+        start = 0
+        for size in piece_sizes(len(array), _samples_per_run(self.session, wanted)):
+            yield self.session.run(wanted, {feed: array[start : start + size]})
+            start += size
+
+    def read(self, array: np.ndarray) -> np.ndarray | None:
+        """Run the model on ``array``: its calibrated tensors' ranges added up, its class
+        scores returned (None where the pass does not read them)."""
+        scores = []
+        for outputs in self.pieces(array):
+            if self.ranges is not None:
+                for index in range(len(self.ranges.names)):
+                    self.ranges.add(index, outputs[index])
+            if self.scores_at is not None:
+                scores.append(outputs[self.scores_at])
+        return np.concatenate(scores) if scores else None
+
+
+def _samples_per_run(session: Any, names: Sequence[str]) -> int | None:
+    """How many samples' outputs ``names`` fit ``RUN_BYTES``, from the shapes the graph
+    declares (None where a shape beyond the batch is not known: the slice runs whole)."""
+    declared = {output.name: output.shape for output in session.get_outputs()}
+    per_sample = 0
+    for name in names:
+        dims = declared[name][1:]
+        if not all(isinstance(dim, int) for dim in dims):
+            return None
+        per_sample += 4 * math.prod(dims)  # float32, the calibrated tensors' type (an upper bound for smaller)
+    return max(1, RUN_BYTES // max(1, per_sample))
+
+
+def piece_sizes(count: int, most: int | None) -> list[int]:
+    """``count`` samples in pieces of at most ``most`` (about), as even as can be and never of
+    one sample where the slice has more: onnxruntime's Gemm runs one row another way than
+    several (a matrix-vector kernel), and a sample's values must not depend on its piece."""
+    if most is None or count <= most:
+        return [count] if count else []
+    pieces = min(-(-count // most), count // 2)
+    return [len(part) for part in np.array_split(np.arange(count), pieces)]
 
 
 def _runner(model: PassModel, request: OnnxPassRequest, threads: int) -> _Runner:
@@ -267,22 +316,17 @@ def onnx_pass(
         if request.part != "all":  # only the samples of that part run
             array, parts = array[run], [mask[run] for mask in parts]
         if len(array):
-            outputs = [runner.run(array) for runner in runners]
-            for runner, values in zip(runners, outputs):
-                if runner.ranges is not None:
-                    for index in range(len(runner.ranges.names)):
-                        runner.ranges.add(index, values[index])
+            scores = [runner.read(array) for runner in runners]
             if request.labels is not None:
                 labels = np.asarray(request.labels[start:stop], dtype=np.int64)[run]
                 scored += [mask.sum() for mask in parts]
-                for runner, values in zip(runners, outputs):
+                for runner, values in zip(runners, scores):
                     for at, mask in enumerate(parts):
-                        top1, top5 = correct_answers(values[runner.scores_at][mask], labels[mask])
+                        top1, top5 = correct_answers(values[mask], labels[mask])
                         runner.right[:, at] += (top1, top5)
             if totals is not None and request.compare is not None:
                 compare = request.compare
-                before = outputs[compare.before][runners[compare.before].scores_at]
-                after = outputs[compare.after][runners[compare.after].scores_at]
+                before, after = scores[compare.before], scores[compare.after]
                 labelled = compare.target.labelled and request.labels is not None
                 y = torch.from_numpy(labels) if labelled else None
                 totals.add(torch.from_numpy(before), torch.from_numpy(after), y)
@@ -348,9 +392,10 @@ def _histograms(
         return
     for (_, _), batch in zip(ranges, batches(), strict=True):
         array = batch.detach().cpu().numpy().astype(np.float32, copy=False)
-        for runner, _, histogram in wanted if len(array) else ():
-            for index, values in enumerate(runner.run(array, histogram.names)):
-                histogram.add(index, values)
+        for runner, _, histogram in wanted:
+            for outputs in runner.pieces(array, histogram.names):
+                for index, values in enumerate(outputs):
+                    histogram.add(index, values)
         if on_batch is not None:
             on_batch(len(array))
     counts = torch.from_numpy(np.concatenate([histogram.counts.reshape(-1) for _, _, histogram in wanted]))
