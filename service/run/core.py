@@ -16,7 +16,9 @@ model) stays with the surface.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -253,10 +255,14 @@ def run(
 
 def _beside(work: Callable[[], None] | None) -> threading.Thread:
     """``work`` running in a thread of this process (started; join it), its failure logged
-    and left to the phase that needs it."""
+    and left to the phase that needs it. The thread takes only CPU the ranks leave: it runs
+    at the lowest priority (Ray starts rank processes at nice 15, so on a node they share
+    the work would otherwise come first and slow the pass it waits for)."""
 
     def run() -> None:
         try:
+            with contextlib.suppress(OSError, AttributeError):  # not Linux: an ordinary thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             if work is not None:
                 work()
         except Exception:  # noqa: BLE001 - best effort: the later phase does the work again and reports
