@@ -26,7 +26,6 @@ of one: ``bnrecal export``, the Python API, a one-worker run).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,8 +38,9 @@ import torch
 from bnrecal.workers.engine.collective import Collective
 from bnrecal.workers.engine.evaluation import EvalTarget, EvalTotals
 from bnrecal.workers.engine.ranges import (
-    HISTOGRAM_METHODS, HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch, in_batches_of,
+    HISTOGRAM_METHODS, HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch,
 )
+from bnrecal.workers.ranks.onnx_pieces import PieceRunner
 
 PARTS = ("all", "even", "odd")
 """Which labelled samples a score is over, by their position in the evaluation data: all,
@@ -197,14 +197,6 @@ def correct_answers(scores: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
     return int(np.sum(ranked[:, 0] == labels)), int(np.sum(np.any(ranked == labels[:, None], axis=1)))
 
 
-RUN_BYTES = 128 * 2**20
-"""The most output bytes one onnxruntime run of a pass should return: a model whose ranges are
-gathered returns every calibrated tensor (resnet18 at 224: 24 MB a sample), so a rank's slice
-runs in pieces of about that many bytes. Each piece's values are reduced before the next runs,
-and a rank keeps touching the same memory: touching fresh memory for a whole slice of such
-outputs cost ranks here as much time in page faults as the forward itself."""
-
-
 @dataclass
 class _Runner:
     """One model's session and the outputs a pass reads of it."""
@@ -215,22 +207,15 @@ class _Runner:
     ranges: MinMaxAccumulator | None
     fixed: int | None = None
     right: np.ndarray = field(default_factory=lambda: np.zeros((2, len(PARTS)), dtype=np.float64))
+    _runs: dict[tuple[str, ...], PieceRunner] = field(default_factory=dict)
 
     def pieces(self, array: np.ndarray, names: Sequence[str] | None = None) -> Iterator[list[np.ndarray]]:
-        """The named outputs on ``array``, run in pieces: of the model's fixed batch, else of
-        about ``RUN_BYTES`` of outputs (``piece_sizes``)."""
-        wanted = list(names if names is not None else self.names)
-        if not wanted or not len(array):
-            return
-        feed = self.session.get_inputs()[0].name
-        if self.fixed is not None:
-            for part in in_batches_of(array, self.fixed):
-                yield self.session.run(wanted, {feed: part})
-            return
-        start = 0
-        for size in piece_sizes(len(array), _samples_per_run(self.session, wanted)):
-            yield self.session.run(wanted, {feed: array[start : start + size]})
-            start += size
+        """The named outputs on ``array``, run in pieces (``workers.ranks.onnx_pieces``);
+        each piece's arrays are valid until the next piece runs."""
+        wanted = tuple(names if names is not None else self.names)
+        if wanted not in self._runs:
+            self._runs[wanted] = PieceRunner(self.session, wanted, self.fixed)
+        return self._runs[wanted].pieces(array)
 
     def read(self, array: np.ndarray) -> np.ndarray | None:
         """Run the model on ``array``: its calibrated tensors' ranges added up, its class
@@ -241,31 +226,8 @@ class _Runner:
                 for index in range(len(self.ranges.names)):
                     self.ranges.add(index, outputs[index])
             if self.scores_at is not None:
-                scores.append(outputs[self.scores_at])
+                scores.append(outputs[self.scores_at].copy())  # the buffer is the next piece's
         return np.concatenate(scores) if scores else None
-
-
-def _samples_per_run(session: Any, names: Sequence[str]) -> int | None:
-    """How many samples' outputs ``names`` fit ``RUN_BYTES``, from the shapes the graph
-    declares (None where a shape beyond the batch is not known: the slice runs whole)."""
-    declared = {output.name: output.shape for output in session.get_outputs()}
-    per_sample = 0
-    for name in names:
-        dims = declared[name][1:]
-        if not all(isinstance(dim, int) for dim in dims):
-            return None
-        per_sample += 4 * math.prod(dims)  # float32, the calibrated tensors' type (an upper bound for smaller)
-    return max(1, RUN_BYTES // max(1, per_sample))
-
-
-def piece_sizes(count: int, most: int | None) -> list[int]:
-    """``count`` samples in pieces of at most ``most`` (about), as even as can be and never of
-    one sample where the slice has more: onnxruntime's Gemm runs one row another way than
-    several (a matrix-vector kernel), and a sample's values must not depend on its piece."""
-    if most is None or count <= most:
-        return [count] if count else []
-    pieces = min(-(-count // most), count // 2)
-    return [len(part) for part in np.array_split(np.arange(count), pieces)]
 
 
 def _runner(model: PassModel, request: OnnxPassRequest, threads: int) -> _Runner:

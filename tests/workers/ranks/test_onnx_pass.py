@@ -219,18 +219,10 @@ def test_a_rank_lost_in_a_range_pass_reruns_that_pass_only_and_gives_the_same_ra
     assert np.array_equal(ranges.high, clean.models[0].ranges.high)
 
 
-def test_pieces_are_even_and_never_one_sample_of_several():
-    from bnrecal.workers.ranks.onnx_pass import piece_sizes
-
-    assert piece_sizes(16, 5) == [4, 4, 4, 4] and piece_sizes(17, 5) == [5, 4, 4, 4]
-    assert piece_sizes(3, 2) == [3] and piece_sizes(16, 1) == [2] * 8  # a lone sample runs another Gemm kernel
-    assert piece_sizes(1, 1) == [1] and piece_sizes(0, 4) == [] and piece_sizes(9, None) == [9]
-
-
 def test_a_slice_run_in_pieces_writes_the_same_file(tmp_path, monkeypatch):
     """Ranks run their slice in pieces of about RUN_BYTES of outputs (page faults cost as much
     as the forward otherwise): pieces of two samples give the file whole slices give."""
-    import bnrecal.workers.ranks.onnx_pass as onnx_pass_module
+    import bnrecal.workers.ranks.onnx_pieces as onnx_pieces_module
 
     torch.manual_seed(4)
     samples = torch.randn(SAMPLES, 3, 24, 24)
@@ -244,5 +236,5 @@ def test_a_slice_run_in_pieces_writes_the_same_file(tmp_path, monkeypatch):
         return write_qdq(prepared, tensors_data(found.ranges, None, None, options), options, [])
 
     whole = file_written()
-    monkeypatch.setattr(onnx_pass_module, "RUN_BYTES", 1)  # every piece as small as it may be: two samples
+    monkeypatch.setattr(onnx_pieces_module, "RUN_BYTES", 1)  # every piece as small as it may be: two samples
     assert file_written() == whole
