@@ -3,8 +3,8 @@ ranges stay exact.
 
 The range pass (docs/int8.md) runs the prepared FP32 export with every tensor to calibrate
 made a graph output, as onnxruntime's own calibrator does, and in a session with graph
-optimizations off (``ORT_DISABLE_ALL``), as that calibrator makes it: the contract holds
-``minmax`` ranges at K = 1 equal to the calibrator's. This bench shows what that choice
+optimizations off (``ORT_DISABLE_ALL``), as that calibrator makes it: ``minmax`` ranges at K = 1 equal the
+calibrator's (docs/int8.md, "How the ranges are gathered"). This bench shows what that choice
 costs and why it is kept: for a torchvision resnet18 (random weights) at 224, the same
 augmented model is run at each level over the same random batches (one intra-op thread, as
 a rank runs it; the first pass warms up) and each level's per-tensor minimum and maximum
