@@ -72,6 +72,7 @@ class PieceRunner:
         types = {output.name: output.type for output in session.get_outputs()}
         dims = _sample_dims(session, self.names)
         self._dims = dims if dims is not None and all(types[n] == FLOAT for n in self.names) else None
+        self._per_run = samples_per_run(session, self.names)  # once: the shapes do not change from batch to batch
         self._bound: dict[int, tuple[Any, list[np.ndarray]]] = {}
 
     def pieces(self, array: np.ndarray) -> Iterator[list[np.ndarray]]:
@@ -82,7 +83,7 @@ class PieceRunner:
         if self.fixed is not None:
             parts: Iterator[np.ndarray] | list[np.ndarray] = iter(in_batches_of(array, self.fixed))
         else:
-            sizes = piece_sizes(len(array), samples_per_run(self.session, self.names))
+            sizes = piece_sizes(len(array), self._per_run)
             parts = np.split(array, np.cumsum(sizes)[:-1])
         for part in parts:
             yield self._run(np.ascontiguousarray(part))
