@@ -15,19 +15,26 @@ the run that replaced it; its half-written artifacts were never recorded.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy import update as sql_update
 
+from bnrecal.errors import InsufficientStorageError
+
 from .jobs import JobRecord, JobStatus
 from .ledger import JobRow, Ledger, start_values
 from .ledger.engines import is_postgres
+
+log = logging.getLogger("bnrecal.leases")
 
 
 def replica_id() -> str:
@@ -89,6 +96,26 @@ class JobLeases:
         return self.ledger._update(
             job_id, {JobStatus.running}, JobRow.lease_owner == self.owner, status=status.value, **values
         )
+
+    def finish_making_room(self, job_id: str, status: JobStatus, workdir: Path, **outcome: Any) -> bool:
+        """Write a job's outcome as :meth:`finish` does, never raising; True once written. On a
+        full disk the job's work dir (what the job itself wrote) is removed to make room and the
+        write tried once more, so a job that filled the disk still ends with its 507. An outcome
+        that still cannot be written is logged: the lease, no longer renewed, runs out and the
+        job is taken over like a dead replica's."""
+        for attempt in range(2):
+            try:
+                self.finish(job_id, status, **outcome)
+                return True
+            except InsufficientStorageError:
+                if attempt == 0:
+                    shutil.rmtree(workdir, ignore_errors=True)
+                    continue
+                log.error("job %s: the disk is full; its outcome (%s) was not written", job_id, status.value)
+            except Exception:  # noqa: BLE001 - the ledger unreachable: the lease takes it from here
+                log.exception("job %s: its outcome (%s) was not written", job_id, status.value)
+                break
+        return False
 
     def take_over_expired(self, rerun: bool) -> dict[str, JobStatus]:
         """Queue again once (or fail, or end as cancelled) each running job whose lease ran out:

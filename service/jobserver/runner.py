@@ -53,7 +53,6 @@ from .job_leases import JobLeases, replica_id
 from .job_work import Event, JobLabel
 from .job_inputs import job_request
 from .jobs import JobRecord, JobSpec, JobStatus
-from .problems import problem_of
 from .ledger import Ledger
 from .metrics import ServiceMetrics
 from .problems import problem_of
@@ -288,31 +287,27 @@ class JobRunner:
             return sorted(heads, key=lambda job: self._served.get(job.tenant, 0))  # stable: ties stay oldest first
 
     def _execute(self, job: JobRecord, spec: JobSpec, entry: _Running) -> None:
-        """Run one job to a terminal status (or back to the queue on shutdown)."""
+        """Run one job to a terminal status (or back to the queue on shutdown). Nothing here
+        raises past the thread: an outcome the ledger cannot take is logged, and the job's
+        lease, no longer renewed, runs out and queues it again (docs/storage.md)."""
         started = time.monotonic()
         workdir = Path(self.settings.data_dir) / "work" / job.id
         final = JobStatus.failed
         try:
             artifacts, report = self._run(job, spec, entry.cancel, workdir)
             final = JobStatus.succeeded
-            self.leases.finish(job.id, final, artifacts=artifacts, report=report)
+            self.leases.finish_making_room(job.id, final, workdir, artifacts=artifacts, report=report)
         except CancelledError as exc:
-            if entry.lost:
-                final = JobStatus.queued  # the replica that took it over runs it and writes its outcome
-            elif entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
-                self.ledger.requeue(job.id)
-                final = JobStatus.queued
-            else:
-                final = JobStatus.cancelled
-                self.leases.finish(job.id, final, error=problem_of(exc))
+            final = self._after_cancel(job, entry, exc, workdir)
         except BnrecalError as exc:
-            self.leases.finish(job.id, final, error=problem_of(self._disk_full(exc, workdir) or exc, spec))
+            problem = problem_of(self._disk_full(exc, workdir) or exc, spec)
+            self.leases.finish_making_room(job.id, final, workdir, error=problem)
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
             full = self._disk_full(exc, workdir)
             if full is None:
                 log.exception("job %s failed unexpectedly", job.id)
             error = full or BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
-            self.leases.finish(job.id, final, error=problem_of(error))
+            self.leases.finish_making_room(job.id, final, workdir, error=problem_of(error))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
@@ -321,6 +316,21 @@ class JobRunner:
                 self.metrics.job_seconds.labels(status=final.value).observe(time.monotonic() - started)
             self.feed.publish(job.id)
             self.wake()
+
+    def _after_cancel(self, job: JobRecord, entry: _Running, exc: CancelledError, workdir: Path) -> JobStatus:
+        """The status a stopped job ends in: queued again when this replica shut down or lost
+        its lease, else cancelled."""
+        if entry.lost:
+            return JobStatus.queued  # the replica that took it over runs it and writes its outcome
+        try:
+            if entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
+                self.ledger.requeue(job.id)
+                return JobStatus.queued
+        except Exception:  # noqa: BLE001 - the lease runs out and queues it again
+            log.exception("job %s: could not queue it again on shutdown", job.id)
+            return JobStatus.queued
+        self.leases.finish_making_room(job.id, JobStatus.cancelled, workdir, error=problem_of(exc))
+        return JobStatus.cancelled
 
     def _run(
         self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path
@@ -366,14 +376,23 @@ class JobRunner:
             now = time.monotonic()
             if done >= total or phase != state["phase"] or now - state["written"] >= PROGRESS_INTERVAL_S:
                 state["written"], state["phase"] = now, phase
-                self.ledger.set_progress(job_id, done, total, phase)
+                try:
+                    self.ledger.set_progress(job_id, done, total, phase)
+                except InsufficientStorageError:  # the job goes on: its outcome says what did not fit
+                    log.warning("job %s: the disk is full; its progress was not written", job_id)
+                    return
                 self.feed.publish(job_id)
 
         return on_progress
 
     def _enter_phase(self, job_id: str, phase: str) -> None:
-        """Tell the ledger and the job's listeners that the job moved on to ``phase``."""
-        self.ledger.set_phase(job_id, phase)
+        """Tell the ledger and the job's listeners that the job moved on to ``phase`` (on a
+        full disk the job goes on without it: its outcome says what did not fit)."""
+        try:
+            self.ledger.set_phase(job_id, phase)
+        except InsufficientStorageError:
+            log.warning("job %s: the disk is full; its phase %r was not written", job_id, phase)
+            return
         self.feed.publish(job_id)
 
     @staticmethod
@@ -389,4 +408,5 @@ class JobRunner:
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
         info: BlobInfo = self.blobs.adopt(job.tenant, file)
         return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
+
 

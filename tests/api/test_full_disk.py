@@ -19,7 +19,11 @@ from tests.conftest import save_state
 from tests.disks import mounted_tmpfs
 from tests.nets import mixed_net, perturbed
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [
+    pytest.mark.usefixtures("ray_cluster"),
+    # a job thread that raises past its handler (an outcome the full ledger refused) fails the test
+    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
+]
 
 DISK_BYTES = 64 * 2**20
 WIDE = 40_000  # channels of mixed_net: a checkpoint of about 10 MB

@@ -1,7 +1,8 @@
 """A full disk told apart from other failures, on a real full file system (a small tmpfs,
 mounted here; skipped where mounting is not permitted): the SQLite ledger's "database or disk
-is full" and torch's "file write failed" both become the 507 naming the resource, and a
-ledger write that does not fit loses nothing stored before."""
+is full" and torch's "file write failed" both become the 507 naming the resource, a
+ledger write that does not fit loses nothing stored before, and a job that filled the disk
+with its own work dir still gets its outcome written."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from bnrecal.service.jobserver.disk import check_reserve, disk_full_error, free_bytes
+from bnrecal.service.jobserver.job_leases import JobLeases, replica_id
+from bnrecal.service.jobserver.jobs import JobStatus
 from bnrecal.service.jobserver.problems import http_status
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.errors import InsufficientStorageError
@@ -81,3 +84,48 @@ def test_the_reserve_refuses_new_work_naming_the_setting(tmp_path):
     check_reserve(tmp_path, 1)
     with pytest.raises(InsufficientStorageError, match="BNRECAL_MIN_FREE_BYTES"):
         check_reserve(tmp_path, shutil.disk_usage(tmp_path).free + 2**30)
+
+
+def exhaust_the_ledger(ledger: Ledger) -> None:
+    """Write small jobs until even those no longer fit (the WAL has no page left to reuse)."""
+    with pytest.raises(InsufficientStorageError):
+        for _ in range(10_000):
+            ledger.create("alice", spec(10), None, None)
+
+
+def test_a_job_that_filled_the_disk_with_its_work_dir_still_ends_with_its_507(small_disk):
+    ledger = Ledger(sqlite_url(small_disk))
+    try:
+        leases = JobLeases(ledger, replica_id(), lease_s=30.0)
+        job, _ = ledger.create("alice", spec(10), None, None)
+        assert leases.claim(job.id) is not None
+        workdir = small_disk / "work" / job.id
+        workdir.mkdir(parents=True)
+        fill(workdir)  # the job's own files took the last byte
+        exhaust_the_ledger(ledger)
+        problem = {"status": 507, "detail": "the server's disk is full (the job's work dir)"}
+        with pytest.raises(InsufficientStorageError):  # as it stands, the outcome does not fit
+            leases.finish(job.id, JobStatus.failed, error=problem)
+
+        assert leases.finish_making_room(job.id, JobStatus.failed, workdir, error=problem)
+        assert not workdir.exists()
+        ended = ledger.get_any(job.id)
+        assert ended.status is JobStatus.failed and ended.error == problem
+    finally:
+        ledger.close()
+
+
+def test_an_outcome_that_cannot_be_written_is_logged_not_raised(small_disk, caplog):
+    ledger = Ledger(sqlite_url(small_disk))
+    try:
+        leases = JobLeases(ledger, replica_id(), lease_s=30.0)
+        job, _ = ledger.create("alice", spec(10), None, None)
+        assert leases.claim(job.id) is not None
+        fill(small_disk)  # not the job's: removing its work dir frees nothing
+        exhaust_the_ledger(ledger)
+
+        assert not leases.finish_making_room(job.id, JobStatus.failed, small_disk / "work" / job.id, error={})
+        assert "its outcome (failed) was not written" in caplog.text
+        assert ledger.get_any(job.id).status is JobStatus.running  # left to its lease, which runs out
+    finally:
+        ledger.close()
