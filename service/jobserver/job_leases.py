@@ -98,15 +98,15 @@ class JobLeases:
         )
 
     def finish_making_room(self, job_id: str, status: JobStatus, workdir: Path, **outcome: Any) -> bool:
-        """Write a job's outcome as :meth:`finish` does, never raising; True once written. On a
-        full disk the job's work dir (what the job itself wrote) is removed to make room and the
-        write tried once more, so a job that filled the disk still ends with its 507. An outcome
-        that still cannot be written is logged: the lease, no longer renewed, runs out and the
-        job is taken over like a dead replica's."""
+        """Write a job's outcome as :meth:`finish` does, never raising; whether it was written
+        (not where the lease is no longer this replica's). On a full disk the job's work dir
+        (what the job itself wrote) is removed to make room and the write tried once more, so a
+        job that filled the disk still ends with its 507. An outcome that still cannot be
+        written is logged: the lease, no longer renewed, runs out and the job is taken over
+        like a dead replica's."""
         for attempt in range(2):
             try:
-                self.finish(job_id, status, **outcome)
-                return True
+                return self.finish(job_id, status, **outcome)
             except InsufficientStorageError:
                 if attempt == 0:
                     shutil.rmtree(workdir, ignore_errors=True)

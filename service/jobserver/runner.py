@@ -295,19 +295,18 @@ class JobRunner:
         final = JobStatus.failed
         try:
             artifacts, report = self._run(job, spec, entry.cancel, workdir)
-            final = JobStatus.succeeded
-            self.leases.finish_making_room(job.id, final, workdir, artifacts=artifacts, report=report)
+            final = self._end(job.id, JobStatus.succeeded, workdir, artifacts=artifacts, report=report)
         except CancelledError as exc:
             final = self._after_cancel(job, entry, exc, workdir)
         except BnrecalError as exc:
             problem = problem_of(self._disk_full(exc, workdir) or exc, spec)
-            self.leases.finish_making_room(job.id, final, workdir, error=problem)
+            final = self._end(job.id, JobStatus.failed, workdir, error=problem)
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
             full = self._disk_full(exc, workdir)
             if full is None:
                 log.exception("job %s failed unexpectedly", job.id)
             error = full or BnrecalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
-            self.leases.finish_making_room(job.id, final, workdir, error=problem_of(error))
+            final = self._end(job.id, JobStatus.failed, workdir, error=problem_of(error))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
@@ -329,8 +328,12 @@ class JobRunner:
         except Exception:  # noqa: BLE001 - the lease runs out and queues it again
             log.exception("job %s: could not queue it again on shutdown", job.id)
             return JobStatus.queued
-        self.leases.finish_making_room(job.id, JobStatus.cancelled, workdir, error=problem_of(exc))
-        return JobStatus.cancelled
+        return self._end(job.id, JobStatus.cancelled, workdir, error=problem_of(exc))
+
+    def _end(self, job_id: str, status: JobStatus, workdir: Path, **outcome: Any) -> JobStatus:
+        """Write the job's outcome; ``status`` once written, else ``queued``: the job is left to
+        its lease, which runs out and queues it again (or fails it)."""
+        return status if self.leases.finish_making_room(job_id, status, workdir, **outcome) else JobStatus.queued
 
     def _run(
         self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path

@@ -61,7 +61,7 @@ def test_a_renewal_keeps_the_lease_and_carries_a_cancel_sent_to_another_replica(
     assert not a.renew(job.id).held and a.ledger.get_any(job.id).status is JobStatus.cancelled
 
 
-def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas):
+def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas, tmp_path):
     a, b = replicas
     a.lease_s = 0.5
     job, _ = a.ledger.create("alice", SPEC)
@@ -78,6 +78,7 @@ def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas):
     assert b.take_over_expired(rerun=True) == {}  # claimed again: a live lease
     assert not a.renew(job.id).held  # replica a, if it only paused, learns it lost the job ...
     assert not a.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "stale"}})  # ... and writes nothing
+    assert not a.finish_making_room(job.id, JobStatus.failed, tmp_path / "work", error={})  # told, not raised
     assert b.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"ok": True})
     done = b.ledger.get_any(job.id)
     assert done.status is JobStatus.succeeded and done.artifacts == {"report": {"digest": "d"}}
