@@ -8,8 +8,12 @@ calibrator's (docs/int8.md, "How the ranges are gathered"). This bench shows wha
 costs and why it is kept: for a torchvision resnet18 (random weights) at 224, the same
 augmented model is run at each level over the same random batches (one intra-op thread, as
 a rank runs it; the first pass warms up) and each level's per-tensor minimum and maximum
-are compared with the disabled level's, bit for bit. The last two rows run the model alone
-(no tensor an output), with optimizations off and on.
+are compared with the disabled level's, bit for bit. Two more rows keep optimizations off and
+gather the same ranges otherwise: as a rank does (``workers/ranks/onnx_pieces.py``: the
+outputs bound to buffers reused from run to run, each reduced with one ``torch.aminmax``), and
+as onnxruntime's ``MinMaxCalibrater`` augments the graph (a ``ReduceMin`` and a ``ReduceMax``
+node per tensor, only their results returned). The last two rows run the model alone (no
+tensor an output), with optimizations off and on.
 
     .venv/bin/python bench/range_session.py [--samples 32] [--batch 8]
 """
@@ -30,7 +34,9 @@ from bnrecal.service.export import export_folded_onnx
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare
 from bnrecal.service.run.int8 import range_request
-from bnrecal.workers.ranks.onnx_pass import with_outputs
+from bnrecal.workers.engine.ranges import MinMaxAccumulator
+from bnrecal.workers.ranks.onnx_pass import calibration_session, with_outputs
+from bnrecal.workers.ranks.onnx_pieces import PieceRunner
 
 LEVELS = {
     "disabled (the calibrator's)": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -58,6 +64,42 @@ def ranges_at(model: bytes, level: ort.GraphOptimizationLevel, batches: list[np.
     return 1000.0 * seconds / sum(len(batch) for batch in batches), ranges
 
 
+def ranges_bound(model: bytes, tensors: tuple[str, ...], batches: list[np.ndarray]) -> tuple[float, dict]:
+    """Milliseconds a sample, and each tensor's (min, max), as a rank gathers them: outputs
+    bound to reused buffers, in pieces, each reduced by the rank's accumulator."""
+    session = calibration_session(with_outputs(model, tensors), threads=1)
+    runner, ranges = PieceRunner(session, tensors), MinMaxAccumulator(tensors)
+
+    def one_read() -> None:
+        for batch in batches:
+            for outputs in runner.pieces(batch):
+                for index, values in enumerate(outputs):
+                    ranges.add(index, values)
+
+    one_read()  # warm-up (the same values again: the min and max do not change)
+    started = time.perf_counter()
+    one_read()
+    seconds = time.perf_counter() - started
+    found = {name: (ranges.low[i], ranges.high[i]) for i, name in enumerate(tensors)}
+    return 1000.0 * seconds / sum(len(batch) for batch in batches), found
+
+
+def with_reductions(model_bytes: bytes, tensors: tuple[str, ...]) -> tuple[bytes, dict[str, tuple[str, str]]]:
+    """The model as onnxruntime's ``MinMaxCalibrater`` augments it: a ``ReduceMin`` and a
+    ``ReduceMax`` (over every axis) of each tensor as the graph's outputs; their names by tensor."""
+    import onnx
+
+    model = onnx.load_from_string(model_bytes)
+    del model.graph.output[:]
+    names = {}
+    for tensor in tensors:
+        names[tensor] = (f"{tensor}_ReduceMin", f"{tensor}_ReduceMax")
+        for op, out in zip(("ReduceMin", "ReduceMax"), names[tensor]):
+            model.graph.node.append(onnx.helper.make_node(op, [tensor], [out], keepdims=1))
+            model.graph.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+    return model.SerializeToString(), names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=32)
@@ -81,6 +123,14 @@ def main() -> None:
     for label, (ms, ranges) in measured.items():
         differing = sum(ranges[name] != exact[name] for name in tensors)
         print(f"| {label} | {ms:.1f} | {differing} of {len(tensors)} |")
+    ms, ranges = ranges_bound(prepared.model, tensors, batches)
+    differing = sum((float(ranges[n][0]), float(ranges[n][1])) != tuple(map(float, exact[n])) for n in tensors)
+    print(f"| disabled, outputs bound and reduced as a rank does | {ms:.1f} | {differing} of {len(tensors)} |")
+    reduced, names = with_reductions(prepared.model, tensors)
+    ms, ranges = ranges_at(reduced, LEVELS["disabled (the calibrator's)"], batches)
+    differing = sum((ranges[names[n][0]][0], ranges[names[n][1]][1]) != exact[n] for n in tensors)
+    print(f"| disabled, ReduceMin/ReduceMax in the graph (the calibrator's augmentation) | {ms:.1f} | "
+          f"{differing} of {len(tensors)} |")
     for label in ("disabled (the calibrator's)", "all"):  # what the outputs cost, and what the level does
         plain_ms, _ = ranges_at(prepared.model, LEVELS[label], batches)
         print(f"| {label}, the model alone (no tensor an output, as a pass that only scores) | {plain_ms:.1f} | |")
