@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -61,6 +62,9 @@ HOST_START_TIMEOUT_S = 120.0
 
 RAY_SHUTDOWN_S = 1.5
 """Longest a stopping server waits on Ray's shutdown when the cluster does not answer."""
+
+POOL_CLOSE_S = 15.0
+"""Longest a stopping server waits for its warm pool to close (the job host's own limit is 10 s)."""
 
 LOST_CLUSTER_EXIT_S = 5.0
 """After its embedded Ray instance died, how long the server still answers (503s, reads)
@@ -146,6 +150,28 @@ class Services:
 
     def _reachable(self) -> bool:
         return self.health is None or self.health.state().reachable
+
+    def _close_pool(self) -> bool:
+        """Close the warm pool in a thread of its own, waiting no longer once the cluster stops
+        answering the health probe (a SIGTERM sent to the whole process group ends the embedded
+        GCS as this server stops, and a Ray call then blocks for a minute), nor past
+        ``POOL_CLOSE_S``; whether it closed."""
+        assert self.pool is not None
+        done = threading.Event()
+
+        def close() -> None:
+            try:
+                self.pool.close()  # type: ignore[union-attr]
+            finally:
+                done.set()
+
+        threading.Thread(target=close, name="bnrecal-pool-close", daemon=True).start()
+        deadline = time.monotonic() + POOL_CLOSE_S
+        while not done.wait(0.1):
+            if not self._reachable() or time.monotonic() > deadline:
+                log.warning("the warm pool was not closed: the Ray cluster stopped answering")
+                return False
+        return True
 
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
@@ -279,8 +305,6 @@ class Services:
         nothing waits on a Ray call, and an embedded instance is stopped outright, its agents
         and workers with it. If Ray's own shutdown still hangs, the process ends without it."""
         reachable = self._reachable()
-        if self.health is not None:
-            self.health.stop()
         if self.collector is not None:
             self.collector.stop(2.0)
         if self.scrubber is not None:
@@ -289,7 +313,9 @@ class Services:
             self.watcher.stop()
         self.runner.stop(self._stop_timeout())
         if self.pool is not None and reachable:  # after the runner: no job runs there any more
-            self.pool.close()
+            reachable = self._close_pool()
+        if self.health is not None:
+            self.health.stop()
         self.ledger.close()
         if not ray.is_initialized() or not self.started_ray:
             return  # a cluster this server joined is not its to stop (nor is its host process to end)

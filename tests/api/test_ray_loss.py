@@ -2,10 +2,13 @@
 throwaway embedded Ray of its own (never the test session's), whose GCS process is killed
 while a job runs. ``/readyz`` is 503 within 2 s, a submission is 503 with ``Retry-After`` at
 once, the running job fails naming the cause, SIGTERM stops the server within 5 s, and no
-process of its Ray outlives it."""
+process of its Ray outlives it. And SIGTERM sent to the server's whole process group at once
+(``timeout``, a process supervisor killing the group), so its Ray dies as it stops, still
+stops it within seconds: it does not wait out Ray's minute on a GCS that is gone."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -73,3 +76,17 @@ def test_a_killed_gcs_is_503_at_once_fails_the_running_job_and_sigterm_stops_eve
     assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []  # nothing of its Ray outlives it
     log = (tmp_path / "server.log").read_text()
     assert "embedded Ray instance's GCS process exited" in log
+
+
+def test_sigterm_to_the_whole_process_group_stops_the_server_within_seconds(servers, tmp_path):  # noqa: F811
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    servers.append(server)
+    processes = ray_processes(server.process.pid)
+    assert any(p.name() == "gcs_server" for p in processes)
+
+    os.killpg(server.process.pid, signal.SIGTERM)  # the server and its embedded Ray, at the same moment
+    stopping = time.monotonic()
+    server.process.wait(15)  # TimeoutExpired: it waited on the dead GCS (Ray's own limit is 60 s)
+    assert time.monotonic() - stopping < 15.0
+    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
+    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
