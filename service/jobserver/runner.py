@@ -411,5 +411,3 @@ class JobRunner:
     def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
         info: BlobInfo = self.blobs.adopt(job.tenant, file)
         return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
-
-

@@ -152,26 +152,14 @@ class Services:
         return self.health is None or self.health.state().reachable
 
     def _close_pool(self) -> bool:
-        """Close the warm pool in a thread of its own, waiting no longer once the cluster stops
-        answering the health probe (a SIGTERM sent to the whole process group ends the embedded
-        GCS as this server stops, and a Ray call then blocks for a minute), nor past
-        ``POOL_CLOSE_S``; whether it closed."""
+        """Close the warm pool, waiting no longer once the cluster stops answering the health
+        probe (a SIGTERM sent to the whole process group ends the embedded GCS as this server
+        stops, and a Ray call then blocks for a minute), nor past ``POOL_CLOSE_S``; whether it closed."""
         assert self.pool is not None
-        done = threading.Event()
-
-        def close() -> None:
-            try:
-                self.pool.close()  # type: ignore[union-attr]
-            finally:
-                done.set()
-
-        threading.Thread(target=close, name="bnrecal-pool-close", daemon=True).start()
-        deadline = time.monotonic() + POOL_CLOSE_S
-        while not done.wait(0.1):
-            if not self._reachable() or time.monotonic() > deadline:
-                log.warning("the warm pool was not closed: the Ray cluster stopped answering")
-                return False
-        return True
+        closed = returned_within(self.pool.close, POOL_CLOSE_S, "bnrecal-pool-close", lambda: not self._reachable())
+        if not closed:
+            log.warning("the warm pool was not closed: the Ray cluster stopped answering")
+        return closed
 
     async def upload(
         self, tenant: str, chunks: AsyncIterator[bytes], declared_size: int | None, filename: str | None = None
@@ -333,19 +321,34 @@ class Services:
 
 def shutdown_within(timeout_s: float) -> bool:
     """``ray.shutdown`` in a thread of its own; whether it returned within ``timeout_s``."""
-    done = threading.Event()
 
     def shutdown() -> None:
-        try:
-            from ray._private import auto_init_hook
+        from ray._private import auto_init_hook
 
-            auto_init_hook.enable_auto_connect = False  # a job thread's late call must not reconnect
-            ray.shutdown()
+        auto_init_hook.enable_auto_connect = False  # a job thread's late call must not reconnect
+        ray.shutdown()
+
+    return returned_within(shutdown, timeout_s, "bnrecal-ray-shutdown")
+
+
+def returned_within(call: Callable[[], Any], timeout_s: float, name: str,
+                    give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Run ``call`` in a daemon thread; whether it returned within ``timeout_s`` (checking
+    ``give_up`` every 0.1 s meanwhile). A Ray call on a dead cluster is left to block there."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
         finally:
             done.set()
 
-    threading.Thread(target=shutdown, name="bnrecal-ray-shutdown", daemon=True).start()
-    return done.wait(timeout_s)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+        if give_up() or time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def _exit_now(code: int) -> None:
