@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -54,23 +55,31 @@ def _server_signal_handlers_kept() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+def _hand_over(handler: Any, sig: int) -> None:
+    """Pass ``sig`` to the handler that was there before ours (the server's); without one,
+    end the process as the signal would have."""
+    if callable(handler):
+        handler(sig, None)
+    else:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+
 @contextmanager
 def _drain_on_sigterm(services: Services) -> Iterator[None]:
     """Make SIGTERM a gentle shutdown: new uploads and jobs get 503 at once, running jobs
     get ``BNRECAL_SHUTDOWN_GRACE_S`` to finish, then the server's own handler stops it
     (running jobs that are left go back to the queue). A second SIGTERM, or SIGINT, stops
-    at once. Only where signals can be handled (the main thread)."""
+    at once (SIGINT too refuses new work from then on). Only where signals can be handled
+    (the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     server_handler = signal.getsignal(signal.SIGTERM)
+    interrupt_handler = signal.getsignal(signal.SIGINT)
 
     def stop_server(sig: int) -> None:
-        if callable(server_handler):
-            server_handler(sig, None)
-        else:  # no server handler to hand over to: terminate as SIGTERM would have
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
+        _hand_over(server_handler, sig)
 
     def drain_then_stop(sig: int) -> None:
         try:
@@ -85,12 +94,19 @@ def _drain_on_sigterm(services: Services) -> Iterator[None]:
         services.draining.set()  # before this handler returns: the next request already gets 503
         threading.Thread(target=drain_then_stop, args=(sig,), name="bnrecal-drain", daemon=True).start()
 
+    def on_sigint(sig: int, frame: FrameType | None) -> None:
+        services.draining.set()  # stopping at once: new work gets 503, and a Ray lost with it requeues its jobs
+        _hand_over(interrupt_handler, sig)
+
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
     finally:
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
             signal.signal(signal.SIGTERM, server_handler)
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, interrupt_handler)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

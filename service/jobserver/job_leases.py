@@ -97,6 +97,11 @@ class JobLeases:
             job_id, {JobStatus.running}, JobRow.lease_owner == self.owner, status=status.value, **values
         )
 
+    def requeue(self, job_id: str) -> bool:
+        """Put a running job back in the queue, its attempt not counted (this replica stops), if
+        this replica still holds its lease."""
+        return self.ledger.requeue(job_id, JobRow.lease_owner == self.owner)
+
     def finish_making_room(self, job_id: str, status: JobStatus, workdir: Path, **outcome: Any) -> bool:
         """Write a job's outcome as :meth:`finish` does, never raising; whether it was written
         (not where the lease is no longer this replica's). On a full disk the job's work dir

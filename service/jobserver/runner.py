@@ -25,6 +25,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,6 @@ from bnrecal.errors import (
     RunError,
 )
 
-from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
 from ..settings import Settings
@@ -50,7 +50,8 @@ from .disk import check_reserve, disk_full_error
 from .events import ChangeFeed
 from .job_host import JobHostClient
 from .job_leases import JobLeases, replica_id
-from .job_work import Event, JobLabel
+from .job_progress import JobProgress
+from .job_work import JobLabel
 from .job_inputs import job_request
 from .jobs import JobRecord, JobSpec, JobStatus
 from .ledger import Ledger
@@ -58,9 +59,6 @@ from .metrics import ServiceMetrics
 from .problems import problem_of
 
 log = logging.getLogger("bnrecal.runner")
-
-PROGRESS_INTERVAL_S = 0.25  # at most this often a job's progress is written to the ledger
-
 
 @dataclass
 class _Running:
@@ -129,17 +127,21 @@ class JobRunner:
         with self._lock:
             return [job_id for job_id, entry in self._running.items() if not entry.lost]
 
-    def drain(self, grace_s: float) -> list[str]:
+    def drain(self, grace_s: float, give_up: Callable[[], bool] = lambda: False) -> list[str]:
         """Start no more jobs and give the running ones up to ``grace_s`` seconds to finish,
-        so a shutdown interrupts as little work as it can; returns the ids still running."""
+        so a shutdown interrupts as little work as it can, no longer once ``give_up()`` (the
+        cluster stopped answering: nothing can finish); returns the ids still running."""
         deadline = time.monotonic() + grace_s
         self._draining.set()
-        while self.running_jobs() and time.monotonic() < deadline:
+        while self.running_jobs() and time.monotonic() < deadline and not give_up():
             time.sleep(0.1)
         return self.running_jobs()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop starting jobs and interrupt the running ones, which go back to the queue."""
+    def stop(self, timeout: float = 30.0, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Stop starting jobs and interrupt the running ones, which go back to the queue. Their
+        threads get up to ``timeout`` seconds, none once ``give_up()`` (a cluster that no longer
+        answers leaves them in a Ray call that never returns): the jobs of threads still
+        running then are queued again from here (``requeue_running``)."""
         deadline = time.monotonic() + timeout
         self._stopping.set()
         self._wakeup.set()
@@ -151,32 +153,49 @@ class JobRunner:
             entry.shutdown = True
             entry.cancel.set()
         for entry in entries:
-            if entry.thread is not None:
-                entry.thread.join(max(0.0, deadline - time.monotonic()))
+            while entry.thread is not None and entry.thread.is_alive() and time.monotonic() < deadline and not give_up():
+                entry.thread.join(0.1)
+        self.requeue_running()
 
     def fail_running(self, reason: str) -> list[str]:
-        """Fail every running job with ``reason`` (the cluster they ran on is gone for good):
-        written here at once, since their threads may be stuck in a Ray call that never
-        returns; whatever those threads do later is not written (as for a job taken over).
-        The ids failed."""
-        with self._lock:
-            running = list(self._running.items())
-        failed = []
-        for job_id, entry in running:
-            entry.lost = True
-            entry.cancel.set()
-            problem = problem_of(RunError(f"the job could not go on: {reason}; submit it again"))
-            try:
-                self.leases.finish(job_id, JobStatus.failed, error=problem)
-            except Exception:  # noqa: BLE001 - the others still get theirs
-                log.exception("could not mark job %s failed", job_id)
-                continue
+        """Fail every running job with ``reason`` (the cluster they ran on is gone for good).
+        The ids failed (``_end_running``)."""
+        problem = problem_of(RunError(f"the job could not go on: {reason}; submit it again"))
+        failed = self._end_running(lambda job_id: self.leases.finish(job_id, JobStatus.failed, error=problem))
+        for _ in failed:
             self.metrics.job_seconds.labels(status=JobStatus.failed.value).observe(0.0)
-            self.feed.publish(job_id)
-            failed.append(job_id)
         if failed:
             log.error("%d running job(s) failed: %s: %s", len(failed), reason, ", ".join(failed))
         return failed
+
+    def requeue_running(self) -> list[str]:
+        """Put every job still running here back in the queue, its attempt not counted (this
+        server stops, and the cluster went with it, or its jobs' threads did not end in time):
+        they run again after the restart. The ids queued again (``_end_running``)."""
+        queued = self._end_running(self.leases.requeue)
+        if queued:
+            log.warning("%d running job(s) go back to the queue: %s", len(queued), ", ".join(queued))
+        return queued
+
+    def _end_running(self, write: Callable[[str], bool]) -> list[str]:
+        """End every running job by ``write(job_id)`` from this thread, at once: their own threads
+        may be stuck in a Ray call that never returns, and whatever they do later is not written
+        (as for a job taken over). The ids written."""
+        with self._lock:
+            running = [(job_id, entry) for job_id, entry in self._running.items() if not entry.lost]
+        written = []
+        for job_id, entry in running:
+            entry.lost = True
+            entry.cancel.set()
+            try:
+                if not write(job_id):
+                    continue  # ended meanwhile, or no longer this replica's
+            except Exception:  # noqa: BLE001 - the others still get theirs; the lease takes it from here
+                log.exception("could not write the outcome of job %s", job_id)
+                continue
+            self.feed.publish(job_id)
+            written.append(job_id)
+        return written
 
     def job_resources(self, spec: JobSpec) -> tuple[float, float]:
         """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
@@ -323,7 +342,7 @@ class JobRunner:
             return JobStatus.queued  # the replica that took it over runs it and writes its outcome
         try:
             if entry.shutdown and not self.ledger.get_any(job.id).cancel_requested:
-                self.ledger.requeue(job.id)
+                self.leases.requeue(job.id)
                 return JobStatus.queued
         except Exception:  # noqa: BLE001 - the lease runs out and queues it again
             log.exception("job %s: could not queue it again on shutdown", job.id)
@@ -344,59 +363,18 @@ class JobRunner:
             raise CancelledError("the job was cancelled")
         check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # refused before it runs
         request, settings = self._request(job, spec)
-        on_progress = self._progress_writer(job.id)
-
-        def on_events(events: list[Event]) -> None:
-            for done, total, phase in events:
-                if done is None or total is None:
-                    self._enter_phase(job.id, phase)
-                else:
-                    on_progress(done, total, phase)
-
+        progress = JobProgress(job.id, self.ledger, self.feed, self.metrics)
         label = JobLabel(job.id, job.created_at, {  # the report names its job
             field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
             for field, digest in job.input_digests().items()
         })
-        made = self.host.run(job.id, request, settings, spec, workdir, cancel, on_events, label)
+        made = self.host.run(job.id, request, settings, spec, workdir, cancel, progress.on_events, label)
         artifacts = {name: self._store(job, file, media_type) for name, (file, media_type) in made.files.items()}
         return artifacts, made.report
 
     def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
         """The engine's request (its input blobs hashed first) and settings."""
         return job_request(job, spec, self.blobs, self.settings), self.settings
-
-    def _progress_writer(self, job_id: str) -> Any:
-        """The ``on_progress`` callback: metrics at once, the ledger and streams a few times a second."""
-        state: dict[str, Any] = {"done": 0, "written": 0.0, "phase": None}
-
-        def on_progress(done: int, total: int, phase: str) -> None:
-            if state["phase"] is None and phase == STARTING_PHASE:
-                state["phase"] = phase  # the ledger entered it as the job started: one event per phase
-                return
-            if phase == "calibrating":
-                self.metrics.samples_processed.inc(max(0, done - state["done"]))
-                state["done"] = done
-            now = time.monotonic()
-            if done >= total or phase != state["phase"] or now - state["written"] >= PROGRESS_INTERVAL_S:
-                state["written"], state["phase"] = now, phase
-                try:
-                    self.ledger.set_progress(job_id, done, total, phase)
-                except InsufficientStorageError:  # the job goes on: its outcome says what did not fit
-                    log.warning("job %s: the disk is full; its progress was not written", job_id)
-                    return
-                self.feed.publish(job_id)
-
-        return on_progress
-
-    def _enter_phase(self, job_id: str, phase: str) -> None:
-        """Tell the ledger and the job's listeners that the job moved on to ``phase`` (on a
-        full disk the job goes on without it: its outcome says what did not fit)."""
-        try:
-            self.ledger.set_phase(job_id, phase)
-        except InsufficientStorageError:
-            log.warning("job %s: the disk is full; its phase %r was not written", job_id, phase)
-            return
-        self.feed.publish(job_id)
 
     @staticmethod
     def _disk_full(exc: BaseException, workdir: Path) -> InsufficientStorageError | None:

@@ -66,6 +66,9 @@ RAY_SHUTDOWN_S = 1.5
 POOL_CLOSE_S = 15.0
 """Longest a stopping server waits for its warm pool to close (the job host's own limit is 10 s)."""
 
+RUNNER_STOP_S = 30.0
+"""Longest a stopping server waits for its interrupted jobs' threads while the cluster answers."""
+
 LOST_CLUSTER_EXIT_S = 5.0
 """After its embedded Ray instance died, how long the server still answers (503s, reads)
 before it stops itself."""
@@ -125,38 +128,47 @@ class Services:
         running = self.runner.running_jobs()
         if running:
             log.warning("shutting down: waiting up to %g s for %d running job(s)", grace, len(running))
-        left = self.runner.drain(grace)
+        left = self.runner.drain(grace, self._unreachable)
         if left:
             log.warning("shutdown grace of %g s is over: %d job(s) go back to the queue: %s (BNRECAL_SHUTDOWN_GRACE_S)",
                         grace, len(left), ", ".join(left))
-        self.runner.stop(self._stop_timeout())
+        self._stop_runner()
         self.feed.close()
         return left
 
     def cluster_lost(self, reason: str) -> None:
         """The embedded Ray instance died for good: fail the running jobs with the reason, then
         stop the server (SIGTERM to itself: new work is refused meanwhile, and the instance's
-        remaining processes are stopped with it), so that its supervisor starts it afresh."""
-        self.runner.fail_running(reason)
+        remaining processes are stopped with it), so that its supervisor starts it afresh. When
+        the server is stopping already, the instance went with it (a signal to the whole process
+        group): its running jobs go back to the queue, as a shutdown leaves them."""
+        if self.draining.is_set():
+            self.runner.requeue_running()
+        else:
+            self.runner.fail_running(reason)
         log.error("stopping the server in %g s: %s", LOST_CLUSTER_EXIT_S, reason)
         timer = threading.Timer(LOST_CLUSTER_EXIT_S, os.kill, args=(os.getpid(), signal.SIGTERM))
         timer.daemon = True
         timer.start()
 
-    def _stop_timeout(self) -> float:
-        """How long to wait for job threads: a while with a cluster that answers (they put their
-        jobs back), briefly without one (they may be stuck in a Ray call that never returns)."""
-        return 30.0 if self._reachable() else 0.25
+    def _stop_runner(self) -> None:
+        """Interrupt the running jobs (back to the queue), waiting for their threads a while with
+        a cluster that answers, not once it stops answering (they may be stuck in a Ray call
+        that never returns: the runner queues their jobs again itself)."""
+        self.runner.stop(RUNNER_STOP_S, self._unreachable)
 
     def _reachable(self) -> bool:
         return self.health is None or self.health.state().reachable
+
+    def _unreachable(self) -> bool:
+        return not self._reachable()
 
     def _close_pool(self) -> bool:
         """Close the warm pool, waiting no longer once the cluster stops answering the health
         probe (a SIGTERM sent to the whole process group ends the embedded GCS as this server
         stops, and a Ray call then blocks for a minute), nor past ``POOL_CLOSE_S``; whether it closed."""
         assert self.pool is not None
-        closed = returned_within(self.pool.close, POOL_CLOSE_S, "bnrecal-pool-close", lambda: not self._reachable())
+        closed = returned_within(self.pool.close, POOL_CLOSE_S, "bnrecal-pool-close", self._unreachable)
         if not closed:
             log.warning("the warm pool was not closed: the Ray cluster stopped answering")
         return closed
@@ -299,7 +311,7 @@ class Services:
             self.scrubber.stop(2.0)
         if self.watcher is not None:
             self.watcher.stop()
-        self.runner.stop(self._stop_timeout())
+        self._stop_runner()
         if self.pool is not None and reachable:  # after the runner: no job runs there any more
             reachable = self._close_pool()
         if self.health is not None:

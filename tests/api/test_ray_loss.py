@@ -90,3 +90,41 @@ def test_sigterm_to_the_whole_process_group_stops_the_server_within_seconds(serv
     assert time.monotonic() - stopping < 15.0
     gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
     assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["group-SIGTERM", "group-Ctrl-C"])
+def test_a_signal_to_the_whole_process_group_with_a_job_running_stops_the_server_within_seconds(
+    servers, tmp_path, signum,  # noqa: F811
+):
+    """Ctrl-C in the terminal of ``bnrecal serve`` (SIGINT to its group), or ``timeout`` (SIGTERM
+    to its group), while a job runs: its Ray dies as the server begins to stop, so neither the
+    drain's grace nor the job's interruption may wait on it. The job goes back to the queue."""
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_SHUTDOWN_GRACE_S": "30"})
+    servers.append(server)
+    client = server.client
+    samples = torch.randn(40, 4)
+    samples[9, 0] = MARKER  # the third step hangs: the job stays running
+    spec = {"arch": "tests.nets:marker_net", "model_kwargs": {"action": "hang"}, "batch_size": 4, "order": "given",
+            "checkpoint": upload(client, save_state(tmp_path / "h.pt", marker_net()).read_bytes()),
+            "data": upload(client, save_array(tmp_path / "h.npy", samples).read_bytes()), "workers": 1}
+    job = client.post("/v1/jobs", json=spec).json()
+    deadline = time.monotonic() + 120
+    while client.get(f"/v1/jobs/{job['id']}").json()["progress"]["samples_done"] == 0:
+        assert time.monotonic() < deadline, "the job never got going"
+        time.sleep(0.2)
+    processes = ray_processes(server.process.pid)
+
+    os.killpg(server.process.pid, signum)  # the server and its embedded Ray, at the same moment
+    stopping = time.monotonic()
+    server.process.wait(15)  # TimeoutExpired: it waited out the drain or the job on a dead Ray
+    assert time.monotonic() - stopping < 5.0
+    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
+    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
+    from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
+
+    ledger = Ledger(sqlite_url(tmp_path / "data"))
+    try:
+        left = ledger.get_any(job["id"])
+        assert left.status.value == "queued", left.status  # back in the queue, as a shutdown leaves a job
+    finally:
+        ledger.close()

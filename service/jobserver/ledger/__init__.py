@@ -331,10 +331,11 @@ class Ledger:
             return job
         raise ConflictError(f"job {job_id} already {job.status.value}; only queued or running jobs can be cancelled")
 
-    def requeue(self, job_id: str) -> bool:
-        """Put a running job back in the queue without counting its attempt (a clean shutdown)."""
+    def requeue(self, job_id: str, *conditions: Any) -> bool:
+        """Put a running job back in the queue without counting its attempt (a clean shutdown),
+        where it meets any further ``conditions`` (a replica's lease)."""
         return self._update(
-            job_id, {JobStatus.running},
+            job_id, {JobStatus.running}, *conditions,
             status=JobStatus.queued.value, started_at=None, attempts=JobRow.attempts - 1, samples_done=0,
             phases=None, lease_owner=None, lease_expires_at=None,
         )

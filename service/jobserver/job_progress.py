@@ -1,0 +1,71 @@
+"""A running job's progress and phases as the job host reports them, written to the ledger
+and told to the job's event streams: metrics at once, the ledger a few times a second. On a
+full disk the job goes on without what did not fit (its outcome says so, docs/storage.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bnrecal.errors import InsufficientStorageError
+
+from bnrecal.service.run.options import STARTING_PHASE
+
+from .events import ChangeFeed
+from .job_work import Event
+from .ledger import Ledger
+from .metrics import ServiceMetrics
+
+log = logging.getLogger("bnrecal.runner")
+
+PROGRESS_INTERVAL_S = 0.25  # at most this often a job's progress is written to the ledger
+
+
+class JobProgress:
+    """The progress writer of one running job."""
+
+    def __init__(self, job_id: str, ledger: Ledger, feed: ChangeFeed, metrics: ServiceMetrics) -> None:
+        self.job_id = job_id
+        self.ledger = ledger
+        self.feed = feed
+        self.metrics = metrics
+        self._done = 0
+        self._written = 0.0
+        self._phase: str | None = None
+
+    def on_events(self, events: list[Event]) -> None:
+        """The host's events since the last call: (done, total, phase), or (None, None, phase)
+        for a phase that counts no samples."""
+        for done, total, phase in events:
+            if done is None or total is None:
+                self.enter_phase(phase)
+            else:
+                self.progress(done, total, phase)
+
+    def progress(self, done: int, total: int, phase: str) -> None:
+        """Samples done of ``total`` in ``phase``: written at a phase's change, at its end, and
+        at most every ``PROGRESS_INTERVAL_S`` in between."""
+        if self._phase is None and phase == STARTING_PHASE:
+            self._phase = phase  # the ledger entered it as the job started: one event per phase
+            return
+        if phase == "calibrating":
+            self.metrics.samples_processed.inc(max(0, done - self._done))
+            self._done = done
+        now = time.monotonic()
+        if done >= total or phase != self._phase or now - self._written >= PROGRESS_INTERVAL_S:
+            self._written, self._phase = now, phase
+            try:
+                self.ledger.set_progress(self.job_id, done, total, phase)
+            except InsufficientStorageError:  # the job goes on: its outcome says what did not fit
+                log.warning("job %s: the disk is full; its progress was not written", self.job_id)
+                return
+            self.feed.publish(self.job_id)
+
+    def enter_phase(self, phase: str) -> None:
+        """Tell the ledger and the job's listeners that the job moved on to ``phase``."""
+        try:
+            self.ledger.set_phase(self.job_id, phase)
+        except InsufficientStorageError:
+            log.warning("job %s: the disk is full; its phase %r was not written", self.job_id, phase)
+            return
+        self.feed.publish(self.job_id)
