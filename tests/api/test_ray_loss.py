@@ -87,7 +87,7 @@ def test_sigterm_to_the_whole_process_group_stops_the_server_within_seconds(serv
     os.killpg(server.process.pid, signal.SIGTERM)  # the server and its embedded Ray, at the same moment
     stopping = time.monotonic()
     server.process.wait(15)  # TimeoutExpired: it waited on the dead GCS (Ray's own limit is 60 s)
-    assert time.monotonic() - stopping < 15.0
+    assert time.monotonic() - stopping < 5.0
     gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
     assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
 
