@@ -6,7 +6,8 @@ The photos are crops of the two sample images that ship with scikit-learn
 (``load_sample_images``), recoloured per crop and encoded as JPEG once (``tests/shards.py``):
 the three formats hold the very same bytes in the same order. Read passes run in turn
 (folder, tar, Parquet, folder, ...) in fresh processes (``python bench/shards.py --read
-FORMAT PATH``): each is timed from after its imports: it describes the data (the tar shards' index from
+FORMAT PATH``): each is timed from after its imports (the format's reader library too,
+pyarrow for Parquet, which a rank imports once, on first use: its import is printed apart): it describes the data (the tar shards' index from
 its cache after the first pass, as a second job would) and reads every sample in the seeded shuffled order with
 the ImageNet evaluation transform at 224, one rank, no DataLoader workers. The ratio
 format / folder is taken pass by pass, so a machine whose speed drifts moves both alike.
@@ -40,21 +41,29 @@ def read_pass(path: str) -> None:
     from bnrecal.workers.data import describe_dataset, iter_batches
     from bnrecal.workers.ranks.sharding import rank_ranges
 
+    importing = time.perf_counter()
+    if Path(path).name.startswith("parquet"):  # its reader too: a rank imports it once, on first use
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    imported = time.perf_counter() - importing
     started = time.perf_counter()
     spec = describe_dataset(Path(path) if "{" not in path else path, order="shuffled")
     with spec.open() as data:
         for _ in iter_batches(data, rank_ranges(spec.num_samples, 64, 1, 0)):
             pass
-    print(json.dumps({"seconds": time.perf_counter() - started, "samples": spec.num_samples}))
+    print(json.dumps({"seconds": time.perf_counter() - started, "samples": spec.num_samples, "import": imported}))
 
 
-def timed(path: Path | str) -> tuple[float, int]:
+def timed(path: Path | str) -> tuple[float, int, float]:
+    """One fresh pass: its seconds, the samples read, and the seconds its format's reader
+    library took to import (before the clock: pyarrow for Parquet)."""
     out = subprocess.run(
         [sys.executable, __file__, "--read", str(path)], check=True, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     ).stdout
     found = json.loads(out.strip().splitlines()[-1])
-    return found["seconds"], found["samples"]
+    return found["seconds"], found["samples"], found["import"]
 
 
 def write_formats(root: Path, count: int, size: int) -> dict[str, Path | str]:
@@ -121,19 +130,21 @@ def main() -> None:
               + ", ".join(f"{fmt} {sizes[fmt] / 2**20:.1f} MiB" for fmt in FORMATS)
               + f"; load average {os.getloadavg()[0]:.1f} at the start")
         times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+        imports: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
         for fmt in FORMATS:
             timed(sources[fmt])  # warm-up: page cache, the tar index built and cached
         for _ in range(args.rounds):  # --rounds 0: the calibrations only
             for fmt in FORMATS:
-                seconds, count = timed(sources[fmt])
+                seconds, count, imported = timed(sources[fmt])
                 times[fmt].append(seconds)
-        print("| format | pass (s, median) | images/s | pass / folder pass (min-max) |")
-        print("|---|---|---|---|")
+                imports[fmt].append(imported)
+        print("| format | pass (s, median) | images/s | pass / folder pass (min-max) | reader's import (s) |")
+        print("|---|---|---|---|---|")
         for fmt in FORMATS if args.rounds else ():
             ratios = [t / f for t, f in zip(times[fmt], times["folder"])]
             median = statistics.median(times[fmt])
             print(f"| {fmt} | {median:.2f} | {count / median:.0f} | {statistics.median(ratios):.2f}x "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}) |", flush=True)
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) | {statistics.median(imports[fmt]):.2f} |", flush=True)
 
         torch.manual_seed(0)
         model = torchvision.models.resnet18(num_classes=10)

@@ -175,6 +175,7 @@ def main() -> None:
           f"{parts['int8-pass']:.2f} s, quantizer {parts['quantizer']:.2f} s (each x{MODELS})")
     print(f"whole / (statistics + {MODELS} eval forwards + {MODELS} INT8 passes + {MODELS} quantizers = {floor:.1f} s): "
           f"{whole_time / floor:.2f}x")
+    print(f"that sum alone is {floor / stats:.2f}x the statistics: no whole job that runs those passes beats it")
     for entry in report.get("timeline", []):
         print(f"  {entry['phase']:45s} {entry['seconds']:7.2f} s  {entry['samples']:6d} samples  "
               f"{entry['passes']} passes  {entry['where']}")
