@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - the fixture
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net
@@ -35,20 +36,33 @@ def ray_processes(root: int) -> list[psutil.Process]:
             if p.name().startswith(("ray::", "gcs_server", "raylet")) or "ray/" in " ".join(p.cmdline()[:3])]
 
 
-def test_a_killed_gcs_is_503_at_once_fails_the_running_job_and_sigterm_stops_everything(servers, tmp_path):  # noqa: F811
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_WARM_POOL_IDLE_S": "0"})
-    servers.append(server)
+def assert_nothing_outlives(processes: list[psutil.Process]) -> None:
+    """No process of the server's Ray is left running (zombies aside) a moment after it stopped."""
+    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
+    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def start_hanging_job(server: ServerProcess, tmp_path, **extra) -> tuple[dict, dict]:
+    """A job whose third step hangs, submitted and seen running: its spec and its resource."""
     client = server.client
     samples = torch.randn(40, 4)
     samples[9, 0] = MARKER  # the third step hangs: the job stays running
     spec = {"arch": "tests.nets:marker_net", "model_kwargs": {"action": "hang"}, "batch_size": 4, "order": "given",
             "checkpoint": upload(client, save_state(tmp_path / "h.pt", marker_net()).read_bytes()),
-            "data": upload(client, save_array(tmp_path / "h.npy", samples).read_bytes())}
+            "data": upload(client, save_array(tmp_path / "h.npy", samples).read_bytes()), **extra}
     job = client.post("/v1/jobs", json=spec).json()
     deadline = time.monotonic() + 120
     while client.get(f"/v1/jobs/{job['id']}").json()["progress"]["samples_done"] == 0:
         assert time.monotonic() < deadline, "the job never got going"
         time.sleep(0.2)
+    return spec, job
+
+
+def test_a_killed_gcs_is_503_at_once_fails_the_running_job_and_sigterm_stops_everything(servers, tmp_path):  # noqa: F811
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_WARM_POOL_IDLE_S": "0"})
+    servers.append(server)
+    client = server.client
+    spec, job = start_hanging_job(server, tmp_path)
     processes = ray_processes(server.process.pid)
     gcs = next(p for p in processes if p.name() == "gcs_server")
 
@@ -72,8 +86,7 @@ def test_a_killed_gcs_is_503_at_once_fails_the_running_job_and_sigterm_stops_eve
     stopping = time.monotonic()
     server.process.wait(5)  # TimeoutExpired: it did not stop within 5 s
     assert time.monotonic() - stopping < 5.0
-    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
-    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []  # nothing of its Ray outlives it
+    assert_nothing_outlives(processes)
     log = (tmp_path / "server.log").read_text()
     assert "embedded Ray instance's GCS process exited" in log
 
@@ -88,8 +101,7 @@ def test_sigterm_to_the_whole_process_group_stops_the_server_within_seconds(serv
     stopping = time.monotonic()
     server.process.wait(15)  # TimeoutExpired: it waited on the dead GCS (Ray's own limit is 60 s)
     assert time.monotonic() - stopping < 5.0
-    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
-    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
+    assert_nothing_outlives(processes)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["group-SIGTERM", "group-Ctrl-C"])
@@ -101,27 +113,14 @@ def test_a_signal_to_the_whole_process_group_with_a_job_running_stops_the_server
     drain's grace nor the job's interruption may wait on it. The job goes back to the queue."""
     server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_SHUTDOWN_GRACE_S": "30"})
     servers.append(server)
-    client = server.client
-    samples = torch.randn(40, 4)
-    samples[9, 0] = MARKER  # the third step hangs: the job stays running
-    spec = {"arch": "tests.nets:marker_net", "model_kwargs": {"action": "hang"}, "batch_size": 4, "order": "given",
-            "checkpoint": upload(client, save_state(tmp_path / "h.pt", marker_net()).read_bytes()),
-            "data": upload(client, save_array(tmp_path / "h.npy", samples).read_bytes()), "workers": 1}
-    job = client.post("/v1/jobs", json=spec).json()
-    deadline = time.monotonic() + 120
-    while client.get(f"/v1/jobs/{job['id']}").json()["progress"]["samples_done"] == 0:
-        assert time.monotonic() < deadline, "the job never got going"
-        time.sleep(0.2)
+    _, job = start_hanging_job(server, tmp_path, workers=1)
     processes = ray_processes(server.process.pid)
 
     os.killpg(server.process.pid, signum)  # the server and its embedded Ray, at the same moment
     stopping = time.monotonic()
     server.process.wait(15)  # TimeoutExpired: it waited out the drain or the job on a dead Ray
     assert time.monotonic() - stopping < 5.0
-    gone = psutil.wait_procs([p for p in processes if p.is_running()], timeout=3)[1]
-    assert [p.name() for p in gone if p.status() != psutil.STATUS_ZOMBIE] == []
-    from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
-
+    assert_nothing_outlives(processes)
     ledger = Ledger(sqlite_url(tmp_path / "data"))
     try:
         left = ledger.get_any(job["id"])
