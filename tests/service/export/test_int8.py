@@ -53,6 +53,19 @@ def ranges_here(prepared, samples: torch.Tensor, options: Int8Options) -> Simple
                            collectives=result.collectives)
 
 
+@pytest.fixture(scope="module")
+def entropy_here(resnet: tuple[bytes, torch.Tensor]) -> SimpleNamespace:
+    """The resnet prepared, its entropy ranges gathered here (2048 bins) and their thresholds
+    (onnxruntime's entropy search over 50 tensors, the costly part: computed once, for the
+    tests that compare them with onnxruntime's calibrator and its file)."""
+    fp32, samples = resnet
+    prepared = prepare(fp32)
+    options = Int8Options(method="entropy")
+    gathered = ranges_here(prepared, samples, options)
+    return SimpleNamespace(prepared=prepared, options=options, gathered=gathered,
+                           data=tensors_data(gathered.ranges, gathered.histograms, gathered.edges, options))
+
+
 def top1(model: bytes, data: LabelledBatches) -> float:
     """The model's top-1 on held batches, counted plainly in onnxruntime."""
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
@@ -72,12 +85,16 @@ def test_minmax_file_is_byte_for_byte_what_quantize_static_writes(resnet, tmp_pa
 
 
 @pytest.mark.parametrize("method", ["percentile", "entropy"])
-def test_histogram_ranges_agree_with_onnxruntime_within_a_bin(resnet, tmp_path, method):
+def test_histogram_ranges_agree_with_onnxruntime_within_a_bin(resnet, entropy_here, tmp_path, method):
     fp32, samples = resnet
-    prepared = prepare(fp32)
-    options = Int8Options(method=method)
-    gathered = ranges_here(prepared, samples, options)
-    ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, options)
+    if method == "entropy":
+        prepared, options, gathered, ours = (entropy_here.prepared, entropy_here.options, entropy_here.gathered,
+                                             entropy_here.data)
+    else:
+        prepared = prepare(fp32)
+        options = Int8Options(method=method)
+        gathered = ranges_here(prepared, samples, options)
+        ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, options)
     theirs, their_edges = ort_calibrator_ranges(prepared.model, samples, BATCH, method, tmp_path,
                                                 num_bins=options.histogram_bins())
     assert set(ours.keys()) == set(theirs.keys()) == set(prepared.tensors)
@@ -88,19 +105,20 @@ def test_histogram_ranges_agree_with_onnxruntime_within_a_bin(resnet, tmp_path, 
             assert abs(float(a) - float(b)) <= bin_width * 1.001, (name, a, b, bin_width)
 
 
-def test_entropy_default_file_is_not_the_minmax_file_and_is_onnxruntimes_at_the_same_bins(resnet, tmp_path):
+def test_entropy_default_file_is_not_the_minmax_file_and_is_onnxruntimes_at_the_same_bins(
+    resnet, entropy_here, tmp_path,
+):
     """At onnxruntime's old default (128 bins) entropy's only candidate threshold is the whole
     range, and it wrote the minmax file; at 2048 bins (the default now) it does not, and with
     every sample in one batch (onnxruntime's histogram then spans the global range, as ours
     does) its ranges are onnxruntime's entropy calibrator's exactly, so the file is too."""
-    fp32, samples = resnet
-    prepared = prepare(fp32)
-    minmax_options, entropy_options = Int8Options(), Int8Options(method="entropy")
+    _, samples = resnet
+    prepared, entropy_options, gathered, ours = (entropy_here.prepared, entropy_here.options, entropy_here.gathered,
+                                                 entropy_here.data)
+    minmax_options = Int8Options()
     assert entropy_options.histogram_bins() == 2048 and entropy_options.quantized_bins == 128
     minmax = ranges_here(prepared, samples, minmax_options)
     minmax_file = write_qdq(prepared, tensors_data(minmax.ranges, None, None, minmax_options), minmax_options, [])
-    gathered = ranges_here(prepared, samples, entropy_options)
-    ours = tensors_data(gathered.ranges, gathered.histograms, gathered.edges, entropy_options)
     entropy_file = write_qdq(prepared, ours, entropy_options, [])
     assert entropy_file != minmax_file
     theirs, _ = ort_calibrator_ranges(prepared.model, samples, len(samples), "entropy", tmp_path, num_bins=2048)
