@@ -7,9 +7,10 @@ The photos are crops of the two sample images that ship with scikit-learn
 the three formats hold the very same bytes in the same order. Read passes run in turn
 (folder, tar, Parquet, folder, ...) in fresh processes (``python bench/shards.py --read
 FORMAT PATH``): each is timed from after its imports (the format's reader library too,
-pyarrow for Parquet, which a rank imports once, on first use: its import is printed apart): it describes the data (the tar shards' index from
-its cache after the first pass, as a second job would) and reads every sample in the seeded shuffled order with
-the ImageNet evaluation transform at 224, one rank, no DataLoader workers. The ratio
+pyarrow for Parquet, which a rank imports once, on first use: its import is printed apart):
+it describes the data (the tar shards' index from its cache after the first pass, as a
+second job would) and reads every sample in the seeded shuffled order with the ImageNet
+evaluation transform at 224, one rank, no DataLoader workers. The ratio
 format / folder is taken pass by pass, so a machine whose speed drifts moves both alike.
 Then ``bnrecal calibrate --workers 1 --order given`` runs on each format (a torchvision
 resnet18 with stale statistics, evaluation on labelled photos in the same format), and the
