@@ -33,6 +33,7 @@ index, or ``-channels`` for a call without running statistics.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from bnrecal.workers.data.loader import move_to
 from bnrecal.workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
 from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
@@ -325,6 +327,13 @@ class BatchNormCalibrator:
         return stats
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors live (its first parameter's or buffer's device; the CPU if none)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 def probe_call_order(
     model: nn.Module,
     layers: Sequence[BatchNormLayer],
@@ -340,6 +349,7 @@ def probe_call_order(
     """
     was_training = model.training
     model.eval()
+    sample = move_to(sample, _device_of(model))  # the calibration pass moves its batches alike
     calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective(), record_order=True)
     try:
         with torch.inference_mode(), calibrator:
