@@ -7,7 +7,8 @@ The actor runs this with a ``RayCollective``; tests and references run it with a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,34 @@ class PassResult:
     convergence: Convergence | None = None
 
 
+@contextmanager
+def full_float32(device: torch.device | str) -> Iterator[None]:
+    """On CUDA, convolutions and matrix products in full float32 while the pass runs.
+
+    torch lets cuDNN run float32 convolutions in TF32 (a 10-bit mantissa) by default, and on
+    an H200 that moved resnet50's BN variances by up to 0.4% against a float64 reference
+    (bench/gpu_check.sh; the CPU computes in float32 and lands within 3e-5): the statistics
+    of a float32 model would depend on the device (docs/calibration.md, "Numerics"). The
+    caller's settings are put back after the pass."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    if hasattr(torch.backends.cudnn, "conv"):  # torch >= 2.9: the precision API (mixing it with the flags fails)
+        flags = [(torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cuda.matmul, "fp32_precision")]
+        exact: object = "ieee"
+    else:
+        flags = [(torch.backends.cudnn, "allow_tf32"), (torch.backends.cuda.matmul, "allow_tf32")]
+        exact = False
+    saved = [getattr(owner, name) for owner, name in flags]
+    for owner, name in flags:
+        setattr(owner, name, exact)
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(flags, saved):
+            setattr(owner, name, value)
+
+
 def calibration_pass(
     model: nn.Module,
     layers: Sequence[BatchNormLayer],
@@ -116,7 +145,8 @@ def calibration_pass(
     steps = samples = 0
     layout: str | None = None
     dims = 0
-    with torch.inference_mode(), BatchNormCalibrator(layers, mode, collective, call_order) as calibrator:
+    calibrator = BatchNormCalibrator(layers, mode, collective, call_order)
+    with full_float32(device), torch.inference_mode(), calibrator:
         for item in batches:
             batch, size = _unpack(item)
             if size == 0:

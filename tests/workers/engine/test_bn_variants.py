@@ -157,21 +157,61 @@ def test_cuda_kernels_give_the_reference_statistics(mode):
     assert_matches_reference(cuda_model.cpu(), expected)
 
 
+@pytest.mark.gpu
+def test_cuda_ranks_compute_in_full_float32_whatever_the_caller_set(monkeypatch):
+    """torch lets cuDNN run float32 convolutions in TF32 by default (0.4% off resnet50's
+    variances on an H200): the pass turns it off, so a CUDA rank's statistics are the CPU's,
+    and puts the caller's setting back."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = perturbed(torchvision.models.resnet18(num_classes=10)).eval()
+    samples = torch.randn(16, 3, 64, 64) * 0.7 + 0.2
+    expected = reference_statistics(model, samples, batch_size=8)
+    float32 = reference_statistics(model, samples, batch_size=8, dtype=torch.float32)
+    monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "tf32")  # torch's default, put back after
+    cuda_model = model.cuda()
+    layers, _ = find_batchnorm_layers(cuda_model)
+    result = calibration_pass(cuda_model, layers, [samples[:8], samples[8:]], mode="sync",
+                              collective=SingleProcessCollective(), device="cuda")
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    apply_statistics(layers, result.stats, result.steps)
+    assert_matches_reference(cuda_model.cpu(), expected, float32_reference=float32)
+
+
+def test_full_float32_sets_and_puts_back_the_precision_flags():
+    """The flags are settings, readable without a GPU: set for a CUDA pass, put back after
+    (also when the pass fails), untouched for a CPU one."""
+    from bnrecal.workers.engine.calibration import full_float32
+
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
+    before = conv.fp32_precision, matmul.fp32_precision
+    with full_float32("cpu"):
+        assert (conv.fp32_precision, matmul.fp32_precision) == before
+    with pytest.raises(RuntimeError, match="boom"), full_float32("cuda:0"):
+        assert (conv.fp32_precision, matmul.fp32_precision) == ("ieee", "ieee")
+        raise RuntimeError("boom")
+    assert (conv.fp32_precision, matmul.fp32_precision) == before
+
+
 @pytest.mark.parametrize(
     "shape", [(32, 16, 112, 112), (5, 6, 224, 224), (65536, 8)], ids=["cl-large-batch", "cl-large-image", "2d-long"]
 )
-def test_statistics_are_exact_in_every_layout(shape):
-    """torch's channels-last (and 2-D) statistics kernel sums a channel's values one by one
-    in float32: about 1e-4 off at these sizes. The engine's measurement must not be."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_statistics_are_exact_in_every_layout(shape, device):
+    """torch's channels-last (and 2-D) statistics kernel on the CPU sums a channel's values
+    one by one in float32: about 1e-4 off at these sizes. The engine's measurement must not
+    be, on the CPU (in chunks) or on CUDA (one call: its kernel merges Welford sums in a tree)."""
     from bnrecal.workers.engine.moments import batch_moments
 
     generator = torch.Generator().manual_seed(0)
-    x = torch.rand(shape, generator=generator) * 2 + 3  # mean 4, std 0.58
+    x = (torch.rand(shape, generator=generator) * 2 + 3).to(device)  # mean 4, std 0.58
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     dims = (0, 2, 3) if x.dim() == 4 else (0,)
     truth = x.double()
     mean, var = truth.mean(dims), truth.var(dims, unbiased=False)
     got = batch_moments(x)
+    assert got.mean.device == x.device
     assert ((got.mean - mean).abs() / var.sqrt()).max() < 1e-5
     assert ((got.var - var).abs() / var).max() < 1e-5
