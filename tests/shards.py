@@ -21,9 +21,12 @@ import numpy as np
 from PIL import Image
 
 
-def photos(count: int, size: int = 64, seed: int = 0, classes: int = 3) -> list[tuple[str, bytes, int]]:
+def photos(
+    count: int, size: int = 64, seed: int = 0, classes: int = 3, subsampling: str = "4:2:0"
+) -> list[tuple[str, bytes, int]]:
     """``count`` JPEG photos ``(name, bytes, label)``, in sorted name order; the label is
-    which class a crop was assigned (round robin)."""
+    which class a crop was assigned (round robin). ``subsampling`` is the JPEG's chroma
+    subsampling: PIL's default ``4:2:0``, as most photos have, or ``4:4:4``."""
     from sklearn.datasets import load_sample_images
 
     images = load_sample_images().images
@@ -37,7 +40,7 @@ def photos(count: int, size: int = 64, seed: int = 0, classes: int = 3) -> list[
         gains = rng.uniform(0.6, 1.4, size=3)
         patch = np.clip(image[top : top + crop, left : left + crop] * gains, 0, 255).astype(np.uint8)
         buffer = io.BytesIO()
-        Image.fromarray(patch).resize((size, size), Image.BILINEAR).save(buffer, format="JPEG", quality=90)
+        Image.fromarray(patch).resize((size, size), Image.BILINEAR).save(buffer, format="JPEG", quality=90, subsampling=subsampling)
         out.append((f"{i:06d}", buffer.getvalue(), i % classes))
     return out
 

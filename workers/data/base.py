@@ -51,6 +51,12 @@ class CalibrationData(ABC):
         no encoded form (arrays)."""
         return None
 
+    def first_encoded(self) -> tuple[str, bytes] | None:
+        """The first sample this reader holds, encoded (None for arrays or an empty set):
+        what a CUDA rank looks at to choose its decoder."""
+        first = self.encoded(0, min(1, len(self)))
+        return first[0] if first else None
+
     @property
     def worth_keeping(self) -> bool:
         """Whether reading a sample again costs a decode, so a rank keeps what it read for

@@ -6,17 +6,22 @@ encoded bytes (cheap reads), decodes its JPEGs together with
 ``torchvision.io.decode_jpeg(..., device="cuda")``, and resizes and centre-crops them there
 with the same torchvision operations on tensors. The uint8 crops come back to host memory,
 where the rank keeps them for the job's later passes (``workers.data.kept``) and where
-every later step is the CPU path's. A sample that is not a JPEG (PNG, WebP, BMP, ``.npy``)
-or that the device decoder refuses (a CMYK JPEG, say) is decoded by the CPU path.
+every later step is the CPU path's. A sample that is not a JPEG (PNG, WebP, BMP, ``.npy``), a
+JPEG whose colour is subsampled (4:2:0, 4:2:2: most photos), and one that the device decoder
+refuses (a CMYK JPEG, say) is decoded by the CPU path.
 
-On the same photos the crops are within one level of 255 of the CPU path's (PIL's decode
-and resize), so statistics computed on CUDA ranks differ from CPU ranks' in their last
-digits. This project's machines have no GPU: the tests run this module's code with the CPU
-device (torchvision's own JPEG decoder in place of nvJPEG) and hold it to that bound; on
-CUDA it has not run here.
+Subsampled JPEGs stay on the CPU because nvJPEG fills in the missing colour samples
+otherwise than libjpeg-turbo (which PIL and torchvision's CPU decoder use): measured on an
+H200 (``bench/gpu_check.sh``), up to 48 levels apart at colour edges, 1.2 on average, which
+moved resnet50's BN variances by about 1% of a layer's, a bias no amount of data averages
+away. Without subsampling (4:4:4, greyscale) the two decoders agree exactly, and the crops
+are within one level of 255 of the CPU path's (PIL's resize against torchvision's), so
+statistics from CUDA ranks differ from CPU ranks' in their last digits only.
 """
 
 from __future__ import annotations
+
+import io
 
 import torch
 
@@ -29,10 +34,16 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 
 def on_device(data: CalibrationData, device: str | torch.device) -> CalibrationData:
     """``data`` as a rank on ``device`` reads it: on CUDA, images whose encoded bytes the
-    data gives (``encoded``) are decoded there; anything else is read as it is."""
+    data gives (``encoded``) are decoded there when the first is a JPEG the device decodes
+    exactly (:func:`decodes_exactly`; photos of one source share their encoding, and
+    subsampled ones are read as on a CPU rank, by loader processes); anything else is read
+    as it is."""
     if torch.device(device).type != "cuda" or getattr(data, "transform", None) is None:
         return data
     if data.encoded(0, 0) is None:  # this data gives no encoded bytes: decoded by its own load
+        return data
+    first = data.first_encoded()
+    if first is not None and not decodes_exactly(first[1]):
         return data
     return DeviceDecoded(data, torch.device(device))
 
@@ -72,6 +83,9 @@ class DeviceDecoded(DecodedData):
     def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
         return self.inner.encoded(start, stop)
 
+    def first_encoded(self) -> tuple[str, bytes] | None:
+        return self.inner.first_encoded()
+
     def plan_reads(self, ranges: list[tuple[int, int]]) -> None:
         """The ranges this pass reads, for a reader that reads ahead (shards in a shuffled order)."""
         plan = getattr(self.inner, "plan_reads", None)
@@ -88,7 +102,7 @@ def decode_on_device(encoded: list[tuple[str, bytes]], transform: ImageTransform
     (and a JPEG the device refuses) by the CPU path, whose errors name the sample."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    jpegs = [i for i, (_, data) in enumerate(encoded) if data[:3] == JPEG_MAGIC]
+    jpegs = [i for i, (_, data) in enumerate(encoded) if decodes_exactly(data)]
     out: list[torch.Tensor | None] = [None] * len(encoded)
     if jpegs:
         raw = [torch.frombuffer(bytearray(encoded[i][1]), dtype=torch.uint8) for i in jpegs]
@@ -101,6 +115,21 @@ def decode_on_device(encoded: list[tuple[str, bytes]], transform: ImageTransform
                 out[i] = _crop(image, transform).cpu()
     return [sample if sample is not None else decode_kept(name, data, transform)
             for sample, (name, data) in zip(out, encoded)]
+
+
+def decodes_exactly(data: bytes) -> bool:
+    """Whether nvJPEG decodes ``data`` as the CPU path does: a JPEG in RGB or greyscale whose
+    colour is not subsampled (its header's sampling factors, read by PIL without decoding)."""
+    if data[:3] != JPEG_MAGIC:
+        return False
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            layers = getattr(image, "layer", None)
+            return image.mode in ("RGB", "L") and bool(layers) and len({(h, v) for _, h, v, _ in layers}) == 1
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        return False  # the CPU path decodes it, or names it in its error
 
 
 def _crop(image: torch.Tensor, transform: ImageTransform) -> torch.Tensor:

@@ -87,6 +87,12 @@ class ShippedData(DecodedData):
         index, offset = self._where[(start, stop)]
         return list(self._block(index)[offset : offset + stop - start])
 
+    def first_encoded(self) -> tuple[str, bytes] | None:
+        """The first sample of this rank's first range (its block, fetched, is the pass's first)."""
+        ranges = [r for block in self.blocks for r in block.ranges if r[1] > r[0]]
+        first = self.encoded(*ranges[0]) if ranges else None
+        return first[0] if first else None
+
     @property
     def worth_keeping(self) -> bool:
         """Encoded images are decoded on every read: worth keeping; arrays are not."""
