@@ -9,11 +9,10 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import boto3
-from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-from werkzeug.serving import BaseWSGIServer, make_server
+if TYPE_CHECKING:  # moto, boto3 and werkzeug load with the server: a test session without S3 tests needs none
+    from werkzeug.serving import BaseWSGIServer
 
 FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -45,6 +44,8 @@ class S3Server:
 
     def client(self) -> Any:
         """A boto3 S3 client on this server."""
+        import boto3
+
         return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
 
     def bucket(self, name: str) -> str:
@@ -88,13 +89,15 @@ def _recording(app: Callable[..., Iterable[bytes]], server: S3Server) -> Callabl
     return wrapped
 
 
-class _QuietHandler(MotoRequestHandler):
-    def log_request(self, *args: Any, **kwargs: Any) -> None:
-        """Requests are recorded, not printed."""
-
-
 def start_s3_server() -> tuple[S3Server, BaseWSGIServer]:
     """Start moto's S3 on 127.0.0.1 and a free port, in a daemon thread."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class _QuietHandler(MotoRequestHandler):
+        def log_request(self, *args: Any, **kwargs: Any) -> None:
+            """Requests are recorded, not printed."""
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
