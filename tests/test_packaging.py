@@ -42,11 +42,13 @@ print("OK", bnrecal.recalibrate.__module__)
 
 
 def package_folders() -> set[str]:
-    """Every folder of the repository that is a package, by its installed name."""
+    """Every folder of the repository that holds files to install (a package, or the web
+    page's data), by its installed name."""
     names = {"bnrecal"}
     for top in ("service", "workers", "api"):
-        for init in (ROOT / top).rglob("__init__.py"):
-            names.add("bnrecal." + ".".join(init.parent.relative_to(ROOT).parts))
+        for folder in [ROOT / top, *(ROOT / top).rglob("*")]:
+            if folder.is_dir() and folder.name != "__pycache__" and any(p.is_file() for p in folder.iterdir()):
+                names.add("bnrecal." + ".".join(folder.relative_to(ROOT).parts))
     return names
 
 
@@ -63,10 +65,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copy2(ROOT / name, source / name)
     wheels = base / "wheels"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(wheels),
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--verbose", "-w", str(wheels),
          str(source)], capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]
+    (base / "build.log").write_text(build.stdout + build.stderr)
     (wheel,) = wheels.glob("bnrecal-*.whl")
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -105,6 +108,14 @@ def test_the_wheel_holds_one_top_level_name_and_every_package():
         capture_output=True, text=True, check=True,
     ).stdout.split()
     assert set(listed) == package_folders()
+
+
+def test_the_build_warns_of_nothing(installed):
+    """setuptools says nothing of the package list (it warned, 40 lines each, of the web
+    page's folders being importable yet unlisted, on every ``pip install -e .``)."""
+    log = (Path(installed).parents[2] / "build.log").read_text()
+    warnings = [line for line in log.splitlines() if "Warning:" in line or "absent from" in line]
+    assert not warnings, "\n".join(warnings)
 
 
 def test_a_users_own_service_api_and_workers_packages_neither_shadow_nor_are_shadowed(installed, tmp_path):
