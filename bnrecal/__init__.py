@@ -15,10 +15,16 @@ process importing ``bnrecal.workers``) loads neither torch nor Ray until one is 
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 from bnrecal import errors
 from bnrecal.workers.lazy import lazy_exports
+
+try:
+    __version__ = metadata.version("bnrecal")
+except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 _HOMES = {
     "service.client": ("BnrecalClient",),

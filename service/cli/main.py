@@ -25,8 +25,19 @@ app = typer.Typer(
 )
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        import bnrecal
+
+        print(f"bnrecal {bnrecal.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=_version,
+                                 is_eager=True),
+) -> None:
     """Recalibrate BatchNorm statistics on Ray; serve and submit jobs over HTTP."""
 
 

@@ -52,6 +52,13 @@ def test_help_imports_neither_torch_nor_ray(args):
     assert imported == []
 
 
+def test_version_is_the_installed_packages_and_imports_nothing_heavy():
+    from importlib import metadata
+
+    code, out, _, imported = run_fresh("--version")
+    assert (code, out, imported) == (0, f"bnrecal {metadata.version('bnrecal')}\n", [])
+
+
 @pytest.mark.parametrize("args, message", [
     (["calibrate", "--mode", "async", "--data", "x.npy", "--out", "o.pt"], "--mode"),
     (["calibrate", "--data", "x.npy"], "--out"),
