@@ -1,7 +1,8 @@
 """Inputs for the quick-start demo: a resnet18 whose BN statistics are stale after a camera change.
 
 ``python -m bnrecal.service.demo DIR`` trains a real model and makes the mistake bnrecal exists
-to repair, in under a minute on two CPU cores with nothing downloaded:
+to repair, in about a minute on two CPU cores with nothing downloaded (once: a later run
+reuses what it wrote, unless given ``--retrain``):
 
 1. Data: scikit-learn's handwritten digits (1797 scans of 8x8 pixels, 10 classes, shipped
    inside scikit-learn), upscaled to 3x16x16; a seeded 360 are held out. 16x16 rather than
@@ -147,17 +148,34 @@ def write_demo_inputs(folder: Path, seed: int = 0) -> DemoInputs:
     with _cpu_threads(), torch.random.fork_rng(devices=[]):
         model = train(digits.train_x, digits.train_y, seed)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = DemoInputs(folder / "resnet18-stale.pt", folder / "calib.npy", folder / "eval.npz")
-    torch.save({"model": model.state_dict(), "epochs": TRAIN_EPOCHS}, paths.checkpoint)
+    paths = demo_paths(folder)
     np.save(paths.calib, digits.new_train_x.numpy())
     np.savez(paths.eval, x=digits.new_eval_x.numpy(), y=digits.eval_y.numpy())
+    # the checkpoint last and whole: its presence says the folder's inputs are complete
+    partial = paths.checkpoint.with_suffix(".partial")
+    torch.save({"model": model.state_dict(), "epochs": TRAIN_EPOCHS}, partial)
+    partial.replace(paths.checkpoint)
     return paths
 
 
+def demo_paths(folder: Path) -> DemoInputs:
+    """Where the demo's inputs lie in ``folder``."""
+    return DemoInputs(folder / "resnet18-stale.pt", folder / "calib.npy", folder / "eval.npz")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m bnrecal.service.demo [DIR]`` (default ``demo``); prints the paths and the time."""
+    """CLI: ``python -m bnrecal.service.demo [DIR] [--retrain]`` (default ``demo``); prints
+    the paths and the time. Inputs already in DIR are reused (training is most of the
+    demo's time): ``--retrain``, or deleting them, trains again."""
     args = list(sys.argv[1:] if argv is None else argv)
+    retrain = "--retrain" in args
+    args = [arg for arg in args if arg != "--retrain"]
     target = Path(args[0] if args else "demo")
+    if not retrain and all(path.is_file() for path in demo_paths(target)):
+        for path in demo_paths(target):
+            print(path)
+        print(f"reusing the stale model trained earlier in {target}/ (--retrain to train it again)", file=sys.stderr)
+        return 0
     start = time.perf_counter()
     try:
         paths = write_demo_inputs(target)

@@ -82,6 +82,20 @@ def test_missing_scikit_learn_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,
     assert not (tmp_path / "demo").exists()
 
 
+def test_inputs_written_earlier_are_reused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``make demo`` trains the stale model once: a folder that holds all three inputs is
+    used as it is (training is most of the demo's time)."""
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    for path in demo.demo_paths(folder):
+        path.write_bytes(b"written earlier")
+    assert demo.main([str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == [str(path) for path in demo.demo_paths(folder)]
+    assert "reusing the stale model trained earlier" in err and "--retrain" in err
+    assert all(path.read_bytes() == b"written earlier" for path in demo.demo_paths(folder))
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_class_ordered_data_with_300_samples_calibrates_as_well_as_all_of_it(
