@@ -2,7 +2,9 @@
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-stamp
+BASE := $(VENV)/.installed-base
+DEMO := $(VENV)/.installed-demo
+TESTING := $(VENV)/.installed-test
 # The browser tests (tests/api/test_web_page.py) drive Debian's Chromium through Playwright;
 # `playwright install` is not used (it downloads from a CDN).
 CHROMIUM := /usr/bin/chromium
@@ -12,15 +14,26 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install browser postgres serve demo test bench clean
 
-$(STAMP): pyproject.toml
+# What serving needs (`make serve`: the service, and OpenVINO to check its exports), then the
+# demo's scikit-learn (`make demo`), then the test extra (`make test`: nncf, Playwright,
+# transformers, timm, moto, psycopg, schemathesis).
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: this build lies on the machine's disk (no multi-GB download).
 	$(BIN)/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[openvino]'
+	touch $@
 
-install: $(STAMP)
+$(DEMO): $(BASE)
+	$(BIN)/python -m pip install --quiet -e '.[openvino,demo]'
+	touch $@
+
+$(TESTING): $(DEMO)
+	$(BIN)/python -m pip install --quiet -e '.[openvino,demo,test]'
+	touch $@
+
+install: $(BASE)
 
 $(CHROMIUM):
 	$(SUDO) apt-get update
@@ -34,20 +47,21 @@ $(POSTGRES):
 
 postgres: $(POSTGRES)
 
-serve: $(STAMP)
+serve: $(BASE)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
-demo: $(STAMP)
-	$(BIN)/python -m bnrecal.service.demo demo
+# The stale model is trained once (about a minute) and reused: `make demo RETRAIN=1` trains it again.
+demo: $(DEMO)
+	$(BIN)/python -m bnrecal.service.demo demo $(if $(RETRAIN),--retrain)
 	$(BIN)/bnrecal calibrate --arch torchvision:resnet18 --model-kwargs '{"num_classes": 10}' \
 		--checkpoint demo/resnet18-stale.pt --data demo/calib.npy --eval-data demo/eval.npz \
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
 		--onnx-int8 demo/resnet18-int8.onnx --report demo/report.json --report-html demo/report.html
 
-test: $(STAMP) $(CHROMIUM) $(POSTGRES)
+test: $(TESTING) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+bench: $(TESTING)
 	$(BIN)/python bench/throughput.py
 
 clean:

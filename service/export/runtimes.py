@@ -8,7 +8,7 @@ compared with the same reference at the same tolerance. OpenVINO computes float 
 float32 here (``INFERENCE_PRECISION_HINT: f32``): its CPU plugin would otherwise pick
 bfloat16 on CPUs that have it, and judge the file at a precision it was not written in.
 
-OpenVINO is optional (the ``test`` extra installs it); without it the report says
+OpenVINO is optional (the ``openvino`` extra; ``make serve`` installs it); without it the report says
 ``{"ran": false, "reason": "openvino is not installed"}`` and only onnxruntime judges the file.
 """
 
