@@ -85,9 +85,14 @@ export function resultText(job) {
   return parts.join(" · ");
 }
 
+/** What a standard error of the statistics means, said beside it (as the CLI and the HTML
+ * report say it: service/run/report_html.py, STANDARD_ERROR_MEANING). */
+export const STANDARD_ERROR_MEANING = "about how far more data of the same kind would move them";
+
 /** How precise the statistics are, in the words of the CLI's summary: where max_samples "auto"
- * stopped ("statistics converged at 1,536 of 50,000 samples (worst: layer4.1.bn2, variance
- * +-0.8%)"), that the data ran out first, or the worst standard error; "" without a report. */
+ * stopped ("statistics converged at 1,536 of 50,000 samples: every standard error under ±5.0%,
+ * ..."), that the data ran out first, or the worst standard error and what it means; "" without
+ * a report. */
 export function statisticsLine(report) {
   if (!report) return "";
   const worst = report.standard_error_max;
@@ -96,10 +101,13 @@ export function statisticsLine(report) {
   const convergence = report.convergence;
   if (convergence) {
     const seen = `${convergence.samples.toLocaleString("en-US")} of ${convergence.available_samples.toLocaleString("en-US")} samples`;
-    if (convergence.converged) return `statistics converged at ${seen} (${where})`;
-    return `statistics did not converge to \u00b1${percent(convergence.tolerance)} on all ${seen} (${where}): give more data`;
+    if (convergence.converged) {
+      return `statistics converged at ${seen}: every standard error under \u00b1${percent(convergence.tolerance)}, ${STANDARD_ERROR_MEANING} (${where})`;
+    }
+    return `statistics did not converge to a standard error of \u00b1${percent(convergence.tolerance)} on all ${seen} (${where}): give more data`;
   }
   if (!worst) return "";
   const order = report.order ? `; order ${report.order}${report.order === "shuffled" ? `, seed ${report.seed}` : ""}` : "";
-  return `statistics \u00b1${percent(worst.error)} (${where}${order})`;
+  const samples = (report.samples ?? 0).toLocaleString("en-US");
+  return `statistics \u00b1${percent(worst.error)}, the standard error of ${samples} samples: ${STANDARD_ERROR_MEANING} (${where}${order})`;
 }

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from bnrecal.errors import BnrecalError, InputError, SpecError
 
 from bnrecal.service.run.progress import stderr
+from bnrecal.service.run.report_html import STANDARD_ERROR_MEANING as MEANING
 
 if TYPE_CHECKING:
     from ..client import BnrecalClient
@@ -108,15 +109,16 @@ def statistics_line(report: dict[str, Any]) -> str | None:
     if convergence:
         seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
         if convergence["converged"]:
-            return f"statistics converged at {seen} ({where})"
-        return (
-            f"statistics did not converge to +-{convergence['tolerance']:.1%} on all {seen} ({where}): give more data"
-        )
+            return (f"statistics converged at {seen}: every standard error under +-{convergence['tolerance']:.1%}, "
+                    f"{MEANING} ({where})")
+        return (f"statistics did not converge to a standard error of +-{convergence['tolerance']:.1%} on all {seen} "
+                f"({where}): give more data")
     if not worst:
         return None
     order = report.get("order")
     drawn = f"; order {order}" + (f", seed {report['seed']}" if order == "shuffled" else "") if order else ""
-    return f"statistics +-{worst['error']:.1%} ({where}{drawn})"
+    return (f"statistics +-{worst['error']:.1%}, the standard error of {report.get('samples'):,} samples: "
+            f"{MEANING} ({where}{drawn})")
 
 
 def evaluation_line(evaluation: dict[str, Any]) -> str:

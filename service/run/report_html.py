@@ -297,6 +297,11 @@ def drift_figure(layers: list[dict[str, Any]]) -> Any:
     return figure
 
 
+STANDARD_ERROR_MEANING = "about how far more data of the same kind would move them"
+"""What a standard error of the statistics means, said wherever one is shown: here, on the
+console (service/cli/console.py) and on the web page's job view (api/static/format.js)."""
+
+
 def precision_sentence(report: dict[str, Any]) -> str:
     """Where ``max_samples: "auto"`` stopped, or the worst standard error; empty without any."""
     worst = report.get("standard_error_max")
@@ -307,9 +312,12 @@ def precision_sentence(report: dict[str, Any]) -> str:
     if convergence:
         seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
         if convergence["converged"]:
-            return f"Statistics converged at {seen} ({where}; tolerance {convergence['tolerance']:.1%})."
-        return f"Did not converge to \u00b1{convergence['tolerance']:.1%} on all {seen} ({where}): give more data."
-    return f"Statistics on {report.get('samples')} samples ({where})."
+            return (f"Statistics converged at {seen}: every standard error under \u00b1{convergence['tolerance']:.1%}, "
+                    f"{STANDARD_ERROR_MEANING} ({where}).")
+        return (f"Did not converge to a standard error of \u00b1{convergence['tolerance']:.1%} on all {seen} "
+                f"({where}): give more data.")
+    return (f"Statistics \u00b1{worst['error']:.1%}, the standard error of {report.get('samples')} samples: "
+            f"{STANDARD_ERROR_MEANING} ({where}).")
 
 
 def precision_chart_svg(report: dict[str, Any]) -> str:

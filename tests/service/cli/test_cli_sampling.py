@@ -65,7 +65,8 @@ def test_auto_says_where_the_statistics_converged(files, tmp_path, capsys):
     convergence = report["convergence"]
     assert convergence["converged"] and report["samples"] < 960
     worst = convergence["worst"]
-    line = (f"statistics converged at {report['samples']:,} of 960 samples "
+    line = (f"statistics converged at {report['samples']:,} of 960 samples: every standard error under +-10.0%, "
+            f"about how far more data of the same kind would move them "
             f"(worst: {worst['layer']}, {worst['statistic']} +-{worst['error']:.1%})")
     assert line in err
 
@@ -76,7 +77,10 @@ def test_given_order_and_a_seed_are_reported_and_the_precision_shown(files, tmp_
     assert code == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
     assert (report["order"], report["seed"], report["samples"]) == ("given", None, 64)
-    assert "statistics +-" in err and "order given" in err
+    worst = report["standard_error_max"]
+    assert (f"statistics +-{worst['error']:.1%}, the standard error of 64 samples: about how far more data of the "
+            f"same kind would move them (worst: {worst['layer']}, {worst['statistic']} +-{worst['error']:.1%}; "
+            f"order given)") in err
     code, err = calibrate(capsys, files, tmp_path, "--max-samples", "64", "--seed", "7", "-b", "16")
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 0 and (report["order"], report["seed"]) == ("shuffled", 7)

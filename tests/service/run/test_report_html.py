@@ -52,7 +52,9 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     assert page.startswith("<!doctype html>")
     # Two charts: the drift, and the standard errors as error bars per layer (the precision section).
     assert page.count("<svg") == 2 and 'id="drift-chart"' in page and 'id="precision-chart"' in page
-    assert "Statistics on " in page and 'id="precision-table"' in page
+    worst = summary["standard_error_max"]
+    assert (f"Statistics \u00b1{worst['error']:.1%}, the standard error of {summary['samples']} samples: about how "
+            "far more data of the same kind would move them") in page and 'id="precision-table"' in page
     for layer in summary["layers"]:
         assert layer["name"] in page and layer["class"] in page
     assert "ONNX export" in page and f"<td>{summary['onnx']['folded']}</td>" in page
