@@ -14,6 +14,7 @@ locally.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +26,9 @@ from bnrecal.errors import DatasetError
 
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"
+STATE_FILE = "state.json"
+INFO_FILE = "dataset_info.json"
+DICT_FILE = "dataset_dict.json"
 
 
 def _pyarrow() -> Any:
@@ -35,30 +39,50 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
+def is_save_to_disk_listing(names: Collection[str]) -> bool:
+    """Whether a folder whose top-level files are ``names`` is a ``datasets`` ``save_to_disk``
+    folder: a Dataset's (``state.json`` and ``dataset_info.json``) or a DatasetDict's
+    (``dataset_dict.json``, refused by :func:`save_to_disk_names`)."""
+    return DICT_FILE in names or (STATE_FILE in names and INFO_FILE in names)
+
+
 def is_save_to_disk(folder: Path) -> bool:
-    """Whether a folder is a ``datasets`` ``save_to_disk`` folder (``state.json`` naming Arrow files)."""
-    return (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    """Whether a local folder is a ``save_to_disk`` folder (:func:`is_save_to_disk_listing`)."""
+    return is_save_to_disk_listing([name for name in (STATE_FILE, INFO_FILE, DICT_FILE) if (folder / name).is_file()])
 
 
-def save_to_disk_files(folder: Path) -> list[ShardRef]:
-    """The Arrow files of a ``save_to_disk`` folder, in ``state.json``'s order."""
-    if (folder / "dataset_dict.json").is_file():
-        splits = ", ".join(sorted(p.name for p in folder.iterdir() if p.is_dir()))
-        raise DatasetError(f"{folder.name} is a DatasetDict of several splits ({splits}); give one split's folder")
+def save_to_disk_names(names: Collection[str], read: Callable[[str], bytes], shown: str, role: str) -> list[str]:
+    """The Arrow files of a ``save_to_disk`` folder whose top-level files are ``names``, in
+    ``state.json``'s order, its JSON files read with ``read(name)``; ``shown`` is the folder as
+    the user named it. A DatasetDict is refused, naming its splits and a split's folder to give."""
+    if DICT_FILE in names:
+        try:
+            splits = [str(split) for split in json.loads(read(DICT_FILE))["splits"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = []
+        listed = f"splits {', '.join(splits)}" if splits else "several splits"
+        example = f", e.g. {shown.rstrip('/')}/{splits[0]}" if splits else ""
+        raise DatasetError(
+            f"{shown} holds a DatasetDict with {listed}, not one dataset: "
+            f"give one split's folder as the {role}{example}"
+        )
     try:
-        state = json.loads((folder / "state.json").read_text())
-        names = [entry["filename"] for entry in state["_data_files"]]
+        files = [str(entry["filename"]) for entry in json.loads(read(STATE_FILE))["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"{folder.name}/state.json does not list the dataset's Arrow files: {exc}") from exc
-    refs = []
-    for name in names:
-        path = folder / name
-        if "/" in name or name.startswith(".") or not path.is_file():
-            raise DatasetError(f"{folder.name}: Arrow file {name} named in state.json is missing")
-        refs.append(local_ref(path, name))
-    if not refs:
-        raise DatasetError(f"{folder.name} holds no Arrow files")
-    return refs
+        raise DatasetError(f"{shown}/{STATE_FILE} does not list the dataset's Arrow files: {_one_line(exc)}") from exc
+    for name in files:
+        if "/" in name or name.startswith(".") or name not in names:
+            raise DatasetError(f"{shown}: Arrow file {name} named in {STATE_FILE} is missing")
+    if not files:
+        raise DatasetError(f"{shown} holds no Arrow files")
+    return files
+
+
+def save_to_disk_files(folder: Path, shown: str, role: str) -> list[ShardRef]:
+    """The Arrow files of a local ``save_to_disk`` folder, in ``state.json``'s order."""
+    names = {entry.name for entry in folder.iterdir() if entry.is_file()}
+    files = save_to_disk_names(names, lambda name: (folder / name).read_bytes(), shown, role)
+    return [local_ref(folder / name, name) for name in files]
 
 
 def _image_cells(column: Any, ref: ShardRef, name: str) -> Any:

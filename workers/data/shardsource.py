@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from bnrecal.errors import DatasetOptionError
-from bnrecal.workers.data.columnar import ColumnarReader, is_save_to_disk, save_to_disk_files
+from bnrecal.workers.data.columnar import (
+    ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
+)
 from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
 from bnrecal.workers.data.shardlist import (
     LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ShardRef, has_brace_pattern, is_manifest_name, list_prefix,
@@ -53,7 +55,7 @@ def local_shards(
         return _format_of(refs_of([text], role, endpoint_url, cache_root))
     if source.is_dir():
         if is_save_to_disk(source):
-            return "arrow", save_to_disk_files(source)
+            return "arrow", save_to_disk_files(source, shown, role)
         files = shard_files_in(source)
         return None if files is None else _format_of([local_ref(source / f, f) for f in files])
     if not source.is_file():
@@ -87,7 +89,10 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     if has_brace_pattern(remote.uri):
         return _format_of(refs_of([remote.uri], role, remote.endpoint_url, cache_root))
     if kind == "directory":
-        refs = prefix_shards(remote, list_prefix(remote, role, cache_root))
+        objects = list_prefix(remote, role, cache_root)
+        if is_save_to_disk_listing([name for name in objects if "/" not in name]):
+            return "arrow", _remote_save_to_disk(remote, objects, role)
+        refs = prefix_shards(remote, objects)
         return None if refs is None else _format_of(refs)
     lower = remote.name.lower()
     fs = remote.filesystem()
@@ -112,6 +117,25 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     if classify_members(_member_names(head, lower.endswith((".tar.gz", ".tgz")))) != "webdataset":
         return None
     return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
+
+
+def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, dict[str, Any]], role: str) -> list[ShardRef]:
+    """The Arrow files of a ``save_to_disk`` folder under an ``s3://`` prefix (its listing
+    ``objects``), in ``state.json``'s order, read as the same folder on disk is."""
+    fs = remote.filesystem()
+    base = remote.uri.rstrip("/")
+
+    def read(name: str) -> bytes:
+        try:
+            return bytes(fs.cat_file(f"{remote.key}/{name}"))
+        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+            raise remote_error(exc, RemoteSource(f"{base}/{name}", remote.endpoint_url), role) from exc
+
+    top = [name for name in objects if "/" not in name]
+    return [
+        ShardRef(f"{base}/{name}", objects[name]["size"], objects[name]["ETag"] or str(objects[name]["size"]), name)
+        for name in save_to_disk_names(top, read, remote.uri, role)
+    ]
 
 
 def list_shards(

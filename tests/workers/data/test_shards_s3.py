@@ -16,6 +16,7 @@ from bnrecal.workers.data.shardlist import LIST_THREADS, list_prefix, prefix_sha
 from bnrecal.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges
 
+from tests.ecosystem import save_dataset, save_dataset_dict
 from tests.s3 import S3Server
 from tests.shards import folder_order, photos, write_folder, write_parquet, write_tar_shards
 
@@ -56,6 +57,34 @@ def test_shards_in_s3_read_as_the_local_folder(s3_server, uploaded, source, tmp_
         found = data.load(0, 90)
     expected, labels = local(uploaded, tmp_path, order="shuffled", seed=2)
     assert torch.equal(found, expected) and np.array_equal(read_labels(spec), labels)
+
+
+def test_a_saved_dataset_in_s3_reads_as_the_same_folder_on_disk(s3_server, tmp_path):
+    pytest.importorskip("datasets")
+    items = photos(30, size=32)
+    saved = save_dataset(tmp_path / "saved", items, num_shards=2)
+    uri = s3_server.put_tree(BUCKET, "saved", saved)
+    options = {"transform": TRANSFORM, "unpack_root": tmp_path / "u", "order": "shuffled", "seed": 3}
+    local = describe_dataset(saved, **options)
+    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint, **options)
+    assert spec.shards.format == "arrow" and len(spec.shards.shards) == 2 and spec.remote is not None
+    with spec.open() as data, local.open() as expected:
+        assert torch.equal(data.load(0, 30), expected.load(0, 30))
+    assert np.array_equal(read_labels(spec), read_labels(local))
+
+
+def test_a_saved_dataset_dict_in_s3_is_refused_naming_a_split_to_give(s3_server, tmp_path):
+    pytest.importorskip("datasets")
+    items = photos(6, size=32)
+    uri = s3_server.put_tree(BUCKET, "dict", save_dataset_dict(tmp_path / "d", {"train": items[:4], "test": items[4:]}))
+    options = {"transform": TRANSFORM, "unpack_root": tmp_path / "u", "endpoint_url": s3_server.endpoint}
+    with pytest.raises(DatasetError) as refused:
+        describe_dataset(uri, **options)
+    assert str(refused.value) == (
+        f"{uri} holds a DatasetDict with splits train, test, not one dataset: give one split's folder as the "
+        f"calibration data, e.g. {uri}/train"
+    )
+    assert describe_dataset(f"{uri}/train", **options).num_samples == 4
 
 
 def test_each_rank_fetches_only_its_members_with_ranged_gets(s3_server, uploaded, tmp_path, monkeypatch):

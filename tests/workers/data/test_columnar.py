@@ -1,0 +1,49 @@
+"""Parquet and ``save_to_disk`` data as Hugging Face ``datasets`` itself writes it
+(docs/data.md, "Parquet and Hugging Face datasets"): a saved Dataset reads as the same photos
+in a folder; what cannot be read fails in one line that names the option (``image_column``,
+``label_column``: the Python and HTTP names), lists what the data holds and says what to do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bnrecal.errors import DatasetError
+from bnrecal.workers.data import describe_dataset, read_labels
+
+from tests.ecosystem import save_dataset, save_dataset_dict
+from tests.shards import photos, write_folder
+
+pytest.importorskip("datasets")
+
+TRANSFORM = {"resize": 24, "crop": 24}
+
+
+def read_all(source, tmp_path, **options):
+    spec = describe_dataset(source, transform=TRANSFORM, unpack_root=tmp_path / "u", order="given", **options)
+    with spec.open() as data:
+        return data.load(0, len(data)), spec
+
+
+def test_a_saved_dataset_reads_as_the_folder_of_its_photos(tmp_path):
+    items = photos(12, size=32)
+    expected, _ = read_all(write_folder(tmp_path / "folder", items, class_folders=False), tmp_path)
+    found, spec = read_all(save_dataset(tmp_path / "saved", items), tmp_path)
+    assert spec.shards.format == "arrow" and torch.equal(found, expected)
+    assert read_labels(spec).tolist() == [label for _, _, label in items]
+
+
+def test_a_saved_dataset_dict_is_refused_naming_its_splits_and_a_split_to_give(tmp_path):
+    items = photos(6, size=32)
+    folder = save_dataset_dict(tmp_path / "photos", {"train": items[:4], "test": items[4:]})
+    with pytest.raises(DatasetError) as refused:
+        describe_dataset(folder, transform=TRANSFORM, unpack_root=tmp_path / "u")
+    assert str(refused.value) == (
+        "photos holds a DatasetDict with splits train, test, not one dataset: give one split's folder as the "
+        "calibration data, e.g. photos/train"
+    )
+    found, _ = read_all(folder / "train", tmp_path)  # the advice works
+    assert len(found) == 4
+
+
