@@ -158,14 +158,31 @@ class ColumnarReader:
         for group, table in self._groups(wanted):
             local = [r - int(bounds[group]) for r, g in zip(rows, which.tolist()) if g == group]
             column = table.column(self.image_column)
-            cells = _image_cells(column.combine_chunks() if hasattr(column, "combine_chunks") else column, self.ref,
-                                 self.image_column or "")
+            column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+            cells = _image_cells(column, self.ref, self.image_column or "")
             for row, value in zip(local, cells.take(local).to_pylist()):
                 name = f"row {int(bounds[group]) + row}"
                 if value is None:
-                    raise DatasetError(f"{self.ref.name}: {name} has no image bytes in column {self.image_column!r}")
+                    raise self._without_bytes(column, row, name)
                 out.append((name, value))
         return out
+
+    def _without_bytes(self, column: Any, row: int, name: str) -> DatasetError:
+        """The error of a cell without image bytes: empty, or holding only a path (what
+        ``datasets`` writes for an ``Image`` column cast from file paths), which is never
+        followed: the fix is to embed the files' bytes."""
+        pa = _pyarrow()
+        kind = column.type
+        paths = pa.types.is_struct(kind) and kind.get_field_index("path") >= 0
+        path = column.field("path")[row].as_py() if paths else None
+        where = f"{self.ref.name}: {name} of column {self.image_column!r}"
+        if not path:
+            return DatasetError(f"{where} is empty: store every row's encoded image, or drop the rows without one")
+        return DatasetError(
+            f"{where} holds only a path ({path}), not the image's bytes: embed the images in the file, e.g. with "
+            "datasets: ds.with_format('arrow').map(datasets.table.embed_table_storage, batched=True).to_parquet(PATH), "
+            "or give the folder ds.save_to_disk(PATH) writes"
+        )
 
     def labels(self) -> np.ndarray | None:
         """Each row's class from the label column, or None when there is no such column."""

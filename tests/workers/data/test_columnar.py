@@ -12,7 +12,7 @@ import torch
 from bnrecal.errors import DatasetError
 from bnrecal.workers.data import describe_dataset, read_labels
 
-from tests.ecosystem import save_dataset, save_dataset_dict
+from tests.ecosystem import path_only_parquet, save_dataset, save_dataset_dict
 from tests.shards import photos, write_folder
 
 pytest.importorskip("datasets")
@@ -47,3 +47,26 @@ def test_a_saved_dataset_dict_is_refused_naming_its_splits_and_a_split_to_give(t
     assert len(found) == 4
 
 
+def test_image_cells_holding_only_a_path_say_how_to_embed_the_bytes(tmp_path):
+    items = photos(5, size=32)
+    dataset = path_only_parquet(tmp_path / "paths.parquet", items)
+    with pytest.raises(DatasetError) as refused:
+        describe_dataset(tmp_path / "paths.parquet", transform=TRANSFORM, unpack_root=tmp_path / "u")
+    assert str(refused.value) == (
+        f"paths.parquet: row 0 of column 'image' holds only a path ({tmp_path}/paths-files/000000.jpg), not the "
+        "image's bytes: embed the images in the file, e.g. with datasets: ds.with_format('arrow')"
+        ".map(datasets.table.embed_table_storage, batched=True).to_parquet(PATH), or give the folder "
+        "ds.save_to_disk(PATH) writes"
+    )
+    import datasets
+
+    # Both ways the message gives read as the photos.
+    expected, _ = read_all(write_folder(tmp_path / "folder", items, class_folders=False), tmp_path)
+    dataset.with_format("arrow").map(datasets.table.embed_table_storage, batched=True).to_parquet(
+        str(tmp_path / "embedded.parquet")
+    )
+    found, _ = read_all(tmp_path / "embedded.parquet", tmp_path)
+    assert torch.equal(found, expected)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    found, _ = read_all(tmp_path / "saved", tmp_path)
+    assert torch.equal(found, expected)
