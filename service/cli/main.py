@@ -14,6 +14,7 @@ from bnrecal.errors import BnrecalError, first_line
 
 from . import jobs, local, remote, storage
 from .console import exit_code, fail
+from .options import flag_message
 
 app = typer.Typer(
     name="bnrecal",
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     except BnrecalError as exc:
         if debug:
             raise
-        fail(exc.message, exit_code(exc))
+        fail(flag_message(exc), exit_code(exc))
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:

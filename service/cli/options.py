@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
@@ -26,8 +27,8 @@ from typing import Annotated, Any, get_args, get_type_hints
 
 import typer
 
-from bnrecal.errors import SpecError
-from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice, default, description
+from bnrecal.errors import BnrecalError, SpecError
+from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice, default, description, flag_of
 from bnrecal.service.run.options import Device as DeviceChoice
 from bnrecal.service.run.options import Order as OrderChoice
 from bnrecal.service.run.options import Placement as PlacementChoice
@@ -95,9 +96,9 @@ ReportOpt = Annotated[Path | None, typer.Option(help="Where to write report.json
 EvalDataOpt = Annotated[
     str | None,
     typer.Option(
-        help="Evaluate before and after on this data: image folder/archive with class folders or .npz "
-        "with x and y (accuracy), or any calibration data format (prediction change only); "
-        "local or s3://bucket/key-or-prefix."
+        help="Evaluate before and after on this data: image folder/archive with class folders, .npz "
+        "with x and y, or shards with labels (accuracy); .npy, .npz without y or images without class "
+        "folders (prediction change only); local or s3://bucket/key-or-prefix."
     ),
 ]
 EvalMaxSamplesOpt = Annotated[int | None, typer.Option(help="Evaluate on only the first M samples.", min=1)]
@@ -241,6 +242,22 @@ class RunFlags:
     def int8_options(self) -> Any:
         """The ``--int8`` options checked (see :func:`int8_options`), or None without ``--onnx-int8``."""
         return int8_options(self.onnx_int8, self.int8)
+
+
+def flag_message(error: BnrecalError) -> str:
+    """An error's message as the command line words it. The run options are named by their
+    field names everywhere else (``image_column``: the job spec's and the Python API's); an
+    error that blames one (its ``field``) names them by the flags typed here instead: the
+    options of several words wherever the message names them, the blamed one where the
+    message starts with it (``seed must be ...``; a word such as ``data`` elsewhere is prose)."""
+    field = getattr(error, "field", None)
+    head = field.split(".")[0] if isinstance(field, str) else ""
+    names = {item.name for item in fields(RunFlags)}
+    if head not in names:
+        return error.message
+    words = sorted((name for name in names if "_" in name), key=len, reverse=True)
+    message = re.sub(rf"^{re.escape(head)}(?=[\s:.]|$)", flag_of(head), error.message)
+    return re.sub(rf"(?<![\w./'\"-])({'|'.join(words)})(?![\w/'\"-])", lambda m: flag_of(m.group(1)), message)
 
 
 def run_command(**after: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

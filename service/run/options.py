@@ -180,6 +180,11 @@ def description(name: str) -> str:
     return RunOptions.model_fields[name].description or ""
 
 
+def flag_of(field: str) -> str:
+    """The command-line flag of a run option's field (``image_column`` -> ``--image-column``)."""
+    return f"--{field.replace('_', '-')}"
+
+
 def check_model_choice(
     arch: str | None, checkpoint: object | None, program: object | None, model_kwargs: dict[str, Any] | None,
     *, flags: bool = False,
@@ -187,7 +192,7 @@ def check_model_choice(
     """Refuse a request that names no model, or both kinds: an architecture takes a
     checkpoint, a program carries both. ``flags`` words the error for the command line."""
     def name(field: str) -> str:
-        return f"--{field.replace('_', '-')}" if flags else field
+        return flag_of(field) if flags else field
 
     if program is not None:
         for field, value in (("arch", arch), ("checkpoint", checkpoint)):

@@ -22,13 +22,18 @@ import numpy as np
 
 from bnrecal.workers.data.shardio import open_random_access, open_shard
 from bnrecal.workers.data.shardlist import ShardRef, local_ref
-from bnrecal.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
 DICT_FILE = "dataset_dict.json"
+UNLABELLED_INSTEAD = (
+    "evaluation shards need every sample's class; unlabelled evaluation data is an .npy, an .npz without y "
+    "or images without class folders"
+)
+"""What an evaluation shard without labels is told to do instead (docs/evaluation.md, "Evaluation data")."""
 
 
 def _pyarrow() -> Any:
@@ -98,28 +103,33 @@ def _image_cells(column: Any, ref: ShardRef, name: str) -> Any:
     raise DatasetError(f"{ref.name}: column {name!r} is {kind}, not image bytes (binary or {{bytes, path}})")
 
 
-def image_column_of(schema: Any, wanted: str | None, ref: ShardRef) -> str:
-    """The column holding the images: ``wanted`` (which must exist), else ``image``, else the
-    only column of encoded bytes."""
+def _bytes_columns(schema: Any) -> list[str]:
+    """The columns of a schema that can hold encoded images (binary, or ``{bytes, path}``)."""
     pa = _pyarrow()
-    names = list(schema.names)
-    if wanted is not None:
-        if wanted not in names:
-            raise DatasetError(f"{ref.name} has no image column {wanted!r} (columns: {', '.join(names)})")
-        return wanted
-    if DEFAULT_IMAGE_COLUMN in names:
-        return DEFAULT_IMAGE_COLUMN
-    candidates = [
+    return [
         field.name for field in schema
         if pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)
         or (pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0)
     ]
-    if len(candidates) != 1:
-        raise DatasetError(
-            f"{ref.name} has no column {DEFAULT_IMAGE_COLUMN!r} and {len(candidates)} columns of bytes "
-            f"({', '.join(candidates) or 'none'}); name the image column (image_column)"
-        )
-    return candidates[0]
+
+
+def image_column_of(schema: Any, wanted: str | None, ref: ShardRef) -> str:
+    """The column holding the images: ``wanted`` (which must exist), else ``image``, else the
+    only column of encoded bytes; a miss names the columns there are and the option to set."""
+    names = list(schema.names)
+    if wanted is not None and wanted in names:
+        return wanted
+    if wanted is None and DEFAULT_IMAGE_COLUMN in names:
+        return DEFAULT_IMAGE_COLUMN
+    candidates = _bytes_columns(schema)
+    if wanted is None and len(candidates) == 1:
+        return candidates[0]
+    missing = f"no image column {wanted!r}" if wanted is not None else f"no column {DEFAULT_IMAGE_COLUMN!r}"
+    fix = (
+        f"set image_column to the one holding the images (columns of bytes: {', '.join(candidates)})" if candidates
+        else "no column holds encoded image bytes (binary, or a {bytes, path} struct as datasets' Image feature writes)"
+    )
+    raise DatasetOptionError(f"{ref.name} has {missing} (columns: {', '.join(names)}); {fix}", field="image_column")
 
 
 class ColumnarReader:
@@ -206,9 +216,29 @@ class ColumnarReader:
             raise DatasetError(f"{self.ref.name}: label column {self.label_column!r} holds {int(values.min())}; classes are >= 0")
         return values
 
-    def missing_label(self) -> str:
-        """What evaluation lacks when :meth:`labels` is None."""
-        return f"column {self.label_column!r}"
+    def unlabelled(self, role: str) -> DatasetError | None:
+        """Why evaluation cannot read this shard's labels (it has no label column: the error
+        names the columns there are and the option to set), or None."""
+        pa = _pyarrow()
+        schema = self._parquet_file().schema_arrow if self.format == "parquet" else self._arrow_schema()
+        if self.label_column in schema.names:
+            return None
+        integers = [field.name for field in schema if pa.types.is_integer(field.type)]
+        fix = (
+            f"set label_column to its column of integer classes (integer columns: {', '.join(integers)})" if integers
+            else f"it has no integer column to take the classes from: {UNLABELLED_INSTEAD}"
+        )
+        return DatasetOptionError(
+            f"{role}: {self.ref.name} has no label column {self.label_column!r} "
+            f"(columns: {', '.join(schema.names)}); {fix}",
+            field="label_column",
+        )
+
+    def _arrow_schema(self) -> Any:
+        """The schema of an Arrow file, from its first record batch."""
+        for batch in self._batches(0):
+            return batch.schema
+        return _pyarrow().schema([])
 
     def _parquet_file(self) -> Any:
         if self._parquet is None:

@@ -271,14 +271,13 @@ def shard_labels(shards: ShardSet, rows: np.ndarray, role: str = "evaluation dat
     for s in range(len(shards.shards)):
         reader = shards.reader(s)
         try:
-            values = reader.labels()
-            missing = reader.missing_label() if isinstance(reader, TarReader) else (
-                reader.missing_label() if values is None else None
-            )
+            unlabelled = reader.unlabelled(role)
+            values = reader.labels() if unlabelled is None else None
         finally:
             reader.close()
-        if missing is not None or values is None:
-            raise DatasetError(f"{role}: shard {shards.shards[s].name} has no labels: no {missing}")
+        if unlabelled is not None:
+            raise unlabelled
+        assert values is not None
         if len(values) != shards.counts[s]:
             raise DatasetError(f"{role}: shard {shards.shards[s].name} changed since it was described")
         labels.append(values)

@@ -224,7 +224,10 @@ def describe_shards(
         counted = list(pool.map(count, refs))
     columns = {c for _, _, c in counted if c is not None}
     if len(columns) > 1:
-        raise DatasetError(f"the shards name their image column differently ({', '.join(sorted(columns))}); give image_column")
+        raise DatasetOptionError(
+            f"the shards' image columns differ ({', '.join(sorted(columns))}); set image_column to the one to read",
+            field="image_column",
+        )
     empty = [ref.name for ref, (rows, _, _) in zip(refs, counted) if rows == 0]
     if empty and len(empty) == len(refs):
         raise DatasetError(f"{role}: the shards hold no samples ({empty[0]} is empty)")

@@ -27,6 +27,7 @@ from typing import IO
 
 import numpy as np
 
+from bnrecal.workers.data.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.images import is_ignored_part
 from bnrecal.workers.data.shardio import open_shard, read_ranges
 from bnrecal.workers.data.shardlist import ShardRef, is_shard_name
@@ -323,12 +324,17 @@ class TarReader:
         """Each sample's class (``NO_LABEL`` where it has no ``.cls``)."""
         return self.index.label
 
-    def missing_label(self) -> str | None:
-        """The ``KEY.cls`` member the first unlabelled sample lacks, or None when all have one."""
+    def unlabelled(self, role: str) -> DatasetError | None:
+        """Why evaluation cannot read this shard's labels (the ``KEY.cls`` member the first
+        unlabelled sample lacks), or None when every sample has one."""
         missing = np.flatnonzero(self.index.label == NO_LABEL)
         if not missing.size:
             return None
-        return f"{split_key(self.index.names[int(missing[0])])[0]}.{LABEL_EXTENSION}"
+        member = f"{split_key(self.index.names[int(missing[0])])[0]}.{LABEL_EXTENSION}"
+        return DatasetError(
+            f"{role}: shard {self.ref.name} has no labels: no {member}; give each sample a KEY.{LABEL_EXTENSION} "
+            f"member holding its class ({UNLABELLED_INSTEAD})"
+        )
 
     def close(self) -> None:
         """Close the forward stream of a gzip shard (the next read reopens it)."""

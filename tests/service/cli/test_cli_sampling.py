@@ -40,10 +40,10 @@ def calibrate(capsys: pytest.CaptureFixture[str], files: dict[str, Path], tmp_pa
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--max-samples", "lots"], 'max_samples: Input should be a valid integer or "auto"'),
-        (["--max-samples", "0"], "max_samples: Input should be greater than or equal to 1"),
-        (["--max-samples", "auto", "--mode", "local"], 'max_samples: max_samples "auto" needs mode sync'),
-        (["--tolerance", "0.1"], 'tolerance: tolerance applies only with max_samples "auto"'),
+        (["--max-samples", "lots"], '--max-samples: Input should be a valid integer or "auto"'),
+        (["--max-samples", "0"], "--max-samples: Input should be greater than or equal to 1"),
+        (["--max-samples", "auto", "--mode", "local"], '--max-samples: --max-samples "auto" needs mode sync'),
+        (["--tolerance", "0.1"], '--tolerance: tolerance applies only with --max-samples "auto"'),
         (["--max-samples", "auto", "--tolerance", "1.5"], "tolerance"),
         (["--order", "random"], "--order"),
         (["--seed", "-1"], "seed"),

@@ -1,6 +1,6 @@
 """`--image-column` and `--label-column` name the columns of Parquet data, for `--data` and
-`--eval-data` alike; a column name that names no column exits 2 naming the option (by its
-field name, as every run option's error does)."""
+`--eval-data` alike; a column name that names no column exits 2 naming the option by its flag,
+as typed (the job spec and the Python API name it ``image_column``)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_named_columns_calibrate_and_evaluate_as_the_folder(capsys, columns, tmp
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["--image-column", "img"], "image_column names a Parquet or Arrow column; neither"),  # no Parquet at all
-    (["--label-column", "klass"], "label_column names the labels of Parquet or Arrow evaluation data; there is no"),
-    (["--image-column", ""], "image_column: String should have at least 1 character"),
+    (["--image-column", "img"], "--image-column names a Parquet or Arrow column; neither"),  # no Parquet at all
+    (["--label-column", "klass"], "--label-column names the labels of Parquet or Arrow evaluation data; there is no"),
+    (["--image-column", ""], "--image-column: String should have at least 1 character"),
 ])
 def test_a_column_that_names_nothing_exits_2_naming_the_option(capsys, columns, tmp_path, args, named):
     code, _, err = calibrate(capsys, columns, tmp_path, "folder", *args)
@@ -74,9 +74,20 @@ def test_a_column_that_names_nothing_exits_2_naming_the_option(capsys, columns, 
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_evaluation_parquet_without_its_label_column_names_it(capsys, columns, tmp_path):
+def test_evaluation_parquet_without_its_label_column_names_the_columns_and_the_flag(capsys, columns, tmp_path):
     code, _, err = calibrate(
         capsys, columns, tmp_path, "folder", "--eval-data", str(columns["root"] / "photos.parquet"),
         "--image-column", "img",
     )
-    assert code == 2 and "label" in err, err
+    assert code == 2 and err == (
+        "error: evaluation data: photos.parquet has no label column 'label' (columns: thumb, img, klass); "
+        "set --label-column to its column of integer classes (integer columns: klass)\n"
+    ), err
+
+
+def test_a_missing_image_column_names_the_columns_of_bytes_and_the_flag(capsys, columns, tmp_path):
+    code, _, err = calibrate(capsys, columns, tmp_path, "photos.parquet", "--image-column", "picture")
+    assert code == 2 and err == (
+        "error: photos.parquet has no image column 'picture' (columns: thumb, img, klass); "
+        "set --image-column to the one holding the images (columns of bytes: thumb, img)\n"
+    ), err

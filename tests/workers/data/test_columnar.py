@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bnrecal.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 from bnrecal.workers.data import describe_dataset, read_labels
 
-from tests.ecosystem import path_only_parquet, save_dataset, save_dataset_dict
+from tests.ecosystem import hf_dataset, path_only_parquet, save_dataset, save_dataset_dict
 from tests.shards import photos, write_folder
 
 pytest.importorskip("datasets")
@@ -45,6 +45,42 @@ def test_a_saved_dataset_dict_is_refused_naming_its_splits_and_a_split_to_give(t
     )
     found, _ = read_all(folder / "train", tmp_path)  # the advice works
     assert len(found) == 4
+
+
+def test_a_missing_label_column_names_the_columns_and_the_option(tmp_path):
+    items = photos(6, size=32)
+    dataset = hf_dataset(items).rename_column("label", "klass")
+    dataset.to_parquet(str(tmp_path / "photos.parquet"))
+    spec = describe_dataset(tmp_path / "photos.parquet", unpack_root=tmp_path / "u", role="evaluation data")
+    with pytest.raises(DatasetOptionError) as refused:
+        read_labels(spec)
+    assert refused.value.field == "label_column"
+    assert str(refused.value) == (
+        "evaluation data: photos.parquet has no label column 'label' (columns: image, klass); "
+        "set label_column to its column of integer classes (integer columns: klass)"
+    )
+    spec = describe_dataset(tmp_path / "photos.parquet", unpack_root=tmp_path / "u", label_column="klass")
+    assert read_labels(spec).tolist() == [label for _, _, label in items]  # the advice works
+
+
+def test_shards_without_an_integer_column_say_what_evaluation_data_can_be_unlabelled(tmp_path):
+    hf_dataset(photos(4, size=32)).remove_columns("label").to_parquet(str(tmp_path / "photos.parquet"))
+    spec = describe_dataset(tmp_path / "photos.parquet", unpack_root=tmp_path / "u", role="evaluation data")
+    with pytest.raises(DatasetOptionError, match=r"\(columns: image\); it has no integer column to take the classes "
+                       r"from: evaluation shards need every sample's class; unlabelled evaluation data is an \.npy"):
+        read_labels(spec)
+
+
+def test_a_missing_image_column_names_the_columns_of_bytes_and_the_option(tmp_path):
+    dataset = hf_dataset(photos(4, size=32)).rename_column("image", "photo")
+    dataset.to_parquet(str(tmp_path / "photos.parquet"))
+    with pytest.raises(DatasetOptionError) as refused:
+        describe_dataset(tmp_path / "photos.parquet", image_column="picture", unpack_root=tmp_path / "u")
+    assert refused.value.field == "image_column"
+    assert str(refused.value) == (
+        "photos.parquet has no image column 'picture' (columns: photo, label); "
+        "set image_column to the one holding the images (columns of bytes: photo)"
+    )
 
 
 def test_image_cells_holding_only_a_path_say_how_to_embed_the_bytes(tmp_path):

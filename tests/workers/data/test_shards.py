@@ -152,7 +152,7 @@ def test_evaluation_shards_without_labels_name_what_is_missing(tmp_path):
         read_labels(spec)
     (parquet,) = write_parquet(tmp_path / "p", items, 8, labels=False)
     spec = describe_dataset(parquet, transform=TRANSFORM, unpack_root=tmp_path / "u")
-    with pytest.raises(DatasetError, match=r"has no labels: no column 'label'"):
+    with pytest.raises(DatasetError, match=r"has no label column 'label' \(columns: image\)"):
         read_labels(spec)
 
 
@@ -166,7 +166,7 @@ def test_parquet_columns_by_option_or_the_only_bytes_column(tmp_path):
     with pytest.raises(DatasetError, match=r"has no image column 'picture' \(columns: jpg, label\)"):
         describe_dataset(binary, image_column="picture", unpack_root=tmp_path / "u")
     spec = describe_dataset(binary, image_column="jpg", label_column="klass", unpack_root=tmp_path / "u")
-    with pytest.raises(DatasetError, match=r"no column 'klass'"):
+    with pytest.raises(DatasetError, match=r"no label column 'klass' \(columns: jpg, label\); set label_column to its"):
         read_labels(spec)
 
 
