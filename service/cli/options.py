@@ -126,6 +126,15 @@ def _brace_pattern(value: str) -> bool:
     return has_brace_pattern(value)
 
 
+def _glob_hint(value: str) -> str:
+    """'; ' and what to give instead of a glob (docs/data.md, "WebDataset"), '' for a plain path."""
+    if not any(c in value for c in "*?["):  # only a glob needs the data room (and torch, which it imports)
+        return ""
+    from bnrecal.workers.data.globs import glob_hint
+
+    return f"; {glob_hint(value)}"
+
+
 def check_paths(
     inputs: dict[str, Path | str | None], outputs: dict[str, Path | None] | None = None
 ) -> None:
@@ -147,7 +156,7 @@ def check_paths(
             continue
         path = Path(value)
         if not path.exists():
-            raise SpecError(f"{flag} {value}: no such file or directory", field=flag)
+            raise SpecError(f"{flag} {value}: no such file or directory" + _glob_hint(str(value)), field=flag)
         if not os.access(path, os.R_OK) or (path.is_dir() and not os.access(path, os.X_OK)):
             raise SpecError(f"{flag} {value}: cannot be read (permission denied)", field=flag)
     for flag, value in (outputs or {}).items():

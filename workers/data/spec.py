@@ -21,6 +21,7 @@ from bnrecal.workers.data.archive import (
 from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from bnrecal.workers.data.base import CalibrationData
 from bnrecal.workers.data.formats import EXPECTED, SUFFIX_FORMATS, detect_format
+from bnrecal.workers.data.globs import not_found, stat_data
 from bnrecal.workers.data.images import ImageData, files_digest, list_images
 from bnrecal.workers.data.kept import KeepDecoded
 from bnrecal.workers.data.objectstore import (
@@ -32,7 +33,6 @@ from bnrecal.workers.data.objectstore import (
     is_data_uri,
     list_remote_images,
     parse_data_uri,
-    stat_object,
 )
 from bnrecal.workers.data.order import ORDERS, order_rows
 from bnrecal.workers.data.shards import ShardData, ShardSet
@@ -219,7 +219,7 @@ def describe_dataset(
         )
     source = Path(path).expanduser()
     if not source.exists() and not has_brace_pattern(str(path)):
-        raise DatasetError(f"{role} not found: {path}")
+        raise not_found(str(path), role)
     source = source.absolute()
     found = local_shards(source, name or source.name, role, endpoint_url, shard_options["cache_root"])
     if found is not None:
@@ -318,7 +318,7 @@ def _describe_remote(
     if has_brace_pattern(remote.uri):
         kind, size = "pattern", 0
     else:
-        kind, size = stat_object(remote, role)
+        kind, size = stat_data(remote, role)
     found = remote_shards(remote, kind, role, shard_options["cache_root"])
     if found is not None:
         return _shard_spec(*found, remote.uri, max_samples, ordering, shard_options)

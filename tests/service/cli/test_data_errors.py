@@ -1,5 +1,5 @@
 """Data that cannot be read as given fails ``bnrecal calibrate`` with exit 2 and one line that
-says what to give instead (docs/data.md): a saved DatasetDict, Parquet image cells
+says what to give instead (docs/data.md): a saved DatasetDict, a glob, Parquet image cells
 holding only paths, evaluation shards without labels; data written by ``datasets`` and
 webdataset's ``ShardWriter``. Run options are named by the flags typed, never by the field
 names of the job spec and the Python API."""
@@ -15,7 +15,7 @@ from bnrecal.service.cli.options import flag_message
 from tests.conftest import run_cli, save_state
 from tests.ecosystem import path_only_parquet, save_dataset_dict, shard_writer
 from tests.nets import classifier_net, perturbed
-from tests.shards import photos, write_folder
+from tests.shards import photos, write_folder, write_parquet
 
 pytestmark = pytest.mark.usefixtures("cli_environment")
 
@@ -53,6 +53,17 @@ def test_a_saved_dataset_dict_names_its_splits_and_a_split_to_give(capsys, check
     assert line.endswith("give one split's folder as the evaluation data, e.g. photos/train")
     code, _, err = calibrate(capsys, checkpoint, tmp_path, folder / "train", "--eval-data", folder / "test")
     assert code == 0 and "top-1" in err, err
+
+
+def test_a_glob_is_not_expanded_and_the_brace_pattern_of_its_matches_is_given(capsys, checkpoint, tmp_path):
+    write_parquet(tmp_path, photos(9, size=32), 3)
+    glob = f"{tmp_path}/data/train-*.parquet"
+    assert refused(calibrate(capsys, checkpoint, tmp_path, glob)) == (
+        f"--data {glob}: no such file or directory; globs (*, ?, [...]) are not expanded: give its 3 matches as "
+        f"the brace pattern '{tmp_path}/data/train-{{00000..00002}}-of-00003.parquet'"
+    )
+    code, _, err = calibrate(capsys, checkpoint, tmp_path, f"{tmp_path}/data/train-{{00000..00002}}-of-00003.parquet")
+    assert code == 0, err
 
 
 def test_parquet_image_cells_holding_only_paths_say_how_to_embed_the_images(capsys, checkpoint, tmp_path):

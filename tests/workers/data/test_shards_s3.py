@@ -87,6 +87,17 @@ def test_a_saved_dataset_dict_in_s3_is_refused_naming_a_split_to_give(s3_server,
     assert describe_dataset(f"{uri}/train", **options).num_samples == 4
 
 
+def test_a_glob_in_s3_says_globs_are_not_expanded_and_what_to_give(s3_server, uploaded, tmp_path):
+    uri = f"s3://{BUCKET}/wds/train-*.tar"
+    with pytest.raises(DatasetError) as refused:
+        describe_dataset(uri, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint)
+    assert str(refused.value) == (
+        f"calibration data not found: {uri}; globs (*, ?, [...]) are not expanded: name the shards with a brace "
+        "pattern such as 'train-{000000..000146}.tar' ({000..146} ranges keep the zero padding, {a,b} lists), "
+        "or give their prefix"
+    )
+
+
 def test_each_rank_fetches_only_its_members_with_ranged_gets(s3_server, uploaded, tmp_path, monkeypatch):
     monkeypatch.setattr(shardio, "GATHER_GAP_BYTES", 0)  # one request per member, to count them
     spec = describe_dataset(
