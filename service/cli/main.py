@@ -28,9 +28,13 @@ app = typer.Typer(
 
 def _version(asked: bool) -> None:
     if asked:
-        import bnrecal
+        from importlib import metadata
 
-        print(f"bnrecal {bnrecal.__version__}")
+        try:
+            version = metadata.version("bnrecal")
+        except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+            version = "0+unknown"
+        print(f"bnrecal {version}")
         raise typer.Exit()
 
 
