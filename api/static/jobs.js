@@ -95,6 +95,11 @@ function showEmpty() {
   document.getElementById("jobs-empty").hidden = body.rows.length > 0;
 }
 
+/** The "New job" form, opened (it starts folded under the list's heading line). */
+function openForm() {
+  document.getElementById("new-job").open = true;
+}
+
 function showJobsError(message) {
   const box = document.getElementById("jobs-error");
   box.textContent = message;
@@ -125,6 +130,10 @@ async function loadJobs(append = false) {
   nextCursor = page.next_cursor;
   moreButton.hidden = !nextCursor;
   showEmpty();
+  if (!body.dataset.loaded) { // the first list: a key with no jobs yet needs the form more than the list
+    body.dataset.loaded = "yes";
+    if (!body.rows.length && !filter.value) openForm();
+  }
 }
 
 function listLive() {
@@ -339,6 +348,8 @@ async function submitJob(event) {
 async function editFrom(jobId) {
   const job = await apiJson(`/v1/jobs/${encodeURIComponent(jobId)}`);
   const spec = job.spec;
+  openForm();
+  document.getElementById("new-job").scrollIntoView();
   document.getElementById("form-title").textContent = `New job from ${shortId(job.id)}`;
   const note = document.getElementById("edit-note");
   note.textContent = "The files of that job are used again as they are on the server; choose a file only to replace one.";

@@ -14,7 +14,7 @@ from playwright.sync_api import Browser, expect
 
 from tests.api.conftest import KEYS, wait_for
 from tests.api.test_web_jobs import open_tab
-from tests.api.test_web_page import JOB_TIMEOUT_MS, Tab, browser, screenshot, sign_in  # noqa: F401
+from tests.api.test_web_page import JOB_TIMEOUT_MS, Tab, browser, open_form, screenshot, sign_in  # noqa: F401
 from tests.conftest import save_array, save_state
 from tests.nets import classifier_net, perturbed
 
@@ -35,6 +35,7 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     np.savez(tmp_path / "labelled.npz", x=torch.randn(16, 3, 8, 8).numpy(), y=np.arange(16) % 4)
     page = tab.page
     sign_in(page, f"{live_server.url}/", key=KEYS[KEY])
+    open_form(page)
     page.fill("#arch", "tests.nets:classifier_net")
     page.fill("#model-kwargs", '{"classes": 4}')
     page.set_input_files("#checkpoint", str(checkpoint))

@@ -21,7 +21,9 @@ import torch
 from playwright.sync_api import Browser, Page, expect
 
 from tests.api.conftest import KEYS, named_upload, submit, upload, wait_for, write_samples
-from tests.api.test_web_page import ARTIFACTS, JOB_TIMEOUT_MS, Tab, browser, screenshot, sign_in  # noqa: F401
+from tests.api.test_web_page import (  # noqa: F401
+    ARTIFACTS, JOB_TIMEOUT_MS, Tab, browser, open_form, screenshot, sign_in,
+)
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 
@@ -92,6 +94,7 @@ def open_list(page: Page, url: str) -> None:
 
 
 def fill_form(page: Page, files: dict[str, Path], batch: str = "8") -> None:
+    open_form(page)
     page.fill("#arch", "tests.nets:mixed_net")
     page.fill("#model-kwargs", "{}")
     page.set_input_files("#checkpoint", str(files["checkpoint"]))
@@ -250,13 +253,32 @@ def no_sideways_scroll(page: Page) -> None:
     assert width <= PHONE["width"], f"the page is {width} px wide at {PHONE['width']} px"
 
 
+def test_on_a_laptop_screen_the_list_comes_first_and_the_form_is_one_click_away(live_server, tab, evaluated):
+    page = tab.page
+    open_list(page, live_server.url)
+    row = page.locator(f"#jobs-body tr[data-job-id='{evaluated['id']}']")
+    expect(row).to_be_visible()
+    expect(page.locator("#submit-form")).to_be_hidden()
+    box = row.bounding_box()
+    assert box is not None and box["y"] + box["height"] <= 900, f"the first job's row ends at {box} on a 900 px screen"
+    page.screenshot(path=str(ARTIFACTS / "laptop-jobs.png"))  # the first screen, as docs/images/web-jobs.png
+    page.click("#new-job > summary")
+    expect(page.locator("#submit-form")).to_be_visible()
+    screenshot(page, "laptop-form.png")
+    assert tab.problems == []
+
+
 def test_at_phone_width_only_tables_scroll_sideways(live_server, phone, evaluated):
     page = phone.page
     open_list(page, live_server.url)
-    expect(page.locator(f"#jobs-body tr[data-job-id='{evaluated['id']}']")).to_be_visible()
+    row = page.locator(f"#jobs-body tr[data-job-id='{evaluated['id']}']")
+    expect(row).to_be_visible()
     no_sideways_scroll(page)
     box = page.locator(".table-scroll").first.evaluate("node => [node.scrollWidth, node.clientWidth]")
-    assert box[1] <= PHONE["width"]  # the table scrolls inside its own box
+    assert box[1] <= PHONE["width"]  # a wide table would scroll inside its own box
+    for cell in (row.locator(".status"), row.locator(".progress-text")):  # status and result in view, unscrolled
+        seen = cell.bounding_box()
+        assert seen is not None and 0 <= seen["x"] and seen["x"] + seen["width"] <= PHONE["width"], seen
     screenshot(page, "phone-jobs.png")
     page.goto(f"{live_server.url}/jobs/{evaluated['id']}")
     report = page.frame_locator("#report-frame")

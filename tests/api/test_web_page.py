@@ -102,6 +102,15 @@ def sign_in(page: Page, url: str, key: str = KEY, accepted: bool = True) -> None
         expect(page.locator("#app")).to_be_visible()
 
 
+def open_form(page: Page) -> None:
+    """Unfold the "New job" form, as a user clicks its heading (it is folded above the list
+    unless the key had no jobs when the list first loaded)."""
+    expect(page.locator("#jobs-body[data-loaded]")).to_have_count(1)
+    if not page.locator("#new-job").evaluate("node => node.open"):
+        page.click("#new-job > summary")
+    expect(page.locator("#submit-form")).to_be_visible()
+
+
 def screenshot(page: Page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
@@ -129,7 +138,7 @@ RECORD_ROW_CHANGES = """() => {
 def test_a_job_submitted_through_the_form_goes_live_to_succeeded_and_shows_its_report(live_server, tab, model_files):
     page = tab.page
     sign_in(page, f"{live_server.url}/")
-    expect(page.locator("#submit-form")).to_be_visible()
+    open_form(page)
     page.fill("#arch", "tests.nets:mixed_net")
     page.fill("#model-kwargs", '{"channels": 6}')
     page.set_input_files("#checkpoint", str(model_files["checkpoint"]))
@@ -211,6 +220,7 @@ def test_a_program_submitted_through_the_form_comes_back_recalibrated(live_serve
     program = export_program(perturbed(mixed_net()), torch.randn(1, 3, 6, 5), tmp_path / "team.pt2")
     page = tab.page
     sign_in(page, f"{live_server.url}/")
+    open_form(page)
     page.set_input_files("#program", str(program))
     page.set_input_files("#data", str(model_files["data"]))
     page.fill("#batch-size", "8")
@@ -252,6 +262,7 @@ def test_parquet_data_with_its_image_column_named_in_the_form(live_server, tab, 
     checkpoint = save_state(tmp_path / "classifier.pt", perturbed(classifier_net(3)))
     page = tab.page
     sign_in(page, f"{live_server.url}/")
+    open_form(page)
     page.fill("#arch", "tests.nets:classifier_net")
     page.fill("#model-kwargs", '{"classes": 3}')
     page.set_input_files("#checkpoint", str(checkpoint))
@@ -272,13 +283,13 @@ def test_parquet_data_with_its_image_column_named_in_the_form(live_server, tab, 
 def test_the_key_lives_in_session_storage_only(live_server, tab):
     page = tab.page
     sign_in(page, f"{live_server.url}/")
-    expect(page.locator("#submit-form")).to_be_visible()
+    expect(page.locator("#jobs")).to_be_visible()
     expect(page.locator("#key-state")).to_be_visible()
     assert page.evaluate("sessionStorage.getItem('bnrecal.apiKey')") == KEY
     assert page.evaluate("document.cookie") == "" and page.context.cookies() == []
     assert page.evaluate("localStorage.length") == 0
     page.reload()  # the tab's session keeps it: no second prompt
-    expect(page.locator("#submit-form")).to_be_visible()
+    expect(page.locator("#jobs")).to_be_visible()
     expect(page.locator("#key-panel")).to_be_hidden()
     assert tab.requested and all(KEY not in url for url in tab.requested)
     page.click("#forget-key")
@@ -300,6 +311,7 @@ def test_a_wrong_key_shows_the_401_detail_and_is_not_kept(live_server, tab):
 def test_an_invalid_spec_shows_the_422_detail_naming_the_field(live_server, tab, model_files):
     page = tab.page
     sign_in(page, f"{live_server.url}/")
+    open_form(page)
     page.fill("#arch", "tests.nets:mixed_net")
     page.set_input_files("#checkpoint", str(model_files["checkpoint"]))
     page.set_input_files("#data", str(model_files["data"]))

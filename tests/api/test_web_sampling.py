@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
-from tests.api.test_web_page import JOB_TIMEOUT_MS, browser, screenshot, sign_in, tab  # noqa: F401
+from tests.api.test_web_page import JOB_TIMEOUT_MS, browser, open_form, screenshot, sign_in, tab  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -62,6 +62,7 @@ def test_the_form_submits_auto_and_the_job_page_says_where_it_converged(live_ser
     # A key of its own: the list holds this job alone, so its first row is this job's (with the
     # shared web key, an earlier test's finished job may still be first when the status is read).
     sign_in(page, f"{live_server.url}/", key=KEYS["sampling"])
+    open_form(page)
     page.fill("#arch", "tests.nets:mixed_net")
     page.set_input_files("#checkpoint", str(sampling_files["checkpoint"]))
     page.set_input_files("#data", str(sampling_files["data"]))
@@ -77,7 +78,8 @@ def test_the_form_submits_auto_and_the_job_page_says_where_it_converged(live_ser
     line = page.locator("#job-statistics")
     expect(line).to_be_visible()
     expect(line).to_contain_text("statistics converged at")
-    expect(line).to_contain_text("of 800 samples (worst: ")
+    expect(line).to_contain_text("of 800 samples: every standard error under ±10.0%, about how far more data of the "
+                                 "same kind would move them (worst: ")
     expect(page.locator("#job-spec")).to_contain_text("until the statistics converge (±10.0%)")
     expect(page.locator("#job-spec")).to_contain_text("shuffled (seed 0)")
     report = page.frame_locator("#report-frame")
