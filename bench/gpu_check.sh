@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for the day a CUDA machine is at hand (README, "Tests"): the gpu-marked
+# The GPU check, for the day a CUDA machine is at hand (README, "Tests and checks"): the gpu-marked
 # tests, the calibration pass on CUDA against update_bn and a plain eval forward (resnet50
 # at 224, batch 128), and device-side JPEG decode, ending with one table. Under 8 minutes
 # on one GPU. Where there is no CUDA device it says so and exits 0.

@@ -6,7 +6,7 @@ after a warm-up of a few jobs, runs:
 - ``--jobs`` small jobs (``tests.nets:mixed_net`` on 32 samples, one worker, checkpoint
   and report), ``--concurrency`` submitted at a time, each polled to its end;
 - meanwhile ``--uploads`` uploads of 1 MiB of random bytes, all at once;
-- with ``--probes``, meanwhile and until the jobs end, issue 21's abusive requests
+- with ``--probes``, meanwhile and until the jobs end, the abuse tests' requests (tests/api/abuse.py)
   (``tests/api/abuse.py``: a model of 10^7 classes, 1024 workers, non-UTF-8 and 5,000-deep
   JSON, a 1 MB header, a compression bomb, NaN data, ...) from a second tenant, over and
   over, each of which must get its 4xx (or fail its job fast as bad input).
@@ -52,7 +52,7 @@ import servers  # bench/servers.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.api.abuse import PROBES, check, upload_blobs  # noqa: E402 - issue 21's probes
+from tests.api.abuse import PROBES, check, upload_blobs  # noqa: E402 - the abuse tests' probes
 from tests.nets import mixed_net, perturbed  # noqa: E402 - the repo's own test nets
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-growth", type=float, default=0.25, help="Largest RSS growth, as a fraction.")
-    parser.add_argument("--probes", action="store_true", help="Replay issue 21's abusive requests meanwhile.")
+    parser.add_argument("--probes", action="store_true", help="Replay the abuse tests' requests (tests/api/abuse.py) meanwhile.")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bnrecal-soak-"))
     port = servers.free_port()

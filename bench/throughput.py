@@ -20,7 +20,7 @@ set-up included); bnrecal's is over its calibration pass (the report's ``seconds
 the rank: the same things included). The whole command's wall time is printed beside
 each. Then, in this process, the warm figures: the same jobs run again on ranks kept
 warm by a first job, as the server's warm pool runs them. Ratios are against baselines
-measured in this run, and each README target is printed as met or NOT met.
+measured in this run, and each target (docs/benchmarks.md) is printed as met or NOT met.
 
     .venv/bin/python bench/throughput.py [--samples 512] [--repeats 2] [--models resnet18,efficientnet_b0]
 """
@@ -191,7 +191,7 @@ def warm(key: str, data: Path, args: argparse.Namespace, folder: Path, cold: dic
 
 
 def check(name: str, value: float, target: float) -> None:
-    """Print one README target as met or NOT met."""
+    """Print one target (docs/benchmarks.md) as met or NOT met."""
     print(f"- {name}: {value:.2f}x (target >= {target:.2f}x) {'met' if value >= target else 'NOT met'}")
 
 

@@ -18,7 +18,7 @@ Every round runs every command once, in turn, so that each command's time can be
 with the baseline's of the same round: the ratios are the median over rounds of command /
 update_bn of that round, less moved by a machine that others share than the times
 themselves. Printed: per job and command the median and min wall time, the paired ratio,
-the targets of issue 30 (K=1 within 1.2x of update_bn on the small job and faster on the
+the targets (K=1 within 1.2x of update_bn on the small job and faster on the
 512-sample job; K=2 within 5 s of K=1 on the small job) as met or NOT met, and the load.
 
     .venv/bin/python bench/wall_time.py [--rounds 3] [--jobs small,large]

@@ -1,7 +1,7 @@
 """``bench/soak.py`` in small: jobs, concurrent uploads and issue 21's abusive probes from a
 second tenant against one real server, with no 5xx, every job succeeded, every probe
 answered as it must be and every result intact. The full soak (200 jobs, 50 uploads) and its resource
-figures are quoted in the README's benchmarks section."""
+figures are quoted in docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ MIN_GAIN = 0.3
 MIN_RECALIBRATED = 0.9
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> demo.DemoInputs:
-    """The demo's files, written once for this module (training takes most of a minute)."""
-    return demo.write_demo_inputs(tmp_path_factory.mktemp("demo"))
+@pytest.fixture
+def inputs(demo_inputs: demo.DemoInputs) -> demo.DemoInputs:
+    """The demo's files, written once for the session (tests/test_docs.py runs the demo on them too)."""
+    return demo_inputs
 
 
 def top1(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
