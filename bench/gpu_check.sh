@@ -19,7 +19,7 @@ fi
 # tests are collected (quicker, and what the rest of the suite imports need not be there). Each test
 # is bounded, and so is the whole.
 mapfile -t files < <(grep -rlE 'mark\.gpu\b' tests --include='test_*.py' | sort)
-timeout 200 "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q --timeout 150 "${files[@]}" \
+timeout 200 "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q --timeout 150 -o addopts="-ra --strict-markers" "${files[@]}" \
     --junitxml "$OUT_DIR/gpu-tests.xml" 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
 timeout 180 "$PYTHON" bench/gpu_check.py --tests "$OUT_DIR/gpu-tests.xml" --json "$OUT_DIR/gpu-check.json" \

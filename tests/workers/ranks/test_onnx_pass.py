@@ -166,13 +166,17 @@ def test_held_batches_score_the_same_parts(scored):
 
 
 def _pass_rank_pids() -> set[int]:
-    """Rank processes now running an ONNX pass (Ray titles an actor process by its method)."""
+    """Rank processes of this test process's Ray now running an ONNX pass (Ray titles an
+    actor process by its method); another test run's ranks on the machine are not ours."""
     import psutil
 
     pids = set()
-    for process in psutil.process_iter(["cmdline"]):
-        if any("CalibrationRank.onnx_pass" in part for part in process.info["cmdline"] or []):
-            pids.add(process.pid)
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if any("CalibrationRank.onnx_pass" in part for part in process.cmdline()):
+                pids.add(process.pid)
+        except psutil.Error:  # ended meanwhile
+            pass
     return pids
 
 
