@@ -124,6 +124,25 @@ def largest_difference(got: Sequence[Sequence[np.ndarray]], expected: Sequence[S
     return worst, scale
 
 
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+"""The CPU flags (Linux's names) of the 8-bit dot-product instructions that accumulate in 32
+bits: without one of them OpenVINO's INT8 kernels add u8 x s8 pairs in 16 bits, which
+saturate (OpenVINO's documented "saturation issue" of SSE, AVX2 and AVX-512 without VNNI)."""
+
+
+def cpu_saturates_int8(cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU lacks VNNI, so that OpenVINO's INT8 outputs here may stray by
+    saturation, not because of the file. ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when
+    not given); where it cannot be read the CPU is taken to have VNNI (the check stays strict)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
+    return bool(flags) and not flags.intersection(VNNI_FLAGS)
+
+
 def runtime_entry(run: RuntimeRun, max_abs_diff: float | None = None, **extra: Any) -> dict[str, Any]:
     """The report's entry for one runtime: whether it ran the file, its version, its
     agreement (``max_abs_diff`` against the reference named by the section)."""

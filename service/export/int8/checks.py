@@ -21,7 +21,13 @@ from bnrecal.errors import ExportError, first_line
 from bnrecal.workers.engine.ranges import fixed_batch
 from bnrecal.workers.ranks.onnx_pass import scoring_session
 
-from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
+from bnrecal.service.export.runtimes import (
+    cpu_saturates_int8,
+    largest_difference,
+    onnxruntime_version,
+    run_openvino,
+    runtime_entry,
+)
 
 
 def session(model: bytes, threads: int | None = None):
@@ -90,12 +96,16 @@ def _openvino_agreement(int8_model: bytes, batches: Sequence[np.ndarray], onnxru
             diff, scale = largest_difference(run.outputs, fp32_outputs)
             agreement, _ = largest_difference(run.outputs, onnxruntime_outputs)
             allowed = 2 * onnxruntime_diff + OPENVINO_SLACK * max(1.0, scale)
-            if not diff <= allowed:
-                raise ExportError(
-                    f"the INT8 model differs in OpenVINO from the FP32 export by {diff:.3g}, onnxruntime by "
-                    f"{onnxruntime_diff:.3g} (allowed {allowed:.3g}): OpenVINO reads the graph otherwise; no file written"
-                )
-            openvino = runtime_entry(run, diff, max_abs_diff_to_onnxruntime=agreement)
+            strayed = (f"the INT8 model differs in OpenVINO from the FP32 export by {diff:.3g}, onnxruntime by "
+                       f"{onnxruntime_diff:.3g} (allowed {allowed:.3g})")
+            if diff <= allowed:
+                openvino = runtime_entry(run, diff, max_abs_diff_to_onnxruntime=agreement)
+            elif cpu_saturates_int8():  # this CPU's arithmetic, not the file: said in the report, not failed
+                openvino = runtime_entry(run, diff, max_abs_diff_to_onnxruntime=agreement, judged=False,
+                                         reason=f"{strayed} on a CPU without VNNI, whose 8-bit dot products "
+                                         "saturate in OpenVINO: that judges the CPU, not the file")
+            else:
+                raise ExportError(f"{strayed}: OpenVINO reads the graph otherwise; no file written")
     except (RuntimeError, ValueError) as exc:
         raise ExportError(f"the INT8 model fails in OpenVINO: {first_line(exc)}; no file written") from exc
     return {
