@@ -1,4 +1,5 @@
-"""The model zoos users bring (torchvision, timm), calibrated by two rank actors over the
+"""The model zoos users bring (torchvision here, timm in ``test_model_zoo_timm.py``, a module of
+its own so that the test run's second worker takes it), calibrated by two rank actors over the
 real GLOO collective in sync and local mode, each checked against the independent float64
 reference (each BN module's own forward in train mode), then exported folded to ONNX and
 verified in onnxruntime. Each model also goes through as a ``torch.export`` program (no
@@ -37,7 +38,7 @@ from bnrecal.service.export import export_folded_onnx
 from tests.programs import export_program
 from tests.reference import assert_matches_reference, reference_statistics
 from tests.service.export.helpers import assert_matches_torch, op_counts
-from tests.zoo import TIMM, TORCHVISION, ZooCase, stale
+from tests.zoo import TORCHVISION, ZooCase, stale
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -179,10 +180,4 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", [c.param() for c in TORCHVISION])
 def test_torchvision_zoo(ranks, case, tmp_path):
-    sweep(ranks, case, tmp_path)
-
-
-@pytest.mark.parametrize("case", [c.param() for c in TIMM])
-def test_timm_zoo(ranks, case, tmp_path):
-    pytest.importorskip("timm", reason="the timm extra is part of the test extras: pip install -e '.[test]'")
     sweep(ranks, case, tmp_path)
