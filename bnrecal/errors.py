@@ -198,19 +198,6 @@ class CorruptBlobError(InputError):
         self.digest = digest
 
 
-class CorruptBlobError(InputError):
-    """A stored blob whose bytes no longer hash to its digest (damaged on disk or in the
-    bucket): it was quarantined, so the next upload of the right bytes stores it again."""
-
-    status = 422
-    title = "Corrupt blob"
-
-    def __init__(self, message: str, field: str | None = None, digest: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-        self.digest = digest
-
-
 class HeadersTooLargeError(InputError):
     """A request whose header section is larger than the server reads."""
 

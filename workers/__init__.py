@@ -7,8 +7,8 @@
 - ``data/``: calibration data, described once and read in row ranges by each rank.
 - ``ranks/``: the Ray side: rank actors, their group and warm pool, sharding, the collective.
 
-At the top stay the helpers every room shares: the one error hierarchy (``errors``),
-durable file writes (``files``), name suggestions (``suggestions``) and lazy exports
+At the top stay the helpers every room shares (the one error hierarchy is
+:mod:`bnrecal.errors`, above every package): durable file writes (``files``), name suggestions (``suggestions``) and lazy exports
 (``lazy``). Rooms import downwards only: ``ranks`` -> ``models`` -> ``programs`` ->
 ``engine`` -> ``data``; ``tests/test_import_graph.py`` holds them to it.
 """
@@ -24,12 +24,6 @@ _HOMES = {
     "models.checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
     "engine.collective": ("Collective", "SingleProcessCollective"),
     "ranks.collectives": ("RayCollective", "backend_for_device"),
-    "errors": (
-        "ArchitectureError", "AuthenticationError", "BnrecalError", "CallOrderError", "CancelledError",
-        "CheckpointError", "DatasetError", "ExportError", "InputError", "InsufficientStorageError",
-        "ModelInputError", "NoBatchNormError", "NotFoundError", "PayloadTooLargeError", "ProgramError", "QuotaExceededError",
-        "RunError", "ServiceUnavailableError", "SpecError", "UnsupportedLayerError",
-    ),
     "ranks.group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models.architectures": ("build_model", "parse_allowed_modules"),
     "engine.moments": ("MomentStats",),

@@ -3,7 +3,7 @@
 A dataset of shards is a sorted list of :class:`ShardRef`: where each shard lies (a local
 path or an ``s3://`` URI, or a byte range of a file: a shard inside an uploaded tar of
 shards), its size, and its version (a local file's size and mtime, an object's ETag), which
-keys the cache of its index (:mod:`workers.data.shardindex`). The listing happens once, on
+keys the cache of its index (:func:`workers.data.webdataset.tar_index`). The listing happens once, on
 the driver; the ranks get the list with the dataset's description and never list again.
 Rules (docs/data.md):
 
