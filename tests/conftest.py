@@ -68,27 +68,13 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres").create_database()
 
 
-def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of this test run shared by its xdist workers (each has a base of its own
-    below it), for what the whole run makes once."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 @pytest.fixture(scope="session")
 def demo_inputs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The quick-start demo's inputs (``make demo``'s stale resnet18 and its data), trained
-    once for the run, whichever worker asks first (most of a minute), as ``make demo`` keeps them."""
-    from filelock import FileLock
-
+    once for the run (most of a minute), as ``make demo`` keeps them."""
     from bnrecal.service import demo
 
-    shared = shared_tmp(tmp_path_factory)
-    with FileLock(str(shared / "demo.lock")):
-        paths = demo.demo_paths(shared / "demo")
-        if not all(path.is_file() for path in paths):
-            demo.write_demo_inputs(shared / "demo")
-    return paths
+    return demo.write_demo_inputs(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture

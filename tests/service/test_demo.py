@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,9 +98,8 @@ def test_inputs_written_earlier_are_reused(capsys: pytest.CaptureFixture[str], t
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
 def test_class_ordered_data_with_300_samples_calibrates_as_well_as_all_of_it(
-    inputs: demo.DemoInputs, tmp_path: Path
+    inputs: demo.DemoInputs, tmp_path: Path, warm_pool: Any
 ) -> None:
     """The calibration scans written class by class (as class folders are read): 300 samples
     of the default fair order do as well as all 1437 (within noise), and the report says the
@@ -117,7 +117,7 @@ def test_class_ordered_data_with_300_samples_calibrates_as_well_as_all_of_it(
             arch="torchvision:resnet18", model_kwargs={"num_classes": 10}, checkpoint=inputs.checkpoint,
             data=by_class, eval_data=inputs.eval, batch_size=32, **options,
         )
-        return recalibrate(request, settings).report
+        return recalibrate(request, settings, pool=warm_pool).report  # the three runs on one gang
 
     everything, fair, first = evaluated(), evaluated(max_samples=300), evaluated(max_samples=300, order="given")
     assert (fair["order"], fair["seed"], fair["samples"]) == ("shuffled", 0, 300)

@@ -1,5 +1,4 @@
-"""The model zoos users bring (torchvision here, timm in ``test_model_zoo_timm.py``, a module of
-its own so that the test run's second worker takes it), calibrated by two rank actors over the
+"""The model zoos users bring (torchvision here, timm in ``test_model_zoo_timm.py``), calibrated by two rank actors over the
 real GLOO collective in sync and local mode, each checked against the independent float64
 reference (each BN module's own forward in train mode), then exported folded to ONNX and
 verified in onnxruntime. Each model also goes through as a ``torch.export`` program (no

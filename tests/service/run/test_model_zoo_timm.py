@@ -1,6 +1,5 @@
 """timm's zoo through the sweep of ``test_model_zoo.py`` (its docstring says what each model
-goes through), in a module of its own: each module runs whole on one test worker, and the
-two zoos together were the suite's longest module."""
+goes through), in a module of its own, so each zoo's time shows in the run's durations."""
 
 from __future__ import annotations
 
