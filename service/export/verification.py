@@ -25,6 +25,9 @@ from bnrecal.errors import ExportError, first_line
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 
+VERIFY_SAMPLES = 8
+"""Samples an exported file (FP32, float16 or INT8) is verified on: batch 1 and a batch of these."""
+
 
 @dataclass
 class VerificationResult:

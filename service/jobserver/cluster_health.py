@@ -29,6 +29,7 @@ import ray
 from bnrecal.errors import ServiceUnavailableError
 
 from .capacity import Node, cluster_nodes
+from .periodic import Periodic
 
 log = logging.getLogger("bnrecal.cluster")
 
@@ -71,17 +72,21 @@ class ClusterHealth:
         self._error = "Ray has not answered yet"
         self._listeners: list[Callable[[str], None]] = []
         self._lost: str | None = None
-        self._stop = threading.Event()
+        self._probes = Periodic("bnrecal-ray-probe", PROBE_INTERVAL_S, self._probe_tick,
+                                "probing the Ray cluster failed", log)
+        self._watchdog = Periodic("bnrecal-ray-watchdog", PROBE_INTERVAL_S / 2, self._watch_tick,
+                                  "watching the embedded Ray instance failed", log)
 
     def start(self) -> None:
         """Ask once now (so a server is ready as soon as it starts), then keep asking in the background."""
         self._probe_once()
-        threading.Thread(target=self._probe_loop, name="bnrecal-ray-probe", daemon=True).start()
-        threading.Thread(target=self._watch_loop, name="bnrecal-ray-watchdog", daemon=True).start()
+        self._probes.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
         """Stop probing (a call in flight is left to end on its own)."""
-        self._stop.set()
+        self._probes.stop(timeout=None)
+        self._watchdog.stop(timeout=None)
 
     def on_lost(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` once if the embedded instance dies."""
@@ -145,22 +150,21 @@ class ClusterHealth:
             self._nodes, self._answered_at, self._error = nodes, time.monotonic(), "no answer"
             self._answered.notify_all()
 
-    def _probe_loop(self) -> None:
-        while not self._stop.wait(PROBE_INTERVAL_S):
-            if self.lost is not None:
-                return  # nothing will answer again; asking would only block this thread
-            self._probe_once()  # may block for as long as Ray does: the answer's age tells
+    def _probe_tick(self) -> bool:
+        if self.lost is not None:
+            return False  # nothing will answer again; asking would only block this thread
+        self._probe_once()  # may block for as long as Ray does: the answer's age tells
+        return True
 
-    def _watch_loop(self) -> None:
-        while not self._stop.wait(PROBE_INTERVAL_S / 2):
-            reason = self._gcs_exit()
-            if reason is None:
-                continue
-            self._lost = reason
-            log.error("%s: /readyz answers 503, submissions are refused, running jobs fail", reason)
-            for listener in self._listeners:
-                try:
-                    listener(reason)
-                except Exception:  # noqa: BLE001 - every listener gets its turn
-                    log.exception("handling the loss of the Ray instance failed")
-            return
+    def _watch_tick(self) -> bool:
+        reason = self._gcs_exit()
+        if reason is None:
+            return True
+        self._lost = reason
+        log.error("%s: /readyz answers 503, submissions are refused, running jobs fail", reason)
+        for listener in self._listeners:
+            try:
+                listener(reason)
+            except Exception:  # noqa: BLE001 - every listener gets its turn
+                log.exception("handling the loss of the Ray instance failed")
+        return False

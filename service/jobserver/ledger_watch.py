@@ -10,7 +10,6 @@ its streams then read the job from the ledger as usual.
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import or_, select
@@ -18,6 +17,7 @@ from sqlalchemy import or_, select
 from .events import ChangeFeed
 from .jobs import JobStatus
 from .ledger import JobRow, Ledger
+from .periodic import Periodic
 
 log = logging.getLogger("bnrecal.ledger_watch")
 
@@ -32,19 +32,16 @@ class LedgerWatcher:
         self.feed = feed
         self.interval_s = interval_s
         self._seen: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic("bnrecal-ledger-watch", interval_s, self.poll,
+                                  "polling the ledger for other replicas' changes failed", log)
 
     def start(self) -> None:
         """Poll in a daemon thread until :meth:`stop`."""
-        self._thread = threading.Thread(target=self._loop, name="bnrecal-ledger-watch", daemon=True)
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop polling."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._periodic.stop(timeout)
 
     def poll(self) -> list[str]:
         """One look at the ledger: publish (and return) the ids of the jobs whose revision changed."""
@@ -60,10 +57,3 @@ class LedgerWatcher:
         for job_id in changed:
             self.feed.publish(job_id)
         return changed
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - a database hiccup must not end the watching
-                log.exception("polling the ledger for other replicas' changes failed; retrying")

@@ -15,7 +15,6 @@ store keeps one; other objects are downloaded and hashed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from .blobs import BlobStore
 from .ledger import Ledger
 from .ledger.engines import exclusive_turn
 from .metrics import ServiceMetrics
+from .periodic import Periodic
 
 log = logging.getLogger("bnrecal.scrub")
 
@@ -47,32 +47,22 @@ class BlobScrubber:
         self.ledger = ledger
         self.blobs = blobs
         self.metrics = metrics
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic("bnrecal-scrub", settings.scrub_interval_s, self._scrub_once, "the scrub failed", log)
 
     def start(self) -> None:
         """Scrub every ``BNRECAL_SCRUB_INTERVAL_S`` seconds (not at all if 0); the first pass one interval in."""
-        if self.settings.scrub_interval_s <= 0:
-            return
-        self._thread = threading.Thread(target=self._loop, name="bnrecal-scrub", daemon=True)
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop scrubbing (between two blobs)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._periodic.stop(timeout)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.settings.scrub_interval_s):
-            try:
-                with exclusive_turn(self.ledger.engine, "blob scrub") as mine:
-                    if not mine:  # another replica is scrubbing the shared store
-                        continue
-                    report = self.scrub()
-                log.info("scrub: %d blobs, %d bytes checked, %d corrupt", report.blobs, report.bytes, len(report.corrupt))
-            except Exception:  # noqa: BLE001 - a bad moment must not end the scrubbing
-                log.exception("the scrub failed; trying again in %s s", self.settings.scrub_interval_s)
+    def _scrub_once(self) -> None:
+        with exclusive_turn(self.ledger.engine, "blob scrub") as mine:
+            if not mine:  # another replica is scrubbing the shared store
+                return
+            report = self.scrub()
+        log.info("scrub: %d blobs, %d bytes checked, %d corrupt", report.blobs, report.bytes, len(report.corrupt))
 
     def scrub(self) -> ScrubReport:
         """One pass over every tenant's blobs: each re-hashed (quarantined when it no longer
@@ -82,7 +72,7 @@ class BlobScrubber:
         began = time.monotonic()
         for tenant in self.blobs.tenants():
             for digest, _stat in list(self.blobs.stored(tenant)):
-                if self._stop.is_set():
+                if self._periodic.stopping:
                     return report
                 try:
                     read = self.blobs.scrub(tenant, digest)
@@ -98,7 +88,7 @@ class BlobScrubber:
                     self.metrics.scrub_bytes.inc(read)
                 if pace:
                     ahead = report.bytes / pace - (time.monotonic() - began)
-                    if ahead > 0 and self._stop.wait(ahead):
+                    if ahead > 0 and self._periodic.wait(ahead):
                         return report
         if self.metrics is not None:
             self.metrics.scrub_last_completed.set(time.time())

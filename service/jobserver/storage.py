@@ -40,6 +40,7 @@ from .blobs import BlobStore, is_digest
 from .jobs import JobRecord, JobStatus
 from .ledger import Ledger
 from .ledger.engines import exclusive_turn
+from .periodic import Periodic
 
 log = logging.getLogger("bnrecal.storage")
 
@@ -134,35 +135,26 @@ class StorageCollector:
         self.blobs = blobs
         self.unpack_root = Path(settings.unpack_options()["unpack_root"])
         self._lock = threading.Lock()  # one collection (or deletion) at a time in this process
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic("bnrecal-collector", settings.gc_interval_s, self._collect_once,
+                                  "storage collection failed", log)
 
     # -- the periodic collection -------------------------------------------------------
 
     def start(self) -> None:
         """Collect every ``BNRECAL_GC_INTERVAL_S`` seconds in a daemon thread (not at all if 0)."""
-        if self.settings.gc_interval_s <= 0:
-            return
-        self._thread = threading.Thread(target=self._loop, name="bnrecal-collector", daemon=True)
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the periodic collection (a collection under way finishes first)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._periodic.stop(timeout)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.settings.gc_interval_s):
-            try:
-                with exclusive_turn(self.ledger.engine, "storage collector") as mine:
-                    if not mine:  # another replica is collecting the shared store right now
-                        continue
-                    report = self.collect()
-                if report.removals:
-                    log.info("storage collection %s", report.summary())
-            except Exception:  # noqa: BLE001 - a bad moment (a locked db) must not end collection
-                log.exception("storage collection failed; trying again in %s s", self.settings.gc_interval_s)
+    def _collect_once(self) -> None:
+        with exclusive_turn(self.ledger.engine, "storage collector") as mine:
+            if not mine:  # another replica is collecting the shared store right now
+                return
+            report = self.collect()
+        if report.removals:
+            log.info("storage collection %s", report.summary())
 
     # -- collection ----------------------------------------------------------------------
 

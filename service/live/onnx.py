@@ -11,10 +11,9 @@ from torch import nn
 
 from bnrecal.errors import SpecError
 
+from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET
 
-VERIFY_SAMPLES = 8
-"""Samples of ``sample`` the export is verified on (batch 1 and a batch of these)."""
 
 
 def export_onnx(

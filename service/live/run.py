@@ -18,8 +18,8 @@ from torch import nn
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
-from bnrecal.workers.engine.batchnorm import SkippedLayer, find_batchnorm_layers
-from bnrecal.errors import ModelInputError, NoBatchNormError, SpecError, first_line
+from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
+from bnrecal.errors import ModelInputError, SpecError, first_line
 
 from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, RunPlan, run
 from bnrecal.service.run.executors import InProcess, RayRanks
@@ -112,8 +112,8 @@ def recalibrate(
         max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
         image_column=image_column,
     )
-    if isinstance(model, nn.Module) and not find_batchnorm_layers(model)[0]:  # before any export
-        raise _no_batchnorm(model, find_batchnorm_layers(model)[1])
+    if isinstance(model, nn.Module):  # before any export
+        require_batchnorm_layers(model, f"model {type(model).__name__}")
     if server is not None:
         from .remote import recalibrate_on_server
 
@@ -205,11 +205,6 @@ def _dtype_advice(model: Any, sample: Any, forward: Forward | None) -> SpecError
         f"give forward=lambda model, batch: model(batch[0].to(torch.{other[0]})) (or however it takes a batch)",
         field="forward",
     )
-
-
-def _no_batchnorm(model: Any, skipped: list[SkippedLayer]) -> NoBatchNormError:
-    detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-    return NoBatchNormError(f"model {type(model).__name__} has no BatchNorm layer to recalibrate{detail}")
 
 
 def _not_picklable(

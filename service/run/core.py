@@ -33,11 +33,11 @@ from torch import nn
 from bnrecal.workers.data import DatasetSpec, discard_unpack
 from bnrecal.workers.data.kept import KeepDecoded, KeptCounts
 from bnrecal.workers.data.loader import LoaderSpec
-from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, find_batchnorm_layers
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.moments import MomentStats
-from bnrecal.errors import CallOrderError, CancelledError, DatasetError, NoBatchNormError, RunError
+from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.local import IN_PROCESS
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
@@ -212,10 +212,7 @@ def run(
     plan = _kept(plan, scope)
     try:
         try:
-            layers, skipped = find_batchnorm_layers(plan.model)
-            if not layers:
-                detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-                raise NoBatchNormError(f"{plan.label} has no BatchNorm layer to recalibrate{detail}")
+            layers, skipped = require_batchnorm_layers(plan.model, plan.label)
             call_order = probe_call_order(plan.model, layers, plan.probe, plan.feed)
             old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
             stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}

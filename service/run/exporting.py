@@ -14,12 +14,11 @@ from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
 from bnrecal.service.export.graph_reuse import GraphReuse
+from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET
 from bnrecal.service.run.recalibration import Recalibration
 from bnrecal.service.settings import Settings
 
-VERIFY_SAMPLES = 8
-"""Calibration samples used to verify an export (batch 1 and this batch)."""
 
 
 def export_recalibrated(

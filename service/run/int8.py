@@ -41,10 +41,10 @@ from bnrecal.service.export.int8.quantizer import (
     tensors_data,
     write_qdq,
 )
+from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
 from bnrecal.service.settings import Settings
 
-VERIFY_SAMPLES = 8
 MODEL, STALE = 0, 1
 """Where the model to quantize and the stale model stand in a pass of both."""
 

@@ -22,7 +22,8 @@ from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
 from bnrecal.service.run.exporting import export_recalibrated, scores_output
-from bnrecal.service.run.int8 import VERIFY_SAMPLES, fp32_bytes_for, quantize_export
+from bnrecal.service.export.verification import VERIFY_SAMPLES
+from bnrecal.service.run.int8 import fp32_bytes_for, quantize_export
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
 from bnrecal.service.run.report import ONNX_RUNTIME, add_to_timeline, where_ranks_ran

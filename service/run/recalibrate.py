@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from bnrecal.errors import NoBatchNormError
 from bnrecal.workers.data import describe_dataset
-from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
+from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, run
@@ -65,10 +64,7 @@ def recalibrate(
         checkpoint_name=request.checkpoint_name, program=request.program, program_name=request.program_name,
     )
     model = loaded.model
-    if not find_batchnorm_layers(model)[0]:  # before the data is read: nothing to do
-        skipped = find_batchnorm_layers(model)[1]
-        detail = f" ({len(skipped)} without running statistics)" if skipped else ""
-        raise NoBatchNormError(f"{loaded.label} has no BatchNorm layer to recalibrate{detail}")
+    require_batchnorm_layers(model, loaded.label)  # before the data is read: nothing to do
     dataset = describe_dataset(
         request.data,
         transform=request.transform,
@@ -136,7 +132,7 @@ def trace_beside(model: nn.Module, probe: torch.Tensor, reuse: GraphReuse, outpu
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
     """How many of the first samples the ranks hand back for the exports' checks: the
     verified batch, or a program's static batch where it is larger; none without an export."""
-    from bnrecal.service.run.exporting import VERIFY_SAMPLES
+    from bnrecal.service.export.verification import VERIFY_SAMPLES
 
     if outputs is None or not outputs.any:
         return 0

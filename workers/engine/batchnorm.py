@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnrecal.workers.engine.modes import MODES
-from bnrecal.errors import RunError, UnsupportedLayerError
+from bnrecal.errors import NoBatchNormError, RunError, UnsupportedLayerError
 
 __all__ = [
     "MODES", "BatchNormLayer", "SkippedLayer", "find_batchnorm_layers", "layers_named", "unsupported_layer",
@@ -117,6 +117,17 @@ def find_batchnorm_layers(model: nn.Module) -> tuple[list[BatchNormLayer], list[
             skipped.append(SkippedLayer(name, "lazy layer never initialised"))
         else:
             layers.append(BatchNormLayer(name, module))
+    return layers, skipped
+
+
+def require_batchnorm_layers(model: nn.Module, label: str) -> tuple[list[BatchNormLayer], list[SkippedLayer]]:
+    """``find_batchnorm_layers``, refusing a model with nothing to recalibrate: every surface
+    checks this before it reads data or exports, with the same message (``label`` names the
+    model as its user gave it)."""
+    layers, skipped = find_batchnorm_layers(model)
+    if not layers:
+        detail = f" ({len(skipped)} without running statistics)" if skipped else ""
+        raise NoBatchNormError(f"{label} has no BatchNorm layer to recalibrate{detail}")
     return layers, skipped
 
 
