@@ -7,6 +7,9 @@ and a client still sending (a 1 MB ``Authorization`` header) sees "connection re
 peer" instead of any answer. Here the answer is sent, the sending side shut, and what the
 client still sends read and dropped (for a bounded time and size) until it closes, so the
 answer arrives. ``bnrecal serve`` runs this protocol (``service.cli.remote.HTTP_PROTOCOL``).
+
+uvicorn's ``H11Protocol`` and h11's ``_connection`` are not public APIs: every private part
+used here is named by ``tests/api/test_http11.py``, which fails when an upgrade moves one.
 """
 
 from __future__ import annotations
