@@ -1,4 +1,5 @@
-"""Every name a package exports can be imported, and no module defines a class or function
+"""Every name a package exports can be imported, a package's ``__init__.py`` only re-exports
+(its logic lives in a module whose name says what it is), and no module defines a class or function
 twice (the second silently replaces the first: ``bnrecal.errors`` once carried two
 ``CorruptBlobError`` classes, and ``bnrecal.workers`` exported twenty names from a module
 that no longer existed)."""
@@ -62,3 +63,17 @@ def test_the_check_finds_a_second_definition() -> None:
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_no_module_defines_a_name_twice(path: Path) -> None:
     assert defined_twice(ast.parse(path.read_text(encoding="utf-8")).body) == []
+
+
+RE_EXPORTS = (ast.Import, ast.ImportFrom, ast.Assign, ast.If, ast.Try, ast.Expr)
+"""What a package's ``__init__.py`` may hold: imports, ``__all__`` or a lazy-export table,
+``if TYPE_CHECKING`` imports, the version lookup, its docstring."""
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_only_re_exports(package: str) -> None:
+    tree = ast.parse((source_folder(package) / "__init__.py").read_text(encoding="utf-8"))
+    logic = [f"{type(node).__name__} at line {node.lineno}" for node in tree.body if not isinstance(node, RE_EXPORTS)]
+    logic += [f"{type(node).__name__} at line {node.lineno}" for node in ast.walk(tree)
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.While, ast.Lambda))]
+    assert logic == [], f"{package}/__init__.py holds logic: move it to a module"
