@@ -121,7 +121,7 @@ OPSET = DEFAULT_OPSET
 
 def _brace_pattern(value: str) -> bool:
     """Whether ``value`` names shards by a brace pattern (imports the data room, and so torch)."""
-    from bnrecal.workers.data.shardlist import has_brace_pattern
+    from bnrecal.workers.data.shards.listing import has_brace_pattern
 
     return has_brace_pattern(value)
 
@@ -130,7 +130,7 @@ def _glob_hint(value: str) -> str:
     """'; ' and what to give instead of a glob (docs/data.md, "WebDataset"), '' for a plain path."""
     if not any(c in value for c in "*?["):  # only a glob needs the data room (and torch, which it imports)
         return ""
-    from bnrecal.workers.data.globs import glob_hint
+    from bnrecal.workers.data.shards.patterns import glob_hint
 
     return f"; {glob_hint(value)}"
 
@@ -148,7 +148,7 @@ def check_paths(
         if value is None or "://" in str(value):
             continue
         if "{" in str(value) and _brace_pattern(str(value)):  # shards by pattern: each shard must be there
-            from bnrecal.workers.data.shardlist import expand_braces
+            from bnrecal.workers.data.shards.listing import expand_braces
 
             missing = [name for name in expand_braces(str(value)) if not Path(name).exists()]
             if missing:

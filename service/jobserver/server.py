@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import ray
 
-from bnrecal.workers.data.archive import mark_collected_root
+from bnrecal.workers.data.formats.archive import mark_collected_root
 from bnrecal.errors import (
     CheckpointError,
     ConflictError,

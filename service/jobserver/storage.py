@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from bnrecal.workers.data.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
+from bnrecal.workers.data.formats.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
 from bnrecal.errors import ConflictError, NotFoundError
 
 from ..settings import Settings

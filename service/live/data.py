@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from bnrecal.workers.data import DatasetSpec, describe_dataset
-from bnrecal.workers.data.loader import LoaderSpec, batch_length, sample_shape, slice_batch
+from bnrecal.workers.data.formats.loader import LoaderSpec, batch_length, sample_shape, slice_batch
 from bnrecal.workers.data.objectstore import is_data_uri
-from bnrecal.workers.data.shardsource import is_shard_list
+from bnrecal.workers.data.shards.detection import is_shard_list
 from bnrecal.errors import DatasetError, SpecError
 
 from ..settings import Settings

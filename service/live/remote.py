@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.errors import CancelledError, SpecError
 
 from bnrecal.service.run.options import RunOptions

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.data.loader import LoaderSpec, call_model, check_splittable, model_input
+from bnrecal.workers.data.formats.loader import LoaderSpec, call_model, check_splittable, model_input
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.errors import ModelInputError, SpecError, first_line
 

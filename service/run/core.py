@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from bnrecal.workers.data import DatasetSpec, discard_unpack
-from bnrecal.workers.data.kept import KeepDecoded, KeptCounts
-from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.data.reading.kept import KeepDecoded, KeptCounts
+from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order

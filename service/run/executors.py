@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.data.kept import KeptCounts, release_kept
-from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.data.reading.kept import KeptCounts, release_kept
+from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
 from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan

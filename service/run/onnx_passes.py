@@ -4,7 +4,7 @@ evaluation data, with its own (docs/int8.md, "How the ranges are gathered").
 
 :class:`OnnxPasses` is what the INT8 phase (``service.run.int8``) asks for passes. It knows
 the evaluation's labels and whether the evaluation samples are the calibration samples (the
-same data given for both, ``workers.data.alignment``): then one pass over them gathers the
+same data given for both, ``workers.data.reading.alignment``): then one pass over them gathers the
 FP32 models' ranges and measures them too, each sample's label and part found by its
 evaluation position. Where a pass runs is a subclass's: this process
 (:class:`InProcessPasses`: ``bnrecal export``, the Python API, a one-worker run) or the
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from bnrecal.workers.data import DatasetSpec, iter_batches
-from bnrecal.workers.data.alignment import positions_in
-from bnrecal.workers.data.kept import open_kept
+from bnrecal.workers.data.reading.alignment import positions_in
+from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.onnx_pass import (
     Comparison, OnnxPassRequest, PassModel, onnx_pass, pass_phase,

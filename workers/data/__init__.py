@@ -2,28 +2,28 @@
 
 Arrays (``.npy``/``.npz``) are memory-mapped or streamed, never loaded whole; image
 folders and archives of images are decoded and transformed batch by batch. See
-:mod:`workers.data.images` for the folder layout rules and :mod:`workers.data.archive`
+:mod:`workers.data.formats.images` for the folder layout rules and :mod:`workers.data.formats.archive`
 for the unpacking safety rules. This room imports only torch, numpy, PIL, fsspec, Ray's
-object store (``shipping``) and the shared helpers at the top of ``workers``: nothing of
+object store (``reading.shipping``) and the shared helpers at the top of ``workers``: nothing of
 ``engine``, ``models``, ``programs`` or ``ranks``.
 """
 
 from __future__ import annotations
 
-from bnrecal.workers.data.archive import (
+from bnrecal.workers.data.formats.archive import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
     default_unpack_root,
     discard_unpack,
 )
-from bnrecal.workers.data.arrays import ArrayData, ArrayLayout
-from bnrecal.workers.data.base import CalibrationData
-from bnrecal.workers.data.batches import iter_batches
-from bnrecal.workers.data.images import IMAGE_EXTENSIONS, ImageData
-from bnrecal.workers.data.labels import read_labels
-from bnrecal.workers.data.shipping import ShippedData, ship_dataset
+from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout
+from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.reading.batches import iter_batches
+from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
+from bnrecal.workers.data.formats.labels import read_labels
+from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
 from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format
-from bnrecal.workers.data.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
+from bnrecal.workers.data.formats.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 
 __all__ = [
     "DEFAULT_MAX_MEMBERS",

@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
-from bnrecal.workers.data.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
-from bnrecal.workers.data.order import gather_runs
-from bnrecal.workers.data.transform import ImageTransform, decode_image
+from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, compact_dtype, describe_npy_stream, describe_npz_stream
+from bnrecal.workers.data.formats.images import ImageData, ImageListing, is_ignored_part, is_image_name, listing_of
+from bnrecal.workers.data.reading.order import gather_runs
+from bnrecal.workers.data.formats.transform import ImageTransform, decode_image
 from bnrecal.errors import DatasetError, SpecError
 
 SCHEMES = ("s3",)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from bnrecal.workers.data.archive import (
+from bnrecal.workers.data.formats.archive import (
     DEFAULT_MAX_COMPRESSION_RATIO,
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
@@ -18,12 +18,12 @@ from bnrecal.workers.data.archive import (
     discard_unpack,
     unpack_archive,
 )
-from bnrecal.workers.data.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
-from bnrecal.workers.data.base import CalibrationData
-from bnrecal.workers.data.formats import EXPECTED, SUFFIX_FORMATS, detect_format
-from bnrecal.workers.data.globs import not_found, stat_data
-from bnrecal.workers.data.images import ImageData, files_digest, list_images
-from bnrecal.workers.data.kept import KeepDecoded
+from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
+from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
+from bnrecal.workers.data.shards.patterns import not_found, stat_data
+from bnrecal.workers.data.formats.images import ImageData, files_digest, list_images
+from bnrecal.workers.data.reading.kept import KeepDecoded
 from bnrecal.workers.data.objectstore import (
     RemoteArrayData,
     RemoteImageData,
@@ -34,11 +34,11 @@ from bnrecal.workers.data.objectstore import (
     list_remote_images,
     parse_data_uri,
 )
-from bnrecal.workers.data.order import ORDERS, order_rows
-from bnrecal.workers.data.shards import ShardData, ShardSet
-from bnrecal.workers.data.shardlist import has_brace_pattern
-from bnrecal.workers.data.shardsource import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
-from bnrecal.workers.data.transform import ImageTransform, check_image_header, resolve_transform
+from bnrecal.workers.data.reading.order import ORDERS, order_rows
+from bnrecal.workers.data.shards.dataset import ShardData, ShardSet
+from bnrecal.workers.data.shards.listing import has_brace_pattern
+from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
+from bnrecal.workers.data.formats.transform import ImageTransform, check_image_header, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class DatasetSpec:
     order: str = "given"  # "shuffled" (seeded) or "given" (file order)
     seed: int = 0
     shards: ShardSet | None = None  # shards: the shards, their sample counts, the columns (transform None: .npy samples)
-    keep: KeepDecoded | None = None  # set by a run: its ranks keep what they decode for its later passes (workers.data.kept)
+    keep: KeepDecoded | None = None  # set by a run: its ranks keep what they decode for its later passes (workers.data.reading.kept)
 
     def sample_rows(self) -> np.ndarray:
         """The file row (array row, or index in the sorted image listing) of each sample position."""
@@ -178,7 +178,7 @@ def describe_dataset(
     A ``s3://`` URI is described from object storage (``endpoint_url`` overrides the AWS
     environment's endpoint); see :mod:`workers.data.objectstore`. Shards (a list of shard
     paths or URIs, a brace pattern, a folder or prefix of shards, a manifest, a WebDataset
-    tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shardsource`) are counted
+    tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shards.detection`) are counted
     here, each tar's index built and cached under the unpack root's parent folder
     (``shard-index/``); ``image_column``/``label_column`` name a Parquet or Arrow file's columns
     (data of another format refuses them, or with ``columns_elsewhere="ignore"`` reads as if

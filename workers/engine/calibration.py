@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.workers.data.loader import Step, move_to
+from bnrecal.workers.data.formats.loader import Step, move_to
 from bnrecal.workers.engine.batchnorm import BatchNormLayer
 from bnrecal.workers.engine.calibrator import BatchNormCalibrator
 from bnrecal.workers.engine.collective import Collective
@@ -121,7 +121,7 @@ def calibration_pass(
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
     ``batches`` yields one tensor per global step (empty where this rank's slice is
-    empty), or one :class:`~workers.data.loader.Step` (a batch in the user's structure,
+    empty), or one :class:`~workers.data.formats.loader.Step` (a batch in the user's structure,
     fed to the model by ``feed(model, batch)`` when given). Every module other than BN
     runs in eval mode. Returns the statistics of every layer over everything every rank
     saw; in ``local`` mode that includes the job's single allreduce. ``memory_format`` (``auto``, ``contiguous``,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from bnrecal.workers.data.loader import move_to
+from bnrecal.workers.data.formats.loader import move_to
 from bnrecal.workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
 from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from bnrecal.workers.data import CalibrationData
-from bnrecal.workers.data.kept import STORE, KeptCounts, keep_one_scope, release_kept
+from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope, release_kept
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.errors import BnrecalError, RunError, first_line
@@ -64,7 +64,7 @@ class CalibrationRank:
         keep_one_scope()  # what it keeps of a job's samples, it keeps for that job only
 
     def release_kept(self, scope: str) -> KeptCounts:
-        """Drop the samples this rank kept for the job ``scope`` (``workers.data.kept``) and
+        """Drop the samples this rank kept for the job ``scope`` (``workers.data.reading.kept``) and
         give their memory back; what the job's passes decoded and reused here."""
         counts = release_kept(scope)
         gc.collect()
@@ -237,7 +237,7 @@ class CalibrationRank:
         "node_id", "result"}``), so the driver's timeout counts time without progress, not
         the length of the pass."""
         from bnrecal.workers.data import iter_batches
-        from bnrecal.workers.data.kept import open_kept
+        from bnrecal.workers.data.reading.kept import open_kept
         from bnrecal.workers.ranks.onnx_pass import onnx_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
 

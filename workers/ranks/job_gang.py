@@ -2,7 +2,7 @@
 
 A job runs several passes on its ranks (the statistics with the evaluation, then the INT8
 range passes and scoring passes), and each rank keeps the samples it decoded for the
-later ones (``workers.data.kept``). So the job holds its gang between passes, where it
+later ones (``workers.data.reading.kept``). So the job holds its gang between passes, where it
 used to give it back to the pool after each: a :class:`JobGang` stands where a pool does
 for ``run_rank_group`` and ``run_range_group`` (``take``, ``give_back``), hands the same
 gang to every pass of the job (reset and checked between passes, as a pool does), and at
@@ -18,7 +18,7 @@ import threading
 
 import ray
 
-from bnrecal.workers.data.kept import KeptCounts
+from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 
 log = logging.getLogger("bnrecal.pool")

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import CalibrationData, iter_batches
-from bnrecal.workers.data.device_decode import on_device
-from bnrecal.workers.data.kept import open_kept
-from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.data.formats.device_decode import on_device
+from bnrecal.workers.data.reading.kept import open_kept
+from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective

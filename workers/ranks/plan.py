@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.data.loader import LoaderSpec
+from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.calibration import StopRule
 from bnrecal.workers.engine.evaluation import EvalTarget
 from bnrecal.workers.models.sources import ModelSource
@@ -35,7 +35,7 @@ class RankPlan:
     """The job as one rank sees it (identical for every rank but ``rank``-specific fields).
 
     ``dataset`` is a described file or prefix, or (``bnrecal.recalibrate``) a
-    :class:`~workers.data.loader.LoaderSpec` whose batches ``feed`` gives the model.
+    :class:`~workers.data.formats.loader.LoaderSpec` whose batches ``feed`` gives the model.
     """
 
     model: ModelSource

@@ -25,7 +25,7 @@ from bnrecal.service.jobserver.jobs import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
-from bnrecal.workers.data.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
+from bnrecal.workers.data.formats.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
 from bnrecal.errors import ConflictError, InsufficientStorageError, NotFoundError
 from bnrecal.service.jobserver.problems import http_status
 from tests.conftest import run_cli

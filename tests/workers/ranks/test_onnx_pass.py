@@ -16,7 +16,7 @@ import torch
 import torchvision
 
 from bnrecal.workers.data import iter_batches
-from bnrecal.workers.data.alignment import positions_in
+from bnrecal.workers.data.reading.alignment import positions_in
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.evaluation import EvalTarget, check_eval_output, evaluation_pass
 from bnrecal.workers.ranks.group import GroupOptions

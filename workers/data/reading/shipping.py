@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from bnrecal.workers.data.arrays import ArrayData
-from bnrecal.workers.data.base import CalibrationData, DecodedData
-from bnrecal.workers.data.images import ImageData
-from bnrecal.workers.data.shards import ShardData, decode_kept, from_kept_batch, kept_batch
+from bnrecal.workers.data.formats.arrays import ArrayData
+from bnrecal.workers.data.opened import CalibrationData, DecodedData
+from bnrecal.workers.data.formats.images import ImageData
+from bnrecal.workers.data.shards.dataset import ShardData, decode_kept, from_kept_batch, kept_batch
 from bnrecal.workers.data.spec import DatasetSpec
-from bnrecal.workers.data.transform import ImageTransform
+from bnrecal.workers.data.formats.transform import ImageTransform
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""Python-object calibration data (``workers.data.loader``): each rank's part of every step
+"""Python-object calibration data (``workers.data.formats.loader``): each rank's part of every step
 is its ``numpy.array_split`` part (docs/calibration.md, "Sharding"), for a dataset read through the
 rank's own DataLoader and for batches materialised on the driver alike."""
 
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from bnrecal.workers.data.loader import LoaderSpec, batch_length, model_input, slice_batch
+from bnrecal.workers.data.formats.loader import LoaderSpec, batch_length, model_input, slice_batch
 from bnrecal.errors import DatasetError, ModelInputError
 
 

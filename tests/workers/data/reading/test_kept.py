@@ -1,4 +1,4 @@
-"""What a rank keeps of the samples it decoded (workers.data.kept): a kept sample reads back
+"""What a rank keeps of the samples it decoded (workers.data.reading.kept): a kept sample reads back
 as the very floats a fresh decode gives, whatever held it (memory, the spill file); the
 budgets hold; a full disk keeps nothing more and fails nothing; a scope's release drops
 its samples and its spill file."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bnrecal.workers.data import describe_dataset, iter_batches, ship_dataset
-from bnrecal.workers.data.kept import DecodedStore, KeepDecoded, KeptCounts, KeptData, open_kept
+from bnrecal.workers.data.reading.kept import DecodedStore, KeepDecoded, KeptCounts, KeptData, open_kept
 from tests.disks import mounted_tmpfs
 from tests.shards import folder_order, photos, write_folder, write_tar_shards
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bnrecal.workers.data.base import DecodedData
-from bnrecal.workers.data.transform import ImageTransform, decode_image, normalize
+from bnrecal.workers.data.opened import DecodedData
+from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
 from bnrecal.errors import DatasetError
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")

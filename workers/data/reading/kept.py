@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.opened import CalibrationData
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import re
 
 from bnrecal.errors import DatasetError
 from bnrecal.workers.data.objectstore import RemoteSource, stat_object
-from bnrecal.workers.data.shardlist import expand_braces, is_shard_name
+from bnrecal.workers.data.shards.listing import expand_braces, is_shard_name
 
 _GLOB = re.compile(r"[*?\[]")
 _LIST_LIMIT = 20

@@ -24,10 +24,10 @@ from typing import IO, Any, Literal
 import numpy as np
 import torch
 
-from bnrecal.workers.data.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
-from bnrecal.workers.data.base import CalibrationData
+from bnrecal.workers.data.formats.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
+from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.integrity import verify_content_address
-from bnrecal.workers.data.order import ReadAhead, gather_runs
+from bnrecal.workers.data.reading.order import ReadAhead, gather_runs
 from bnrecal.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
@@ -274,7 +274,7 @@ class ArrayData(ReadAhead, CalibrationData):
     """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
 
     Files open lazily on the first ``load``; pickling drops them, so the object can cross
-    process boundaries and reopen on the other side. ``order`` (``workers.data.order``) is
+    process boundaries and reopen on the other side. ``order`` (``workers.data.reading.order``) is
     the row of each sample position when the samples are not taken in file order. ``name``
     is what errors call the file (the name the user knows), else the file's own name.
     """

@@ -5,7 +5,7 @@ A CUDA rank reading images does not decode them in CPU loader processes. It read
 encoded bytes (cheap reads), decodes its JPEGs together with
 ``torchvision.io.decode_jpeg(..., device="cuda")``, and resizes and centre-crops them there
 with the same torchvision operations on tensors. The uint8 crops come back to host memory,
-where the rank keeps them for the job's later passes (``workers.data.kept``) and where
+where the rank keeps them for the job's later passes (``workers.data.reading.kept``) and where
 every later step is the CPU path's. A sample that is not a JPEG (PNG, WebP, BMP, ``.npy``), a
 JPEG whose colour is subsampled (4:2:0, 4:2:2: most photos), and one that the device decoder
 refuses (a CMYK JPEG, say) is decoded by the CPU path.
@@ -25,9 +25,9 @@ import io
 
 import torch
 
-from bnrecal.workers.data.base import CalibrationData, DecodedData
-from bnrecal.workers.data.shards import decode_kept, kept_batch
-from bnrecal.workers.data.transform import ImageTransform
+from bnrecal.workers.data.opened import CalibrationData, DecodedData
+from bnrecal.workers.data.shards.dataset import decode_kept, kept_batch
+from bnrecal.workers.data.formats.transform import ImageTransform
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from bnrecal.workers.data.images import is_ignored_part, is_image_name
+from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_MAX_MEMBERS = 1_000_000

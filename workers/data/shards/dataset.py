@@ -3,7 +3,7 @@ unpacked, each rank reading only its own samples.
 
 A sample's index is its position over all shards in sorted order (members in tar order, rows
 in file order), so the same images give the same samples whether they come as a folder, tar
-shards or Parquet, and the seeded order (:mod:`workers.data.order`) is a permutation of
+shards or Parquet, and the seeded order (:mod:`workers.data.reading.order`) is a permutation of
 samples, not of files: global batches do not depend on the number of ranks and every prefix
 is a fair draw. A rank maps each of its positions to ``(shard, row)`` and reads the rows of a
 call sorted by shard and offset (tar: one ranged read per member; Parquet: the row groups
@@ -11,7 +11,7 @@ they lie in; gzip and Arrow: one forward pass), then puts them back in the step'
 Where a read is costly (object storage, gzip, Parquet row groups) and the order is
 shuffled, the rows of the next steps (up to :data:`READ_AHEAD_BYTES` of encoded samples)
 are read together, so a row group or a stretch of gzip is read once per window, not once
-per step. Samples decode exactly as image files do (:func:`workers.data.transform.load_image`);
+per step. Samples decode exactly as image files do (:func:`workers.data.formats.transform.load_image`);
 ``KEY.npy`` samples are arrays fed as they are.
 """
 
@@ -25,12 +25,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from bnrecal.workers.data.base import DecodedData
-from bnrecal.workers.data.columnar import ColumnarReader
-from bnrecal.workers.data.order import READ_AHEAD_BYTES
-from bnrecal.workers.data.shardlist import ShardRef
-from bnrecal.workers.data.transform import ImageTransform, decode_image, normalize
-from bnrecal.workers.data.webdataset import NO_LABEL, TarReader, tar_index
+from bnrecal.workers.data.opened import DecodedData
+from bnrecal.workers.data.formats.columnar import ColumnarReader
+from bnrecal.workers.data.reading.order import READ_AHEAD_BYTES
+from bnrecal.workers.data.shards.listing import ShardRef
+from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
+from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_index
 from bnrecal.errors import DatasetError
 
 ShardFormat = Literal["webdataset", "parquet", "arrow"]
@@ -108,7 +108,7 @@ def from_kept_batch(kept: torch.Tensor, transform: ImageTransform | None) -> tor
 
 def decode_kept(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:
     """One sample from its encoded bytes in the form a rank keeps it: an ``.npy`` array as
-    float32, an image as its uint8 crop (:func:`workers.data.transform.decode_image`)."""
+    float32, an image as its uint8 crop (:func:`workers.data.formats.transform.decode_image`)."""
     if data[:6] == _NPY_MAGIC:
         try:
             array = np.load(io.BytesIO(data), allow_pickle=False)

@@ -7,7 +7,7 @@ import pytest
 
 from bnrecal.errors import DatasetError
 from bnrecal.workers.data import describe_dataset
-from bnrecal.workers.data.globs import brace_pattern, glob_hint
+from bnrecal.workers.data.shards.patterns import brace_pattern, glob_hint
 
 from tests.shards import photos, write_folder, write_parquet
 

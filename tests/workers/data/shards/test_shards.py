@@ -273,7 +273,7 @@ def test_a_tar_of_parquet_files_is_read_in_place(formats, tmp_path):
 
 
 def test_listing_ranges_continue_the_last_keys_number():
-    from bnrecal.workers.data.shardlist import _cuts_after
+    from bnrecal.workers.data.shards.listing import _cuts_after
 
     assert _cuts_after("laion/part-000999.tar", 3) == ["laion/part-001999.tar", "laion/part-002999.tar", "laion/part-003999.tar"]
     assert _cuts_after("x/99500.parquet", 5) == []  # the next would need another digit: one range to the end

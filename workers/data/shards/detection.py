@@ -28,17 +28,17 @@ from typing import Any
 import numpy as np
 
 from bnrecal.errors import DatasetOptionError
-from bnrecal.workers.data.columnar import (
+from bnrecal.workers.data.formats.columnar import (
     ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
 )
 from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
-from bnrecal.workers.data.shardlist import (
+from bnrecal.workers.data.shards.listing import (
     LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ShardRef, has_brace_pattern, is_manifest_name, list_prefix,
     local_ref, prefix_shards, read_manifest, refs_of, shard_files_in,
 )
-from bnrecal.workers.data.shards import ShardData, ShardSet, decode_sample
-from bnrecal.workers.data.transform import ImageTransform, resolve_transform
-from bnrecal.workers.data.webdataset import classify_members, inner_shards, tar_index, tar_kind
+from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
+from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
+from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
 from bnrecal.errors import DatasetError
 
 PARQUET_MAGIC = b"PAR1"

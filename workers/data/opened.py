@@ -32,7 +32,7 @@ class CalibrationData(ABC):
 
     def load_kept(self, start: int, stop: int) -> torch.Tensor:
         """Samples ``[start, stop)`` in the form a rank keeps them between the passes of a
-        job (``workers.data.kept``): what ``load`` gives before its last, cheap step (uint8
+        job (``workers.data.reading.kept``): what ``load`` gives before its last, cheap step (uint8
         crops for images, before scaling and normalisation). ``from_kept`` finishes it."""
         return self.load(start, stop)
 
@@ -47,7 +47,7 @@ class CalibrationData(ABC):
 
     def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
         """Samples ``[start, stop)`` as their encoded bytes ``(name, bytes)``, for a decoder
-        elsewhere (a CUDA rank's, ``workers.data.device_decode``); None where the data has
+        elsewhere (a CUDA rank's, ``workers.data.formats.device_decode``); None where the data has
         no encoded form (arrays)."""
         return None
 
@@ -60,7 +60,7 @@ class CalibrationData(ABC):
     @property
     def worth_keeping(self) -> bool:
         """Whether reading a sample again costs a decode, so a rank keeps what it read for
-        the job's later passes (``workers.data.kept``); arrays read from a memory map are not."""
+        the job's later passes (``workers.data.reading.kept``); arrays read from a memory map are not."""
         return self.decodes
 
     def close(self) -> None:
@@ -90,7 +90,7 @@ class CalibrationData(ABC):
 class DecodedData(CalibrationData):
     """Data whose samples are decoded (images, shards, shipped encoded samples): ``load`` is
     ``load_kept`` (the decode) finished by ``from_kept``, so what a pass reads and what a rank
-    keeps for the job's later passes (``workers.data.kept``) come from one decode."""
+    keeps for the job's later passes (``workers.data.reading.kept``) come from one decode."""
 
     def load(self, start: int, stop: int) -> torch.Tensor:
         """Samples ``[start, stop)`` as float32: decoded, then finished (scaled, normalised)."""

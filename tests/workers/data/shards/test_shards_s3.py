@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import describe_dataset, read_labels, shardio
+from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data.shards import reads as shard_reads
 from bnrecal.workers.data.objectstore import RemoteSource
-from bnrecal.workers.data.shardlist import LIST_THREADS, list_prefix, prefix_shards, refs_of
+from bnrecal.workers.data.shards.listing import LIST_THREADS, list_prefix, prefix_shards, refs_of
 from bnrecal.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges
 
@@ -99,7 +100,7 @@ def test_a_glob_in_s3_says_globs_are_not_expanded_and_what_to_give(s3_server, up
 
 
 def test_each_rank_fetches_only_its_members_with_ranged_gets(s3_server, uploaded, tmp_path, monkeypatch):
-    monkeypatch.setattr(shardio, "GATHER_GAP_BYTES", 0)  # one request per member, to count them
+    monkeypatch.setattr(shard_reads, "GATHER_GAP_BYTES", 0)  # one request per member, to count them
     spec = describe_dataset(
         f"s3://{BUCKET}/wds", transform=TRANSFORM, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint,
         order="shuffled", seed=4,

@@ -27,10 +27,10 @@ from typing import IO
 
 import numpy as np
 
-from bnrecal.workers.data.columnar import UNLABELLED_INSTEAD
-from bnrecal.workers.data.images import is_ignored_part
-from bnrecal.workers.data.shardio import open_shard, read_ranges
-from bnrecal.workers.data.shardlist import ShardRef, is_shard_name
+from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
+from bnrecal.workers.data.formats.images import is_ignored_part
+from bnrecal.workers.data.shards.reads import open_shard, read_ranges
+from bnrecal.workers.data.shards.listing import ShardRef, is_shard_name
 from bnrecal.errors import DatasetError
 
 DATA_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "npy")

@@ -3,7 +3,7 @@
 A dataset of shards is a sorted list of :class:`ShardRef`: where each shard lies (a local
 path or an ``s3://`` URI, or a byte range of a file: a shard inside an uploaded tar of
 shards), its size, and its version (a local file's size and mtime, an object's ETag), which
-keys the cache of its index (:func:`workers.data.webdataset.tar_index`). The listing happens once, on
+keys the cache of its index (:func:`workers.data.formats.webdataset.tar_index`). The listing happens once, on
 the driver; the ranks get the list with the dataset's description and never list again.
 Rules (docs/data.md):
 
@@ -168,7 +168,7 @@ def list_local_pattern(pattern: str, role: str) -> list[ShardRef]:
 def shard_files_in(folder: Path) -> list[str] | None:
     """The shard files of a folder (relative POSIX paths, sorted) when it holds shards and no
     other data files; None when it is not a folder of shards (an image folder, say)."""
-    from bnrecal.workers.data.images import is_ignored_part, is_image_name
+    from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
 
     shards: list[str] = []
     for current, dirnames, filenames in os.walk(folder):
@@ -413,7 +413,7 @@ def _cuts_after(last: str, count: int) -> list[str]:
 def prefix_shards(source: RemoteSource, objects: dict[str, dict[str, Any]]) -> list[ShardRef] | None:
     """The shards of a listed prefix, sorted by relative key, when it holds shards and no
     image or array objects; None otherwise (an image prefix, say)."""
-    from bnrecal.workers.data.images import is_ignored_part, is_image_name
+    from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
 
     names = [n for n in objects if not any(is_ignored_part(p) for p in n.split("/"))]
     shards = sorted(n for n in names if is_shard_name(n))

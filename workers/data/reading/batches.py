@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bnrecal.workers.data.base import CalibrationData
-from bnrecal.workers.data.kept import KeptData
+from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.reading.kept import KeptData
 from bnrecal.errors import BnrecalError
 
 
