@@ -20,7 +20,7 @@ from fastapi import Request, Response
 from fastapi.responses import FileResponse
 from starlette.types import Receive, Scope, Send
 
-from bnrecal.service.jobserver.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs import BlobStore
 from bnrecal.service.jobserver.problems import problem_of
 from bnrecal.errors import CorruptBlobError, NotFoundError
 

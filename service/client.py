@@ -42,7 +42,7 @@ from bnrecal.errors import (
 )
 from bnrecal.workers.files import atomic_write
 
-from .jobserver.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
+from .jobserver.storage.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 from .jobserver.problems import error_classes, http_status
 
 TERMINAL = ("succeeded", "failed", "cancelled")

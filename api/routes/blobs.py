@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 from bnrecal.api.deps import ServicesDep, TenantDep
 from bnrecal.api.files import blob_response
 from bnrecal.api.problems import PROBLEM_RESPONSES, problem_responses
-from bnrecal.service.jobserver.blobs import MAX_FILENAME_CHARS
+from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS
 from bnrecal.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)

@@ -25,9 +25,9 @@ def collect_garbage(
     job ledger, and nothing a queued, running or retained job needs is deleted. Retention
     comes from BNRECAL_JOB_RETENTION_S, BNRECAL_BLOB_RETENTION_S and BNRECAL_UNPACK_RETENTION_S.
     """
-    from ..jobserver.blobs import open_blob_store
+    from ..jobserver.storage.blobs import open_blob_store
     from ..jobserver.ledger import Ledger, sqlite_url
-    from ..jobserver.storage import StorageCollector
+    from ..jobserver.storage.collection import StorageCollector
     from ..settings import Settings
 
     settings = Settings()

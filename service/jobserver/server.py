@@ -3,7 +3,7 @@
 Start-up makes the ledger the source of truth again before anything runs: uploads a
 crash left half written are dropped, jobs it left ``running`` are queued again (once)
 or failed with "interrupted by restart" (with a ledger shared by replicas, only those
-whose lease ran out: ``service/jobserver/job_leases.py``), and only then is Ray joined (or an embedded
+whose lease ran out: ``service/jobserver/jobs/leases.py``), and only then is Ray joined (or an embedded
 instance started) and the runner let loose on the queue.
 """
 
@@ -39,21 +39,21 @@ from bnrecal.errors import (
 
 from bnrecal.service.run.cluster import embedded_gcs_process, ensure_ray, kill_embedded_processes
 
-from ..settings import Settings
-from .blobs import BlobInfo, BlobStore, open_blob_store
-from .cluster_health import ClusterHealth
-from .disk import check_reserve
-from .events import ChangeFeed
-from .job_host import JobHostClient
-from .jobs import ARTIFACT_NAMES, JobRecord, JobSpec, JobView, check_submission
-from .ledger import Ledger, sqlite_url
-from .ledger.engines import is_postgres
-from .ledger_watch import LedgerWatcher
-from .metrics import ServiceMetrics
-from .problems import fault_field
-from .runner import JobRunner
-from .scrub import BlobScrubber
-from .storage import StorageCollector, spec_digests
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import BlobInfo, BlobStore, open_blob_store
+from bnrecal.service.jobserver.cluster.health import ClusterHealth
+from bnrecal.service.jobserver.storage.disk import check_reserve
+from bnrecal.service.jobserver.jobs.events import ChangeFeed
+from bnrecal.service.jobserver.cluster.job_host import JobHostClient
+from bnrecal.service.jobserver.jobs.spec import ARTIFACT_NAMES, JobRecord, JobSpec, JobView, check_submission
+from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
+from bnrecal.service.jobserver.ledger.engines import is_postgres
+from bnrecal.service.jobserver.jobs.ledger_watch import LedgerWatcher
+from bnrecal.service.jobserver.metrics import ServiceMetrics
+from bnrecal.service.jobserver.problems import fault_field
+from bnrecal.service.jobserver.jobs.runner import JobRunner
+from bnrecal.service.jobserver.storage.scrub import BlobScrubber
+from bnrecal.service.jobserver.storage.collection import StorageCollector, spec_digests
 
 log = logging.getLogger("bnrecal.server")
 

@@ -21,10 +21,10 @@ import uvicorn
 
 from bnrecal.api.app import create_app
 from bnrecal.service.cli.main import main
-from bnrecal.service.jobserver.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs import BlobStore
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.server import tenant_of_key
-from bnrecal.service.jobserver.storage import StorageCollector
+from bnrecal.service.jobserver.storage.collection import StorageCollector
 from bnrecal.service.settings import Settings
 from tests.api.conftest import LiveServer, free_port, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state

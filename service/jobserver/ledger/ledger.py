@@ -26,10 +26,10 @@ from bnrecal.errors import ConflictError, InputError, InsufficientStorageError, 
 
 from bnrecal.service.run.options import STARTING_PHASE
 
-from ..disk import FREE_SPACE_HINT, is_disk_full
-from ..jobs import JobRecord, JobStatus
-from .engines import lock_tenant, make_engine, prepare_schema
-from .table import Base, JobRow
+from bnrecal.service.jobserver.storage.disk import FREE_SPACE_HINT, is_disk_full
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.ledger.engines import lock_tenant, make_engine, prepare_schema
+from bnrecal.service.jobserver.ledger.table import Base, JobRow
 
 INTERRUPTED = "interrupted by restart"
 MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once

@@ -10,7 +10,7 @@ from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from ..jobs import JobRecord, JobStatus
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -16,7 +16,7 @@ from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 from bnrecal.workers.ranks.pool import WarmPool
 
-from bnrecal.service.jobserver.jobs import JobSpec
+from bnrecal.service.jobserver.jobs.spec import JobSpec
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state

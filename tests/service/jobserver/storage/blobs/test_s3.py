@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
-from bnrecal.service.jobserver.storage import StorageCollector
+from bnrecal.service.jobserver.storage.collection import StorageCollector
 from bnrecal.service.settings import Settings
 from bnrecal.errors import NotFoundError, PayloadTooLargeError, SpecError
 

@@ -1,6 +1,6 @@
 """Changes made by other replicas, brought to this replica's event streams.
 
-The change feed (``service/jobserver/events.py``) hears only this process's runner. When replicas
+The change feed (``service/jobserver/jobs/events.py``) hears only this process's runner. When replicas
 share a Postgres ledger, a job followed here may run on another replica, so a watcher
 thread polls the ledger every ``BNRECAL_LEDGER_POLL_S`` for the revisions of the jobs that
 are queued or running or ended a moment ago, and publishes each job whose revision moved:
@@ -14,10 +14,10 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import or_, select
 
-from .events import ChangeFeed
-from .jobs import JobStatus
-from .ledger import JobRow, Ledger
-from .periodic import Periodic
+from bnrecal.service.jobserver.jobs.events import ChangeFeed
+from bnrecal.service.jobserver.jobs.spec import JobStatus
+from bnrecal.service.jobserver.ledger import JobRow, Ledger
+from bnrecal.service.jobserver.periodic import Periodic
 
 log = logging.getLogger("bnrecal.ledger_watch")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.jobs import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_data_uri, check_submission, resolve_data_path
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.jobs.spec import TERMINAL_STATUSES, DataPath, JobSpec, JobStatus, check_data_uri, check_submission, resolve_data_path
 from bnrecal.service.settings import Settings
 from tests.nets import mixed_net
 from bnrecal.errors import ArchitectureError, CheckpointError, SpecError

@@ -35,9 +35,9 @@ from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
 
-from ..settings import Settings
-from .job_work import Event, JobFiles, JobLabel, run_job
-from .jobs import JobSpec
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.jobs.work import Event, JobFiles, JobLabel, run_job
+from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 log = logging.getLogger("bnrecal.job_host")
 

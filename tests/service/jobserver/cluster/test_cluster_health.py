@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from bnrecal.service.jobserver.capacity import cluster_nodes
-from bnrecal.service.jobserver.cluster_health import STALE_AFTER_S, ClusterHealth
+from bnrecal.service.jobserver.cluster.capacity import cluster_nodes
+from bnrecal.service.jobserver.cluster.health import STALE_AFTER_S, ClusterHealth
 from bnrecal.errors import ServiceUnavailableError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

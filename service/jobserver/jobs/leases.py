@@ -30,9 +30,9 @@ from sqlalchemy import update as sql_update
 
 from bnrecal.errors import InsufficientStorageError
 
-from .jobs import JobRecord, JobStatus
-from .ledger import JobRow, Ledger, start_values
-from .ledger.engines import is_postgres
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.ledger import JobRow, Ledger, start_values
+from bnrecal.service.jobserver.ledger.engines import is_postgres
 
 log = logging.getLogger("bnrecal.leases")
 

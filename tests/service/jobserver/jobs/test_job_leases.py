@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bnrecal.service.jobserver.events import ChangeFeed
-from bnrecal.service.jobserver.job_leases import JobLeases, replica_id
-from bnrecal.service.jobserver.jobs import JobStatus
+from bnrecal.service.jobserver.jobs.events import ChangeFeed
+from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
+from bnrecal.service.jobserver.jobs.spec import JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
-from bnrecal.service.jobserver.ledger_watch import LedgerWatcher
+from bnrecal.service.jobserver.jobs.ledger_watch import LedgerWatcher
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
 

@@ -20,10 +20,10 @@ from PIL import Image
 from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
-from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.jobs import JobStatus
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.jobs.spec import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
-from bnrecal.service.jobserver.storage import STALE_STAGING_S, StorageCollector, folder_bytes
+from bnrecal.service.jobserver.storage.collection import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
 from bnrecal.workers.data.formats.archive import discard_unpack, is_discarded_unpack, mark_collected_root, unpack_archive
 from bnrecal.errors import ConflictError, InsufficientStorageError, NotFoundError

@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from bnrecal.errors import TooManyStreamsError
 
-from .jobs import JobRecord, JobView
-from .ledger import Ledger
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobView
+from bnrecal.service.jobserver.ledger import Ledger
 
 KEEPALIVE_S = 15.0
 DISCONNECT_CHECK_S = 1.0

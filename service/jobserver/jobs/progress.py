@@ -11,10 +11,10 @@ from bnrecal.errors import InsufficientStorageError
 
 from bnrecal.service.run.options import STARTING_PHASE
 
-from .events import ChangeFeed
-from .job_work import Event
-from .ledger import Ledger
-from .metrics import ServiceMetrics
+from bnrecal.service.jobserver.jobs.events import ChangeFeed
+from bnrecal.service.jobserver.jobs.work import Event
+from bnrecal.service.jobserver.ledger import Ledger
+from bnrecal.service.jobserver.metrics import ServiceMetrics
 
 log = logging.getLogger("bnrecal.runner")
 

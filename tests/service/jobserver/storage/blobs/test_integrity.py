@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.blobs import BlobStore
-from bnrecal.service.jobserver.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
-from bnrecal.service.jobserver.scrub import BlobScrubber
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from bnrecal.service.jobserver.storage.scrub import BlobScrubber
 from bnrecal.service.settings import Settings
 from bnrecal.errors import CorruptBlobError
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from bnrecal.errors import CorruptBlobError, NotFoundError
 
-from ..settings import Settings
-from .blobs import BlobStore
-from .ledger import Ledger
-from .ledger.engines import exclusive_turn
-from .metrics import ServiceMetrics
-from .periodic import Periodic
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.ledger import Ledger
+from bnrecal.service.jobserver.ledger.engines import exclusive_turn
+from bnrecal.service.jobserver.metrics import ServiceMetrics
+from bnrecal.service.jobserver.periodic import Periodic
 
 log = logging.getLogger("bnrecal.scrub")
 

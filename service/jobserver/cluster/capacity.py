@@ -21,7 +21,7 @@ from bnrecal.errors import SpecError
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.recalibrate import rank_resources
 
-from ..settings import Settings
+from bnrecal.service.settings import Settings
 
 log = logging.getLogger("bnrecal.capacity")
 

@@ -5,7 +5,7 @@
 upload's file name at ``<prefix>/<tenant>/names/<hex>`` and the time it was last used
 (an upload of the same bytes, a submission) as an empty marker object
 ``<prefix>/<tenant>/used/<hex>`` (an object's own ``LastModified`` cannot be refreshed
-without rewriting it). The interface is :class:`service.jobserver.blobs.BlobStore`'s: an upload is
+without rewriting it). The interface is :class:`service.jobserver.storage.blobs.BlobStore`'s: an upload is
 still hashed into a local staging file as it streams in (memory does not grow with its
 size), then put (multipart, by s3fs, when large) under its digest, so an object is
 complete or absent. Each replica keeps a local cache of the blobs it reads (its data
@@ -39,7 +39,7 @@ from typing import Any
 from bnrecal.workers.data.objectstore import s3_filesystem
 from bnrecal.errors import CorruptBlobError, NotFoundError, SpecError
 
-from .files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, file_digest, is_digest
+from bnrecal.service.jobserver.storage.blobs.files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, file_digest, is_digest
 
 log = logging.getLogger("bnrecal.blobs")
 

@@ -8,14 +8,14 @@ backlog delays another's job by at most the jobs already running, and a tenant a
 start oldest first. (A job too big for the cluster, accepted with
 ``BNRECAL_CAPACITY_CHECK`` off, still runs when it is alone, to fail with Ray's placement
 error rather than wait forever.) Each job has a thread here that runs it on the job host
-(:mod:`service.jobserver.job_host`: :func:`recalibrate`, the export and the files, off the API
+(:mod:`service.jobserver.cluster.job_host`: :func:`recalibrate`, the export and the files, off the API
 process), passes the progress it collects from there a few times a second to the ledger
 and the event streams, forwards a cancel (the host kills the job's actors and frees their
 placement group), and stores the files the host wrote as the tenant's blobs.
 
 Replicas sharing one ledger run each job once: a job is claimed under a lease that a
 keeper thread renews while it runs, and taken over by any replica once a dead replica's
-lease runs out (``service/jobserver/job_leases.py``).
+lease runs out (``service/jobserver/jobs/leases.py``).
 """
 
 from __future__ import annotations
@@ -43,20 +43,20 @@ from bnrecal.errors import (
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 
-from ..settings import Settings
-from .blobs import BlobInfo, BlobStore
-from .cluster_health import ClusterHealth
-from .disk import check_reserve, disk_full_error
-from .events import ChangeFeed
-from .job_host import JobHostClient
-from .job_leases import JobLeases, replica_id
-from .job_progress import JobProgress
-from .job_work import JobLabel
-from .job_inputs import job_request
-from .jobs import JobRecord, JobSpec, JobStatus
-from .ledger import Ledger
-from .metrics import ServiceMetrics
-from .problems import problem_of
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import BlobInfo, BlobStore
+from bnrecal.service.jobserver.cluster.health import ClusterHealth
+from bnrecal.service.jobserver.storage.disk import check_reserve, disk_full_error
+from bnrecal.service.jobserver.jobs.events import ChangeFeed
+from bnrecal.service.jobserver.cluster.job_host import JobHostClient
+from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
+from bnrecal.service.jobserver.jobs.progress import JobProgress
+from bnrecal.service.jobserver.jobs.work import JobLabel
+from bnrecal.service.jobserver.jobs.inputs import job_request
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec, JobStatus
+from bnrecal.service.jobserver.ledger import Ledger
+from bnrecal.service.jobserver.metrics import ServiceMetrics
+from bnrecal.service.jobserver.problems import problem_of
 
 log = logging.getLogger("bnrecal.runner")
 

@@ -35,12 +35,12 @@ from typing import Any, Literal
 from bnrecal.workers.data.formats.archive import COLLECTED_ROOT_MARKER, is_discarded_unpack, is_unpack_folder
 from bnrecal.errors import ConflictError, NotFoundError
 
-from ..settings import Settings
-from .blobs import BlobStore, is_digest
-from .jobs import JobRecord, JobStatus
-from .ledger import Ledger
-from .ledger.engines import exclusive_turn
-from .periodic import Periodic
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import BlobStore, is_digest
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.ledger import Ledger
+from bnrecal.service.jobserver.ledger.engines import exclusive_turn
+from bnrecal.service.jobserver.periodic import Periodic
 
 log = logging.getLogger("bnrecal.storage")
 

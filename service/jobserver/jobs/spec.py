@@ -37,9 +37,9 @@ from bnrecal.workers.programs import check_program
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice
 
-from ..settings import Settings
-from .blobs import DIGEST_PATTERN, BlobStore
-from .capacity import Node, check_fits_cluster
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import DIGEST_PATTERN, BlobStore
+from bnrecal.service.jobserver.cluster.capacity import Node, check_fits_cluster
 
 ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
 

@@ -8,7 +8,7 @@ import ray
 from bnrecal.errors import SpecError
 from bnrecal.service.jobserver.problems import http_status
 
-from bnrecal.service.jobserver.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
+from bnrecal.service.jobserver.cluster.capacity import Node, check_fits, check_fits_cluster, cluster_nodes
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.recalibrate import rank_resources
 from bnrecal.service.settings import Settings

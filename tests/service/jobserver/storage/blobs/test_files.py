@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
+from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
 from bnrecal.errors import NotFoundError, PayloadTooLargeError
 
 

@@ -28,8 +28,8 @@ import ray
 
 from bnrecal.errors import ServiceUnavailableError
 
-from .capacity import Node, cluster_nodes
-from .periodic import Periodic
+from bnrecal.service.jobserver.cluster.capacity import Node, cluster_nodes
+from bnrecal.service.jobserver.periodic import Periodic
 
 log = logging.getLogger("bnrecal.cluster")
 

@@ -23,8 +23,8 @@ from bnrecal.service.run.outputs import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 from bnrecal.service.run.report_html import job_section, write_html_report
 
-from ..settings import Settings
-from .jobs import JobSpec
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 OCTET_STREAM = "application/octet-stream"
 

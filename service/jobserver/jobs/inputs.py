@@ -8,9 +8,9 @@ from pathlib import Path
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
 
-from ..settings import Settings
-from .blobs import BlobStore
-from .jobs import DataPath, DataUri, JobRecord, JobSpec, check_data_uri, resolve_data_path
+from bnrecal.service.settings import Settings
+from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.jobs.spec import DataPath, DataUri, JobRecord, JobSpec, check_data_uri, resolve_data_path
 
 
 def job_request(job: JobRecord, spec: JobSpec, blobs: BlobStore, settings: Settings) -> RecalibrationRequest:
