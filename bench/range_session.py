@@ -9,7 +9,7 @@ costs and why it is kept: for a torchvision resnet18 (random weights) at 224, th
 augmented model is run at each level over the same random batches (one intra-op thread, as
 a rank runs it; the first pass warms up) and each level's per-tensor minimum and maximum
 are compared with the disabled level's, bit for bit. Two more rows keep optimizations off and
-gather the same ranges otherwise: as a rank does (``workers/ranks/onnx_pieces.py``: the
+gather the same ranges otherwise: as a rank does (``workers/ranks/ort/pieces.py``: the
 outputs bound to buffers reused from run to run, each reduced with one ``torch.aminmax``), and
 as onnxruntime's ``MinMaxCalibrater`` augments the graph (a ``ReduceMin`` and a ``ReduceMax``
 node per tensor, only their results returned). The last two rows run the model alone (no
@@ -35,8 +35,8 @@ from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare
 from bnrecal.service.run.int8 import range_request
 from bnrecal.workers.engine.ranges import MinMaxAccumulator
-from bnrecal.workers.ranks.onnx_pass import calibration_session, with_outputs
-from bnrecal.workers.ranks.onnx_pieces import PieceRunner
+from bnrecal.workers.ranks.ort.rank_pass import calibration_session, with_outputs
+from bnrecal.workers.ranks.ort.pieces import PieceRunner
 
 LEVELS = {
     "disabled (the calibrator's)": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

@@ -30,9 +30,9 @@ from bnrecal.service.export.graph_passes import (
     fold_constants,
     globalize_whole_input_pools,
 )
-from bnrecal.service.export.onnx_fold import OnnxFoldResult, fold_batchnorm_nodes
+from bnrecal.service.export.folding.in_onnx import OnnxFoldResult, fold_batchnorm_nodes
 from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
-from bnrecal.service.export.torch_fold import TorchFoldResult, fold_batchnorm_modules
+from bnrecal.service.export.folding.in_torch import TorchFoldResult, fold_batchnorm_modules
 from bnrecal.service.export.verification import TOLERANCE, flatten_outputs, reference_outputs, verify_onnx
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts, release_kept
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
-from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, pass_phase
+from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
 
 from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
@@ -174,7 +174,7 @@ class RayRanks:
 
 
 class RankPasses(OnnxPasses):
-    """Passes on Ray rank actors (``workers.ranks.onnx_group``): over the first ``samples``
+    """Passes on Ray rank actors (``workers.ranks.ort.group``): over the first ``samples``
     of ``dataset`` by the calibration's sharding at ``batch_size``, and over the evaluation
     data by its own, placed and fed like the calibration's ranks (``shards``, one per rank,
     carry data through the object store). A lost rank re-runs that pass only, as ``policy``
@@ -197,7 +197,7 @@ class RankPasses(OnnxPasses):
     def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
         """One pass on the ranks, retried as the policy allows."""
         from bnrecal.workers.ranks.collectives import backend_for_device
-        from bnrecal.workers.ranks.onnx_group import run_onnx_pass_group
+        from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
 
         if over == CALIBRATION:
             dataset, batch, shards, total = self.dataset, self.batch_size, self.shards, self.samples

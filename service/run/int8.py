@@ -25,7 +25,7 @@ import torch
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
 from bnrecal.workers.engine.evaluation import EvalTarget
 from bnrecal.workers.files import atomic_write
-from bnrecal.workers.ranks.onnx_pass import Comparison, ModelResult, OnnxPassResult, PassModel, RangeRequest
+from bnrecal.workers.ranks.ort.rank_pass import Comparison, ModelResult, OnnxPassResult, PassModel, RangeRequest
 from bnrecal.workers.ranks.plan import GroupPass
 
 from bnrecal.service.export.int8.checks import check_int8, latency_ms

@@ -1,4 +1,4 @@
-"""Where a run's onnxruntime passes run (``workers.ranks.onnx_pass``), and over which
+"""Where a run's onnxruntime passes run (``workers.ranks.ort.rank_pass``), and over which
 samples: the calibration samples the statistics came from, with their sharding, or the
 evaluation data, with its own (docs/int8.md, "How the ranges are gathered").
 
@@ -22,7 +22,7 @@ from bnrecal.workers.data import DatasetSpec, iter_batches
 from bnrecal.workers.data.reading.alignment import positions_in
 from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.engine.collective import SingleProcessCollective
-from bnrecal.workers.ranks.onnx_pass import (
+from bnrecal.workers.ranks.ort.rank_pass import (
     Comparison, OnnxPassRequest, PassModel, onnx_pass, pass_phase,
 )
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass

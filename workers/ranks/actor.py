@@ -228,7 +228,7 @@ class CalibrationRank:
         shard: CalibrationData | None = None,
         num_samples: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """One onnxruntime pass (an ``OnnxPassRequest``: ``workers.ranks.onnx_pass``) over this
+        """One onnxruntime pass (an ``OnnxPassRequest``: ``workers.ranks.ort.rank_pass``) over this
         rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
         calibration's sharding rule, combined with the peers' in collectives: the INT8
         activation ranges of models, their top-1/top-5, the evaluation before and after.
@@ -238,7 +238,7 @@ class CalibrationRank:
         the length of the pass."""
         from bnrecal.workers.data import iter_batches
         from bnrecal.workers.data.reading.kept import open_kept
-        from bnrecal.workers.ranks.onnx_pass import onnx_pass
+        from bnrecal.workers.ranks.ort.rank_pass import onnx_pass
         from bnrecal.workers.ranks.sharding import rank_ranges
 
         self.jobs += 1

@@ -17,7 +17,7 @@ from bnrecal.workers.models.sources import ModelSource
 if TYPE_CHECKING:
     import torch
 
-    from bnrecal.workers.ranks.onnx_pass import OnnxPassResult
+    from bnrecal.workers.ranks.ort.rank_pass import OnnxPassResult
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class GroupOptions:
 
 @dataclass
 class GroupPass:
-    """What the ranks of an onnxruntime pass found together (``workers.ranks.onnx_pass``):
+    """What the ranks of an onnxruntime pass found together (``workers.ranks.ort.rank_pass``):
     rank 0's combined result (every rank holds the same), the samples each rank read, the
     collectives each made, and their nodes."""
 

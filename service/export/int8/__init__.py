@@ -5,6 +5,6 @@ take them without loading onnxruntime), onnxruntime's pre-processing and the ten
 calibrate (``quantizer``), the ranges as onnxruntime's quantizer takes them and the QDQ
 graph written by onnxruntime's own ``QDQQuantizer`` (``quantizer``), its verification and
 accuracy (``checks``) and the accuracy guard that keeps the most sensitive ops in float
-(``guard``). The ranges themselves are gathered by the ranks (``workers.ranks.onnx_pass``);
+(``guard``). The ranges themselves are gathered by the ranks (``workers.ranks.ort.rank_pass``);
 this room only turns them into a verified file.
 """

@@ -2,7 +2,7 @@
 "Checks and the report's `int8` section"): ``onnx.checker`` full check, runs in
 onnxruntime, its outputs against the FP32 export's on calibration samples; its latency;
 and the labelled evaluation data the Python API holds in memory (scored by the passes of
-``workers.ranks.onnx_pass``, as the ranks score theirs).
+``workers.ranks.ort.rank_pass``, as the ranks score theirs).
 
 Sessions here run with onnxruntime's default graph optimizations, as a deployment runs
 the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels.
@@ -19,7 +19,7 @@ import numpy as np
 
 from bnrecal.errors import ExportError, first_line
 from bnrecal.workers.engine.ranges import fixed_batch
-from bnrecal.workers.ranks.onnx_pass import scoring_session
+from bnrecal.workers.ranks.ort.rank_pass import scoring_session
 
 from bnrecal.service.export.runtimes import (
     cpu_saturates_int8,

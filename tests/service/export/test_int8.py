@@ -14,7 +14,7 @@ import torchvision
 
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.errors import ExportError, SpecError
-from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, PassModel, onnx_pass
+from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, PassModel, onnx_pass
 
 from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.errors import Int8GuardError

@@ -1,4 +1,4 @@
-"""onnxruntime passes on real Ray ranks (``workers.ranks.onnx_pass``, ``onnx_group``): the INT8
+"""onnxruntime passes on real Ray ranks (``workers.ranks.ort.rank_pass``, ``onnx_group``): the INT8
 file byte for byte the same for K = 1, 2, 4 (a rank with an empty shard at the last step) and
 in one process; scores equal to the models' own PyTorch answers counted here (an independent
 reference), on all samples and on the guard's two parts; the evaluation before and after
@@ -20,8 +20,8 @@ from bnrecal.workers.data.reading.alignment import positions_in
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.evaluation import EvalTarget, check_eval_output, evaluation_pass
 from bnrecal.workers.ranks.group import GroupOptions
-from bnrecal.workers.ranks.onnx_group import run_onnx_pass_group
-from bnrecal.workers.ranks.onnx_pass import Comparison, OnnxPassRequest, PassModel, onnx_pass
+from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
+from bnrecal.workers.ranks.ort.rank_pass import Comparison, OnnxPassRequest, PassModel, onnx_pass
 from bnrecal.workers.ranks.plan import EvalPlan
 from bnrecal.workers.ranks.sharding import rank_ranges
 
@@ -226,7 +226,7 @@ def test_a_rank_lost_in_a_range_pass_reruns_that_pass_only_and_gives_the_same_ra
 def test_a_slice_run_in_pieces_writes_the_same_file(tmp_path, monkeypatch):
     """Ranks run their slice in pieces of about RUN_BYTES of outputs (page faults cost as much
     as the forward otherwise): pieces of two samples give the file whole slices give."""
-    import bnrecal.workers.ranks.onnx_pieces as onnx_pieces_module
+    import bnrecal.workers.ranks.ort.pieces as onnx_pieces_module
 
     torch.manual_seed(4)
     samples = torch.randn(SAMPLES, 3, 24, 24)

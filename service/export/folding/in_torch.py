@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bnrecal.service.export.fold_math import WeightLayout, batchnorm_affine, fold_into_conv_input, fold_into_producer
+from bnrecal.service.export.folding.arithmetic import WeightLayout, batchnorm_affine, fold_into_conv_input, fold_into_producer
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The driver's side of an onnxruntime pass on the ranks (``workers.ranks.onnx_pass``): K
+"""The driver's side of an onnxruntime pass on the ranks (``workers.ranks.ort.rank_pass``): K
 rank actors run the pass's models over their shards, the INT8 ranges, scores and the
 evaluation before and after combined in collectives (docs/int8.md, "How the ranges are
 gathered").
@@ -24,7 +24,7 @@ from ray.exceptions import RayTaskError
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.group import GroupOptions
-from bnrecal.workers.ranks.onnx_pass import OnnxPassRequest, pass_phase
+from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import GroupPass
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
 from bnrecal.workers.ranks.streams import follow_streams

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from bnrecal.service.export.fold_math import WeightLayout, batchnorm_affine, fold_into_conv_input, fold_into_producer
+from bnrecal.service.export.folding.arithmetic import WeightLayout, batchnorm_affine, fold_into_conv_input, fold_into_producer
 
 _PRODUCERS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add")
 

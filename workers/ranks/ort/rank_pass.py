@@ -40,7 +40,7 @@ from bnrecal.workers.engine.evaluation import EvalTarget, EvalTotals
 from bnrecal.workers.engine.ranges import (
     HISTOGRAM_METHODS, HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch,
 )
-from bnrecal.workers.ranks.onnx_pieces import PieceRunner
+from bnrecal.workers.ranks.ort.pieces import PieceRunner
 
 PARTS = ("all", "even", "odd")
 """Which labelled samples a score is over, by their position in the evaluation data: all,
@@ -210,7 +210,7 @@ class _Runner:
     _runs: dict[tuple[str, ...], PieceRunner] = field(default_factory=dict)
 
     def pieces(self, array: np.ndarray, names: Sequence[str] | None = None) -> Iterator[list[np.ndarray]]:
-        """The named outputs on ``array``, run in pieces (``workers.ranks.onnx_pieces``);
+        """The named outputs on ``array``, run in pieces (``workers.ranks.ort.pieces``);
         each piece's arrays are valid until the next piece runs."""
         wanted = tuple(names if names is not None else self.names)
         if wanted not in self._runs:

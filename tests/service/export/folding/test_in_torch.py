@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bnrecal.service.export import export_folded_onnx
-from bnrecal.service.export.torch_fold import fold_batchnorm_modules
+from bnrecal.service.export.folding.in_torch import fold_batchnorm_modules
 from tests.service.export.helpers import assert_matches_torch, set_batchnorm_statistics
 
 

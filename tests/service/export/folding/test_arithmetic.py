@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bnrecal.service.export.fold_math import batchnorm_affine, fold_into_conv_input, fold_into_producer
+from bnrecal.service.export.folding.arithmetic import batchnorm_affine, fold_into_conv_input, fold_into_producer
 
 
 def _bn_params(channels: int, seed: int = 0, affine: bool = True):

@@ -1,4 +1,4 @@
-"""A rank's onnxruntime runs in pieces (``workers.ranks.onnx_pieces``): pieces even and never
+"""A rank's onnxruntime runs in pieces (``workers.ranks.ort.pieces``): pieces even and never
 a lone sample of several; outputs bound to reused buffers equal, value for value, what a
 plain ``session.run`` of the whole slice returns (the input among them, two piece sizes);
 a declared shape onnxruntime does not produce runs unbound, with the same values."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torchvision
 
-import bnrecal.workers.ranks.onnx_pieces as onnx_pieces
-from bnrecal.workers.ranks.onnx_pass import calibration_session, with_outputs
-from bnrecal.workers.ranks.onnx_pieces import PieceRunner, piece_sizes
+import bnrecal.workers.ranks.ort.pieces as onnx_pieces
+from bnrecal.workers.ranks.ort.rank_pass import calibration_session, with_outputs
+from bnrecal.workers.ranks.ort.pieces import PieceRunner, piece_sizes
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare
