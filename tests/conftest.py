@@ -68,13 +68,27 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres").create_database()
 
 
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test run shared by its xdist workers (each has a base of its own
+    below it), for what the whole run makes once."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def demo_inputs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The quick-start demo's inputs (``make demo``'s stale resnet18 and its data), trained
-    once for the run (most of a minute), as ``make demo`` keeps them."""
+    once for the run, whichever worker asks first (most of a minute), as ``make demo`` keeps them."""
+    from filelock import FileLock
+
     from bnrecal.service import demo
 
-    return demo.write_demo_inputs(tmp_path_factory.mktemp("demo"))
+    shared = shared_tmp(tmp_path_factory)
+    with FileLock(str(shared / "demo.lock")):
+        paths = demo.demo_paths(shared / "demo")
+        if not all(path.is_file() for path in paths):
+            demo.write_demo_inputs(shared / "demo")
+    return paths
 
 
 @pytest.fixture
@@ -106,8 +120,33 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     return code, captured.out, captured.err
 
 
+LONGEST_FIRST = (
+    "tests/service/run/test_model_zoo.py",
+    "tests/service/run/test_model_zoo_timm.py",
+    "tests/service/export/test_int8.py",
+    "tests/service/run/test_warm_pool.py",
+    "tests/workers/ranks/ort/test_rank_pass.py",
+    "tests/service/run/test_sampling.py",
+    "tests/api/test_ray_loss.py",
+    "tests/api/test_scheduling.py",
+    "tests/api/test_soak.py",
+    "tests/service/run/test_recalibrate_variants.py",
+    "tests/service/cli/test_cli_int8.py",
+    "tests/service/run/test_recalibrate_transformers.py",
+    "tests/api/test_restart.py",
+    "tests/test_docs.py",
+    "tests/api/test_replicas.py",
+    "tests/service/export/test_patterns.py",
+)
+"""The modules that took longest in the last measured run (worker time), started first: each
+worker takes whole modules in this order, so none is left running a long one alone at the end.
+A module missing here only runs in collection order; one listed and gone is ignored."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where no CUDA device is present."""
+    """Skip `gpu` tests where no CUDA device is present; start the longest modules first."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
