@@ -43,42 +43,33 @@ def calibrate(
     options = flags.run_options()
     from bnrecal.service.run.options import ExportOptions
     from bnrecal.service.run.outputs import RunOutputs
-    from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate  # the flags are fine: now load torch
+    from bnrecal.service.run.recalibrate import (  # the flags are fine: now load torch
+        RecalibrationRequest, RunFiles, recalibrate_to_files,
+    )
 
     request = RecalibrationRequest(
         **options.run_options(), checkpoint=flags.checkpoint, program=flags.program,
         data=opt.data_source(flags.data, "--data"), eval_data=opt.data_source(flags.eval_data, "--eval-data"),
         eval_max_samples=flags.eval_max_samples,
     )
-    if int8_options is not None:  # keep_float/op_types against the graph, before any calibration (docs/int8.md)
-        from bnrecal.service.run.int8_names import check_int8_names
-
-        check_int8_names(request, settings, int8_options, field="--int8", opset=flags.onnx_opset)
+    outputs = RunOutputs(
+        onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
+        export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
+    )
+    files = RunFiles(model=flags.out, report=flags.report, report_html=flags.report_html)
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or _ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.job_gang).
-        outputs = RunOutputs(
-            onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
-            export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
-        )
         try:
-            result = recalibrate(
-                request, settings, on_progress=update, cancel=cancel, in_process=in_process, outputs=outputs,
+            result = recalibrate_to_files(
+                request, settings, outputs, files, on_progress=update, cancel=cancel, in_process=in_process,
+                int8_field="--int8",
             )
         except KeyboardInterrupt:
             cancel.set()
             raise
-        update(0, 1, "writing")
-        result.save_model(flags.out)
-        if flags.report is not None:
-            result.save_report(flags.report)
-        if flags.report_html is not None:
-            from bnrecal.service.run.report_html import write_html_report
-
-            write_html_report(result.report, flags.report_html)
-        update(1, 1, "writing")
         if not connected_before:  # an instance this command started takes seconds to stop: before the summary
             update(0, 1, "stopping Ray")
             _stop_ray()
@@ -90,7 +81,6 @@ def calibrate(
         print_line(line)
     if int8_failed is not None:
         raise int8_failed  # exit 1: the INT8 file asked for was not written
-
 
 
 def _ray_connected() -> bool:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 from torch import nn
@@ -58,10 +58,11 @@ that counts no samples (``exporting``, ``quantizing to INT8``, ...) with total N
 log = logging.getLogger("bnrecal.run")
 
 Feed = Callable[[nn.Module, Any], Any]
-Phase = Callable[["RunResult", "Executor"], None]
-"""A later phase of the run (an export, the INT8 file), given the finished statistics and
-the run's executor, while its ranks' world is still up."""
 T = TypeVar("T")
+Then = Callable[["RunResult", "Executor"], T]
+"""What a surface makes of the finished statistics while the run's ranks are still up (its
+export and INT8 file: ``service.run.outputs``), given them and the run's executor; ``run``
+returns what it returns."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,16 @@ class Executor(Protocol):
         """Stop what ``start`` started for this run only."""
 
 
+@overload
+def run(plan: RunPlan, executor: Executor, *, policy: FailurePolicy | None = ..., on_progress: ProgressCallback | None = ...,
+        cancel: threading.Event | None = ..., then: None = ...) -> RunResult: ...
+
+
+@overload
+def run(plan: RunPlan, executor: Executor, *, policy: FailurePolicy | None = ..., on_progress: ProgressCallback | None = ...,
+        cancel: threading.Event | None = ..., then: Then[T]) -> T: ...
+
+
 def run(
     plan: RunPlan,
     executor: Executor,
@@ -201,12 +212,12 @@ def run(
     policy: FailurePolicy | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
-    phases: Sequence[Phase] = (),
-) -> RunResult:
+    then: Then[Any] | None = None,
+) -> Any:
     """Recompute every BN layer's running statistics of ``plan.model`` on the executor's
-    ranks (docs/calibration.md), evaluate when the plan says so, then run the later
-    ``phases`` (the export and INT8 files: ``service.run.outputs``) on the same executor,
-    and return the result with the report."""
+    ranks (docs/calibration.md) and evaluate when the plan says so; return the result with
+    the report, or, given ``then`` (the export and INT8 files: ``service.run.outputs``),
+    what ``then`` makes of it on the same executor while its ranks are up."""
     options = plan.options
     scope = uuid.uuid4().hex
     plan = _kept(plan, scope)
@@ -237,12 +248,13 @@ def run(
                 plan.release()
         finished = _finish(plan, layers, skipped, old, stale, result, placement, failures)
         _time_the_pass(finished.report, plan, result, wall, len(failures) + 1)
-        for phase in phases:  # the later phases, on the same executor, while its world is up
+        made: Any = finished
+        if then is not None:  # on the same executor, while its world is up
             check_cancel(cancel)
-            phase(finished, executor)
+            made = then(finished, executor)
         if plan.keep is not None:
             finished.report.decoding = _decoding(executor.release_decoded(scope), plan.keep)
-        return finished
+        return made
     finally:
         try:
             executor.release_decoded(scope)

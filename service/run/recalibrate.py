@@ -1,5 +1,6 @@
 """A recalibration of files: a checkpoint (or program) and data given as paths, for the
-command line and the job server.
+command line and the job server (``recalibrate_to_files`` is their one way from a request
+to the files written).
 
 It validates everything it can on the driver first (architecture and checkpoint, or
 program; data; that the model accepts the data) so bad input fails in seconds with a
@@ -12,16 +13,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bnrecal.workers.data import describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.export.graph_reuse import GraphReuse
-from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, run
+from bnrecal.service.run.core import (
+    Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, check_cancel, run,
+)
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
+from bnrecal.service.run.int8_names import check_int8_names
 from bnrecal.service.run.options import RunOptions
+from bnrecal.service.run.report_html import JobLabel, job_section, write_html_report
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
@@ -97,23 +104,72 @@ def recalibrate(
     )
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     policy = FailurePolicy(retries)
-    made: list[Recalibration] = []
 
-    def recalibration(result: RunResult, executor: Executor) -> None:
+    def with_files(result: RunResult, executor: Executor) -> Recalibration:
         """The statistics as the files keep them; then the later phases, on the run's executor."""
-        made.append(Recalibration(
+        recalibration = Recalibration(
             model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
             head=result.head, evaluation_later=later,
-        ))
+        )
         if loaded.is_program:
             result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
         if outputs is not None and outputs.any:
-            make_outputs(made[0], request, outputs, executor, policy, on_progress=on_progress, cancel=cancel,
+            make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel,
                          reuse=reuse)
+        return recalibration
 
-    run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, phases=[recalibration])
-    return made[0]
+    return run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, then=with_files)
 
+
+
+WRITING_PHASE = "writing"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What a run of files writes besides its outputs (``RunOutputs``), each where given: the
+    recalibrated model in its uploaded format, ``report.json`` and ``report.html``; a server
+    job's report names its job (``job``)."""
+
+    model: Path | None = None
+    report: Path | None = None
+    report_html: Path | None = None
+    job: JobLabel | None = None
+
+
+def recalibrate_to_files(
+    request: RecalibrationRequest,
+    settings: Settings,
+    outputs: RunOutputs,
+    files: RunFiles,
+    *,
+    on_progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+    pool: WarmPool | None = None,
+    in_process: bool = False,
+    int8_field: str = "int8",
+) -> Recalibration:
+    """From a request to the files, for ``bnrecal calibrate`` and a server job alike: check
+    an INT8 file's ``keep_float``/``op_types`` against the graph before any calibration
+    (docs/int8.md; a ``SpecError`` names ``int8_field``), recalibrate with the ``outputs``
+    as later phases of the run, then write the ``files``. An INT8 file that failed its
+    guard leaves ``int8_failed`` set on the result, for the surface to raise."""
+    if outputs.int8 is not None and outputs.int8_options is not None:
+        check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
+    result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool, in_process=in_process,
+                         outputs=outputs)
+    check_cancel(cancel)
+    if on_progress is not None:
+        on_progress(0, None, WRITING_PHASE)
+    if files.model is not None:
+        result.save_model(files.model)
+    if files.job is not None:  # the report names its job, and the hosts its ranks ran on
+        result.report.job = job_section(files.job, result.report.nodes)
+    if files.report is not None:
+        result.save_report(files.report)
+    if files.report_html is not None:
+        write_html_report(result.report, files.report_html)
+    return result
 
 def trace_beside(model: nn.Module, probe: torch.Tensor, reuse: GraphReuse, outputs: RunOutputs) -> Callable[[], None] | None:
     """The exporter's trace of the model as uploaded, for a run with an INT8 file to do while

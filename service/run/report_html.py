@@ -16,6 +16,7 @@ import os
 import platform
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -225,17 +226,25 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def job_section(
-    job_id: str, submitted_at: datetime, inputs: dict[str, dict[str, str | None]], nodes: list[str] | None = None
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobLabel:
+    """What names a server job in its report: its id, when it was submitted, and its inputs
+    (file name and digest by spec field)."""
+
+    id: str
+    submitted_at: datetime
+    inputs: dict[str, dict[str, str | None]]
+
+
+def job_section(label: JobLabel, nodes: list[str] | None = None) -> dict[str, Any]:
     """What names the job in its report: its id, when it was submitted and the report
     written, its inputs (file name and digest by spec field), the software versions, and
     the host name of each Ray node its ranks ran on (``nodes``: their ids)."""
     return {
-        "id": job_id,
-        "submitted_at": submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
+        "id": label.id,
+        "submitted_at": label.submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
         "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "inputs": inputs,
+        "inputs": label.inputs,
         "versions": software_versions(),
         "hosts": node_hosts(nodes or []),
     }

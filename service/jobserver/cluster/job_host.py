@@ -34,9 +34,10 @@ from bnrecal.errors import BnrecalError, CancelledError, RunError
 from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
+from bnrecal.service.run.report_html import JobLabel
 
 from bnrecal.service.settings import Settings
-from bnrecal.service.jobserver.jobs.work import Event, JobFiles, JobLabel, run_job
+from bnrecal.service.jobserver.jobs.work import Event, JobFiles, run_job
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 log = logging.getLogger("bnrecal.job_host")

@@ -51,7 +51,7 @@ from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.progress import JobProgress
-from bnrecal.service.jobserver.jobs.work import JobLabel
+from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.jobserver.jobs.inputs import job_request
 from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec, JobStatus
 from bnrecal.service.jobserver.ledger import Ledger

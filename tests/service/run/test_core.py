@@ -147,30 +147,40 @@ def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
         passes = running.onnx_passes(running_data, 8, 16, None, policy=FailurePolicy(), failures=[], on_phase=None,
                                      cancel=None, record=None)
         seen.append((result.report.samples, callable(passes.over_calibration)))
+        return "made"
 
     plan = plan_for(model, samples)
     running_data = plan.data
-    result = run(plan, executor, phases=[phase])
-    assert seen == [(29, True)] and executor.closed and result.report.samples == 29
+    made = run(plan, executor, then=phase)
+    assert seen == [(29, True)] and executor.closed and made == "made"
 
     def failing(result, running):
         raise RunError("the INT8 ranks were lost")
 
     executor = Watched()
     with pytest.raises(RunError, match="INT8 ranks were lost"):
-        run(plan_for(model, samples), executor, phases=[failing])
+        run(plan_for(model, samples), executor, then=failing)
     assert executor.closed
+
+
+class CancelledAfterThePass(InProcess):
+    """The real in-process executor, with a user's cancel arriving as its pass ends."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        self.cancel = cancel
+
+    def execute(self, plan, run_plan, on_progress, cancel):
+        try:
+            return super().execute(plan, run_plan, on_progress, cancel)
+        finally:
+            self.cancel.set()
 
 
 def test_a_run_cancelled_after_its_statistics_runs_no_later_phase(stale):
     model, samples = stale
     cancel, ran = threading.Event(), []
-
-    def cancels(result, running):
-        cancel.set()  # as a user's cancel arriving during the export
-
     with pytest.raises(CancelledError):
-        run(plan_for(model, samples), InProcess(), cancel=cancel, phases=[cancels, lambda *_: ran.append(True)])
+        run(plan_for(model, samples), CancelledAfterThePass(cancel), cancel=cancel, then=lambda *_: ran.append(True))
     assert ran == []
 
 
@@ -206,7 +216,7 @@ def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_lat
         seen["ended"] = time.monotonic()
 
     plan = RunPlan(**{**plan_for(model, samples).__dict__, "meanwhile": meanwhile})
-    run(plan, executor, phases=[lambda result, running: seen.update(phase=time.monotonic())])
+    run(plan, executor, then=lambda result, running: seen.update(phase=time.monotonic()))
     assert seen["thread"] != threading.current_thread().name
     assert seen["started"] < executor.pass_ended  # beside the pass, not after it
     assert seen["ended"] <= seen["phase"]  # finished before the later phases

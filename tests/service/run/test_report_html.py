@@ -78,7 +78,7 @@ def test_names_are_escaped_and_missing_values_shown():
 def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
     from datetime import UTC, datetime
 
-    from bnrecal.service.run.report_html import accuracy_figure, drift_figure, job_section
+    from bnrecal.service.run.report_html import JobLabel, accuracy_figure, drift_figure, job_section
 
     digest = "sha256:" + "ab" * 32
     report = {
@@ -87,8 +87,8 @@ def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
                     "var_ratio_max": 2.0, "var_ratio_min": 0.5}],
         "evaluation": {"samples": 8, "before": {"top1": 0.25, "top5": 1.0}, "after": {"top1": 0.75, "top5": 1.0},
                        "prediction_change": 0.5, "kl_divergence": 0.1},
-        "job": job_section("0123abcd" * 4, datetime(2026, 11, 24, 21, 0, tzinfo=UTC),
-                           {"checkpoint": {"filename": "team<model>.pt", "digest": digest}}),
+        "job": job_section(JobLabel("0123abcd" * 4, datetime(2026, 11, 24, 21, 0, tzinfo=UTC),
+                                    {"checkpoint": {"filename": "team<model>.pt", "digest": digest}})),
     }
     page = render_html_report(report)
     context = page[page.index('id="job-context"'):page.index("</table>", page.index('id="job-context"'))]
