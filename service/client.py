@@ -20,17 +20,18 @@ import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
 from bnrecal.errors import (
     AuthenticationError,
     BnrecalError,
+    CancelledError,
     HeadersTooLargeError,
     InputError,
     NotFoundError,
@@ -322,6 +323,102 @@ def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
             kind = value
         elif name == "data":
             data.append(value)
+
+
+Progress = Callable[[int, int | None, str], None]
+"""A progress display's ``update(done, total, phase)``."""
+BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
+"""The spec fields that name an uploaded file by its digest."""
+
+
+def run_remote_job(
+    client: BnrecalClient,
+    spec: dict[str, Any],
+    inputs: Mapping[str, Path | str],
+    *,
+    follow: Callable[[str], AbstractContextManager[Progress]],
+    downloads: Callable[[dict[str, Any]], Sequence[tuple[str, Path]]] = lambda job: (),
+    on_submitted: Callable[[dict[str, Any]], None] | None = None,
+    on_interrupt: Callable[[str], NoReturn] | None = None,
+) -> dict[str, Any]:
+    """One job on the server from local files, for ``bnrecal submit`` and
+    ``bnrecal.recalibrate(server=...)`` alike; the finished job.
+
+    ``inputs`` name the spec's files by field (``checkpoint``, ``program``, ``data``,
+    ``eval.data``): a local file or folder, named by its digest, or a URI the server reads.
+    The spec is checked on the server before any byte is sent (``dry_run``), so bad input
+    fails at once; then only the files the server lacks are uploaded (``follow`` shows each
+    upload's bytes), the job is submitted and followed to its end (``follow("queued")``,
+    ``on_submitted`` first), and a failed or cancelled job raises the error it ended with.
+    ``downloads`` says which artifacts of the succeeded job to save where (``downloading``).
+    Ctrl-C while it runs goes to ``on_interrupt`` with the job's id, else it propagates."""
+    digests: dict[str, Any] = {}
+    for name, source in inputs.items():
+        if isinstance(source, Path):
+            with prepared_upload(source) as prepared:
+                digests[name] = file_digest(prepared)
+        else:
+            digests[name] = {"uri": source}  # object storage: the server reads it
+    _name_inputs(spec, digests)
+    if not _passes_dry_run(client, spec):
+        for name, source in inputs.items():
+            if isinstance(source, Path) and not client.has_blob(digests[name]):
+                label = f"uploading {source.name}"
+                with follow(label) as update:
+                    blob = client.upload(source, on_bytes=lambda sent, total: update(sent, total, label))
+                digests[name] = str(blob["digest"])
+        _name_inputs(spec, digests)
+    job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
+    if on_submitted is not None:
+        on_submitted(job)
+    with follow("queued") as update:
+        try:
+            job = client.wait(job["id"], on_progress=update)
+        except KeyboardInterrupt:
+            if on_interrupt is None:
+                raise
+            on_interrupt(job["id"])
+        _raise_unless_succeeded(job, client.server)
+        wanted = list(downloads(job))
+        for done, (name, path) in enumerate(wanted):
+            update(done, len(wanted), "downloading")
+            client.download(job["id"], name, path)
+        if wanted:
+            update(len(wanted), len(wanted), "downloading")
+    return job
+
+
+def _name_inputs(spec: dict[str, Any], digests: Mapping[str, Any]) -> None:
+    """Name the inputs in the spec by field (``eval.data`` is ``spec["eval"]["data"]``)."""
+    for name, value in digests.items():
+        *parents, leaf = name.split(".")
+        section = spec
+        for parent in parents:
+            section = section.setdefault(parent, {})
+        section[leaf] = value
+
+
+def _passes_dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
+    """Check the spec on the server before any byte of a file is sent (``dry_run=true``),
+    naming the files by the digests computed here: True when it passed whole (the server has
+    every file). The only refusal an upload fixes is a file the server does not have yet
+    (False: ``HEAD`` then tells which); any other is the caller's error."""
+    try:
+        client.check(spec)
+    except SpecError as exc:
+        if exc.field not in BLOB_FIELDS:
+            raise
+        return False
+    return True
+
+
+def _raise_unless_succeeded(job: dict[str, Any], server: str) -> None:
+    """Turn a failed or cancelled job into the error it ended with."""
+    if job["status"] == "succeeded":
+        return
+    if job["status"] == "cancelled":
+        raise CancelledError(f"job {job['id']} on {server} was cancelled")
+    raise error_from_problem(job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"})
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:

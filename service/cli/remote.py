@@ -4,13 +4,12 @@ server: upload, submit, follow, download)."""
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from bnrecal.errors import BnrecalError, CancelledError, ExportError, SpecError
+from bnrecal.errors import BnrecalError, ExportError, SpecError
 
 from bnrecal.service.run.progress import progress_bar
 
@@ -121,89 +120,42 @@ def submit(
     if int8_options is not None:
         spec["outputs"].append("onnx_int8")
         spec["int8"] = int8_options.model_dump(exclude_defaults=True)
-    models = (("checkpoint", flags.checkpoint), ("program", flags.program))
-    local_files = {name: path for name, path in models if path is not None}
-    local_files |= {name: path for name, path in (("data", data_source), ("eval.data", eval_source))
-                    if isinstance(path, Path)}
+    if eval_source is not None:
+        spec["eval"] = {"max_samples": flags.eval_max_samples}
+    inputs = {name: source for name, source in (("checkpoint", flags.checkpoint), ("program", flags.program),
+                                                ("data", data_source), ("eval.data", eval_source))
+              if source is not None}
+
+    def downloads(job: dict[str, Any]) -> list[tuple[str, Path]]:
+        int8 = None if _int8_failed(job) else flags.onnx_int8
+        wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", flags.report),
+                  ("report.html", flags.report_html)]
+        return [(name, path) for name, path in wanted if path is not None]
+
+    from ..client import run_remote_job
+
     with connect(server, api_key) as client:
-        digests: dict[str, Any] = {name: _digest(path) for name, path in local_files.items()}
-        for name, source in (("data", data_source), ("eval.data", eval_source)):
-            if isinstance(source, str):  # an s3:// URI: the server reads it
-                digests[name] = {"uri": source}
-        _put_inputs(spec, digests, flags.eval_max_samples)
-        missing = [] if _dry_run(client, spec) else [name for name in local_files if not client.has_blob(digests[name])]
-        for name in missing:
-            digests[name] = _upload(client, local_files[name])
-        _put_inputs(spec, digests, flags.eval_max_samples)
-        job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
-        typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
-        print_line(f"job {job['id']} queued on {client.server}")
-        with progress_bar("queued") as update:
-            try:
-                job = client.wait(job["id"], on_progress=update)
-            except KeyboardInterrupt:
-                _cancel_on_interrupt(client, job["id"])
-            _raise_unless_succeeded(job)
-            int8_section = (job.get("report") or {}).get("int8") or {}
-            int8_failed = int8_section.get("written") is False  # its guard failed: no file (docs/int8.md)
-            downloads = [(model_output, flags.out), ("onnx", flags.onnx),
-                         ("onnx_int8", None if int8_failed else flags.onnx_int8),
-                         ("report", flags.report), ("report.html", flags.report_html)]
-            wanted = [(name, path) for name, path in downloads if path is not None]
-            for done, (name, path) in enumerate(wanted):
-                update(done, len(wanted), "downloading")
-                client.download(job["id"], name, path)
-            update(len(wanted), len(wanted), "downloading")
+        def submitted(job: dict[str, Any]) -> None:
+            typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
+            print_line(f"job {job['id']} queued on {client.server}")
+
+        job = run_remote_job(
+            client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
+            on_interrupt=lambda job_id: _cancel_on_interrupt(client, job_id),
+        )
+    int8_failed = _int8_failed(job)
     written_int8 = None if int8_failed else flags.onnx_int8
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
     for line in summary_lines(job["report"], flags.out, job["id"], also_wrote=also_wrote):
         print_line(line)
     if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
-        raise ExportError(str(int8_section.get("failure", "the INT8 output failed")))
+        section = (job.get("report") or {}).get("int8") or {}
+        raise ExportError(str(section.get("failure", "the INT8 output failed")))
 
 
-BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
-"""The spec fields that name an uploaded file by its digest."""
-
-
-def _digest(path: Path) -> str:
-    """The digest the server names a file's (or a folder's tar's) blob by, computed here."""
-    from ..client import file_digest, prepared_upload
-
-    with prepared_upload(path) as prepared:
-        return file_digest(prepared)
-
-
-def _put_inputs(spec: dict[str, Any], digests: dict[str, Any], eval_max_samples: int | None) -> None:
-    """Name the inputs in the spec: digests of files, or URIs the server reads."""
-    for name in ("checkpoint", "program", "data"):
-        if name in digests:
-            spec[name] = digests[name]
-    if "eval.data" in digests:
-        spec["eval"] = {"data": digests["eval.data"], "max_samples": eval_max_samples}
-
-
-def _dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
-    """Check the spec on the server before any byte of a file is sent (``dry_run=true``),
-    naming the files by the digests computed here: True when it passed whole (the server has
-    every file). The only refusal an upload fixes is a file the server does not have yet
-    (False: ``HEAD`` then tells which); any other is the command's error (exit 2 for bad
-    input, with the server's hint)."""
-    try:
-        client.check(spec)
-    except SpecError as exc:
-        if exc.field not in BLOB_FIELDS:
-            raise
-        return False
-    return True
-
-
-def _upload(client: BnrecalClient, path: Path) -> str:
-    """Upload one file the server lacks, with a progress bar in bytes on a terminal; its digest."""
-    label = f"uploading {path.name}"
-    with progress_bar(label) as update:
-        blob = client.upload(path, on_bytes=lambda sent, total: update(sent, total, label))
-    return str(blob["digest"])
+def _int8_failed(job: dict[str, Any]) -> bool:
+    """Whether the job's INT8 file failed its guard: no file then (docs/int8.md)."""
+    return ((job.get("report") or {}).get("int8") or {}).get("written") is False
 
 
 def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
@@ -216,15 +168,3 @@ def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
         detail = exc.message if isinstance(exc, BnrecalError) else "interrupted again"
         message = f"interrupted: job {job_id} may still run on {client.server} ({detail}); bnrecal cancel {job_id}"
     fail(message, 130)
-
-
-def _raise_unless_succeeded(job: dict[str, Any]) -> None:
-    """Turn a failed or cancelled job into the error it ended with."""
-    if job["status"] == "succeeded":
-        return
-    if job["status"] == "cancelled":
-        raise CancelledError(f"job {job['id']} was cancelled")
-    problem = job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"}
-    from ..client import error_from_problem
-
-    raise error_from_problem(problem)

@@ -25,11 +25,11 @@ from torch import nn
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec
-from bnrecal.errors import CancelledError, SpecError
+from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import RunOptions
 
-from ..client import BnrecalClient, error_from_problem
+from ..client import BnrecalClient, run_remote_job
 from ..settings import Settings
 from .data import describe_python_data
 from .model import export_program, on_cpu, program_bytes
@@ -81,7 +81,7 @@ def recalibrate_on_server(
     max_samples: int | str | None,
     batch_size: int | None,
     forward: Callable[..., Any] | None,
-    progress: Callable[[], Any],
+    progress: Callable[[str], Any],
 ) -> RecalibrationReport:
     """Run the recalibration as a job of the server at ``server`` and write the result into
     ``model`` in place (see the module's docstring)."""
@@ -123,19 +123,11 @@ def recalibrate_on_server(
             job_spec.update(order=options.order, seed=options.seed)
             if options.image_column is not None:
                 job_spec["image_column"] = options.image_column
+        result = Path(folder) / "recalibrated.pt2"
         with BnrecalClient(server, api_key=api_key) as client:
             # A file the server already holds for this key (the same data, again) is not sent twice.
-            job_spec["program"] = client.upload_missing(program_file)[0]
-            job_spec["data"] = client.upload_missing(data_file)[0]
-            job = client.submit(job_spec)
-            with progress() as update:
-                job = client.wait(job["id"], on_progress=update)
-            if job["status"] == "cancelled":
-                raise CancelledError(f"job {job['id']} on {server} was cancelled")
-            if job["status"] != "succeeded":
-                raise error_from_problem(job["error"] or {"detail": f"job {job['id']} {job['status']}"})
-            result = Path(folder) / "recalibrated.pt2"
-            client.download(job["id"], "program", result)
+            job = run_remote_job(client, job_spec, {"program": program_file, "data": data_file}, follow=progress,
+                                 downloads=lambda job: [("program", result)])
         _write_back(model, result, prefix)
     report = RecalibrationReport.from_dict(job["report"])
     report.model = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job["id"]}

@@ -9,8 +9,10 @@ group as every recalibration. The statistics go into the model's own BN buffers,
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +38,21 @@ if TYPE_CHECKING:
 
 Forward = Callable[[nn.Module, Any], Any]
 
+_warm_pool: ContextVar[WarmPool | None] = ContextVar("bnrecal_warm_pool", default=None)
+
+
+@contextlib.contextmanager
+def warm_ranks(pool: WarmPool) -> Iterator[None]:
+    """Within it, ``recalibrate`` calls on Ray take their ranks from ``pool`` (warm actors of
+    an earlier call of the same shape) and leave them there, as the server's jobs do; one
+    worker then runs on Ray too. For callers that recalibrate many models in a row (the
+    tests, a sweep); the public signature keeps no internal type."""
+    token = _warm_pool.set(pool)
+    try:
+        yield
+    finally:
+        _warm_pool.reset(token)
+
 
 def recalibrate(
     model: nn.Module | torch.export.ExportedProgram,
@@ -51,8 +68,6 @@ def recalibrate(
     server: str | None = None,
     api_key: str | None = None,
     progress: bool = True,
-    pool: WarmPool | None = None,
-    settings: Settings | None = None,
     tolerance: float | None = None,
     order: str = "shuffled",
     seed: int = 0,
@@ -95,7 +110,9 @@ def recalibrate(
     server, api_key: run as a job of the bnrecal server at this URL instead: the model
         goes as a program (it must export), the data as ``.npy`` (see ``docs/python.md``).
     progress: a progress bar on a terminal; ``False`` for none.
-    pool: warm rank actors (``workers.ranks.pool.WarmPool``) reused across calls.
+
+    The service's settings (``BNRECAL_MAX_RETRIES``, ``BNRECAL_DATA_DIR``, ...) come from
+    the environment, as for the command line (docs/python.md, "Where it runs").
 
     Only the BN statistics of ``model`` change: the pass runs on a view of it (module
     objects of its own over the same weights), never on the caller's modules, so their
@@ -105,7 +122,7 @@ def recalibrate(
     else pickled with its class by reference (see ``docs/python.md``). Errors are
     ``bnrecal.BnrecalError`` subclasses with one-line messages.
     """
-    settings = settings or Settings()
+    settings, pool = Settings(), _warm_pool.get()
     options = RunOptions.checked(
         workers=_count(workers, "workers"), mode=mode, device=device,
         batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
@@ -119,7 +136,7 @@ def recalibrate(
 
         return recalibrate_on_server(
             model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
-            batch_size=batch_size, forward=forward, progress=lambda: _bar(progress, "queued"),
+            batch_size=batch_size, forward=forward, progress=lambda label: _bar(progress, label),
         )
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,

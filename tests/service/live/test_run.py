@@ -4,6 +4,7 @@ the CLI's engine and the independent float64 reference; every other tensor uncha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest
 from bnrecal.service.run.recalibrate import recalibrate as recalibrate_files
 
 import bnrecal
+from bnrecal.service.live.run import warm_ranks
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
@@ -100,17 +102,17 @@ def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settin
     model, samples, checkpoint, data = mixed
     live = copy.deepcopy(model)
     before = state(live)
-    report = bnrecal.recalibrate(  # one worker without a pool or Ray address runs in this process, without Ray
-        live, DataLoader(TensorDataset(samples), batch_size=6), workers=workers, mode=mode, progress=False,
-        pool=warm_pool if where == "ray" else None,
-    )
+    with warm_ranks(warm_pool) if where == "ray" else contextlib.nullcontext():  # else in this process, without Ray
+        report = bnrecal.recalibrate(
+            live, DataLoader(TensorDataset(samples), batch_size=6), workers=workers, mode=mode, progress=False,
+        )
     assert report["backend"] == ("in-process" if where == "here" else "gloo")
     assert_matches_reference(live, reference_statistics(model, samples, 6, world_size=workers, mode=mode))
     assert_only_bn_buffers_changed(before, live, steps=4)
     cli = recalibrate_files(
         RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, workers=workers,
                              batch_size=6, mode=mode, order="given"),  # the DataLoader's own order
-        settings, pool=warm_pool,
+        settings,
     )
     ours = live.state_dict()
     for key, value in cli.updates.items():
@@ -122,7 +124,7 @@ def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settin
     assert "recalibrated 5 BN layers on 24 samples" in repr(report)
 
 
-def test_a_model_defined_here_from_dict_batches_with_forward(warm_pool):
+def test_a_model_defined_here_from_dict_batches_with_forward(warm_live):
     torch.manual_seed(1)
     net = perturbed(OwnNet()).eval()
     net.train()  # the caller's mode is the caller's: kept, while the ranks run in eval mode
@@ -130,7 +132,7 @@ def test_a_model_defined_here_from_dict_batches_with_forward(warm_pool):
     expected = reference_statistics(TwoInputs(net), torch.cat([images.flatten(1), extra], 1), 5)
     before = state(net)
     loader = DataLoader(Records(images, extra), batch_size=5)
-    report = bnrecal.recalibrate(net, loader, workers=2, forward=feed_record, progress=False, pool=warm_pool)
+    report = bnrecal.recalibrate(net, loader, workers=2, forward=feed_record, progress=False)
     assert_matches_reference(TwoInputs(net), expected)
     assert_only_bn_buffers_changed(before, net, steps=4)
     assert net.training
@@ -138,34 +140,32 @@ def test_a_model_defined_here_from_dict_batches_with_forward(warm_pool):
     assert report["samples"] == 19 and report["collectives"] == 2 * 4
 
 
-def test_a_map_style_dataset_with_batch_size_travels_as_a_program(mixed, warm_pool):
+def test_a_map_style_dataset_with_batch_size_travels_as_a_program(mixed, warm_live):
     model, samples, _, _ = mixed
     live = copy.deepcopy(model)
     before = state(live)
-    report = bnrecal.recalibrate(live, Pairs(samples), batch_size=6, workers=2, max_samples=17, progress=False,
-                                 pool=warm_pool)
+    report = bnrecal.recalibrate(live, Pairs(samples), batch_size=6, workers=2, max_samples=17, progress=False)
     assert_matches_reference(live, reference_statistics(model, samples[:17], 6))
     assert_only_bn_buffers_changed(before, live, steps=3)
     assert report["model"]["transport"] == "program" and report["samples"] == 17
 
 
-def test_an_iterable_of_tuples_with_numpy_counts(mixed, warm_pool):
+def test_an_iterable_of_tuples_with_numpy_counts(mixed, warm_live):
     model, samples, _, _ = mixed
     live = copy.deepcopy(model)
     before = state(live)
     batches = ((samples[i:i + 8], torch.arange(i, min(i + 8, 24))) for i in range(0, 24, 8))  # a generator
-    report = bnrecal.recalibrate(live, batches, workers=np.int64(2), max_samples=np.int64(20), progress=False,
-                                 pool=warm_pool)
+    report = bnrecal.recalibrate(live, batches, workers=np.int64(2), max_samples=np.int64(20), progress=False)
     assert_matches_reference(live, reference_statistics(model, samples[:20], 8, world_size=2))
     assert_only_bn_buffers_changed(before, live, steps=3)
     assert report["data"] == {"kind": "batches", "source": "generator of batches", "samples": 20, "steps": 3,
                               "total_samples": 24, "sample_shape": [3, 6, 6]}
 
 
-def test_an_exported_program_is_recalibrated_in_place(mixed, warm_pool):
+def test_an_exported_program_is_recalibrated_in_place(mixed, warm_live):
     model, samples, _, _ = mixed
     program = torch.export.export(copy.deepcopy(model).eval(), (samples[:4],))
-    bnrecal.recalibrate(program, samples, batch_size=7, progress=False, pool=warm_pool)
+    bnrecal.recalibrate(program, samples, batch_size=7, progress=False)
     expected = reference_statistics(model, samples, 7)
     for name, (mean, var) in expected.items():
         got_mean, got_var = program.state_dict[f"{name}.running_mean"], program.state_dict[f"{name}.running_var"]
@@ -173,11 +173,11 @@ def test_an_exported_program_is_recalibrated_in_place(mixed, warm_pool):
         torch.testing.assert_close(got_var.double(), var, rtol=1e-4, atol=0)
 
 
-def test_what_data_takes_a_path_runs_on_the_same_engine(mixed, warm_pool):
+def test_what_data_takes_a_path_runs_on_the_same_engine(mixed, warm_live):
     model, samples, _, data = mixed
     live = copy.deepcopy(model)
     before = state(live)
-    report = bnrecal.recalibrate(live, data, batch_size=6, workers=2, max_samples=18, progress=False, pool=warm_pool)
+    report = bnrecal.recalibrate(live, data, batch_size=6, workers=2, max_samples=18, progress=False)
     assert_matches_reference(live, reference_statistics(model, in_contract_order(samples)[:18], 6))
     assert_only_bn_buffers_changed(before, live, steps=3)
     assert report["data"]["kind"] == "array" and report["model"]["transport"] == "program"
@@ -193,17 +193,17 @@ class Stream(IterableDataset):
         yield from self.x
 
 
-def test_a_shuffled_loader_and_an_iterable_dataset(mixed, warm_pool):
+def test_a_shuffled_loader_and_an_iterable_dataset(mixed, warm_live):
     model, samples, _, _ = mixed
     order = torch.randperm(24, generator=torch.Generator().manual_seed(5))  # what RandomSampler draws
     expected = reference_statistics(model, samples[order], 6, world_size=2, mode="local")
     shuffled = DataLoader(TensorDataset(samples), batch_size=6, shuffle=True,
                           generator=torch.Generator().manual_seed(5))
     live = copy.deepcopy(model)
-    bnrecal.recalibrate(live, shuffled, workers=2, mode="local", progress=False, pool=warm_pool)
+    bnrecal.recalibrate(live, shuffled, workers=2, mode="local", progress=False)
     assert_matches_reference(live, expected)
     live = copy.deepcopy(model)
     report = bnrecal.recalibrate(live, DataLoader(Stream(samples), batch_size=6), workers=2, mode="local",
-                                 progress=False, pool=warm_pool)
+                                 progress=False)
     assert_matches_reference(live, reference_statistics(model, samples, 6, world_size=2, mode="local"))
     assert report["data"]["kind"] == "batches"

@@ -26,12 +26,12 @@ def model_and_samples() -> tuple[torch.nn.Module, torch.Tensor]:
     return perturbed(mixed_net()).eval(), torch.randn(640, 3, 6, 5) * 1.3
 
 
-def test_a_loader_keeps_its_order_and_auto_stops_at_a_step_of_its_own(model_and_samples, warm_pool):
+def test_a_loader_keeps_its_order_and_auto_stops_at_a_step_of_its_own(model_and_samples, warm_live):
     model, samples = model_and_samples
     live = copy.deepcopy(model)
     report = bnrecal.recalibrate(
         live, DataLoader(TensorDataset(samples), batch_size=16), workers=2, max_samples="auto", tolerance=0.1,
-        progress=False, pool=warm_pool,
+        progress=False,
     )
     assert report["convergence"]["converged"] and report["order"] == "given"
     used = report["samples"]
@@ -39,12 +39,11 @@ def test_a_loader_keeps_its_order_and_auto_stops_at_a_step_of_its_own(model_and_
     assert_matches_reference(live, reference_statistics(model, samples[:used], 16))
 
 
-def test_a_path_is_read_in_the_fair_order(model_and_samples, warm_pool, tmp_path):
+def test_a_path_is_read_in_the_fair_order(model_and_samples, warm_live, tmp_path):
     model, samples = model_and_samples
     np.save(tmp_path / "x.npy", samples.numpy())
     live = copy.deepcopy(model)
-    report = bnrecal.recalibrate(live, str(tmp_path / "x.npy"), batch_size=16, max_samples=96, progress=False,
-                                 pool=warm_pool)
+    report = bnrecal.recalibrate(live, str(tmp_path / "x.npy"), batch_size=16, max_samples=96, progress=False)
     assert (report["order"], report["seed"]) == ("shuffled", 0)
     assert_matches_reference(live, reference_statistics(model, in_contract_order(samples)[:96], 16))
 

@@ -8,23 +8,22 @@ import copy
 import torch
 
 import bnrecal
-from bnrecal.service.settings import Settings
 
 from tests.nets import classifier_net, perturbed
 from tests.shards import folder_order, photos, write_folder, write_tar_shards
 
 
-def test_a_list_of_shards_calibrates_as_the_folder(tmp_path):
+def test_a_list_of_shards_calibrates_as_the_folder(tmp_path, monkeypatch):
     items = photos(40, size=32)
     write_folder(tmp_path / "folder", items)
     tars = write_tar_shards(tmp_path / "wds", folder_order(items), 16)
-    settings = Settings(data_dir=tmp_path / "data")
+    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "data"))  # where the shards are unpacked
     model = perturbed(classifier_net(3))
     twin = copy.deepcopy(model)
     report = bnrecal.recalibrate(
-        model, [str(path) for path in tars], batch_size=8, progress=False, order="given", settings=settings
+        model, [str(path) for path in tars], batch_size=8, progress=False, order="given"
     )
-    bnrecal.recalibrate(twin, tmp_path / "folder", batch_size=8, progress=False, order="given", settings=settings)
+    bnrecal.recalibrate(twin, tmp_path / "folder", batch_size=8, progress=False, order="given")
     assert report["samples"] == 40 and report["dataset"]["kind"] == "shards"
     assert torch.equal(model.bn.running_mean, twin.bn.running_mean)
     assert torch.equal(model.bn.running_var, twin.bn.running_var)
@@ -48,7 +47,7 @@ def test_parquet_with_its_image_column_named_calibrates_as_the_folder(tmp_path):
     items = folder_order(photos(12, size=32))
     write_folder(tmp_path / "folder", items)
     parquet = two_image_columns(tmp_path / "photos.parquet", items, photos(12, size=24, seed=2))
-    settings = Settings(data_dir=tmp_path / "data")
+    monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "data"))  # where the shards are unpacked
     model = perturbed(classifier_net(3))
     twin = copy.deepcopy(model)
     options = {"batch_size": 4, "progress": False, "order": "given", "settings": settings}

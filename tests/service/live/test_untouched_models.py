@@ -156,6 +156,6 @@ def test_only_bn_statistics_change_in_process(case):
 
 
 @pytest.mark.parametrize("case", [name for name, spec in CASES.items() if spec[-1]])
-def test_only_bn_statistics_change_on_ray_ranks(case, warm_pool):
-    report = recalibrated(case, workers=2, pool=warm_pool)
+def test_only_bn_statistics_change_on_ray_ranks(case, warm_live):
+    report = recalibrated(case, workers=2)
     assert report["backend"] == "gloo" and report["world_size"] == 2
