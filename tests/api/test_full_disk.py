@@ -53,7 +53,7 @@ def leave_free(disk: Path, free: int) -> Path:
 def digests_and_bytes(live) -> dict[str, str]:
     blobs = live.services.blobs
     tenant = tenant_of_key(KEY)
-    return {digest: hashlib.sha256(blobs.path(tenant, digest).read_bytes()).hexdigest() for digest, _ in blobs.stored(tenant)}
+    return {digest: hashlib.sha256(blobs.path(tenant, digest).read_bytes()).hexdigest() for digest in (blob.digest for blob in blobs.stored(tenant))}
 
 
 def test_at_zero_bytes_free_uploads_and_submissions_are_507_and_nothing_stored_is_lost(small_disk, tmp_path):

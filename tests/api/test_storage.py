@@ -125,7 +125,7 @@ def test_delete_jobs_and_blobs(quota_server, tmp_path):
 
 def test_an_upload_past_the_quota_is_413_naming_the_setting(quota_server):
     with client_of(quota_server) as client:
-        for digest, _ in list(quota_server.services.blobs.stored(tenant_of_key(KEY))):
+        for digest in [blob.digest for blob in quota_server.services.blobs.stored(tenant_of_key(KEY))]:
             client.delete(f"/v1/blobs/{digest}")  # start from an empty tenant (jobs deleted above)
         first = upload(client, b"a" * (2 * 1024 * 1024))
         over = problem(client.post("/v1/blobs", content=b"b" * (1024 * 1024 + 1)), 413)
@@ -148,7 +148,7 @@ def test_a_full_disk_mid_upload_is_507_and_keeps_nothing(quota_server):
     blobs = quota_server.services.blobs
     with client_of(quota_server) as client:
         kept = upload(client, b"stored before the disk filled")
-        before = {digest for tenant in blobs.tenants() for digest, _ in blobs.stored(tenant)}
+        before = {digest for tenant in blobs.tenants() for digest in (b.digest for b in blobs.stored(tenant))}
 
         def fill_disk(handle: io.BufferedWriter, digest: Any, chunks: list[bytes]) -> None:
             handle.write(chunks[0][: len(chunks[0]) // 2])  # part of it lands, then the disk is full
@@ -161,7 +161,7 @@ def test_a_full_disk_mid_upload_is_507_and_keeps_nothing(quota_server):
             blobs.write_chunks = original
         assert full["title"] == "Insufficient storage" and "disk is full" in full["detail"]
         assert blobs.staging_files() == []
-        assert {digest for tenant in blobs.tenants() for digest, _ in blobs.stored(tenant)} == before
+        assert {digest for tenant in blobs.tenants() for digest in (b.digest for b in blobs.stored(tenant))} == before
         assert client.get(f"/v1/blobs/{kept}").content == b"stored before the disk filled"
         assert upload(client, b"e" * 1000)  # and writing works again
 

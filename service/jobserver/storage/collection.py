@@ -222,14 +222,15 @@ class StorageCollector:
         retention_cutoff = min(now - self.settings.blob_retention_s, running_cutoff)
         removals: list[Removal] = []
         for tenant in self.blobs.tenants():
-            for digest, stat in list(self.blobs.stored(tenant)):
+            for blob in list(self.blobs.stored(tenant)):
+                digest = blob.digest
                 if (tenant, digest) in needs.blobs:
                     continue
                 artifact = (tenant, digest) in freed_artifacts
                 cutoff = running_cutoff if artifact else retention_cutoff
-                if stat.st_mtime >= cutoff or (not dry_run and self._refreshed(tenant, digest, cutoff)):
+                if blob.last_used >= cutoff or (not dry_run and self._refreshed(tenant, digest, cutoff)):
                     continue
-                size = stat.st_size if dry_run else self.blobs.remove(tenant, digest)
+                size = blob.size if dry_run else self.blobs.remove(tenant, digest)
                 reason = "artifact of a collected job" if artifact else "no job uses it, unused past BNRECAL_BLOB_RETENTION_S"
                 removals.append(Removal("blob", digest, size, reason, tenant))
         return removals
@@ -245,8 +246,8 @@ class StorageCollector:
         if not self.unpack_root.is_dir():
             return []
         cutoff = now - self.settings.unpack_retention_s
-        known_hexes = {digest.removeprefix("sha256:") for tenant in self.blobs.tenants()
-                       for digest, _ in self.blobs.stored(tenant)}
+        known_hexes = {blob.digest.removeprefix("sha256:") for tenant in self.blobs.tenants()
+                       for blob in self.blobs.stored(tenant)}
         removals: list[Removal] = []
         for folder in sorted(self.unpack_root.iterdir()):
             if folder.name.startswith(".") or not folder.is_dir() or not is_unpack_folder(folder):
@@ -346,9 +347,9 @@ class StorageCollector:
     def usage(self, tenant: str) -> int:
         """Bytes a tenant stores: its blobs (uploads and artifacts) and the unpacks of its archives."""
         total = 0
-        for digest, stat in self.blobs.stored(tenant):
-            total += stat.st_size
-            folder = self.unpack_root / digest.removeprefix("sha256:")
+        for blob in self.blobs.stored(tenant):
+            total += blob.size
+            folder = self.unpack_root / blob.digest.removeprefix("sha256:")
             if folder.is_dir():
                 total += folder_bytes(folder)
         return total

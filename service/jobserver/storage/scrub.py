@@ -71,7 +71,7 @@ class BlobScrubber:
         pace = self.settings.scrub_bytes_per_s
         began = time.monotonic()
         for tenant in self.blobs.tenants():
-            for digest, _stat in list(self.blobs.stored(tenant)):
+            for digest in [blob.digest for blob in self.blobs.stored(tenant)]:
                 if self._periodic.stopping:
                     return report
                 try:

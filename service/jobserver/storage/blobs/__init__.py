@@ -12,7 +12,7 @@ from __future__ import annotations
 from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
-    "files": ("DIGEST_PATTERN", "MAX_FILENAME_CHARS", "BlobInfo", "BlobStore", "WriteChunks", "clean_filename", "is_digest"),
+    "files": ("DIGEST_PATTERN", "MAX_FILENAME_CHARS", "BlobInfo", "BlobStore", "StoredBlob", "WriteChunks", "clean_filename", "is_digest"),
     "s3": ("S3BlobStore", "open_blob_store", "parse_blob_store"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)

@@ -78,6 +78,17 @@ class BlobInfo:
         return self.digest.removeprefix("sha256:")
 
 
+@dataclass(frozen=True)
+class StoredBlob:
+    """A blob as a listing of a tenant's store sees it: its digest, its size in bytes and
+    when it was last used (written, uploaded again or submitted; epoch seconds): what
+    storage collection and quotas decide by, the same for both backends."""
+
+    digest: str
+    size: int
+    last_used: float
+
+
 def is_digest(value: str) -> bool:
     """Whether ``value`` is a well-formed ``sha256:<64 hex>`` digest."""
     return bool(_DIGEST.match(value))
@@ -326,8 +337,8 @@ class BlobStore:
             return []
         return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir() and _TENANT.match(entry.name))
 
-    def stored(self, tenant: str) -> Iterator[tuple[str, os.stat_result]]:
-        """Every blob of a tenant: its digest and its file's stat (size, mtime)."""
+    def stored(self, tenant: str) -> Iterator[StoredBlob]:
+        """Every blob of a tenant, in digest order (its file's size and mtime)."""
         top = self.root / tenant / "sha256"
         if not top.is_dir():
             return
@@ -338,7 +349,7 @@ class BlobStore:
                 except FileNotFoundError:  # removed meanwhile
                     continue
                 if _DIGEST.match("sha256:" + file.name):
-                    yield "sha256:" + file.name, stat
+                    yield StoredBlob("sha256:" + file.name, stat.st_size, stat.st_mtime)
 
     def staging_files(self) -> list[Path]:
         """The files in the staging folder: uploads in progress, or ones a crash left behind."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import stat as stat_module
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from typing import Any
 from bnrecal.workers.data.objectstore import s3_filesystem
 from bnrecal.errors import CorruptBlobError, NotFoundError, SpecError
 
-from bnrecal.service.jobserver.storage.blobs.files import _DIGEST, _TENANT, BlobInfo, BlobStore, WriteChunks, clean_filename, file_digest, is_digest
+from bnrecal.service.jobserver.storage.blobs.files import _DIGEST, _TENANT, BlobInfo, BlobStore, StoredBlob, WriteChunks, clean_filename, file_digest, is_digest
 
 log = logging.getLogger("bnrecal.blobs")
 
@@ -255,8 +254,9 @@ class S3BlobStore(BlobStore):
         names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
         return sorted(name for name in names if _TENANT.match(name))
 
-    def stored(self, tenant: str) -> Iterator[tuple[str, os.stat_result]]:
-        """Every blob of a tenant: its digest and a stat with its size and last use (the ``st_mtime``)."""
+    def stored(self, tenant: str) -> Iterator[StoredBlob]:
+        """Every blob of a tenant, in digest order: its object's size, and its last use (the
+        later of the object's time and its ``used`` marker's)."""
         if not _TENANT.match(tenant):
             raise ValueError(f"invalid tenant id {tenant!r}")
         used = {
@@ -266,7 +266,7 @@ class S3BlobStore(BlobStore):
             hex_digest = key.rsplit("/", 1)[-1]
             if _DIGEST.match("sha256:" + hex_digest):
                 mtime = max(_epoch(entry), used.get(hex_digest, 0.0))
-                yield "sha256:" + hex_digest, _stat(int(entry["size"]), mtime)
+                yield StoredBlob("sha256:" + hex_digest, int(entry["size"]), mtime)
 
     def _place(self, tenant: str, staged: Path, info: BlobInfo) -> None:
         """Put a complete, hashed staging file under its content address (if absent: else mark it
@@ -320,8 +320,3 @@ def _epoch(entry: dict[str, Any]) -> float:
     if isinstance(modified, datetime):
         return modified.timestamp()
     return float(modified or 0.0)
-
-
-def _stat(size: int, mtime: float) -> os.stat_result:
-    """A stat result of an object (what the collector reads of a local blob: size and mtime)."""
-    return os.stat_result((stat_module.S_IFREG | 0o600, 0, 0, 1, 0, 0, size, mtime, mtime, mtime))

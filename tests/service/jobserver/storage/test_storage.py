@@ -237,7 +237,7 @@ def test_a_full_disk_keeps_nothing_of_the_upload(store):
     with pytest.raises(InsufficientStorageError, match="disk is full"):
         anyio.run(store.blobs.ingest, T, body(), 10 << 20, "big.bin")
     assert written and store.blobs.staging_files() == []
-    assert [digest for digest, _ in store.blobs.stored(T)] == [kept]
+    assert [blob.digest for blob in store.blobs.stored(T)] == [kept]
     assert store.blobs.path(T, kept).read_bytes() == b"stored before"
     assert http_status(InsufficientStorageError) == 507
 

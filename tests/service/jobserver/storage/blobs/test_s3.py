@@ -103,15 +103,15 @@ def test_listing_last_use_and_touch(uri, s3_server, tmp_path):
     first = ingest(store, "alice", [b"one"]).digest
     second = ingest(store, "bob", [b"two!"]).digest
     assert store.tenants() == ["alice", "bob"]
-    listed = dict(store.stored("alice"))
-    assert list(listed) == [first] and listed[first].st_size == 3
+    listed = {blob.digest: blob for blob in store.stored("alice")}
+    assert list(listed) == [first] and listed[first].size == 3
     stored_at = store.last_used("alice", first)
     assert abs(stored_at - time.time()) < 120
     time.sleep(1.1)  # S3 times have a resolution of one second
     store.touch("alice", first)
     assert store.last_used("alice", first) > stored_at
-    assert dict(store.stored("alice"))[first].st_mtime == store.last_used("alice", first)
-    assert [digest for digest, _ in store.stored("bob")] == [second]
+    assert {b.digest: b for b in store.stored("alice")}[first].last_used == store.last_used("alice", first)
+    assert [blob.digest for blob in store.stored("bob")] == [second]
 
 
 def test_the_collector_and_quota_usage_work_on_the_bucket(uri, s3_server, tmp_path):
