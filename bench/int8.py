@@ -67,6 +67,20 @@ def _evaluation(folder: Path):
                            [y[i : i + BATCH] for i in range(0, len(y), BATCH)])
 
 
+def accuracy(model: bytes, held) -> dict[str, float]:
+    """Top-1 of an ONNX model on the labelled batches, in onnxruntime (the bench's own count)."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    right = total = 0
+    for x, y in zip(held.batches, held.labels):
+        scores = session.run(None, {name: x})[0]
+        right += int((scores.argmax(axis=1) == y).sum())
+        total += len(y)
+    return {"top1": right / total}
+
+
 def _record(folder: Path, entry: dict) -> None:
     with (folder / "results.jsonl").open("a") as out:
         out.write(json.dumps(entry) + "\n")
@@ -78,7 +92,6 @@ def ranks(folder: Path, workers: int) -> None:
     started = time.perf_counter()
     from bnrecal.workers.data import describe_dataset
 
-    from bnrecal.service.export.int8.checks import accuracy
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.run.cluster import ensure_ray
     from bnrecal.service.run.executors import on_ranks
@@ -112,8 +125,6 @@ def ort(folder: Path) -> None:
         quantize_static,
     )
 
-    from bnrecal.service.export.int8.checks import accuracy
-
     calib = np.load(folder / "calib.npy").astype(np.float32)
 
     class Reader(CalibrationDataReader):
@@ -142,7 +153,7 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
 
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.run.int8 import quantize_export
-    from bnrecal.service.run.ranges import in_process
+    from bnrecal.service.run.onnx_passes import InProcessPasses
     from bnrecal.workers.data import describe_dataset
 
     rows = []
@@ -155,7 +166,7 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
         np.save(folder / "latency-calib.npy", calib)
         import torch
 
-        int8 = quantize_export(fp32, Int8Options(), in_process(describe_dataset(folder / "latency-calib.npy"), 32),
+        int8 = quantize_export(fp32, Int8Options(), InProcessPasses(describe_dataset(folder / "latency-calib.npy"), 32),
                                torch.from_numpy(calib[:8])).model
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
@@ -190,7 +201,7 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
 
     from bnrecal.service.export.int8.options import int8_options
     from bnrecal.service.run.int8 import quantize_export
-    from bnrecal.service.run.ranges import in_process
+    from bnrecal.service.run.onnx_passes import InProcessPasses
 
     fp32 = (folder / "fp32.onnx").read_bytes()
     calib = np.load(folder / "calib.npy").astype(np.float32)
@@ -200,7 +211,7 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
                            ("bnrecal entropy (2048/128 bins), target onnxruntime", {"method": "entropy"}),
                            ("bnrecal minmax, target openvino", {"target": "openvino"}),
                            ("bnrecal minmax, target tensorrt", {"target": "tensorrt"})):
-        files[label] = quantize_export(fp32, int8_options(options), in_process(dataset, BATCH), verify).model
+        files[label] = quantize_export(fp32, int8_options(options), InProcessPasses(dataset, BATCH), verify).model
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
     from onnxruntime.quantization import quant_pre_process, quantize_static
 
