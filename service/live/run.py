@@ -23,7 +23,7 @@ from bnrecal.workers.data.formats.loader import LoaderSpec, call_model, check_sp
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.errors import ModelInputError, SpecError, first_line
 
-from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, RunPlan, run
+from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, LaterPhases, RunPlan, run
 from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
 from bnrecal.service.run.progress import progress_bar
@@ -157,7 +157,7 @@ def recalibrate(
         data=spec, probe=sample, options=options, feed=feed,
         # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
         memory_format="contiguous" if shipped.restore is not None else settings.memory_format,
-        release=shipped.restore, keep=KeepBudget(0, 0),  # one pass: nothing read again, decodes counted
+        release=shipped.restore, later=LaterPhases(keep=KeepBudget(0, 0)),  # one pass: nothing read again, decodes counted
     )
     executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
     with _bar(progress) as update:

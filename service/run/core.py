@@ -80,6 +80,26 @@ class KeepBudget:
 
 
 @dataclass(frozen=True)
+class LaterPhases:
+    """What the statistics' pass does for the run's later phases (the export and INT8 files).
+
+    With ``keep`` the ranks keep the samples of the described data they decode for the
+    later passes (the evaluation, the INT8 passes), within its budget; without it nothing is
+    kept and nothing counted. ``head`` asks the ranks for the first samples of the order as
+    they read them (an export's checks run on them, so the driver reads none); with
+    ``evaluation_later`` the statistics' pass does not evaluate: a later phase measures the
+    evaluation (the INT8 export's, on the folded FP32 models, in the pass that gathers their
+    ranges). ``meanwhile`` is work of a later phase this process does while the ranks
+    compute the statistics (the exporter's trace of the model), in a thread of its own; it
+    is best effort: what fails there is left to the phase."""
+
+    keep: KeepBudget | None = None
+    head: int = 0
+    evaluation_later: bool = False
+    meanwhile: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A recalibration as a surface prepared it.
 
@@ -88,15 +108,8 @@ class RunPlan:
     (a Ray run puts ``weights`` in the object store once). ``probe`` is a batch of the
     first samples as the ranks feed it (through ``feed`` when given). ``label`` names the
     model in messages. ``release``, when given, runs once the ranks are done, before the
-    statistics are written (a caller's own modules put back as they were). With ``keep``
-    the ranks keep the samples of the described data they decode for the run's later
-    passes (the evaluation, the INT8 passes), within its budget. ``head`` asks the ranks
-    for the first samples of the order as they read them (an export's checks run on them,
-    so the driver reads none); with ``evaluation_later`` the statistics' pass does not
-    evaluate: a later phase measures the evaluation (the INT8 export's, on the folded FP32
-    models, in the pass that gathers their ranges). ``meanwhile`` is work of a later phase
-    this process does while the ranks compute the statistics (the exporter's trace of the
-    model), in a thread of its own; it is best effort: what fails there is left to the phase.
+    statistics are written (a caller's own modules put back as they were). ``later`` is
+    what the pass does for the phases after it (``LaterPhases``).
     """
 
     model: nn.Module
@@ -110,10 +123,7 @@ class RunPlan:
     feed: Feed | None = None
     memory_format: str = "auto"
     release: Callable[[], None] | None = None
-    keep: KeepBudget | None = None
-    head: int = 0
-    evaluation_later: bool = False
-    meanwhile: Callable[[], None] | None = None
+    later: LaterPhases = LaterPhases()
 
     def datasets(self) -> list[DatasetSpec | LoaderSpec]:
         """The data the run reads: calibration, then evaluation."""
@@ -133,7 +143,7 @@ class RunResult:
     """The run's data and evaluation as its passes read them (marked to be kept on the
     ranks): what a later phase reads again."""
     head: torch.Tensor | None = None
-    """The first samples of the order as the ranks read them (``RunPlan.head``)."""
+    """The first samples of the order as the ranks read them (``LaterPhases.head``)."""
 
     @property
     def updates(self) -> dict[str, torch.Tensor]:
@@ -232,11 +242,11 @@ def run(
                 model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
                 world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
                 layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
-                memory_format=plan.memory_format, evaluation=None if plan.evaluation_later else plan.evaluation,
-                feed=plan.feed, stop=StopRule(options.stop_tolerance) if options.auto_samples else None, head=plan.head,
+                memory_format=plan.memory_format, evaluation=None if plan.later.evaluation_later else plan.evaluation,
+                feed=plan.feed, stop=StopRule(options.stop_tolerance) if options.auto_samples else None, head=plan.later.head,
             ))
             started = time.monotonic()
-            beside = _beside(plan.meanwhile)
+            beside = _beside(plan.later.meanwhile)
             try:
                 result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
             finally:
@@ -252,8 +262,8 @@ def run(
         if then is not None:  # on the same executor, while its world is up
             check_cancel(cancel)
             made = then(finished, executor)
-        if plan.keep is not None:
-            finished.report.decoding = _decoding(executor.release_decoded(scope), plan.keep)
+        if plan.later.keep is not None:
+            finished.report.decoding = _decoding(executor.release_decoded(scope), plan.later.keep)
         return made
     finally:
         try:
@@ -284,13 +294,14 @@ def _beside(work: Callable[[], None] | None) -> threading.Thread:
 
 def _kept(plan: RunPlan, scope: str) -> RunPlan:
     """The plan with its described data marked to be kept on the ranks for ``scope``."""
-    if plan.keep is None:
+    keep = plan.later.keep
+    if keep is None:
         return plan
 
     def marked(data: Any, name: str) -> Any:
         if not isinstance(data, DatasetSpec):
             return data
-        return replace(data, keep=KeepDecoded(scope, name, plan.keep.memory_bytes, plan.keep.disk_bytes))  # type: ignore[union-attr]
+        return replace(data, keep=KeepDecoded(scope, name, keep.memory_bytes, keep.disk_bytes))
 
     evaluation = plan.evaluation
     if evaluation is not None:
@@ -390,7 +401,7 @@ def _phase_ordered_progress(plan: RunPlan, on_progress: ProgressCallback | None)
     """The ranks' (phase, done) reports as (done, total, phase), calibration to its end
     first: a rank may start evaluating while a peer's last steps are on their way."""
     totals = {"calibrating": plan.data.num_samples}
-    if plan.evaluation is not None and not plan.evaluation_later:
+    if plan.evaluation is not None and not plan.later.evaluation_later:
         totals["evaluating"] = plan.evaluation.dataset.num_samples
     seen = dict.fromkeys(totals, 0)
     auto = plan.options.auto_samples

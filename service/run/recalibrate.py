@@ -22,7 +22,7 @@ from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.run.core import (
-    Executor, FailurePolicy, KeepBudget, ProgressCallback, RunResult, RunPlan, check_cancel, run,
+    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunResult, RunPlan, check_cancel, run,
 )
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
@@ -93,8 +93,10 @@ def recalibrate(
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
-        keep=kept_budget(settings, outputs), head=head_samples(outputs, model), evaluation_later=later,
-        meanwhile=None if in_process or reuse is None else trace_beside(model, probe, reuse, outputs),  # type: ignore[arg-type]
+        later=LaterPhases(
+            keep=kept_budget(settings, outputs), head=head_samples(outputs, model), evaluation_later=later,
+            meanwhile=None if in_process or reuse is None else trace_beside(model, probe, reuse, outputs),  # type: ignore[arg-type]
+        ),
     )
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")

@@ -78,11 +78,11 @@ class Recalibration:
     """Set when the INT8 file failed its guard: the other outputs were written, the report's
     ``int8`` section says why (docs/int8.md); a surface raises it once they are kept."""
     head: torch.Tensor | None = None
-    """The first calibration samples, as the ranks read them (``RunPlan.head``)."""
+    """The first calibration samples, as the ranks read them (``LaterPhases.head``)."""
     read_here: int = 0
     """Calibration samples this process read itself (an export the run did not plan for)."""
     evaluation_later: bool = False
-    """The evaluation before and after is left to the INT8 export's passes (``RunPlan.evaluation_later``)."""
+    """The evaluation before and after is left to the INT8 export's passes (``LaterPhases.evaluation_later``)."""
 
     @property
     def checkpoint(self) -> Checkpoint | None:

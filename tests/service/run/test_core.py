@@ -6,6 +6,7 @@ differs and a cancellation never do, and the error after the last retry says how
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import LiveModuleSource
 
-from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunPlan, run
+from bnrecal.service.run.core import FailureDecision, FailurePolicy, LaterPhases, RunPlan, run
 from bnrecal.service.run.executors import InProcess
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.report import Report
@@ -201,7 +202,7 @@ class Timed(InProcess):
 
 
 def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_later_phases(stale):
-    """``RunPlan.meanwhile`` (an INT8 run's exporter trace) runs in a thread while the pass runs
+    """``LaterPhases.meanwhile`` (an INT8 run's exporter trace) runs in a thread while the pass runs
     and is finished before any later phase; its failure fails nothing (the phase that needs
     the work does it again)."""
     import time
@@ -215,7 +216,7 @@ def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_lat
         time.sleep(0.3)
         seen["ended"] = time.monotonic()
 
-    plan = RunPlan(**{**plan_for(model, samples).__dict__, "meanwhile": meanwhile})
+    plan = replace(plan_for(model, samples), later=LaterPhases(meanwhile=meanwhile))
     run(plan, executor, then=lambda result, running: seen.update(phase=time.monotonic()))
     assert seen["thread"] != threading.current_thread().name
     assert seen["started"] < executor.pass_ended  # beside the pass, not after it
@@ -224,5 +225,5 @@ def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_lat
     def fails():
         raise RuntimeError("the trace failed")
 
-    result = run(RunPlan(**{**plan_for(model, samples).__dict__, "meanwhile": fails}), InProcess())
+    result = run(replace(plan_for(model, samples), later=LaterPhases(meanwhile=fails)), InProcess())
     assert result.report.samples == 29
