@@ -28,6 +28,7 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, not installe
 
 _HOMES = {
     "service.client": ("BnrecalClient",),
+    "service.jobserver.jobs.views": ("JobStatus", "JobView"),  # what the client's job calls return
     "service.live": ("RecalibrationReport", "export_onnx", "quantize", "recalibrate"),
     "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
 }
@@ -36,4 +37,5 @@ __getattr__, __all__ = lazy_exports(__name__, _HOMES)
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name loads on first use
     from bnrecal.errors import *  # noqa: F403 - the names bnrecal.errors.__all__ lists
     from bnrecal.service.client import BnrecalClient
+    from bnrecal.service.jobserver.jobs.views import JobStatus, JobView
     from bnrecal.service.live import RecalibrationReport, export_onnx, quantize, recalibrate

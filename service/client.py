@@ -7,8 +7,8 @@ names its class), so a caller handles a remote bad checkpoint exactly like a loc
         checkpoint = client.upload("model.safetensors")["digest"]
         data = client.upload("calib.npy")["digest"]
         job = client.submit({"arch": "torchvision:resnet18", "checkpoint": checkpoint, "data": data})
-        job = client.wait(job["id"], on_progress=lambda done, total, phase: print(phase, done, total))
-        client.download(job["id"], "checkpoint", "recalibrated.safetensors")
+        job = client.wait(job.id, on_progress=lambda done, total, phase: print(phase, done, total))
+        client.download(job.id, "checkpoint", "recalibrated.safetensors")
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from bnrecal.errors import (
 )
 from bnrecal.workers.files import atomic_write
 
+from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
 from .jobserver.problems import error_classes, http_status
 
@@ -177,23 +178,24 @@ class BnrecalClient:
         """Upload bytes held in memory (small blobs)."""
         return self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"})
 
-    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
-        """Submit a job spec; the same ``idempotency_key`` on a retry returns the same job."""
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> JobView:
+        """Submit a job spec (its JSON: the server validates it); the same ``idempotency_key``
+        on a retry returns the same job."""
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        return self._json("POST", "/v1/jobs", json=spec, headers=headers)
+        return JobView.model_validate(self._json("POST", "/v1/jobs", json=spec, headers=headers))
 
-    def job(self, job_id: str) -> dict[str, Any]:
+    def job(self, job_id: str) -> JobView:
         """The job resource."""
-        return self._json("GET", f"/v1/jobs/{job_id}")
+        return JobView.model_validate(self._json("GET", f"/v1/jobs/{job_id}"))
 
-    def jobs(self, status: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    def jobs(self, status: str | None = None, limit: int = 50) -> list[JobView]:
         """This key's jobs, newest first."""
         params: dict[str, Any] = {"limit": limit} | ({"status": status} if status else {})
-        return self._json("GET", "/v1/jobs", params=params)["jobs"]
+        return JobList.model_validate(self._json("GET", "/v1/jobs", params=params)).jobs
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str) -> JobView:
         """Ask the server to cancel a job."""
-        return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+        return JobView.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
 
     def delete_job(self, job_id: str) -> None:
         """Delete a finished job and its artifacts (a queued or running one is a ``ConflictError``)."""
@@ -216,7 +218,7 @@ class BnrecalClient:
 
     def wait(
         self, job_id: str, on_progress: Callable[[int, int | None, str], None] | None = None, *, reconnects: int = 5
-    ) -> dict[str, Any]:
+    ) -> JobView:
         """Follow a job's events to its end (resuming a dropped stream) and return the final job.
 
         ``on_progress`` gets (samples done, samples total, phase) for each event of a phase
@@ -241,7 +243,7 @@ class BnrecalClient:
                     if event.data.get("status") in TERMINAL:
                         return self.job(job_id)
                 job = self.job(job_id)
-                if job["status"] in TERMINAL:
+                if job.status.is_terminal:
                     return job
                 failures = 0
                 time.sleep(STREAM_RESUME_S)  # the server ended the stream early (shutting down?)
@@ -337,10 +339,10 @@ def run_remote_job(
     inputs: Mapping[str, Path | str],
     *,
     follow: Callable[[str], AbstractContextManager[Progress]],
-    downloads: Callable[[dict[str, Any]], Sequence[tuple[str, Path]]] = lambda job: (),
-    on_submitted: Callable[[dict[str, Any]], None] | None = None,
+    downloads: Callable[[JobView], Sequence[tuple[str, Path]]] = lambda job: (),
+    on_submitted: Callable[[JobView], None] | None = None,
     on_interrupt: Callable[[str], NoReturn] | None = None,
-) -> dict[str, Any]:
+) -> JobView:
     """One job on the server from local files, for ``bnrecal submit`` and
     ``bnrecal.recalibrate(server=...)`` alike; the finished job.
 
@@ -373,16 +375,16 @@ def run_remote_job(
         on_submitted(job)
     with follow("queued") as update:
         try:
-            job = client.wait(job["id"], on_progress=update)
+            job = client.wait(job.id, on_progress=update)
         except KeyboardInterrupt:
             if on_interrupt is None:
                 raise
-            on_interrupt(job["id"])
+            on_interrupt(job.id)
         _raise_unless_succeeded(job, client.server)
         wanted = list(downloads(job))
         for done, (name, path) in enumerate(wanted):
             update(done, len(wanted), "downloading")
-            client.download(job["id"], name, path)
+            client.download(job.id, name, path)
         if wanted:
             update(len(wanted), len(wanted), "downloading")
     return job
@@ -412,13 +414,13 @@ def _passes_dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
     return True
 
 
-def _raise_unless_succeeded(job: dict[str, Any], server: str) -> None:
+def _raise_unless_succeeded(job: JobView, server: str) -> None:
     """Turn a failed or cancelled job into the error it ended with."""
-    if job["status"] == "succeeded":
+    if job.status == "succeeded":
         return
-    if job["status"] == "cancelled":
-        raise CancelledError(f"job {job['id']} on {server} was cancelled")
-    raise error_from_problem(job.get("error") or {"status": 500, "detail": f"job {job['id']} {job['status']}"})
+    if job.status == "cancelled":
+        raise CancelledError(f"job {job.id} on {server} was cancelled")
+    raise error_from_problem(job.error or {"status": 500, "detail": f"job {job.id} {job.status.value}"})
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import bnrecal
 from bnrecal.service.client import BnrecalClient
+from bnrecal.service.jobserver.jobs.views import JobView
 import bnrecal.errors as errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ def test_the_public_names_are_the_products_own():
     for name in bnrecal.__all__:
         assert getattr(bnrecal, name).__doc__, f"bnrecal.{name} has no docstring"
     assert bnrecal.BnrecalClient is BnrecalClient
+    assert bnrecal.JobView is JobView and bnrecal.JobStatus.succeeded.is_terminal  # what its job calls return
     assert bnrecal.BnrecalError is errors.BnrecalError and bnrecal.NoBatchNormError is errors.NoBatchNormError
     assert issubclass(bnrecal.ModelInputError, bnrecal.BnrecalError)
     for name in errors.__all__:  # the whole tree, by the names bnrecal.errors gives it

@@ -10,7 +10,7 @@ import typer
 
 from . import options as opt
 from .console import connect, print_line
-from .job_text import TERMINAL, job_table, status_lines
+from .job_text import job_table, status_lines
 
 if TYPE_CHECKING:
     from ..client import BnrecalClient
@@ -30,7 +30,7 @@ def list_jobs(
     with connect(server, api_key) as client:
         jobs = client.jobs(status=status, limit=limit)
     if as_json:
-        typer.echo(json.dumps(jobs, indent=2))
+        typer.echo(json.dumps([job.model_dump(mode="json") for job in jobs], indent=2))
         return
     if not jobs:
         print_line(f"no jobs on {server}" + (f" with status {status}" if status else ""))
@@ -49,7 +49,7 @@ def job_status(
     with connect(server, api_key) as client:
         job = client.job(job_id)
     if as_json:
-        typer.echo(json.dumps(job, indent=2))
+        typer.echo(job.model_dump_json(indent=2))
         return
     for line in status_lines(job):
         typer.echo(line)
@@ -59,8 +59,8 @@ def cancel(job_id: opt.JobIdArg, server: opt.ServerOpt, api_key: opt.ApiKeyOpt =
     """Cancel a queued or running job; a job that already ended is left as it is (exit 1)."""
     with connect(server, api_key) as client:
         job = client.job(job_id)
-        if job["status"] in TERMINAL:
-            print_line(f"job {job_id} already {job['status']}; nothing to cancel")
+        if job.status.is_terminal:
+            print_line(f"job {job_id} already {job.status.value}; nothing to cancel")
             raise typer.Exit(1)
         status = cancel_and_wait(client, job_id)
     print_line(f"job {job_id} {'cancelled' if status == 'cancelled' else f'cancel requested ({status})'} on {server}")
@@ -71,9 +71,9 @@ def cancel_and_wait(client: BnrecalClient, job_id: str, timeout: float = 10.0) -
 
     A running job ends once its ranks are stopped, which is why "cancelled" can take a moment.
     """
-    status = client.cancel(job_id)["status"]
+    status = client.cancel(job_id).status
     deadline = time.monotonic() + timeout
-    while status not in TERMINAL and time.monotonic() < deadline:
+    while not status.is_terminal and time.monotonic() < deadline:
         time.sleep(0.2)
-        status = client.job(job_id)["status"]
-    return status
+        status = client.job(job_id).status
+    return status.value

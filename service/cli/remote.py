@@ -19,6 +19,7 @@ from .jobs import cancel_and_wait
 
 if TYPE_CHECKING:
     from ..client import BnrecalClient
+    from ..jobserver.jobs.views import JobView
 
 APP_FACTORY = "bnrecal.api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -126,7 +127,7 @@ def submit(
                                                 ("data", data_source), ("eval.data", eval_source))
               if source is not None}
 
-    def downloads(job: dict[str, Any]) -> list[tuple[str, Path]]:
+    def downloads(job: JobView) -> list[tuple[str, Path]]:
         int8 = None if _int8_failed(job) else flags.onnx_int8
         wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", flags.report),
                   ("report.html", flags.report_html)]
@@ -135,9 +136,9 @@ def submit(
     from ..client import run_remote_job
 
     with connect(server, api_key) as client:
-        def submitted(job: dict[str, Any]) -> None:
-            typer.echo(job["id"])  # the one line on stdout: JOB=$(bnrecal submit ...)
-            print_line(f"job {job['id']} queued on {client.server}")
+        def submitted(job: JobView) -> None:
+            typer.echo(job.id)  # the one line on stdout: JOB=$(bnrecal submit ...)
+            print_line(f"job {job.id} queued on {client.server}")
 
         job = run_remote_job(
             client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
@@ -146,16 +147,16 @@ def submit(
     int8_failed = _int8_failed(job)
     written_int8 = None if int8_failed else flags.onnx_int8
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
-    for line in summary_lines(job["report"], flags.out, job["id"], also_wrote=also_wrote):
+    for line in summary_lines(job.report or {}, flags.out, job.id, also_wrote=also_wrote):
         print_line(line)
     if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
-        section = (job.get("report") or {}).get("int8") or {}
+        section = (job.report or {}).get("int8") or {}
         raise ExportError(str(section.get("failure", "the INT8 output failed")))
 
 
-def _int8_failed(job: dict[str, Any]) -> bool:
+def _int8_failed(job: JobView) -> bool:
     """Whether the job's INT8 file failed its guard: no file then (docs/int8.md)."""
-    return ((job.get("report") or {}).get("int8") or {}).get("written") is False
+    return ((job.report or {}).get("int8") or {}).get("written") is False
 
 
 def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:

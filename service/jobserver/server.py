@@ -45,7 +45,8 @@ from bnrecal.service.jobserver.cluster.health import ClusterHealth
 from bnrecal.service.jobserver.storage.disk import check_reserve
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
-from bnrecal.service.jobserver.jobs.spec import ARTIFACT_NAMES, JobRecord, JobSpec, JobView, check_submission
+from bnrecal.service.jobserver.jobs.spec import ARTIFACT_NAMES, JobRecord, JobSpec, check_submission
+from bnrecal.service.jobserver.jobs.views import JobView
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import is_postgres
 from bnrecal.service.jobserver.jobs.ledger_watch import LedgerWatcher

@@ -129,8 +129,8 @@ def recalibrate_on_server(
             job = run_remote_job(client, job_spec, {"program": program_file, "data": data_file}, follow=progress,
                                  downloads=lambda job: [("program", result)])
         _write_back(model, result, prefix)
-    report = RecalibrationReport.from_dict(job["report"])
-    report.model = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job["id"]}
+    report = RecalibrationReport.from_dict(job.report or {})
+    report.model = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job.id}
     return report
 
 

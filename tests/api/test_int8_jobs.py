@@ -30,14 +30,14 @@ def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_pa
             "workers": 2, "batch_size": 8, "outputs": ["program", "onnx_int8"], "int8": {"method": "entropy"},
             "eval": {"data": client.upload(tmp_path / "labelled.npz")["digest"]},
         }
-        job = client.wait(client.submit(spec)["id"])
-        assert job["status"] == "succeeded", job["error"]
-        assert set(job["artifacts"]) == {"program", "onnx_int8", "report", "report.html"}
-        client.download(job["id"], "onnx_int8", tmp_path / "int8.onnx")
+        job = client.wait(client.submit(spec).id)
+        assert job.status == "succeeded", job.error
+        assert set(job.artifacts) == {"program", "onnx_int8", "report", "report.html"}
+        client.download(job.id, "onnx_int8", tmp_path / "int8.onnx")
     payload = (tmp_path / "int8.onnx").read_bytes()
-    assert job["artifacts"]["onnx_int8"]["digest"] == "sha256:" + hashlib.sha256(payload).hexdigest()
+    assert job.artifacts["onnx_int8"].digest == "sha256:" + hashlib.sha256(payload).hexdigest()
     onnx.checker.check_model(onnx.load(tmp_path / "int8.onnx"), full_check=True)
-    section = job["report"]["int8"]
+    section = job.report["int8"]
     assert section["method"] == "entropy" and section["collectives"] == [2, 2] and section["samples"] == 30
     assert section["ops_quantized"].get("Conv") == 2
     assert set(section["evaluation"]) >= {"fp32", "int8", "stale_fp32", "stale_int8"}  # the stale program, alike
@@ -91,10 +91,10 @@ def test_a_guard_that_cannot_hold_leaves_the_checkpoint_fp32_export_and_report(l
             "int8": {"max_top1_drop": 0.5, "max_float_ops": 0},
             "eval": {"data": client.upload(inputs["eval"])["digest"]},
         }
-        job = client.wait(client.submit(spec)["id"])
-    assert job["status"] == "succeeded", job["error"]
-    assert set(job["artifacts"]) == {"checkpoint", "onnx", "report", "report.html"}
-    section = job["report"]["int8"]
+        job = client.wait(client.submit(spec).id)
+    assert job.status == "succeeded", job.error
+    assert set(job.artifacts) == {"checkpoint", "onnx", "report", "report.html"}
+    section = job.report["int8"]
     assert section["written"] is False and "max_top1_drop 0.5" in section["failure"]
     with pytest.raises(SystemExit) as exited:
         main([

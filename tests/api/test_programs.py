@@ -62,16 +62,16 @@ def test_a_program_recalibrates_over_http_to_its_models_statistics(live_server, 
             "program": client.upload(program)["digest"], "data": client.upload(data)["digest"],
             "workers": 2, "batch_size": 8, "outputs": ["program", "onnx"],
         }
-        job = client.wait(client.submit(spec)["id"])
-        assert job["status"] == "succeeded", job["error"]
-        assert set(job["artifacts"]) == {"program", "onnx", "report", "report.html"}
-        assert job["artifacts"]["program"]["filename"] == "recalibrated.pt2"
-        client.download(job["id"], "program", tmp_path / "out.pt2")
-        client.download(job["id"], "onnx", tmp_path / "out.onnx")
+        job = client.wait(client.submit(spec).id)
+        assert job.status == "succeeded", job.error
+        assert set(job.artifacts) == {"program", "onnx", "report", "report.html"}
+        assert job.artifacts["program"].filename == "recalibrated.pt2"
+        client.download(job.id, "program", tmp_path / "out.pt2")
+        client.download(job.id, "onnx", tmp_path / "out.onnx")
     recalibrated = torch.export.load(tmp_path / "out.pt2")
     expected = reference_statistics(model, in_contract_order(samples), batch_size=8)
     assert_matches_reference(buffers_as_modules(load_program(tmp_path / "out.pt2")), expected)
-    report = job["report"]
+    report = job.report
     assert report["program"]["name"] == "team.pt2" and report["collectives"] == 3 * 4  # norm runs twice a step
     assert [layer["name"] for layer in report["layers"]] == ["stem.1", "norm"]
     assert [layer["calls"] for layer in report["layers"]] == [4, 8]  # per job: 4 steps, norm twice in each

@@ -21,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from bnrecal.errors import TooManyStreamsError
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobView
+from bnrecal.service.jobserver.jobs.spec import JobRecord
+from bnrecal.service.jobserver.jobs.views import JobView
 from bnrecal.service.jobserver.ledger import Ledger
 
 KEEPALIVE_S = 15.0

@@ -30,7 +30,8 @@ from sqlalchemy import update as sql_update
 
 from bnrecal.errors import InsufficientStorageError
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.jobs.spec import JobRecord
+from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import JobRow, Ledger, start_values
 from bnrecal.service.jobserver.ledger.engines import is_postgres
 

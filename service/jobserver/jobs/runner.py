@@ -53,7 +53,8 @@ from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.progress import JobProgress
 from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.jobserver.jobs.inputs import job_request
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec, JobStatus
+from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec
+from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.metrics import ServiceMetrics
 from bnrecal.service.jobserver.problems import problem_of

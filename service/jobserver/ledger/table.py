@@ -10,7 +10,8 @@ from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.jobs.spec import JobRecord
+from bnrecal.service.jobserver.jobs.views import JobStatus
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -37,7 +37,8 @@ from bnrecal.errors import ConflictError, NotFoundError
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore, is_digest
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobStatus
+from bnrecal.service.jobserver.jobs.spec import JobRecord
+from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
 from bnrecal.service.jobserver.periodic import Periodic

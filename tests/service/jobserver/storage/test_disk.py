@@ -15,7 +15,7 @@ import torch
 
 from bnrecal.service.jobserver.storage.disk import check_reserve, disk_full_error, free_bytes
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
-from bnrecal.service.jobserver.jobs.spec import JobStatus
+from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.problems import http_status
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.errors import InsufficientStorageError

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
 from bnrecal.service.jobserver.storage.blobs import BlobStore
-from bnrecal.service.jobserver.jobs.spec import JobStatus
+from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage.collection import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
