@@ -4,8 +4,8 @@ Errors come back as the same typed errors the server raised (a problem's ``type`
 names its class), so a caller handles a remote bad checkpoint exactly like a local one.
 
     with BnrecalClient("http://127.0.0.1:8000", api_key="...") as client:
-        checkpoint = client.upload("model.safetensors")["digest"]
-        data = client.upload("calib.npy")["digest"]
+        checkpoint = client.upload("model.safetensors").digest
+        data = client.upload("calib.npy").digest
         job = client.submit({"arch": "torchvision:resnet18", "checkpoint": checkpoint, "data": data})
         job = client.wait(job.id, on_progress=lambda done, total, phase: print(phase, done, total))
         client.download(job.id, "checkpoint", "recalibrated.safetensors")
@@ -44,7 +44,7 @@ from bnrecal.errors import (
 from bnrecal.workers.files import atomic_write
 
 from .jobserver.jobs.views import JobList, JobView
-from .jobserver.storage.blobs import MAX_FILENAME_CHARS  # the longest file name the server keeps
+from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
 from .jobserver.problems import error_classes, http_status
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -112,8 +112,9 @@ class BnrecalClient:
         path: str | os.PathLike[str],
         on_bytes: Callable[[int, int], None] | None = None,
         filename: str | None = None,
-    ) -> dict[str, Any]:
-        """Upload a file (streamed, never read whole) or a folder (sent as a tar); returns digest and size.
+    ) -> BlobInfo:
+        """Upload a file (streamed, never read whole) or a folder (sent as a tar); the stored
+        blob (digest, size and the file name the server keeps).
 
         The server is told the file's name (a folder's name for a folder), or ``filename``,
         so the errors of a job that uses the blob name it rather than its digest.
@@ -138,7 +139,7 @@ class BnrecalClient:
 
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
             params = {"filename": (filename or source.name)[:MAX_FILENAME_CHARS]}
-            return self._json("POST", "/v1/blobs", content=chunks(), headers=headers, params=params)
+            return BlobInfo(**self._json("POST", "/v1/blobs", content=chunks(), headers=headers, params=params))
 
     def has_blob(self, digest: str) -> bool:
         """Whether this key already has the blob (``HEAD /v1/blobs/{digest}``), so it need not be sent again."""
@@ -167,16 +168,16 @@ class BnrecalClient:
                 return digest, 0
             name = filename or (source.absolute().resolve().name if source.is_dir() else None)
             blob = self.upload(file, on_bytes, name)
-            return blob["digest"], int(blob["size"])
+            return blob.digest, blob.size
 
     def check(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Check a job spec as completely as a submission would, creating nothing
         (``POST /v1/jobs?dry_run=true``): the spec as it would be stored, or the typed error."""
         return self._json("POST", "/v1/jobs", params={"dry_run": "true"}, json=spec)["spec"]
 
-    def upload_bytes(self, data: bytes) -> dict[str, Any]:
+    def upload_bytes(self, data: bytes) -> BlobInfo:
         """Upload bytes held in memory (small blobs)."""
-        return self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"})
+        return BlobInfo(**self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"}))
 
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> JobView:
         """Submit a job spec (its JSON: the server validates it); the same ``idempotency_key``
@@ -368,7 +369,7 @@ def run_remote_job(
                 label = f"uploading {source.name}"
                 with follow(label) as update:
                     blob = client.upload(source, on_bytes=lambda sent, total: update(sent, total, label))
-                digests[name] = str(blob["digest"])
+                digests[name] = blob.digest
         _name_inputs(spec, digests)
     job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
     if on_submitted is not None:

@@ -5,24 +5,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from bnrecal.api.deps import ServicesDep, TenantDep
 from bnrecal.api.files import blob_response
 from bnrecal.api.problems import PROBLEM_RESPONSES, problem_responses
-from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS
+from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo
 from bnrecal.errors import InputError
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"], responses=PROBLEM_RESPONSES)
-
-
-class BlobOut(BaseModel):
-    """A stored blob; ``filename`` is the name it was uploaded with (null without one)."""
-
-    digest: str
-    size: int
-    filename: str | None = None
 
 
 _FILENAME_HELP = (
@@ -50,7 +41,7 @@ async def upload_blob(
     tenant: TenantDep,
     services: ServicesDep,
     filename: Annotated[str | None, Query(max_length=MAX_FILENAME_CHARS, description=_FILENAME_HELP)] = None,
-) -> BlobOut:
+) -> BlobInfo:
     """Store the raw request body, streamed to disk while hashed; the same bytes give the same digest.
 
     The size cap (``BNRECAL_MAX_UPLOAD_BYTES``) and the key's storage quota
@@ -65,7 +56,7 @@ async def upload_blob(
     except ClientDisconnect:
         raise InputError("upload interrupted: the client disconnected before the end of the body") from None
     response.headers["Location"] = f"/v1/blobs/{info.digest}"
-    return BlobOut(digest=info.digest, size=info.size, filename=info.filename)
+    return info  # the stored blob, as the client reads it back (BlobInfo)
 
 
 @router.get("/{digest}", summary="Download a blob", response_class=Response)

@@ -26,9 +26,9 @@ def test_a_job_ships_a_checked_int8_model_of_a_program(live_server, team, tmp_pa
     np.savez(tmp_path / "labelled.npz", x=samples.numpy(), y=np.arange(len(samples)) % 3)
     with BnrecalClient(live_server.url, KEYS[KEY]) as client:
         spec = {
-            "program": client.upload(program)["digest"], "data": client.upload(data)["digest"],
+            "program": client.upload(program).digest, "data": client.upload(data).digest,
             "workers": 2, "batch_size": 8, "outputs": ["program", "onnx_int8"], "int8": {"method": "entropy"},
-            "eval": {"data": client.upload(tmp_path / "labelled.npz")["digest"]},
+            "eval": {"data": client.upload(tmp_path / "labelled.npz").digest},
         }
         job = client.wait(client.submit(spec).id)
         assert job.status == "succeeded", job.error
@@ -86,10 +86,10 @@ def test_a_guard_that_cannot_hold_leaves_the_checkpoint_fp32_export_and_report(l
     with BnrecalClient(live_server.url, KEYS[KEY]) as client:
         spec = {
             "arch": "tests.service.export.int8_helpers:OutlierNet",
-            "checkpoint": client.upload(inputs["checkpoint"])["digest"], "data": client.upload(inputs["data"])["digest"],
+            "checkpoint": client.upload(inputs["checkpoint"]).digest, "data": client.upload(inputs["data"]).digest,
             "workers": 2, "batch_size": 32, "outputs": ["checkpoint", "onnx", "onnx_int8"],
             "int8": {"max_top1_drop": 0.5, "max_float_ops": 0},
-            "eval": {"data": client.upload(inputs["eval"])["digest"]},
+            "eval": {"data": client.upload(inputs["eval"]).digest},
         }
         job = client.wait(client.submit(spec).id)
     assert job.status == "succeeded", job.error

@@ -59,7 +59,7 @@ def test_a_program_recalibrates_over_http_to_its_models_statistics(live_server, 
     model, samples, program, data = team
     with BnrecalClient(live_server.url, KEYS[KEY]) as client:  # the Python client, as a script would
         spec = {
-            "program": client.upload(program)["digest"], "data": client.upload(data)["digest"],
+            "program": client.upload(program).digest, "data": client.upload(data).digest,
             "workers": 2, "batch_size": 8, "outputs": ["program", "onnx"],
         }
         job = client.wait(client.submit(spec).id)

@@ -129,9 +129,9 @@ def test_errors_name_the_files_as_uploaded_not_their_digests(live_server, tmp_pa
     samples, _ = write_samples(tmp_path / "x.npy", 4)
     with BnrecalClient(live_server.url, api_key=KEYS["carol"]) as remote:
         text = remote.upload(tmp_path / "calib.txt")
-        half = remote.upload(tmp_path / "model.pt")["digest"]
-        checkpoint, data = remote.upload(good)["digest"], remote.upload(samples)["digest"]
-    assert text["filename"] == "calib.txt"
+        half = remote.upload(tmp_path / "model.pt").digest
+        checkpoint, data = remote.upload(good).digest, remote.upload(samples).digest
+    assert text.filename == "calib.txt"
     base = {"arch": "tests.nets:mixed_net", "checkpoint": checkpoint, "data": data}
     with live_server.client("carol") as client:
         unnamed = upload(client, b"text uploaded without a name")
