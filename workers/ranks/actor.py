@@ -22,6 +22,9 @@ from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from bnrecal.workers.ranks.collectives import RayCollective
+from bnrecal.workers.ranks.events import (
+    CalibrationDone, OnnxPassDone, RankEvent, RankHeartbeat, RankProgress, RankStarted,
+)
 from bnrecal.workers.ranks.local import evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
 
@@ -44,12 +47,10 @@ class CalibrationRank:
     """One rank: builds the model from the shared weights, reads its own shard, and
     streams progress events, then its result, back to the driver.
 
-    Events are dicts: ``{"kind": "started", "rank", "node_id"}`` once the rank has
-    joined the collective group, ``{"kind": "progress", "phase": "calibrating", "rank", "step",
-    "samples", "calls"}`` after each step (``"phase": "evaluating"``, without ``step``, after
-    each evaluation batch), ``{"kind": "heartbeat", "rank", "calls"}`` while a step is in
-    flight, then ``{"kind": "result", ...}`` once. Errors become ``RunError`` naming the
-    rank and its node.
+    Events are typed (``workers.ranks.events``): ``RankStarted`` once the rank has joined
+    the collective group, ``RankProgress`` after each step (``phase`` ``evaluating``, without
+    ``step``, after each evaluation batch), ``RankHeartbeat`` while a step is in flight, then
+    ``CalibrationDone`` once. Errors become ``RunError`` naming the rank and its node.
     """
 
     def __init__(self, rank: int, num_threads: int) -> None:
@@ -114,9 +115,9 @@ class CalibrationRank:
         weights: Any,
         shard: CalibrationData | None = None,
         eval_shard: CalibrationData | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[RankEvent]:
         """Calibrate this rank's shard, then evaluate if the plan asks; yields progress
-        events and finally the result. ``weights`` are what the plan's model source
+        events and finally the result (``workers.ranks.events``). ``weights`` are what the plan's model source
         builds the model from (a state dict, or a program's archive bytes).
 
         ``shard`` and ``eval_shard`` are this rank's data when it travels through the
@@ -133,7 +134,7 @@ class CalibrationRank:
         weights: Any,
         shard: CalibrationData | None,
         eval_shard: CalibrationData | None,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[RankEvent]:
         device = torch.device(plan.device)
         model = plan.model.build(weights)
         model.to(device).eval()
@@ -144,17 +145,12 @@ class CalibrationRank:
         self._groups = [plan.group_name]
         self._collective = RayCollective(plan.world_size, self.rank, plan.backend, plan.group_name)
         collective = self._collective
-        yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+        yield RankStarted(self.rank, self.node_id)
 
         # The work runs on a thread so this generator can stream its progress as it goes.
-        def work(emit: Callable[[dict[str, Any]], None]) -> _Finished:
+        def work(emit: Callable[[RankEvent], None]) -> _Finished:
             def on_step(step: int, samples: int) -> None:
-                emit(
-                    {
-                        "kind": "progress", "phase": "calibrating", "rank": self.rank, "step": step,
-                        "samples": samples, "calls": collective.calls,
-                    }
-                )
+                emit(RankProgress(self.rank, samples, collective.calls, "calibrating", step))
 
             result = calibration_pass(
                 model,
@@ -179,22 +175,14 @@ class CalibrationRank:
 
         event = yield from self._streamed(work, collective, f"calibration-rank-{self.rank}")
         passed = event.calibration
-        yield {
-            "kind": "result",
-            "rank": self.rank,
-            "node_id": self.node_id,
-            "steps": passed.steps,
-            "samples": passed.samples,
-            "collectives": passed.collectives,
-            "collectives_total": collective.calls,
-            "calls": passed.calls,
-            "seconds": passed.seconds,
-            "memory_format": passed.memory_format,
-            "stats": stats_payload(passed) if self.rank == 0 else None,
-            "convergence": None if passed.convergence is None else asdict(passed.convergence),
-            "evaluation": event.evaluation,
-            "head": head,
-        }
+        yield CalibrationDone(
+            rank=self.rank, node_id=self.node_id, steps=passed.steps, samples=passed.samples,
+            collectives=passed.collectives, collectives_total=collective.calls, calls=passed.calls,
+            seconds=passed.seconds, memory_format=passed.memory_format,
+            stats=stats_payload(passed) if self.rank == 0 else None,
+            convergence=None if passed.convergence is None else asdict(passed.convergence),
+            evaluation=event.evaluation, head=head,
+        )
 
     def _evaluate(
         self,
@@ -203,17 +191,12 @@ class CalibrationRank:
         calibration: PassResult,
         shard: CalibrationData | None,
         collective: RayCollective,
-        emit: Callable[[dict[str, Any]], None],
+        emit: Callable[[RankEvent], None],
     ) -> dict[str, Any]:
         """Evaluate this rank's evaluation shard before and after; every rank gets the job's metrics."""
 
         def on_samples(samples: int) -> None:
-            emit(
-                {
-                    "kind": "progress", "phase": "evaluating", "rank": self.rank,
-                    "samples": samples, "calls": collective.calls,
-                }
-            )
+            emit(RankProgress(self.rank, samples, collective.calls, "evaluating"))
 
         return evaluate_rank(plan, self.rank, model, calibration, shard, collective, on_samples)
 
@@ -227,15 +210,14 @@ class CalibrationRank:
         group_name: str,
         shard: CalibrationData | None = None,
         num_samples: int | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[RankEvent]:
         """One onnxruntime pass (an ``OnnxPassRequest``: ``workers.ranks.ort.rank_pass``) over this
         rank's shard of the first ``num_samples`` (default: all) of ``dataset``, with the
         calibration's sharding rule, combined with the peers' in collectives: the INT8
         activation ranges of models, their top-1/top-5, the evaluation before and after.
-        Streams events as ``run`` does: ``started``, a ``progress`` per batch, ``heartbeat``
-        while a batch or a collective is in flight, then the ``result`` (``{"rank",
-        "node_id", "result"}``), so the driver's timeout counts time without progress, not
-        the length of the pass."""
+        Streams events as ``run`` does: ``RankStarted``, a ``RankProgress`` per batch,
+        ``RankHeartbeat`` while a batch or a collective is in flight, then ``OnnxPassDone``,
+        so the driver's timeout counts time without progress, not the length of the pass."""
         from bnrecal.workers.data import iter_batches
         from bnrecal.workers.data.reading.kept import open_kept
         from bnrecal.workers.ranks.ort.rank_pass import onnx_pass
@@ -249,11 +231,11 @@ class CalibrationRank:
             data = open_kept(dataset, shard if shard is not None else dataset.open())
             total = dataset.num_samples if num_samples is None else min(num_samples, dataset.num_samples)
             ranges = rank_ranges(total, batch_size, world_size, self.rank)
-            yield {"kind": "started", "rank": self.rank, "node_id": self.node_id}
+            yield RankStarted(self.rank, self.node_id)
 
-            def work(emit: Callable[[dict[str, Any]], None]) -> Any:
+            def work(emit: Callable[[RankEvent], None]) -> Any:
                 def on_batch(samples: int) -> None:
-                    emit({"kind": "progress", "rank": self.rank, "samples": samples, "calls": collective.calls})
+                    emit(RankProgress(self.rank, samples, collective.calls, "onnx pass"))
 
                 return onnx_pass(
                     request, ranges, lambda: iter_batches(data, ranges), collective, self.rank,
@@ -261,11 +243,11 @@ class CalibrationRank:
                 )
 
             passed = yield from self._streamed(work, collective, f"onnx-pass-rank-{self.rank}")
-            yield {"kind": "result", "rank": self.rank, "node_id": self.node_id, "result": passed}
+            yield OnnxPassDone(self.rank, self.node_id, passed)
 
     def _streamed(
-        self, work: Callable[[Callable[[dict[str, Any]], None]], T], collective: RayCollective, name: str
-    ) -> Generator[dict[str, Any], None, T]:
+        self, work: Callable[[Callable[[RankEvent], None]], T], collective: RayCollective, name: str
+    ) -> Generator[RankEvent, None, T]:
         """Run ``work(emit)`` on a thread and stream what it emits as it goes, with a
         heartbeat (the collectives entered so far) whenever it is quiet for ``HEARTBEAT_S``;
         the generator's return value is ``work``'s (``result = yield from ...``)."""
@@ -286,7 +268,7 @@ class CalibrationRank:
             try:
                 event = events.get(timeout=HEARTBEAT_S)
             except queue.Empty:
-                yield {"kind": "heartbeat", "rank": self.rank, "calls": collective.calls}
+                yield RankHeartbeat(self.rank, collective.calls)
                 continue
             if isinstance(event, BaseException):
                 raise event

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 
 from bnrecal.errors import BnrecalError, CallOrderError, RunError, first_line
+from bnrecal.workers.ranks.events import CalibrationDone, RankHeartbeat, RankProgress, RankStarted
 from bnrecal.workers.ranks.local import joined_head
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
 from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
@@ -104,7 +105,7 @@ def _follow(
     cancel: threading.Event | None,
 ) -> GroupResult:
     """Consume every rank's event stream until all have sent their result."""
-    results: dict[int, dict[str, Any]] = {}
+    results: dict[int, CalibrationDone] = {}
     steps_done = [0] * len(streams)
     calls_entered = [0] * len(streams)
     started: set[int] = set()
@@ -115,24 +116,23 @@ def _follow(
     for arrived in follow_streams(streams, cancel, lambda rank, exc: _root_cause(rank, exc, streams, nodes)):
         if arrived is not None:
             rank, event = arrived
-            if event["kind"] == "started":
+            if isinstance(event, RankStarted):
                 started.add(rank)
-                nodes[rank] = event["node_id"]
+                nodes[rank] = event.node_id
                 last_progress = time.monotonic()
-            elif event["kind"] == "heartbeat":
-                if event["calls"] != calls_entered[rank]:
-                    calls_entered[rank] = event["calls"]
+            elif isinstance(event, RankHeartbeat):
+                if event.calls != calls_entered[rank]:
+                    calls_entered[rank] = event.calls
                     last_progress = time.monotonic()
-            elif event["kind"] == "progress":
-                phase = event["phase"]
-                if "step" in event:
-                    steps_done[rank] = event["step"] + 1
-                calls_entered[rank] = event["calls"]
-                samples_done[phase] += event["samples"]
+            elif isinstance(event, RankProgress):
+                if event.step is not None:
+                    steps_done[rank] = event.step + 1
+                calls_entered[rank] = event.calls
+                samples_done[event.phase] += event.samples
                 last_progress = time.monotonic()
                 if on_progress is not None:
-                    on_progress(phase, samples_done[phase])
-            elif event["kind"] == "result":
+                    on_progress(event.phase, samples_done[event.phase])
+            elif isinstance(event, CalibrationDone):
                 results[rank] = event
                 last_progress = time.monotonic()
             continue
@@ -159,31 +159,31 @@ def _follow(
             )
     first = results[0]
     return GroupResult(
-        stats=first["stats"],
-        steps=first["steps"],
-        samples=sum(r["samples"] for r in results.values()),
-        collectives=[results[r]["collectives"] for r in sorted(results)],
-        seconds=max(r["seconds"] for r in results.values()),
-        nodes=[results[r]["node_id"] for r in sorted(results)],
-        calls=first["calls"],
-        memory_formats=[results[r]["memory_format"] for r in sorted(results)],
-        evaluation=first["evaluation"],
-        convergence=first.get("convergence"),
-        head=joined_head(part for r in results.values() for part in r.get("head", ())),
+        stats=first.stats,
+        steps=first.steps,
+        samples=sum(r.samples for r in results.values()),
+        collectives=[results[r].collectives for r in sorted(results)],
+        seconds=max(r.seconds for r in results.values()),
+        nodes=[results[r].node_id for r in sorted(results)],
+        calls=first.calls,
+        memory_formats=[results[r].memory_format for r in sorted(results)],
+        evaluation=first.evaluation,
+        convergence=first.convergence,
+        head=joined_head(part for r in results.values() for part in r.head),
     )
 
 
 def _check_collective_counts(
-    results: dict[int, dict[str, Any]], calls_entered: list[int], nodes: dict[int, str]
+    results: dict[int, CalibrationDone], calls_entered: list[int], nodes: dict[int, str]
 ) -> None:
     """In sync mode every rank makes the same collectives: one that enters more than a
     finished peer made waits for a partner that will never come, so fail now, naming it."""
-    finished = min(results.values(), key=lambda r: r["collectives_total"])
+    finished = min(results.values(), key=lambda r: r.collectives_total)
     for rank, calls in enumerate(calls_entered):
-        if rank not in results and calls > finished["collectives_total"]:
+        if rank not in results and calls > finished.collectives_total:
             raise CallOrderError(
-                f"rank {rank} entered collective {calls} but rank {finished['rank']} finished after "
-                f"{finished['collectives_total']}: the ranks called BN layers a different number of times "
+                f"rank {rank} entered collective {calls} but rank {finished.rank} finished after "
+                f"{finished.collectives_total}: the ranks called BN layers a different number of times "
                 "(data-dependent control flow in the model?); sync mode needs the same calls on every rank, "
                 "--mode local does not",
                 rank=rank,

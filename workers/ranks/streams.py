@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from bnrecal.errors import BnrecalError, CancelledError
+from bnrecal.workers.ranks.events import RankEvent
 
 WAIT_S = 0.2
 """How long the driver waits for an event before it looks at its deadlines again."""
@@ -22,7 +23,7 @@ def follow_streams(
     streams: Sequence[Any],
     cancel: threading.Event | None,
     failure: Callable[[int, RayTaskError | RayActorError], BnrecalError],
-) -> Iterator[tuple[int, dict[str, Any]] | None]:
+) -> Iterator[tuple[int, RankEvent] | None]:
     """Each rank's events as (rank, event), in the order they arrive, until every stream
     has ended; ``None`` after each wait, ready or not, so the caller checks its deadlines.
     Raises ``CancelledError`` once ``cancel`` is set, and ``failure(rank, error)`` when a

@@ -23,6 +23,7 @@ from ray.exceptions import RayTaskError
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.errors import BnrecalError, RunError, first_line
+from bnrecal.workers.ranks.events import OnnxPassDone, RankHeartbeat, RankProgress, RankStarted
 from bnrecal.workers.ranks.group import GroupOptions
 from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import GroupPass
@@ -72,23 +73,23 @@ def run_onnx_pass_group(
             pool.give_back(gang)
         else:
             gang.kill()
-    answers.sort(key=lambda answer: answer["rank"])
+    answers.sort(key=lambda answer: answer.rank)
     return GroupPass(
-        result=answers[0]["result"],
-        samples=[answer["result"].samples for answer in answers],
-        collectives=[answer["result"].collectives for answer in answers],
-        nodes=[answer["node_id"] for answer in answers],
+        result=answers[0].result,
+        samples=[answer.result.samples for answer in answers],
+        collectives=[answer.result.collectives for answer in answers],
+        nodes=[answer.node_id for answer in answers],
         seconds=time.monotonic() - started,
     )
 
 
 def _follow(
     streams: list[Any], options: GroupOptions, cancel: threading.Event | None, what: str,
-) -> list[dict[str, Any]]:
+) -> list[OnnxPassDone]:
     """Every rank's result, from its event stream. The ranks must start within the placement
     timeout; after that the pass fails only when no rank made progress (a batch run, a
     collective entered) for the collective timeout: a long pass is not a stuck one."""
-    results: list[dict[str, Any]] = []
+    results: list[OnnxPassDone] = []
     nodes: dict[int, str] = {}
     calls = [0] * len(streams)
     started: set[int] = set()
@@ -97,15 +98,15 @@ def _follow(
     for arrived in follow_streams(streams, cancel, lambda rank, exc: _failure(rank, exc, nodes.get(rank), what)):
         if arrived is not None:
             rank, event = arrived
-            kind = event["kind"]
-            if kind == "started":
+            if isinstance(event, RankStarted):
                 started.add(rank)
-                nodes[rank] = event["node_id"]
-            elif kind == "heartbeat" and event["calls"] == calls[rank]:
+                nodes[rank] = event.node_id
+            elif isinstance(event, RankHeartbeat) and event.calls == calls[rank]:
                 continue  # alive, but no further on
-            elif kind == "result":
+            elif isinstance(event, OnnxPassDone):
                 results.append(event)
-            calls[rank] = event.get("calls", calls[rank])
+            if isinstance(event, (RankHeartbeat, RankProgress)):
+                calls[rank] = event.calls
             last_progress = time.monotonic()
             continue
         if len(started) < len(streams):
@@ -116,7 +117,7 @@ def _follow(
                     "raise BNRECAL_PLACEMENT_TIMEOUT_S", rank=late[0],
                 )
         elif time.monotonic() - last_progress > options.collective_timeout_s:
-            behind = min((r for r in range(len(streams)) if all(a["rank"] != r for a in results)), default=0,
+            behind = min((r for r in range(len(streams)) if all(a.rank != r for a in results)), default=0,
                          key=lambda r: calls[r])
             node = nodes.get(behind, "unknown")
             raise RunError(
