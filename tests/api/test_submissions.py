@@ -141,8 +141,8 @@ def test_errors_name_the_files_as_uploaded_not_their_digests(live_server, tmp_pa
         assert too_long.status_code == 422 and too_long.json()["field"] == "query filename"
         cut = client.post("/v1/jobs", json=base | {"checkpoint": half})  # refused at submission
         specs = {
-            "data": base | {"data": text["digest"]},
-            "eval": base | {"eval": {"data": text["digest"]}},
+            "data": base | {"data": text.digest},
+            "eval": base | {"eval": {"data": text.digest}},
             "unnamed": base | {"data": unnamed},
         }
         jobs = {case: submit(client, spec)["id"] for case, spec in specs.items()}

@@ -7,11 +7,14 @@ independent reference that runs the model's own code (``guest.hooked_reference``
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
 import bnrecal
+from bnrecal.service.live.run import warm_ranks
 from tests.service.live.guest import assert_statistics, assert_untouched, hooked_reference, snapshot
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -21,8 +24,9 @@ WHERE = ["here", "ray"]
 
 def run(model, data, where, pool, **options):
     """One worker in this process, or two Ray ranks (warm actors of the module's pool)."""
-    ranks = {"workers": 2, "pool": pool} if where == "ray" else {}
-    return bnrecal.recalibrate(model, data, progress=False, **ranks, **options)
+    ranks = {"workers": 2} if where == "ray" else {}
+    with warm_ranks(pool) if where == "ray" else contextlib.nullcontext():
+        return bnrecal.recalibrate(model, data, progress=False, **ranks, **options)
 
 
 def call(model, batch):

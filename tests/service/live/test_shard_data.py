@@ -39,7 +39,7 @@ def two_image_columns(path, items, other):
     return path
 
 
-def test_parquet_with_its_image_column_named_calibrates_as_the_folder(tmp_path):
+def test_parquet_with_its_image_column_named_calibrates_as_the_folder(tmp_path, monkeypatch):
     import pytest
 
     from bnrecal import DatasetError, SpecError
@@ -50,7 +50,7 @@ def test_parquet_with_its_image_column_named_calibrates_as_the_folder(tmp_path):
     monkeypatch.setenv("BNRECAL_DATA_DIR", str(tmp_path / "data"))  # where the shards are unpacked
     model = perturbed(classifier_net(3))
     twin = copy.deepcopy(model)
-    options = {"batch_size": 4, "progress": False, "order": "given", "settings": settings}
+    options = {"batch_size": 4, "progress": False, "order": "given"}
     bnrecal.recalibrate(model, parquet, image_column="img", **options)
     bnrecal.recalibrate(twin, tmp_path / "folder", **options)
     assert torch.equal(model.bn.running_var, twin.bn.running_var)
