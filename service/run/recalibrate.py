@@ -26,9 +26,7 @@ from bnrecal.service.run.core import (
 )
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
-from bnrecal.service.run.int8_names import check_int8_names
 from bnrecal.service.run.options import RunOptions
-from bnrecal.service.run.report_html import JobLabel, job_section, write_html_report
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
@@ -43,6 +41,8 @@ if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in th
     from torch import nn
 
     from bnrecal.workers.ranks.pool import WarmPool
+
+    from bnrecal.service.run.report_html import JobLabel
 
 
 def recalibrate(
@@ -157,6 +157,8 @@ def recalibrate_to_files(
     as later phases of the run, then write the ``files``. An INT8 file that failed its
     guard leaves ``int8_failed`` set on the result, for the surface to raise."""
     if outputs.int8 is not None and outputs.int8_options is not None:
+        from bnrecal.service.run.int8_names import check_int8_names  # the quantizer's imports: only for INT8
+
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
     result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool, in_process=in_process,
                          outputs=outputs)
@@ -166,10 +168,14 @@ def recalibrate_to_files(
     if files.model is not None:
         result.save_model(files.model)
     if files.job is not None:  # the report names its job, and the hosts its ranks ran on
+        from bnrecal.service.run.report_html import job_section
+
         result.report.job = job_section(files.job, result.report.nodes)
     if files.report is not None:
         result.save_report(files.report)
     if files.report_html is not None:
+        from bnrecal.service.run.report_html import write_html_report  # jinja2: only for the page
+
         write_html_report(result.report, files.report_html)
     return result
 
