@@ -112,7 +112,7 @@ def recalibrate(
     progress: a progress bar on a terminal; ``False`` for none.
 
     The service's settings (``BNRECAL_MAX_RETRIES``, ``BNRECAL_DATA_DIR``, ...) come from
-    the environment, as for the command line (docs/python.md, "Where it runs").
+    the environment, as for the command line (docs/python.md, "Where it runs, and how the model gets there").
 
     Only the BN statistics of ``model`` change: the pass runs on a view of it (module
     objects of its own over the same weights), never on the caller's modules, so their
