@@ -328,7 +328,7 @@ def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
             data.append(value)
 
 
-Progress = Callable[[int, int | None, str], None]
+ProgressUpdate = Callable[[int, int | None, str], None]
 """A progress display's ``update(done, total, phase)``."""
 BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
 """The spec fields that name an uploaded file by its digest."""
@@ -339,7 +339,7 @@ def run_remote_job(
     spec: dict[str, Any],
     inputs: Mapping[str, Path | str],
     *,
-    follow: Callable[[str], AbstractContextManager[Progress]],
+    follow: Callable[[str], AbstractContextManager[ProgressUpdate]],
     downloads: Callable[[JobView], Sequence[tuple[str, Path]]] = lambda job: (),
     on_submitted: Callable[[JobView], None] | None = None,
     on_interrupt: Callable[[str], NoReturn] | None = None,
