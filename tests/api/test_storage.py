@@ -21,7 +21,7 @@ import uvicorn
 
 from bnrecal.api.app import create_app
 from bnrecal.service.cli.main import main
-from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs import FileBlobStore
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.server import tenant_of_key
 from bnrecal.service.jobserver.storage.collection import StorageCollector
@@ -179,7 +179,7 @@ def test_collection_while_jobs_start_and_finish_never_takes_what_they_need(tmp_p
                placement_timeout_s=600) as live:
         data_dir = Path(live.settings.data_dir)
         ledger = Ledger(sqlite_url(data_dir))
-        outside = StorageCollector(live.services.settings, ledger, BlobStore(data_dir / "blobs"))
+        outside = StorageCollector(live.services.settings, ledger, FileBlobStore(data_dir / "blobs"))
         stop, passes, failures = threading.Event(), [0], []
 
         def collect_forever() -> None:

@@ -1,18 +1,19 @@
-"""The blob store's second backend: S3-compatible object storage, for a replicated service.
+"""The blob store in S3-compatible object storage, :class:`S3BlobStore`, for a replicated
+service. It implements :class:`~.store.BlobStore` beside the files backend (:mod:`.files`),
+not on top of it: the two share only :mod:`.shared`'s helpers.
 
 ``BNRECAL_BLOB_STORE=s3://bucket/prefix`` keeps every tenant's blobs at
 ``<prefix>/<tenant>/sha256/<hex[:2]>/<hex>``, content-addressed as on disk, with the
 upload's file name at ``<prefix>/<tenant>/names/<hex>`` and the time it was last used
 (an upload of the same bytes, a submission) as an empty marker object
 ``<prefix>/<tenant>/used/<hex>`` (an object's own ``LastModified`` cannot be refreshed
-without rewriting it). The interface is :class:`service.jobserver.storage.blobs.BlobStore`'s: an upload is
-still hashed into a local staging file as it streams in (memory does not grow with its
-size), then put (multipart, by s3fs, when large) under its digest, so an object is
-complete or absent. Each replica keeps a local cache of the blobs it reads (its data
-dir's ``blobs`` folder): ``path()`` checks the object still exists (a blob another replica
-deleted is gone here too), fetches it once if it is not cached, and returns the cached
-file, which the job driver reads and downloads are served from, with ``ETag`` and
-``Range``, like a local blob.
+without rewriting it). An upload is still hashed into a local staging file as it streams
+in (memory does not grow with its size), then put (multipart, by s3fs, when large) under
+its digest, so an object is complete or absent. Each replica keeps a local cache of the
+blobs it reads (its data dir's ``blobs`` folder, :class:`_LocalCache`): ``path()`` checks
+the object still exists (a blob another replica deleted is gone here too), fetches it once
+if it is not cached, and returns the cached file, which the job driver reads and downloads
+are served from, with ``ETag`` and ``Range``, like a local blob.
 
 Integrity (docs/storage.md, "Stored bytes are verified"): a fetched object is hashed
 before it becomes the cached copy; an object whose bytes do not hash to its key's digest is
@@ -28,17 +29,34 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from bnrecal.errors import BnrecalError, CorruptBlobError, NotFoundError, SpecError
 from bnrecal.workers.data.objectstore import s3_filesystem
-from bnrecal.errors import CorruptBlobError, NotFoundError, SpecError
 
-from bnrecal.service.jobserver.storage.blobs.files import _DIGEST, _TENANT, BlobInfo, BlobStore, StoredBlob, WriteChunks, clean_filename, file_digest, is_digest
+from bnrecal.service.jobserver.storage.blobs.shared import (
+    WRITE_CHUNK,
+    Staging,
+    adopt_file,
+    blob_hex,
+    blob_key,
+    checked_hex,
+    corrupt_error,
+    file_digest,
+    is_tenant,
+    missing,
+    named,
+    side_key,
+    tenant_folder,
+    verified_chunks,
+    write_hashed,
+)
+from bnrecal.service.jobserver.storage.blobs.store import BlobInfo, CorruptHook, StoredBlob, WriteChunks, clean_filename, is_digest
 
 log = logging.getLogger("bnrecal.blobs")
 
@@ -51,13 +69,49 @@ def parse_blob_store(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-class S3BlobStore(BlobStore):
-    """Blobs in a bucket under a prefix, one namespace per tenant, cached locally under ``cache_root``."""
+class _LocalCache:
+    """This replica's copies of the bucket's blobs, under ``root`` in the same layout as the
+    files backend (``<tenant>/sha256/<hex[:2]>/<hex>``).
+
+    It exists because readers need a local file: :meth:`S3BlobStore.path` returns the copy,
+    the job driver reads it and downloads are served from it (``ETag``, ``Range``). It is
+    never the truth, the bucket is: a copy is made only of bytes hashed to their digest (a
+    fetch, or an upload just put), and dropped when its object is gone or either is found
+    damaged."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def file(self, tenant: str, hex_digest: str) -> Path:
+        """Where the copy of a tenant's blob is (or would be)."""
+        return self.root / blob_key(tenant, hex_digest)
+
+    def keep(self, tenant: str, hex_digest: str, source: Path) -> Path:
+        """Move a local file with the blob's (hashed) bytes in as its copy; the copy."""
+        cached = self.file(tenant, hex_digest)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, cached)
+        return cached
+
+    def drop(self, tenant: str, hex_digest: str) -> None:
+        """Forget the copy of a tenant's blob, if there is one."""
+        self.file(tenant, hex_digest).unlink(missing_ok=True)
+
+
+class S3BlobStore:
+    """Blobs in a bucket under a prefix, one namespace per tenant, cached locally under
+    ``cache_root`` (a :class:`~.store.BlobStore`)."""
+
+    medium = "in the object store"
+    """Where a damaged blob was damaged, for its error message."""
 
     def __init__(
         self, uri: str, cache_root: Path, endpoint_url: str | None = None, write_chunks: WriteChunks | None = None
     ) -> None:
-        super().__init__(cache_root, write_chunks)
+        self._cache = _LocalCache(Path(cache_root))
+        self._staging = Staging(Path(cache_root) / ".staging")
+        self.write_chunks: WriteChunks = write_chunks or write_hashed
+        self.on_corrupt: CorruptHook | None = None
         self.uri = uri
         bucket, prefix = parse_blob_store(uri)
         self._base = f"{bucket}/{prefix}" if prefix else bucket
@@ -67,37 +121,31 @@ class S3BlobStore(BlobStore):
 
     # -- reading -------------------------------------------------------------------------
 
-    medium = "in the object store"
-
     def path(self, tenant: str, digest: str) -> Path:
         """The local copy of a tenant's blob, fetched (and hashed) once; ``NotFoundError`` if the
         bucket has no such blob, ``CorruptBlobError`` (quarantined) if its bytes do not match."""
         return self._fetch(tenant, digest, None, "job")
 
     def _fetch(self, tenant: str, digest: str, field: str | None, where: str) -> Path:
-        if not is_digest(digest):
-            raise NotFoundError(f"no blob {digest!r}: a digest looks like sha256:<64 hex digits>")
-        hex_digest = digest.removeprefix("sha256:")
-        key = self._key(tenant, "sha256", hex_digest)
+        hex_digest = checked_hex(digest)
+        key = self._key(tenant, hex_digest)
         try:
             entry = self.fs.info(key, refresh=True)
         except FileNotFoundError:
-            self._location(tenant, hex_digest).unlink(missing_ok=True)  # deleted elsewhere: not served here
-            raise NotFoundError(f"no blob {digest} for this API key") from None
-        cached = self._location(tenant, hex_digest)
+            self._cache.drop(tenant, hex_digest)  # deleted elsewhere: not served here
+            raise missing(digest) from None
+        cached = self._cache.file(tenant, hex_digest)
         if cached.is_file() and cached.stat().st_size == int(entry["size"]):
             return cached
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix="fetch-", suffix=".part", dir=self._staging)
-        os.close(fd)
+        handle, fetched = self._staging.new_file(prefix="fetch-")
+        handle.close()
         try:
-            self.fs.get_file(key, name)
-            if file_digest(Path(name)) != digest:
+            self.fs.get_file(key, str(fetched))
+            if file_digest(fetched) != digest:
                 raise self._bucket_corrupt(tenant, digest, where, field, entry.get("ETag"))
-            os.replace(name, cached)
+            return self._cache.keep(tenant, hex_digest, fetched)
         finally:
-            Path(name).unlink(missing_ok=True)
-        return cached
+            fetched.unlink(missing_ok=True)
 
     def check(self, tenant: str, digest: str, field: str | None = None, where: str = "job") -> Path:
         """The cached copy once hashed and matching; a damaged cached copy is fetched again, and
@@ -109,13 +157,24 @@ class S3BlobStore(BlobStore):
         file.unlink(missing_ok=True)
         return self._fetch(tenant, digest, field, where)
 
+    def verified_chunks(self, tenant: str, digest: str, handle: BinaryIO, chunk_size: int = WRITE_CHUNK) -> Iterator[bytes]:
+        """The bytes of an open cached copy in chunks, hashed as they are read; the last chunk is
+        held back until the digest is known, and a mismatch raises ``CorruptBlobError`` instead
+        (:meth:`corrupt`: the copy dropped, the bucket's object looked at)."""
+
+        def damaged(inode: int) -> CorruptBlobError:
+            return self.corrupt(tenant, digest, "download", inode=inode)
+
+        return verified_chunks(handle, digest, damaged, chunk_size)
+
     def corrupt(
         self, tenant: str, digest: str, where: str, field: str | None = None, inode: int | None = None
     ) -> CorruptBlobError:
         """Bytes read from the cached copy did not match: drop it and look at the bucket's
         object; quarantine that too if its bytes are wrong. The error to raise either way (the
-        read that found it is cut off)."""
-        self._location(tenant, digest.removeprefix("sha256:")).unlink(missing_ok=True)
+        read that found it is cut off). ``inode`` is not needed: the copy is dropped whatever
+        file it is now."""
+        self._cache.drop(tenant, digest.removeprefix("sha256:"))
         try:
             self._fetch(tenant, digest, field, where)
         except CorruptBlobError as exc:
@@ -134,10 +193,10 @@ class S3BlobStore(BlobStore):
         self, tenant: str, digest: str, where: str, field: str | None, etag: str | None
     ) -> CorruptBlobError:
         """The bucket's object does not hash to its digest: quarantine it (unless it was put
-        again meanwhile, its ETag changed), and the error naming it."""
+        again meanwhile, its ETag changed), drop the cached copy, and the error naming it."""
         hex_digest = digest.removeprefix("sha256:")
-        key = self._key(tenant, "sha256", hex_digest)
-        self._location(tenant, hex_digest).unlink(missing_ok=True)
+        key = self._key(tenant, hex_digest)
+        self._cache.drop(tenant, hex_digest)
         try:
             if etag is None or self.fs.info(key, refresh=True).get("ETag") == etag:
                 aside = f"{self._base}/{tenant}/quarantine/{hex_digest}.{time.time_ns()}"
@@ -145,20 +204,16 @@ class S3BlobStore(BlobStore):
                 self.fs.rm_file(key)
         except FileNotFoundError:
             pass
-        return super().corrupt(tenant, digest, where, field)
-
-    def _quarantine(self, tenant: str, digest: str, inode: int | None = None) -> None:
-        """The local copy only (the bucket's object is moved aside by :meth:`_bucket_corrupt`)."""
-        self._location(tenant, digest.removeprefix("sha256:")).unlink(missing_ok=True)
+        return corrupt_error(tenant, digest, where, field, self.filename(tenant, digest), self.medium, self.on_corrupt)
 
     def object_checksum(self, tenant: str, digest: str) -> str | None:
         """The SHA-256 S3 keeps for the object (``sha256:<hex>``), None where the store keeps
         none (a multipart upload, a store without checksums); ``NotFoundError`` if absent."""
-        bucket, _, key = self._key(tenant, "sha256", digest.removeprefix("sha256:")).partition("/")
+        bucket, _, key = self._key(tenant, digest.removeprefix("sha256:")).partition("/")
         try:
             head = self.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
         except FileNotFoundError:
-            raise NotFoundError(f"no blob {digest} for this API key") from None
+            raise missing(digest) from None
         encoded = head.get("ChecksumSHA256")
         if not encoded or "-" in encoded:  # absent, or a composite of a multipart upload's parts
             return None
@@ -169,7 +224,7 @@ class S3BlobStore(BlobStore):
         object downloaded and hashed; a cached copy is hashed too. The bytes read; a mismatch
         quarantines the blob and raises ``CorruptBlobError``."""
         read = 0
-        cached = self._location(tenant, digest.removeprefix("sha256:"))
+        cached = self._cache.file(tenant, digest.removeprefix("sha256:"))
         if cached.is_file():
             read += cached.stat().st_size
             if file_digest(cached) != digest:
@@ -185,12 +240,11 @@ class S3BlobStore(BlobStore):
 
     def info(self, tenant: str, digest: str) -> BlobInfo:
         """Digest, size and file name of a tenant's blob, from the bucket (``NotFoundError`` if absent)."""
-        if not is_digest(digest):
-            raise NotFoundError(f"no blob {digest!r}: a digest looks like sha256:<64 hex digits>")
+        hex_digest = checked_hex(digest)
         try:
-            size = int(self.fs.info(self._key(tenant, "sha256", digest.removeprefix("sha256:")))["size"])
+            size = int(self.fs.info(self._key(tenant, hex_digest))["size"])
         except FileNotFoundError:
-            raise NotFoundError(f"no blob {digest} for this API key") from None
+            raise missing(digest) from None
         return BlobInfo(digest, size, self.filename(tenant, digest))
 
     def filename(self, tenant: str, digest: str) -> str | None:
@@ -198,40 +252,65 @@ class S3BlobStore(BlobStore):
         if not is_digest(digest):
             return None
         try:
-            stored = self.fs.cat_file(self._key(tenant, "names", digest.removeprefix("sha256:"))).decode("utf-8")
+            stored = self.fs.cat_file(self._side(tenant, "names", digest.removeprefix("sha256:"))).decode("utf-8")
         except (FileNotFoundError, UnicodeDecodeError):
             return None
         return clean_filename(stored)
 
     def exists(self, tenant: str, digest: str) -> bool:
         """Whether the tenant holds this blob in the bucket."""
-        return is_digest(digest) and bool(self.fs.exists(self._key(tenant, "sha256", digest.removeprefix("sha256:"))))
+        return is_digest(digest) and bool(self.fs.exists(self._key(tenant, digest.removeprefix("sha256:"))))
 
     def last_used(self, tenant: str, digest: str) -> float:
         """When the blob was stored or last used (epoch seconds); ``NotFoundError`` if absent."""
         hex_digest = digest.removeprefix("sha256:")
         try:
-            stored = _epoch(self.fs.info(self._key(tenant, "sha256", hex_digest)))
+            stored = _epoch(self.fs.info(self._key(tenant, hex_digest)))
         except FileNotFoundError:
-            raise NotFoundError(f"no blob {digest} for this API key") from None
+            raise missing(digest) from None
         try:
-            return max(stored, _epoch(self.fs.info(self._key(tenant, "used", hex_digest))))
+            return max(stored, _epoch(self.fs.info(self._side(tenant, "used", hex_digest))))
         except FileNotFoundError:
             return stored
 
     # -- writing and deleting ------------------------------------------------------------------
 
+    async def ingest(
+        self,
+        tenant: str,
+        chunks: AsyncIterator[bytes],
+        max_bytes: int,
+        filename: str | None = None,
+        over_limit: Callable[[int], BnrecalError] | None = None,
+    ) -> BlobInfo:
+        """Store a streamed upload: hashed into a local staging file as it arrives (the cap
+        enforced on the bytes received, ``PayloadTooLargeError`` or ``over_limit(bytes
+        received)`` past ``max_bytes``, nothing kept), then put under its digest and kept as
+        this replica's cached copy. ``filename`` is remembered beside the object."""
+
+        def keep(staged: Path, info: BlobInfo) -> BlobInfo:
+            self._place(tenant, staged, info)
+            return named(info, filename, partial(self._remember_name, tenant, info.hex), partial(self.filename, tenant, info.digest))
+
+        return await self._staging.receive(chunks, max_bytes, over_limit, self.write_chunks, keep)
+
+    def adopt(self, tenant: str, file: Path) -> BlobInfo:
+        """Put a finished local file (a job artifact) in the bucket as one of the tenant's blobs,
+        hashed where it lies; the file itself becomes this replica's cached copy (copied through
+        the staging folder only if it is on another file system than the cache)."""
+        return adopt_file(file, self._staging, partial(self._place, tenant))
+
     def touch(self, tenant: str, digest: str) -> None:
         """Mark a blob as just used, so the collector keeps it a full retention period."""
         if self.exists(tenant, digest):
-            self.fs.pipe_file(self._key(tenant, "used", digest.removeprefix("sha256:")), b"")
+            self.fs.pipe_file(self._side(tenant, "used", digest.removeprefix("sha256:")), b"")
 
     def remove(self, tenant: str, digest: str) -> int:
         """Delete a tenant's blob, its name and use marker, and the local copy; the bytes freed (0 if absent)."""
         if not is_digest(digest):
             return 0
         hex_digest = digest.removeprefix("sha256:")
-        key = self._key(tenant, "sha256", hex_digest)
+        key = self._key(tenant, hex_digest)
         try:
             size = int(self.fs.info(key)["size"])
             self.fs.rm_file(key)
@@ -239,11 +318,13 @@ class S3BlobStore(BlobStore):
             return 0
         for kind in ("names", "used"):
             try:
-                self.fs.rm_file(self._key(tenant, kind, hex_digest))
+                self.fs.rm_file(self._side(tenant, kind, hex_digest))
             except FileNotFoundError:
                 pass
-        self._location(tenant, hex_digest).unlink(missing_ok=True)
+        self._cache.drop(tenant, hex_digest)
         return size
+
+    # -- listing and staging -------------------------------------------------------------
 
     def tenants(self) -> list[str]:
         """The tenants that have blobs under the prefix."""
@@ -252,57 +333,54 @@ class S3BlobStore(BlobStore):
         except FileNotFoundError:
             return []
         names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
-        return sorted(name for name in names if _TENANT.match(name))
+        return sorted(name for name in names if is_tenant(name))
 
     def stored(self, tenant: str) -> Iterator[StoredBlob]:
         """Every blob of a tenant, in digest order: its object's size, and its last use (the
         later of the object's time and its ``used`` marker's)."""
-        if not _TENANT.match(tenant):
-            raise ValueError(f"invalid tenant id {tenant!r}")
+        tenant_folder(tenant)  # a malformed tenant id is a ValueError, before any listing
         used = {
             key.rsplit("/", 1)[-1]: _epoch(entry) for key, entry in self._find(f"{self._base}/{tenant}/used").items()
         }
         for key, entry in sorted(self._find(f"{self._base}/{tenant}/sha256").items()):
-            hex_digest = key.rsplit("/", 1)[-1]
-            if _DIGEST.match("sha256:" + hex_digest):
+            hex_digest = blob_hex(key.rsplit("/", 1)[-1])
+            if hex_digest is not None:
                 mtime = max(_epoch(entry), used.get(hex_digest, 0.0))
                 yield StoredBlob("sha256:" + hex_digest, int(entry["size"]), mtime)
 
+    def staging_files(self) -> list[Path]:
+        """The files in the local staging folder: uploads and fetches in progress, or ones a crash left behind."""
+        return self._staging.files()
+
+    def clear_staging(self) -> None:
+        """Remove uploads and fetches a crash left half written (called at start-up)."""
+        self._staging.clear()
+
     def _place(self, tenant: str, staged: Path, info: BlobInfo) -> None:
-        """Put a complete, hashed staging file under its content address (if absent: else mark it
-        used), and keep it as this replica's cached copy."""
-        key = self._key(tenant, "sha256", info.hex)
+        """Put a complete, hashed local file under its content address, and keep it as this
+        replica's cached copy."""
         # Put even when the key exists: the object may have been damaged since (an upload heals it).
-        self.fs.put_file(str(staged), key, **_checksum_arguments(info))
-        cached = self._location(tenant, info.hex)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged, cached)
+        self.fs.put_file(str(staged), self._key(tenant, info.hex), **_checksum_arguments(info))
+        self._cache.keep(tenant, info.hex, staged)
 
     def _remember_name(self, tenant: str, hex_digest: str, name: str) -> None:
-        self.fs.pipe_file(self._key(tenant, "names", hex_digest), name.encode("utf-8"))
+        self.fs.pipe_file(self._side(tenant, "names", hex_digest), name.encode("utf-8"))
 
     # -- keys --------------------------------------------------------------------------------
 
-    def _key(self, tenant: str, kind: str, hex_digest: str) -> str:
-        if not _TENANT.match(tenant):
-            raise ValueError(f"invalid tenant id {tenant!r}")
-        if kind == "sha256":
-            return f"{self._base}/{tenant}/sha256/{hex_digest[:2]}/{hex_digest}"
-        return f"{self._base}/{tenant}/{kind}/{hex_digest}"
+    def _key(self, tenant: str, hex_digest: str) -> str:
+        """The object of a tenant's blob: ``<bucket>/<prefix>/<tenant>/sha256/<hex[:2]>/<hex>``."""
+        return f"{self._base}/{blob_key(tenant, hex_digest)}"
+
+    def _side(self, tenant: str, kind: str, hex_digest: str) -> str:
+        """The object of a record about a tenant's blob (``names``, ``used``)."""
+        return f"{self._base}/{side_key(tenant, kind, hex_digest)}"
 
     def _find(self, folder: str) -> dict[str, dict[str, Any]]:
         try:
             return self.fs.find(folder, detail=True)
         except FileNotFoundError:
             return {}
-
-
-def open_blob_store(blob_store: str | None, local_root: Path, endpoint_url: str | None = None) -> BlobStore:
-    """The blob store the settings name: files under ``local_root`` (the default), or the
-    bucket of ``BNRECAL_BLOB_STORE`` with ``local_root`` as this process's cache of it."""
-    if not blob_store:
-        return BlobStore(local_root)
-    return S3BlobStore(blob_store, local_root, endpoint_url)
 
 
 def _checksum_arguments(info: BlobInfo) -> dict[str, str]:

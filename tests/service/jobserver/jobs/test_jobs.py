@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs import BlobStore, FileBlobStore
 from bnrecal.service.jobserver.jobs.spec import DataPath, JobSpec, check_data_uri, check_submission, resolve_data_path
 from bnrecal.service.jobserver.jobs.views import TERMINAL_STATUSES, JobStatus
 from bnrecal.service.settings import Settings
@@ -69,7 +69,7 @@ def _upload(store: BlobStore, tenant: str, payload: bytes) -> str:
 
 
 def test_submission_needs_the_tenants_own_blobs(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     settings = Settings(data_dir=tmp_path, model_modules=["tests"])
     buffer = io.BytesIO()
     torch.save(mixed_net().state_dict(), buffer)
@@ -85,7 +85,7 @@ def test_submission_needs_the_tenants_own_blobs(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_at_submission(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     settings = Settings(data_dir=tmp_path, model_modules=["tests"])
     data = _upload(store, "alice", b"samples")
     for payload, message in ((b"weights", "is corrupt"), (_legacy_checkpoint(), "shape mismatches")):
@@ -105,7 +105,7 @@ def _legacy_checkpoint() -> bytes:
 def test_architectures_outside_the_allowlist_are_refused_before_import(tmp_path, arch):
     settings = Settings(data_dir=tmp_path, model_modules=["tests"])
     with pytest.raises(ArchitectureError, match="BNRECAL_MODEL_MODULES"):
-        check_submission(spec(arch=arch), "alice", BlobStore(tmp_path / "blobs"), settings)
+        check_submission(spec(arch=arch), "alice", FileBlobStore(tmp_path / "blobs"), settings)
 
 
 def test_data_paths_only_under_the_roots(tmp_path):

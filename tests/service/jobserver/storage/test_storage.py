@@ -20,7 +20,7 @@ from PIL import Image
 from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
-from bnrecal.service.jobserver.storage.blobs import BlobStore
+from bnrecal.service.jobserver.storage.blobs import FileBlobStore
 from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage.collection import STALE_STAGING_S, StorageCollector, folder_bytes
@@ -40,7 +40,7 @@ class Store:
     def __init__(self, root: Path, **settings: object) -> None:
         self.settings = Settings(data_dir=root, **settings)
         self.ledger = Ledger(sqlite_url(root))
-        self.blobs = BlobStore(root / "blobs")
+        self.blobs = FileBlobStore(root / "blobs")
         self.unpack_root = root / "unpacked"
         mark_collected_root(self.unpack_root)
         self.collector = StorageCollector(self.settings, self.ledger, self.blobs)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobStore, clean_filename, is_digest
+from bnrecal.service.jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobStore, FileBlobStore, clean_filename, is_digest
 from bnrecal.errors import NotFoundError, PayloadTooLargeError
 
 
@@ -31,7 +31,7 @@ def files_under(root: Path) -> list[Path]:
 
 
 def test_same_bytes_give_the_sha256_digest_and_one_file(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     payload = os.urandom(3 * 1024 * 1024 + 17)
     parts = [payload[i : i + 65536] for i in range(0, len(payload), 65536)]
     first = ingest(store, "alice", parts)
@@ -44,7 +44,7 @@ def test_same_bytes_give_the_sha256_digest_and_one_file(tmp_path):
 
 
 def test_the_cap_stops_the_stream_and_leaves_nothing(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     consumed: list[int] = []
     parts = [b"x" * 1000] * 50
     with pytest.raises(PayloadTooLargeError, match="BNRECAL_MAX_UPLOAD_BYTES"):
@@ -54,12 +54,12 @@ def test_the_cap_stops_the_stream_and_leaves_nothing(tmp_path):
 
 
 def test_exactly_the_cap_is_accepted(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     assert ingest(store, "alice", [b"a" * 10, b"b" * 10], cap=20).size == 20
 
 
 def test_a_broken_stream_leaves_nothing(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
 
     async def broken() -> AsyncIterator[bytes]:
         yield b"partial data"
@@ -71,7 +71,7 @@ def test_a_broken_stream_leaves_nothing(tmp_path):
 
 
 def test_tenants_do_not_see_each_others_blobs(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     info = ingest(store, "alice", [b"alice's weights"])
     assert store.exists("alice", info.digest)
     assert not store.exists("bob", info.digest)
@@ -83,14 +83,14 @@ def test_tenants_do_not_see_each_others_blobs(tmp_path):
 
 @pytest.mark.parametrize("digest", ["sha256:abc", "md5:" + "0" * 32, "../../etc/passwd", "sha256:" + "G" * 64])
 def test_malformed_digests_are_not_found(tmp_path, digest):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     with pytest.raises(NotFoundError):
         store.path("alice", digest)
     assert not store.exists("alice", digest)
 
 
 def test_adopt_stores_an_artifact_under_its_digest(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     artifact = tmp_path / "model.onnx"
     artifact.write_bytes(b"onnx bytes" * 1000)
     info = store.adopt("alice", artifact)  # moved into the store: the work file is gone
@@ -99,14 +99,14 @@ def test_adopt_stores_an_artifact_under_its_digest(tmp_path):
 
 
 def test_clear_staging_removes_half_written_uploads(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     (store.root / ".staging" / "upload-crashed.part").write_bytes(b"half")
-    BlobStore(tmp_path / "blobs").clear_staging()
+    FileBlobStore(tmp_path / "blobs").clear_staging()
     assert files_under(store.root) == []
 
 
 def test_an_upload_keeps_its_file_name_per_tenant_and_the_latest_name_wins(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     first = ingest(store, "alice", [b"weights"], filename="model.pt")
     assert first.filename == "model.pt" and store.filename("alice", first.digest) == "model.pt"
     assert store.info("alice", first.digest).filename == "model.pt"
@@ -118,10 +118,10 @@ def test_an_upload_keeps_its_file_name_per_tenant_and_the_latest_name_wins(tmp_p
 
 
 def test_a_store_written_without_names_still_serves_its_blobs(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     info = ingest(store, "alice", [b"old data"])
     assert files_under(store.root) == [store.path("alice", info.digest)]  # nothing beside the blob
-    reopened = BlobStore(tmp_path / "blobs")
+    reopened = FileBlobStore(tmp_path / "blobs")
     assert reopened.info("alice", info.digest) == info and info.filename is None
     assert reopened.filename("alice", "sha256:" + "0" * 64) is None
     assert reopened.filename("alice", "../../etc/passwd") is None
@@ -144,6 +144,6 @@ def test_file_names_are_only_a_safe_display_name(given, kept):
 
 
 def test_an_overlong_file_name_is_cut(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     info = ingest(store, "alice", [b"x"], filename="n" * 1000 + ".npy")
     assert info.filename == "n" * MAX_FILENAME_CHARS

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.storage.blobs import BlobStore
-from bnrecal.service.jobserver.storage.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from bnrecal.service.jobserver.storage.blobs import BlobStore, FileBlobStore, S3BlobStore, open_blob_store, parse_blob_store
 from bnrecal.service.jobserver.storage.scrub import BlobScrubber
 from bnrecal.service.settings import Settings
 from bnrecal.errors import CorruptBlobError
@@ -51,7 +50,7 @@ def scrubber(store: BlobStore, tmp_path: Path) -> BlobScrubber:
 
 
 def test_a_flipped_byte_is_found_when_read_and_the_blob_is_quarantined_then_healed(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     found: list[str] = []
     store.on_corrupt = found.append
     payload = os.urandom(300_000)
@@ -71,7 +70,7 @@ def test_a_flipped_byte_is_found_when_read_and_the_blob_is_quarantined_then_heal
 
 def test_an_upload_of_the_same_bytes_heals_damage_nobody_found_yet(tmp_path):
     """Before: a re-upload answered 201 and left the damaged file in place."""
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     payload = os.urandom(50_000)
     info = ingest(store, "alice", payload)
     flip(store.path("alice", info.digest))
@@ -80,7 +79,7 @@ def test_an_upload_of_the_same_bytes_heals_damage_nobody_found_yet(tmp_path):
 
 
 def test_a_streamed_read_holds_back_its_last_chunk_and_is_cut_off_when_the_bytes_do_not_match(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     payload = os.urandom(5 * 65536 + 11)
     info = ingest(store, "alice", payload)
     with open(store.path("alice", info.digest), "rb") as handle:
@@ -95,7 +94,7 @@ def test_a_streamed_read_holds_back_its_last_chunk_and_is_cut_off_when_the_bytes
 
 
 def test_a_blob_replaced_by_good_bytes_while_it_was_read_is_not_quarantined(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     payload = os.urandom(10_000)
     info = ingest(store, "alice", payload)
     flip(store.path("alice", info.digest))
@@ -107,7 +106,7 @@ def test_a_blob_replaced_by_good_bytes_while_it_was_read_is_not_quarantined(tmp_
 
 
 def test_the_scrub_finds_every_damaged_blob_and_leaves_the_rest(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     blobs = [ingest(store, tenant, os.urandom(20_000)) for tenant in ("alice", "bob") for _ in range(3)]
     flip(store.path("bob", blobs[4].digest))
     report = scrubber(store, tmp_path).scrub()
@@ -116,7 +115,7 @@ def test_the_scrub_finds_every_damaged_blob_and_leaves_the_rest(tmp_path):
 
 
 def test_an_artifact_is_moved_into_the_store_not_copied(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     work = tmp_path / "work"
     work.mkdir()
     artifact = work / "recalibrated.pt"

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.storage.blobs import BlobStore
-from bnrecal.service.jobserver.storage.blobs.s3 import S3BlobStore, open_blob_store, parse_blob_store
+from bnrecal.service.jobserver.storage.blobs import BlobStore, FileBlobStore, S3BlobStore, open_blob_store, parse_blob_store
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage.collection import StorageCollector
 from bnrecal.service.settings import Settings
@@ -43,7 +42,7 @@ def uri(s3_server) -> str:
 def replica(uri: str, root: Path, s3_server) -> S3BlobStore:
     """One replica's view of the store: the shared bucket, its own local cache."""
     store = open_blob_store(uri, root, s3_server.endpoint)
-    assert isinstance(store, S3BlobStore)
+    assert isinstance(store, S3BlobStore) and not isinstance(store, FileBlobStore)  # side by side, not a subclass
     return store
 
 
@@ -135,7 +134,7 @@ def test_the_collector_and_quota_usage_work_on_the_bucket(uri, s3_server, tmp_pa
 
 def test_a_blob_store_uri_names_a_bucket(s3_server, tmp_path):
     assert parse_blob_store("s3://bucket/some/prefix/") == ("bucket", "some/prefix")
-    assert isinstance(open_blob_store(None, tmp_path), BlobStore)
+    assert isinstance(open_blob_store(None, tmp_path), FileBlobStore)
     for bad in ("gs://bucket/x", "s3:///x", "/srv/blobs"):
         with pytest.raises(SpecError, match="BNRECAL_BLOB_STORE"):
             parse_blob_store(bad)
