@@ -207,7 +207,7 @@ def device_decode(count: int) -> list[tuple[str, str, str]]:
     """Rows for JPEG decode on the GPU against the CPU path: photos without chroma subsampling
     (decoded on the device), photos with it (4:2:0, routed to the CPU path), and what nvJPEG
     on those would do to the crops and to resnet50's BN statistics."""
-    from bnrecal.workers.data import describe_dataset
+    from bnrecal.workers.data import ReadOptions, describe_dataset
     from bnrecal.workers.data.formats.device_decode import DeviceDecoded
     from tests.shards import folder_order, photos, write_folder
 
@@ -217,7 +217,7 @@ def device_decode(count: int) -> list[tuple[str, str, str]]:
             items = photos(count, size=320, subsampling=name)
             root = Path(folder) / name.replace(":", "")
             write_folder(root, items)
-            spec = describe_dataset(root, transform={"resize": 256, "crop": 224})
+            spec = describe_dataset(root, ReadOptions(transform={"resize": 256, "crop": 224}))
             cpu, gpu = spec.open(), DeviceDecoded(spec.open(), DEVICE)
             gpu.load_kept(0, 8)  # nvJPEG's handle and the kernels' first launch
             cpu_s, on_cpu = timed(lambda: cpu.load_kept(0, count))

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bnrecal.workers.data import describe_dataset, iter_batches
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, iter_batches
 from bnrecal.workers.data import objectstore
 from bnrecal.workers.ranks.sharding import rank_ranges
 
@@ -82,13 +82,13 @@ def main() -> None:
         print("| storage | given (s) | shuffled (s) | shuffled / given (min-max) |")
         print("|---|---|---|---|")
         paired(f".npy, {args.samples} x 12 KiB, page cache",
-               lambda order: describe_dataset(root / "x.npy", order=order), args)
+               lambda order: describe_dataset(root / "x.npy", ReadOptions(order=order)), args)
         paired(f".npz stored, {args.samples} x 12 KiB",
-               lambda order: describe_dataset(root / "x.npz", order=order), args)
+               lambda order: describe_dataset(root / "x.npz", ReadOptions(order=order)), args)
         paired(".npz compressed, 1024 x 12 KiB",
-               lambda order: describe_dataset(root / "small.npz", order=order), args)
+               lambda order: describe_dataset(root / "small.npz", ReadOptions(order=order)), args)
         paired(f"image folder, {args.images} PNG 64x64 (decode + transform)",
-               lambda order: describe_dataset(images, order=order, transform=transform), args)
+               lambda order: describe_dataset(images, ReadOptions(order=order, transform=transform)), args)
         bench_s3(x[:2048], args)
 
 
@@ -102,7 +102,8 @@ def bench_s3(x: np.ndarray, args: argparse.Namespace) -> None:
         buffer = io.BytesIO()
         np.save(buffer, x)
         uri = server.put("bench", "x.npy", buffer.getvalue())
-        spec_for = lambda order: describe_dataset(uri, order=order, endpoint_url=server.endpoint)  # noqa: E731
+        access = DataAccess(endpoint_url=server.endpoint)
+        spec_for = lambda order: describe_dataset(uri, ReadOptions(order=order), access)  # noqa: E731
         paired(f"s3 .npy, {len(x)} x 12 KiB, coalesced ranges", spec_for, args)
         gap = objectstore.GATHER_GAP_BYTES
         objectstore.GATHER_GAP_BYTES = 0

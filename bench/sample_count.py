@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 from bnrecal.service import demo
-from bnrecal.workers.data import describe_dataset, iter_batches
+from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.workers.engine.calibration import MIN_STEPS, StopRule, apply_statistics, calibration_pass
 from bnrecal.workers.engine.collective import SingleProcessCollective
@@ -58,7 +58,7 @@ def calibrate(stale: torch.nn.Module, calib: Path, count: int | None, order: str
               stop: StopRule | None = None) -> tuple[torch.nn.Module, int, bool | None]:
     model = copy.deepcopy(stale)
     layers, _ = find_batchnorm_layers(model)
-    spec = describe_dataset(calib, max_samples=count, order=order, seed=seed)
+    spec = describe_dataset(calib, ReadOptions(max_samples=count, order=order, seed=seed))
     with spec.open() as data:
         result = calibration_pass(
             model, layers, iter_batches(data, step_ranges(spec.num_samples, BATCH)), mode="sync",

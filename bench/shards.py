@@ -39,7 +39,7 @@ def read_pass(path: str) -> None:
     """One pass, in this (fresh) process: describe, then read every sample; prints the seconds."""
     import torchvision.transforms.v2.functional  # noqa: F401 - imported before the clock starts, as in a warm rank
 
-    from bnrecal.workers.data import describe_dataset, iter_batches
+    from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches
     from bnrecal.workers.ranks.sharding import rank_ranges
 
     importing = time.perf_counter()
@@ -49,7 +49,7 @@ def read_pass(path: str) -> None:
         import pyarrow.parquet  # noqa: F401
     imported = time.perf_counter() - importing
     started = time.perf_counter()
-    spec = describe_dataset(Path(path) if "{" not in path else path, order="shuffled")
+    spec = describe_dataset(Path(path) if "{" not in path else path, ReadOptions(order="shuffled"))
     with spec.open() as data:
         for _ in iter_batches(data, rank_ranges(spec.num_samples, 64, 1, 0)):
             pass

@@ -91,10 +91,10 @@ def measure_baseline(part: str, folder: Path) -> float:
     import numpy as np
     import torch
 
-    from bnrecal.workers.data import describe_dataset
+    from bnrecal.workers.data import ReadOptions, describe_dataset
 
     torch.set_num_threads(os.cpu_count() or 1)
-    dataset = describe_dataset(folder / "photos", transform=json.loads(TRANSFORM))
+    dataset = describe_dataset(folder / "photos", ReadOptions(transform=json.loads(TRANSFORM)))
     with dataset.open() as data:
         samples = data.load(0, dataset.num_samples)
     batches = [samples[i : i + BATCH] for i in range(0, len(samples), BATCH)]

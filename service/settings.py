@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from bnrecal.workers.data import DataAccess
 
 Placement = Literal["spread", "pack", "strict_spread", "strict_pack"]
 """How Ray places a job's ranks (a placement group strategy): the operator's default here,
@@ -193,13 +196,18 @@ class Settings(BaseSettings):
         description="Bytes one tenant may store: blobs, artifacts and unpacked archives; default: unlimited.",
     )
 
-    def unpack_options(self) -> dict[str, Any]:
-        """Where archives unpack and the bounds they unpack under (for ``describe_dataset``)."""
-        return {
-            "unpack_root": Path(self.data_dir) / "unpacked",
-            "max_unpacked_bytes": self.max_unpacked_bytes or 2 * self.max_upload_bytes,
-            "max_compression_ratio": self.max_compression_ratio,
-        }
+    def data_access(self) -> DataAccess:
+        """How this server's processes reach and unpack data (for ``describe_dataset``):
+        archives unpack under ``data_dir/unpacked`` within the bounds set here, and ``s3://``
+        data is read through ``s3_endpoint_url``; the rest as ``DataAccess`` defaults it."""
+        from bnrecal.workers.data import DataAccess  # torch and numpy: loaded when data is described
+
+        return DataAccess(
+            unpack_root=Path(self.data_dir) / "unpacked",
+            max_unpacked_bytes=self.max_unpacked_bytes or 2 * self.max_upload_bytes,
+            max_compression_ratio=self.max_compression_ratio,
+            endpoint_url=self.s3_endpoint_url,
+        )
 
     @field_validator("placement_strategy", mode="before")
     @classmethod

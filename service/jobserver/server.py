@@ -379,7 +379,7 @@ def open_services(settings: Settings) -> Services:
     ledger = Ledger(settings.database_url or sqlite_url(data_dir))
     blobs = open_blob_store(settings.blob_store, data_dir / "blobs", settings.s3_endpoint_url)
     blobs.clear_staging()
-    mark_collected_root(settings.unpack_options()["unpack_root"])  # failed jobs' unpacks go via the collector
+    mark_collected_root(settings.data_access().unpack_root)  # failed jobs' unpacks go via the collector
     shutil.rmtree(data_dir / "work", ignore_errors=True)  # interrupted jobs restart from scratch
     shared = is_postgres(ledger.engine)  # other replicas may be running jobs: only expired leases are ours to recover
     expired_before = datetime.now(UTC) if shared else None

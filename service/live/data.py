@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from bnrecal.workers.data import DatasetSpec, describe_dataset
+from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
 from bnrecal.workers.data.formats.loader import LoaderSpec, batch_length, sample_shape, slice_batch
 from bnrecal.workers.data.objectstore import is_data_uri
 from bnrecal.workers.data.shards.detection import is_shard_list
@@ -63,9 +63,9 @@ def describe_python_data(
     batch_size = None if batch_size is None else int(batch_size)
     if is_path_data(data):
         return describe_dataset(
-            data if is_data_uri(data) or is_shard_list(data) else Path(data), max_samples=max_samples,
-            **settings.unpack_options(),
-            endpoint_url=settings.s3_endpoint_url, order=order, seed=seed, image_column=image_column,
+            data if is_data_uri(data) or is_shard_list(data) else Path(data),
+            ReadOptions(max_samples=max_samples, order=order, seed=seed, image_column=image_column),
+            settings.data_access(),
         )
     if image_column is not None:
         raise SpecError("image_column names a column of Parquet or Arrow data given as a path or URI", field="image_column")

@@ -32,7 +32,7 @@ def check_int8_names(request: RecalibrationRequest, settings: Settings, options:
             raise SpecError(f"{field}.{str(exc).removeprefix('int8.')}", field=f"{field}.op_types") from None
     if not options.keep_float:
         return
-    from bnrecal.workers.data import describe_dataset
+    from bnrecal.workers.data import ReadOptions, describe_dataset
 
     from bnrecal.service.export import export_folded_onnx
     from bnrecal.service.run.int8 import fp32_bytes_for
@@ -43,8 +43,9 @@ def check_int8_names(request: RecalibrationRequest, settings: Settings, options:
         settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
         checkpoint_name=request.checkpoint_name, program=request.program, program_name=request.program_name,
     )
-    dataset = describe_dataset(request.data, transform=request.transform, **settings.unpack_options(),
-                               name=request.data_name, endpoint_url=settings.s3_endpoint_url)
+    dataset = describe_dataset(
+        request.data, ReadOptions(transform=request.transform, name=request.data_name), settings.data_access(),
+    )
     with dataset.open() as data:
         samples = data.load(0, min(PREFLIGHT_SAMPLES, dataset.num_samples))
     if len(samples) < PREFLIGHT_SAMPLES:

@@ -16,7 +16,7 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
 from bnrecal.errors import DatasetOptionError, Int8GuardError
-from bnrecal.workers.data import DatasetSpec, describe_dataset, detect_format, read_labels
+from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, read_labels
 from bnrecal.workers.data.objectstore import is_data_uri
 from bnrecal.workers.engine.evaluation import check_eval_output
 from bnrecal.workers.models.checkpoints import Checkpoint
@@ -152,15 +152,16 @@ def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: S
         arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
     dataset = describe_dataset(
         source,
-        transform=None if arrays else request.transform,
-        max_samples=request.eval_max_samples,
-        **settings.unpack_options(),
-        role="evaluation data",
-        name=request.eval_data_name,
-        endpoint_url=settings.s3_endpoint_url,
-        image_column=request.image_column,
-        label_column=request.label_column,
-        columns_elsewhere="ignore",
+        ReadOptions(
+            transform=None if arrays else request.transform,
+            max_samples=request.eval_max_samples,
+            role="evaluation data",
+            name=request.eval_data_name,
+            image_column=request.image_column,
+            label_column=request.label_column,
+            columns_elsewhere="ignore",
+        ),
+        settings.data_access(),
     )
     labels = read_labels(dataset)
     with dataset.open() as data:

@@ -18,6 +18,7 @@ from bnrecal.workers.data.formats.archive import (
 )
 from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout
 from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.reading.batches import iter_batches
 from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
 from bnrecal.workers.data.formats.labels import read_labels
@@ -33,9 +34,11 @@ __all__ = [
     "ArrayData",
     "ArrayLayout",
     "CalibrationData",
+    "DataAccess",
     "DatasetSpec",
     "ImageData",
     "ImageTransform",
+    "ReadOptions",
     "ShippedData",
     "default_unpack_root",
     "describe_dataset",

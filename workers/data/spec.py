@@ -10,16 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from bnrecal.workers.data.formats.archive import (
-    DEFAULT_MAX_COMPRESSION_RATIO,
-    DEFAULT_MAX_MEMBERS,
-    DEFAULT_MAX_UNPACKED_BYTES,
-    default_unpack_root,
-    discard_unpack,
-    unpack_archive,
-)
+from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
 from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
 from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
 from bnrecal.workers.data.formats.images import ImageData, files_digest, list_images
@@ -34,7 +28,7 @@ from bnrecal.workers.data.objectstore import (
     list_remote_images,
     parse_data_uri,
 )
-from bnrecal.workers.data.reading.order import ORDERS, order_rows
+from bnrecal.workers.data.reading.order import order_rows
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet
 from bnrecal.workers.data.shards.listing import has_brace_pattern
 from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
@@ -145,118 +139,82 @@ class DatasetSpec:
 
 def describe_dataset(
     path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    *,
-    transform: Mapping[str, Any] | None = None,
-    max_samples: int | None = None,
-    unpack_dir: str | os.PathLike[str] | None = None,
-    unpack_root: str | os.PathLike[str] | None = None,
-    max_members: int = DEFAULT_MAX_MEMBERS,
-    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_BYTES,
-    max_compression_ratio: float = DEFAULT_MAX_COMPRESSION_RATIO,
-    check_images: bool = True,
-    role: str = "calibration data",
-    name: str | None = None,
-    endpoint_url: str | None = None,
-    order: str = "given",
-    seed: int = 0,
-    image_column: str | None = None,
-    label_column: str | None = None,
-    columns_elsewhere: Literal["error", "ignore"] = "error",
+    read: ReadOptions = ReadOptions(),
+    access: DataAccess = DataAccess(),
 ) -> DatasetSpec:
     """Validate and count a calibration dataset on the driver, unpacking an archive safely.
 
+    ``read`` says what to read and what to call it (:class:`ReadOptions`: the transform, the
+    samples kept and their order, the columns, the names in messages); ``access`` how this
+    process may reach and unpack data (:class:`DataAccess`: where archives unpack and their
+    bounds, the object-storage endpoint, whether image headers are checked), the same for
+    every dataset a server describes. Both default to a process without settings.
+
     The format comes from the extension, or from the leading bytes for a file without a
-    known one (an uploaded blob). The samples are taken in ``order`` (``shuffled`` with
-    ``seed``, or ``given``: the file order, this function's default); ``max_samples`` keeps
-    the first samples of that order;
-    ``check_images`` reads the header of each kept image so a broken file fails here
-    rather than in an actor. ``role`` names the data in messages (e.g. ``evaluation data``);
-    ``name`` is what messages and the summary call it instead of the file's own name (the
-    name an uploaded blob came with: only shown, never used to find or parse the file).
+    known one (an uploaded blob). The samples are taken in ``read.order`` (``shuffled`` with
+    ``read.seed``, or ``given``: the file order, the default); ``read.max_samples`` keeps
+    the first samples of that order; ``access.check_images`` reads the header of each kept
+    image so a broken file fails here rather than in an actor. ``read.role`` names the data
+    in messages (e.g. ``evaluation data``); ``read.name`` is what messages and the summary
+    call it instead of the file's own name (only shown, never used to find or parse the file).
     Raises :class:`DatasetError` on any problem (bad options raise
-    :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field).
-    A ``s3://`` URI is described from object storage (``endpoint_url`` overrides the AWS
+    :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field; ``read``'s
+    own options are checked when it is built).
+    A ``s3://`` URI is described from object storage (``access.endpoint_url`` overrides the AWS
     environment's endpoint); see :mod:`workers.data.objectstore`. Shards (a list of shard
     paths or URIs, a brace pattern, a folder or prefix of shards, a manifest, a WebDataset
     tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shards.detection`) are counted
     here, each tar's index built and cached under the unpack root's parent folder
-    (``shard-index/``); ``image_column``/``label_column`` name a Parquet or Arrow file's columns
-    (data of another format refuses them, or with ``columns_elsewhere="ignore"`` reads as if
-    they were not given: options that name the columns of whichever data set is columnar).
+    (``shard-index/``); ``read.image_column``/``read.label_column`` name a Parquet or Arrow
+    file's columns (data of another format refuses them, or with ``read.columns_elsewhere="ignore"``
+    reads as if they were not given: options that name the columns of whichever data set is columnar).
     """
-    if max_samples is not None and (
-        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
-    ):
-        raise DatasetOptionError(f"max_samples must be an integer >= 1, got {max_samples!r}", field="max_samples")
-    if order not in ORDERS:
-        raise DatasetOptionError(f"order must be one of {', '.join(ORDERS)}, got {order!r}", field="order")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise DatasetOptionError(f"seed must be an integer >= 0, got {seed!r}", field="seed")
-    ordering = {"order": order, "seed": seed}
-    columns = {"image_column": image_column, "label_column": label_column}
-    for option, value in columns.items():
-        if value is not None and (not isinstance(value, str) or not value):
-            raise DatasetOptionError(f"{option} must be a column name, got {value!r}", field=option)
+    role, name, endpoint_url = read.role, read.name, access.endpoint_url
+    ordering = {"order": read.order, "seed": read.seed}
     shard_options = {
-        "transform": transform, **columns, "strict_columns": columns_elsewhere == "error",
-        "endpoint_url": endpoint_url, "role": role,
-        "cache_root": Path(unpack_root if unpack_root is not None else default_unpack_root()).expanduser().absolute().parent,
+        "transform": read.transform, "image_column": read.image_column, "label_column": read.label_column,
+        "strict_columns": read.columns_elsewhere == "error", "endpoint_url": endpoint_url, "role": role,
+        "cache_root": Path(
+            access.unpack_root if access.unpack_root is not None else default_unpack_root()
+        ).expanduser().absolute().parent,
     }
     if is_shard_list(path):
         entries = list(path)  # type: ignore[arg-type]
         shown = Path(os.fspath(entries[0])).name + (f" and {len(entries) - 1} more shards" if len(entries) > 1 else "")
         found = list_shards(entries, role, endpoint_url, shard_options["cache_root"])
-        spec = _shard_spec(*found, os.fspath(entries[0]), max_samples, ordering, shard_options)
+        spec = _shard_spec(*found, os.fspath(entries[0]), read.max_samples, ordering, shard_options)
         return replace(spec, name=name or shown)
     if not isinstance(path, (str, os.PathLike)):
         raise DatasetError(f"{role} must be a path, a URI or a list of shards, not {type(path).__name__}")
     if is_data_uri(path):
         remote = RemoteSource(parse_data_uri(str(path), "data"), endpoint_url)
-        return _describe_remote(
-            remote, transform, max_samples, role, ordering, shard_options,
-            unpack_dir=unpack_dir, unpack_root=unpack_root, max_members=max_members,
-            max_unpacked_bytes=max_unpacked_bytes, max_compression_ratio=max_compression_ratio,
-        )
+        return _describe_remote(remote, read, access, ordering, shard_options)
     source = Path(path).expanduser()
     if not source.exists() and not has_brace_pattern(str(path)):
         raise not_found(str(path), role)
     source = source.absolute()
     found = local_shards(source, name or source.name, role, endpoint_url, shard_options["cache_root"])
     if found is not None:
-        spec = _shard_spec(*found, str(source), max_samples, ordering, shard_options)
+        spec = _shard_spec(*found, str(source), read.max_samples, ordering, shard_options)
         return spec if name is None else replace(spec, name=name)
-    if (image_column is not None or label_column is not None) and columns_elsewhere == "error":
+    if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet and Arrow shards; {name or source.name} is not",
-            field="image_column" if image_column is not None else "label_column",
+            field="image_column" if read.image_column is not None else "label_column",
         )
-    spec = _describe(
-        source, transform, max_samples, check_images, role, name, ordering,
-        unpack_dir=Path(unpack_dir) if unpack_dir is not None else None,
-        unpack_root=Path(unpack_root) if unpack_root is not None else None,
-        max_members=max_members, max_unpacked_bytes=max_unpacked_bytes,
-        max_compression_ratio=max_compression_ratio,
-    )
+    spec = _describe(source, read, access, ordering)
     return spec if name is None else replace(spec, name=name)
 
 
-def _describe(
-    source: Path,
-    transform: Mapping[str, Any] | None,
-    max_samples: int | None,
-    check_images: bool,
-    role: str,
-    name: str | None,
-    ordering: dict[str, Any],
-    **unpack: Any,
-) -> DatasetSpec:
+def _describe(source: Path, read: ReadOptions, access: DataAccess, ordering: dict[str, Any]) -> DatasetSpec:
     """:func:`describe_dataset` on an existing absolute path. Every error calls the data
-    ``name`` where given (a blob is stored, and an archive unpacked, under its digest)."""
+    ``read.name`` where given (a blob is stored, and an archive unpacked, under its digest)."""
+    transform, max_samples, check_images, name = read.transform, read.max_samples, access.check_images, read.name
     shown = name or source.name
     try:
         if source.is_dir():
             return _describe_images(source, source, shown, transform, max_samples, check_images, ordering)
-        data_format = detect_format(source, role, name)
+        data_format = detect_format(source, read.role, name)
         if data_format in ("npy", "npz"):
             if transform:
                 raise DatasetOptionError(
@@ -266,8 +224,8 @@ def _describe(
                 layout = describe_npy(source, shown)
             else:
                 layout = describe_npz(
-                    source, name=shown, max_unpacked_bytes=unpack["max_unpacked_bytes"],
-                    max_compression_ratio=unpack["max_compression_ratio"],
+                    source, name=shown, max_unpacked_bytes=access.max_unpacked_bytes,
+                    max_compression_ratio=access.max_compression_ratio,
                 )
             total = layout.shape[0]
             if total == 0:
@@ -278,7 +236,11 @@ def _describe(
                 **ordering,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
-        folder = unpack_archive(source, data_format, unpack.pop("unpack_dir"), name=shown, **unpack)
+        folder = unpack_archive(
+            source, data_format, access.unpack_dir, name=shown, unpack_root=access.unpack_root,
+            max_members=access.max_members, max_unpacked_bytes=access.max_unpacked_bytes,
+            max_compression_ratio=access.max_compression_ratio,
+        )
         try:
             return _describe_images(folder, source, shown, transform, max_samples, check_images, ordering)
         except DatasetError:
@@ -305,16 +267,15 @@ def _shard_spec(
 
 def _describe_remote(
     remote: RemoteSource,
-    transform: Mapping[str, Any] | None,
-    max_samples: int | None,
-    role: str,
+    read: ReadOptions,
+    access: DataAccess,
     ordering: dict[str, Any],
     shard_options: dict[str, Any],
-    **unpack: Any,
 ) -> DatasetSpec:
     """:func:`describe_dataset` for an object or prefix in object storage: arrays, image
     prefixes and shards stay there (each rank fetches its own samples), archives of images
     are fetched and unpacked."""
+    transform, max_samples, role = read.transform, read.max_samples, read.role
     if has_brace_pattern(remote.uri):
         kind, size = "pattern", 0
     else:
@@ -348,7 +309,7 @@ def _describe_remote(
             )
         layout = describe_remote_array(
             remote, data_format, size, role,
-            max_unpacked_bytes=unpack["max_unpacked_bytes"], max_compression_ratio=unpack["max_compression_ratio"],
+            max_unpacked_bytes=access.max_unpacked_bytes, max_compression_ratio=access.max_compression_ratio,
         )
         total = layout.shape[0]
         if total == 0:
@@ -359,11 +320,15 @@ def _describe_remote(
             remote=remote, **ordering,
         )
     resolve_transform(transform)  # bad options fail before a long download
-    root = Path(unpack["unpack_root"]) if unpack.get("unpack_root") is not None else default_unpack_root()
+    root = access.unpack_root if access.unpack_root is not None else default_unpack_root()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as staging:
-        archive = fetch_object(remote, Path(staging) / remote.name, unpack["max_unpacked_bytes"], role)
-        spec = describe_dataset(archive, transform=transform, max_samples=max_samples, role=role, **ordering, **unpack)
+        archive = fetch_object(remote, Path(staging) / remote.name, access.max_unpacked_bytes, role)
+        # The fetched archive is a local file: no endpoint, and its images' headers are always checked.
+        spec = describe_dataset(
+            archive, ReadOptions(transform=transform, max_samples=max_samples, role=role, **ordering),
+            replace(access, check_images=True, endpoint_url=None),
+        )
     return replace(spec, source=remote.uri)
 
 

@@ -134,7 +134,7 @@ class StorageCollector:
         self.settings = settings
         self.ledger = ledger
         self.blobs = blobs
-        self.unpack_root = Path(settings.unpack_options()["unpack_root"])
+        self.unpack_root = Path(settings.data_access().unpack_root)
         self._lock = threading.Lock()  # one collection (or deletion) at a time in this process
         self._periodic = Periodic("bnrecal-collector", settings.gc_interval_s, self._collect_once,
                                   "storage collection failed", log)

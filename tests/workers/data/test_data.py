@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import describe_dataset, iter_batches, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, iter_batches, read_labels
 from bnrecal.errors import DatasetError, DatasetOptionError, SpecError
 
 
@@ -108,8 +108,8 @@ def test_a_compressed_npz_member_over_the_compression_ratio_is_refused_as_a_bomb
                        r".*BNRECAL_MAX_COMPRESSION_RATIO.*np\.savez"):
         describe_dataset(bomb)
     with pytest.raises(DatasetError, match="decompression bomb"):  # the operator's ratio is the one applied
-        describe_dataset(bomb, max_compression_ratio=200)
-    assert describe_dataset(bomb, max_compression_ratio=5000).num_samples == 4000
+        describe_dataset(bomb, access=DataAccess(max_compression_ratio=200))
+    assert describe_dataset(bomb, access=DataAccess(max_compression_ratio=5000)).num_samples == 4000
 
 
 def test_a_compressed_npz_member_over_the_unpacked_bound_is_refused(tmp_path: Path) -> None:
@@ -117,10 +117,10 @@ def test_a_compressed_npz_member_over_the_unpacked_bound_is_refused(tmp_path: Pa
     np.savez_compressed(tmp_path / "big.npz", x=values)
     with pytest.raises(DatasetError, match=r"big\.npz: compressed array x decompresses to \d+ bytes, more than "
                        r"the 1000000 allowed \(BNRECAL_MAX_UNPACKED_BYTES\)"):
-        describe_dataset(tmp_path / "big.npz", max_unpacked_bytes=1_000_000)
-    assert describe_dataset(tmp_path / "big.npz", max_unpacked_bytes=2_000_000).num_samples == 300
+        describe_dataset(tmp_path / "big.npz", access=DataAccess(max_unpacked_bytes=1_000_000))
+    assert describe_dataset(tmp_path / "big.npz", access=DataAccess(max_unpacked_bytes=2_000_000)).num_samples == 300
     np.savez(tmp_path / "stored.npz", x=values)  # a stored member is mapped, its size is the file's own
-    assert describe_dataset(tmp_path / "stored.npz", max_unpacked_bytes=1_000_000).num_samples == 300
+    assert describe_dataset(tmp_path / "stored.npz", access=DataAccess(max_unpacked_bytes=1_000_000)).num_samples == 300
 
 
 def test_compressed_labels_larger_than_one_integer_per_sample_are_refused_unread(tmp_path: Path) -> None:
@@ -149,21 +149,21 @@ def test_opened_arrays_survive_pickling(tmp_path: Path) -> None:
 
 def test_max_samples_keeps_the_first_samples(tmp_path: Path) -> None:
     np.save(tmp_path / "x.npy", np.arange(20, dtype=np.float32).reshape(10, 2))
-    spec = describe_dataset(tmp_path / "x.npy", max_samples=4)
+    spec = describe_dataset(tmp_path / "x.npy", ReadOptions(max_samples=4))
     assert (spec.num_samples, spec.total_samples) == (4, 10)
     data = spec.open()
     assert len(data) == 4
     np.testing.assert_array_equal(data.load(0, 4).numpy().ravel(), np.arange(8, dtype=np.float32))
     with pytest.raises(IndexError):
         data.load(3, 5)
-    assert describe_dataset(tmp_path / "x.npy", max_samples=99).num_samples == 10
+    assert describe_dataset(tmp_path / "x.npy", ReadOptions(max_samples=99)).num_samples == 10
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "4"])
 def test_invalid_max_samples_is_refused(tmp_path: Path, bad: object) -> None:
     np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
     with pytest.raises(DatasetOptionError, match="max_samples") as caught:
-        describe_dataset(tmp_path / "x.npy", max_samples=bad)  # type: ignore[arg-type]
+        describe_dataset(tmp_path / "x.npy", ReadOptions(max_samples=bad))  # type: ignore[arg-type]
     assert isinstance(caught.value, DatasetError) and isinstance(caught.value, SpecError)
     assert caught.value.field == "max_samples"
 
@@ -230,27 +230,28 @@ def test_a_stored_blob_is_named_as_uploaded_but_read_by_its_content(tmp_path: Pa
     stored = tmp_path / ("5891b5b5" * 8)  # a blob: named by its digest, no extension
     stored.write_text("1,2\n3,4\n")
     with pytest.raises(DatasetError) as caught:
-        describe_dataset(stored, name="calib.txt")
+        describe_dataset(stored, ReadOptions(name="calib.txt"))
     assert str(caught.value) == (
         "unknown calibration data format 'calib.txt' (extension .txt); expected a .npy or .npz file, "
         "an image folder, a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files "
         "or a manifest of shards"
     )  # a blob is never read as a manifest, whatever its upload was called
     with pytest.raises(DatasetError, match=f"format 'sha256:{stored.name}' \\(no extension\\)"):
-        describe_dataset(stored, name=f"sha256:{stored.name}")  # a blob uploaded without a name
+        describe_dataset(stored, ReadOptions(name=f"sha256:{stored.name}"))  # a blob uploaded without a name
     np.save(tmp_path / "x.npy", np.zeros((0, 3), np.float32))
     (tmp_path / "x.npy").replace(stored)
     with pytest.raises(DatasetError, match=r"^calib\.npy holds no samples"):
-        describe_dataset(stored, name="calib.npy")
+        describe_dataset(stored, ReadOptions(name="calib.npy"))
     with zipfile.ZipFile(stored, "w") as archive:  # an archive of no images, unpacked into a folder named by digest
         archive.writestr("notes/readme.md", "no pictures here")
     with pytest.raises(DatasetError, match="no images") as caught:
-        describe_dataset(stored, name="photos", unpack_root=tmp_path / "unpacked")
+        describe_dataset(stored, ReadOptions(name="photos"), DataAccess(unpack_root=tmp_path / "unpacked"))
     assert "photos" in str(caught.value) and stored.name not in str(caught.value)
     values = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.save(tmp_path / "x.npy", values)
     (tmp_path / "x.npy").replace(stored)
-    spec = describe_dataset(stored, name="calib.txt")  # the name is only shown: .npy bytes are read as .npy
+    # The name is only shown: .npy bytes are read as .npy.
+    spec = describe_dataset(stored, ReadOptions(name="calib.txt"))
     assert spec.kind == "array" and spec.summary()["source"] == "calib.txt"
     np.testing.assert_array_equal(spec.open().load(0, 2).numpy(), values)
 
@@ -258,7 +259,7 @@ def test_a_stored_blob_is_named_as_uploaded_but_read_by_its_content(tmp_path: Pa
 def test_transform_is_refused_for_arrays(tmp_path: Path) -> None:
     np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
     with pytest.raises(DatasetOptionError, match="image data only"):
-        describe_dataset(tmp_path / "x.npy", transform={"crop": 32})
+        describe_dataset(tmp_path / "x.npy", ReadOptions(transform={"crop": 32}))
 
 
 def test_iter_batches_reads_arrays_in_order(tmp_path: Path) -> None:
@@ -279,14 +280,14 @@ def test_every_error_of_a_stored_blob_names_it_as_uploaded_where_raised(tmp_path
     stored = tmp_path / ("a1b2c3d4" * 8)
     stored.write_bytes(b"\x93NUMPY\x09\x00")  # an .npy of an unknown format version
     with pytest.raises(DatasetError, match=r"^calib\.npy has an unsupported \.npy format version 9$"):
-        describe_dataset(stored, name="calib.npy")
+        describe_dataset(stored, ReadOptions(name="calib.npy"))
     stored.write_bytes(b"\x1f\x8b" + b"\x00" * 64)  # gzip magic, no tar inside
     with pytest.raises(DatasetError, match=r"^photos\.tgz is not a valid tar archive") as caught:
-        describe_dataset(stored, name="photos.tgz", unpack_root=tmp_path / "unpacked")
+        describe_dataset(stored, ReadOptions(name="photos.tgz"), DataAccess(unpack_root=tmp_path / "unpacked"))
     assert stored.name not in str(caught.value)
     np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
     (tmp_path / "x.npy").replace(stored)
-    spec = describe_dataset(stored, name="calib.npy")
+    spec = describe_dataset(stored, ReadOptions(name="calib.npy"))
     np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))  # replaced after it was described
     (tmp_path / "x.npy").replace(stored)
     with pytest.raises(DatasetError, match=r"^calib\.npy changed since it was described"), spec.open() as data:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
 from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
 from bnrecal.errors import DatasetError, SpecError
 
@@ -78,8 +78,8 @@ def test_arrays_read_the_same_rows_as_the_local_file(
     uri = s3_server.put(BUCKET, f"arrays/{kind}{suffix}", payload)
     local = tmp_path / f"local{suffix}"
     local.write_bytes(payload)
-    remote_spec = describe_dataset(uri, max_samples=40, endpoint_url=s3_server.endpoint)
-    local_spec = describe_dataset(local, max_samples=40)
+    remote_spec = describe_dataset(uri, ReadOptions(max_samples=40), DataAccess(endpoint_url=s3_server.endpoint))
+    local_spec = describe_dataset(local, ReadOptions(max_samples=40))
     assert remote_spec.layout == local_spec.layout and remote_spec.num_samples == 40
     assert remote_spec.summary() | {"source": "x"} == local_spec.summary() | {"source": "x"}
     with remote_spec.open() as remote, local_spec.open() as here:
@@ -91,8 +91,10 @@ def test_a_compressed_npz_bomb_in_object_storage_is_refused_from_its_directory(s
     zeros = np.zeros((4000, 3, 32, 32), dtype=np.float32)  # ~50 KB expanding ~1000:1
     uri = s3_server.put(BUCKET, "arrays/bomb.npz", npz_bytes(True, x=zeros))
     with pytest.raises(DatasetError, match=r"bomb\.npz: compressed array x expands \d+:1.*BNRECAL_MAX_COMPRESSION_RATIO"):
-        describe_dataset(uri, endpoint_url=s3_server.endpoint)
-    assert describe_dataset(uri, endpoint_url=s3_server.endpoint, max_compression_ratio=5000).num_samples == 4000
+        describe_dataset(uri, access=DataAccess(endpoint_url=s3_server.endpoint))
+    assert describe_dataset(
+        uri, access=DataAccess(endpoint_url=s3_server.endpoint, max_compression_ratio=5000),
+    ).num_samples == 4000
 
 
 @pytest.mark.parametrize("kind", ["npy", "npz"])
@@ -101,7 +103,7 @@ def test_a_row_range_fetches_only_its_own_bytes(s3_server: S3Server, kind: str) 
     payload = npy_bytes(samples) if kind == "npy" else npz_bytes(x=samples, y=np.arange(200))
     key = f"ranged/{kind}.{kind}"
     uri = s3_server.put(BUCKET, key, payload)
-    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint)
+    spec = describe_dataset(uri, access=DataAccess(endpoint_url=s3_server.endpoint))
     described = s3_server.gets(f"/{BUCKET}/{key}")
     assert sum(r.sent for r in described) < 200_000 < len(payload)  # headers and zip directory only
     row = samples[0].nbytes
@@ -118,7 +120,9 @@ def test_a_row_range_fetches_only_its_own_bytes(s3_server: S3Server, kind: str) 
 def test_npz_labels_are_read_from_object_storage(s3_server: S3Server, samples: np.ndarray) -> None:
     labels = np.arange(50) % 3
     uri = s3_server.put(BUCKET, "labelled/eval.npz", npz_bytes(x=samples, y=labels))
-    spec = describe_dataset(uri, max_samples=30, endpoint_url=s3_server.endpoint, role="evaluation data")
+    spec = describe_dataset(
+        uri, ReadOptions(max_samples=30, role="evaluation data"), DataAccess(endpoint_url=s3_server.endpoint),
+    )
     np.testing.assert_array_equal(read_labels(spec), labels[:30])
 
 
@@ -136,8 +140,8 @@ def test_image_prefix_lists_like_the_local_folder(s3_server: S3Server, tmp_path:
     write_class_folders(folder)
     uri = s3_server.put_tree(BUCKET, "images/v1", tmp_path / "wrapper")  # a wrapper folder, as locally
     transform = {"resize": 8, "crop": 6}
-    remote_spec = describe_dataset(uri, transform=transform, endpoint_url=s3_server.endpoint)
-    local_spec = describe_dataset(tmp_path / "wrapper", transform=transform)
+    remote_spec = describe_dataset(uri, ReadOptions(transform=transform), DataAccess(endpoint_url=s3_server.endpoint))
+    local_spec = describe_dataset(tmp_path / "wrapper", ReadOptions(transform=transform))
     assert remote_spec.classes == local_spec.classes == ("cat", "dog")
     assert remote_spec.files_digest == local_spec.files_digest and remote_spec.num_samples == 3
     np.testing.assert_array_equal(read_labels(remote_spec), read_labels(local_spec))
@@ -157,30 +161,37 @@ def test_archive_is_fetched_and_unpacked_with_the_bomb_limits(s3_server: S3Serve
         tar.add(folder, arcname="set")
     uri = s3_server.put(BUCKET, "archives/set.tar.gz", archive)
     unpack_root = tmp_path / "unpacked"
-    spec = describe_dataset(uri, transform={"resize": 8, "crop": 6}, endpoint_url=s3_server.endpoint,
-                            unpack_root=unpack_root)
+    spec = describe_dataset(
+        uri,
+        ReadOptions(transform={"resize": 8, "crop": 6}),
+        DataAccess(endpoint_url=s3_server.endpoint, unpack_root=unpack_root),
+    )
     assert spec.source == uri and spec.display_name == "set.tar.gz" and spec.remote is None
     assert Path(spec.path).is_relative_to(unpack_root) and spec.classes == ("cat", "dog") and spec.num_samples == 3
     assert not [p for p in unpack_root.iterdir() if p.name.startswith(".fetch-")]  # the download is gone
     with pytest.raises(DatasetError, match="more than the 10 an archive may unpack to"):
-        describe_dataset(uri, endpoint_url=s3_server.endpoint, unpack_root=unpack_root, max_unpacked_bytes=10)
+        describe_dataset(
+            uri, access=DataAccess(endpoint_url=s3_server.endpoint, unpack_root=unpack_root, max_unpacked_bytes=10),
+        )
 
 
 def test_missing_objects_and_buckets_name_the_uri(s3_server: S3Server) -> None:
     s3_server.bucket(BUCKET)
     for uri in (f"s3://{BUCKET}/nothing/here.npy", "s3://no-such-bucket/x.npy"):
         with pytest.raises(DatasetError, match=f"calibration data not found: {uri}$"):
-            describe_dataset(uri, endpoint_url=s3_server.endpoint)
+            describe_dataset(uri, access=DataAccess(endpoint_url=s3_server.endpoint))
     with pytest.raises(DatasetError, match="no images found"):
         describe_dataset(s3_server.put(BUCKET, "only-text/readme.txt", b"x").rsplit("/", 1)[0],
-                         endpoint_url=s3_server.endpoint)
+                         access=DataAccess(endpoint_url=s3_server.endpoint))
     with pytest.raises(DatasetError, match="unknown calibration data format"):
-        describe_dataset(s3_server.put(BUCKET, "weird/data.bin", b"x"), endpoint_url=s3_server.endpoint)
+        describe_dataset(
+            s3_server.put(BUCKET, "weird/data.bin", b"x"), access=DataAccess(endpoint_url=s3_server.endpoint),
+        )
 
 
 def test_an_unreachable_endpoint_fails_in_seconds_naming_the_uri() -> None:
     with pytest.raises(DatasetError, match=r"s3://calib-data/x.npy cannot be read: Could not connect"):
-        describe_dataset("s3://calib-data/x.npy", endpoint_url="http://127.0.0.1:9")
+        describe_dataset("s3://calib-data/x.npy", access=DataAccess(endpoint_url="http://127.0.0.1:9"))
 
 
 def test_the_aws_environment_endpoint_is_honoured(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset
 from bnrecal.errors import DatasetError
 
 SMALL = {"resize": 6, "crop": 6}
@@ -61,13 +61,13 @@ def all_paths(root: Path) -> set[str]:
 
 @pytest.mark.parametrize("suffix", ["tar", "tar.gz", "tgz", "zip"])
 def test_archives_read_like_the_folder(tmp_path: Path, suffix: str) -> None:
-    folder = describe_dataset(write_tree(tmp_path / "tree", TREE), transform=SMALL)
+    folder = describe_dataset(write_tree(tmp_path / "tree", TREE), ReadOptions(transform=SMALL))
     archive = tmp_path / f"calib.{suffix}"
     if suffix == "zip":
         write_zip(archive, TREE)
     else:
         write_tar(archive, TREE, "w:gz" if "gz" in suffix else "w")
-    spec = describe_dataset(archive, transform=SMALL, unpack_dir=tmp_path / "cache" / "u")
+    spec = describe_dataset(archive, ReadOptions(transform=SMALL), DataAccess(unpack_dir=tmp_path / "cache" / "u"))
     assert spec.classes == ("ant", "cat", "dog") and spec.num_samples == 5
     assert Path(spec.path) == tmp_path / "cache" / "u"
     assert torch.equal(spec.open().load(0, 5), folder.open().load(0, 5))
@@ -77,11 +77,11 @@ def test_unpack_goes_to_the_cache_once_and_is_reused(tmp_path: Path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     archive = write_tar(tmp_path / "calib.tar.gz", {"calib/" + k: v for k, v in TREE.items()}, "w:gz")
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    first = describe_dataset(archive, transform=SMALL)
+    first = describe_dataset(archive, ReadOptions(transform=SMALL))
     unpacked = tmp_path / "xdg" / "bnrecal" / "unpacked" / digest
     assert Path(first.path) == unpacked / "calib"  # the wrapper folder is descended
     inode = unpacked.stat().st_ino
-    second = describe_dataset(archive, transform=SMALL, max_samples=2)
+    second = describe_dataset(archive, ReadOptions(transform=SMALL, max_samples=2))
     assert second.path == first.path and unpacked.stat().st_ino == inode
     assert os.listdir(unpacked.parent) == [digest]  # no staging folder left behind
     assert torch.equal(second.open().load(0, 2), first.open().load(0, 2))
@@ -91,7 +91,8 @@ def test_concurrent_describes_share_one_unpack(tmp_path: Path) -> None:
     archive = write_zip(tmp_path / "calib.zip", TREE)
     target = tmp_path / "cache" / "u"
     with ThreadPoolExecutor(4) as pool:
-        specs = list(pool.map(lambda _: describe_dataset(archive, transform=SMALL, unpack_dir=target), range(4)))
+        read, access = ReadOptions(transform=SMALL), DataAccess(unpack_dir=target)
+        specs = list(pool.map(lambda _: describe_dataset(archive, read, access), range(4)))
     assert {s.path for s in specs} == {str(target)}
     assert os.listdir(tmp_path / "cache") == ["u"]
     assert all_paths(target) >= set(TREE)
@@ -99,7 +100,9 @@ def test_concurrent_describes_share_one_unpack(tmp_path: Path) -> None:
 
 def test_only_images_are_unpacked(tmp_path: Path) -> None:
     files = {**TREE, "README.txt": b"hello", "__MACOSX/dog/._0.png": b"junk", "dog/.DS_Store": b"junk"}
-    spec = describe_dataset(write_zip(tmp_path / "a.zip", files), transform=SMALL, unpack_dir=tmp_path / "u")
+    spec = describe_dataset(
+        write_zip(tmp_path / "a.zip", files), ReadOptions(transform=SMALL), DataAccess(unpack_dir=tmp_path / "u"),
+    )
     assert spec.num_samples == 5
     assert {p for p in all_paths(tmp_path / "u") if p.endswith(".png")} == set(TREE)
     assert not (tmp_path / "u" / "README.txt").exists() and not (tmp_path / "u" / "__MACOSX").exists()
@@ -109,7 +112,7 @@ def test_an_occupied_unpack_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "u").mkdir()
     (tmp_path / "u" / "mine.txt").write_text("do not touch")
     with pytest.raises(DatasetError, match="already holds other files"):
-        describe_dataset(write_zip(tmp_path / "a.zip", TREE), unpack_dir=tmp_path / "u")
+        describe_dataset(write_zip(tmp_path / "a.zip", TREE), access=DataAccess(unpack_dir=tmp_path / "u"))
     assert all_paths(tmp_path / "u") == {"mine.txt"}
 
 
@@ -144,7 +147,7 @@ def test_unsafe_tar_members_refuse_the_archive(tmp_path: Path, case: str) -> Non
     with tarfile.open(archive) as tar:
         assert tar.getnames()[-1] == entries[-1][0].name  # the unsafe name was written as is
     with pytest.raises(DatasetError, match=match):
-        describe_dataset(archive, unpack_dir=tmp_path / "cache" / "deep" / "u")
+        describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "cache" / "deep" / "u"))
     assert all_paths(tmp_path) == {"work", "work/bad.tar", "cache", "cache/deep"}
 
 
@@ -175,7 +178,7 @@ def test_unsafe_zip_members_refuse_the_archive(tmp_path: Path, case: str) -> Non
         for info, data in entries:
             zf.writestr(info, data)
     with pytest.raises(DatasetError, match=match):
-        describe_dataset(archive, unpack_dir=tmp_path / "cache" / "deep" / "u")
+        describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "cache" / "deep" / "u"))
     assert all_paths(tmp_path) == {"work", "work/bad.zip", "cache", "cache/deep"}
 
 
@@ -183,9 +186,9 @@ def test_unsafe_zip_members_refuse_the_archive(tmp_path: Path, case: str) -> Non
 def test_member_count_is_bounded(tmp_path: Path, kind: str) -> None:
     archive = write_tar(tmp_path / "a.tar", TREE) if kind == "tar" else write_zip(tmp_path / "a.zip", TREE)
     with pytest.raises(DatasetError, match="more than 4 members.*max_members"):
-        describe_dataset(archive, unpack_dir=tmp_path / "c" / "u", max_members=4)
+        describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "c" / "u", max_members=4))
     assert all_paths(tmp_path / "c") == set()
-    assert describe_dataset(archive, unpack_dir=tmp_path / "c" / "u", max_members=5).num_samples == 5
+    assert describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "c" / "u", max_members=5)).num_samples == 5
 
 
 @pytest.mark.parametrize("kind", ["tar", "zip"])
@@ -193,9 +196,11 @@ def test_unpacked_size_is_bounded(tmp_path: Path, kind: str) -> None:
     archive = write_tar(tmp_path / "a.tar", TREE) if kind == "tar" else write_zip(tmp_path / "a.zip", TREE)
     total = sum(len(data) for data in TREE.values())
     with pytest.raises(DatasetError, match="max_unpacked_bytes"):
-        describe_dataset(archive, unpack_dir=tmp_path / "c" / "u", max_unpacked_bytes=total - 1)
+        describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "c" / "u", max_unpacked_bytes=total - 1))
     assert all_paths(tmp_path / "c") == set()
-    assert describe_dataset(archive, unpack_dir=tmp_path / "c" / "u", max_unpacked_bytes=total).num_samples == 5
+    assert describe_dataset(
+        archive, access=DataAccess(unpack_dir=tmp_path / "c" / "u", max_unpacked_bytes=total),
+    ).num_samples == 5
 
 
 def test_declared_size_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
@@ -203,7 +208,7 @@ def test_declared_size_is_refused_before_any_data_is_read(tmp_path: Path) -> Non
     header.size = 10**12  # a terabyte declared, none present: refused from the header alone
     (tmp_path / "bomb.tar").write_bytes(header.tobuf(tarfile.GNU_FORMAT) + b"\0" * 1024)
     with pytest.raises(DatasetError, match="max_unpacked_bytes"):
-        describe_dataset(tmp_path / "bomb.tar", unpack_dir=tmp_path / "c" / "u")
+        describe_dataset(tmp_path / "bomb.tar", access=DataAccess(unpack_dir=tmp_path / "c" / "u"))
     assert all_paths(tmp_path / "c") == set()
 
 
@@ -211,19 +216,19 @@ def test_declared_size_is_refused_before_any_data_is_read(tmp_path: Path) -> Non
 def test_corrupt_archives_are_refused(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(DatasetError, match=r"bad\.(tar|zip)"):
-        describe_dataset(tmp_path / name, unpack_dir=tmp_path / "c" / "u")
+        describe_dataset(tmp_path / name, access=DataAccess(unpack_dir=tmp_path / "c" / "u"))
     assert all_paths(tmp_path / "c") == set()
 
 
 def test_an_archive_without_images_is_empty(tmp_path: Path) -> None:
     archive = write_zip(tmp_path / "docs.zip", {"a.txt": b"text", "b/c.csv": b"1,2"})
     with pytest.raises(DatasetError, match="no images"):
-        describe_dataset(archive, unpack_dir=tmp_path / "u")
+        describe_dataset(archive, access=DataAccess(unpack_dir=tmp_path / "u"))
 
 
 def test_an_archive_blob_without_extension_is_recognised(tmp_path: Path) -> None:
     write_tar(tmp_path / "blob", TREE, "w:gz")
-    spec = describe_dataset(tmp_path / "blob", transform=SMALL, unpack_dir=tmp_path / "u")
+    spec = describe_dataset(tmp_path / "blob", ReadOptions(transform=SMALL), DataAccess(unpack_dir=tmp_path / "u"))
     assert spec.num_samples == 5 and spec.classes == ("ant", "cat", "dog")
 
 
@@ -263,14 +268,16 @@ def test_a_decompression_bomb_is_refused_before_it_fills_the_disk(tmp_path: Path
             tar.addfile(info, zero_stream(size))
     assert archive.stat().st_size < size / 200
     with pytest.raises(DatasetError, match=r"expands \d+:1.*decompression bomb.*BNRECAL_MAX_COMPRESSION_RATIO"):
-        describe_dataset(archive, unpack_root=tmp_path / "cache")
+        describe_dataset(archive, access=DataAccess(unpack_root=tmp_path / "cache"))
     assert all_paths(tmp_path / "cache") == set()  # nothing written stays, not even the staging folder
     # the same archive under a ratio the operator raised unpacks (and then fails on decoding, below)
 
 
 def test_the_compression_ratio_is_not_held_against_real_images(tmp_path: Path) -> None:
     archive = write_zip(tmp_path / "a.zip", TREE)  # tiny PNGs: any ratio below the first MiB is fine
-    assert describe_dataset(archive, unpack_root=tmp_path / "cache", max_compression_ratio=1).num_samples == 5
+    assert describe_dataset(
+        archive, access=DataAccess(unpack_root=tmp_path / "cache", max_compression_ratio=1),
+    ).num_samples == 5
 
 
 def png_header_only(width: int, height: int) -> bytes:
@@ -288,5 +295,5 @@ def png_header_only(width: int, height: int) -> bytes:
 def test_a_pixel_bomb_inside_a_valid_archive_fails_clearly_and_its_unpack_is_removed(tmp_path: Path) -> None:
     archive = write_zip(tmp_path / "pixels.zip", TREE | {"dog/bomb.png": png_header_only(20000, 20000)})
     with pytest.raises(DatasetError, match=r"bomb\.png.*(decompression bomb|exceeds limit|pixels)"):
-        describe_dataset(archive, unpack_root=tmp_path / "cache")
+        describe_dataset(archive, access=DataAccess(unpack_root=tmp_path / "cache"))
     assert all_paths(tmp_path / "cache") == set()  # the unpack of an archive with bad content is gone

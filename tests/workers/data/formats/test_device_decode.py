@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from bnrecal import DatasetError
-from bnrecal.workers.data import describe_dataset, iter_batches, ship_dataset
+from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches, ship_dataset
 from bnrecal.workers.data.formats.device_decode import DeviceDecoded, decode_on_device, decodes_exactly, on_device
 from bnrecal.workers.data.reading.kept import DecodedStore, KeepDecoded, KeptData
 from tests.shards import folder_order, photos, write_folder, write_tar_shards
@@ -40,7 +40,7 @@ def folder(tmp_path_factory):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source", ["photos", "shards"])
 def test_device_crops_are_within_one_level_of_the_cpu_path(folder, source, device):
-    spec = describe_dataset(folder / "full" / source, transform=TRANSFORM)
+    spec = describe_dataset(folder / "full" / source, ReadOptions(transform=TRANSFORM))
     plain = spec.open()
     device = DeviceDecoded(spec.open(), torch.device(device))
     kept, crops = plain.load_kept(0, 12), device.load_kept(0, 12)
@@ -55,7 +55,7 @@ def test_device_crops_are_within_one_level_of_the_cpu_path(folder, source, devic
 def test_subsampled_jpegs_are_decoded_by_the_cpu_path_exactly(folder, device):
     """nvJPEG fills in subsampled colour otherwise than libjpeg-turbo (up to 48 levels apart
     on an H200): such JPEGs never reach it, and their crops are the CPU path's, bit for bit."""
-    spec = describe_dataset(folder / "subsampled" / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "subsampled" / "photos", ReadOptions(transform=TRANSFORM))
     assert torch.equal(DeviceDecoded(spec.open(), torch.device(device)).load_kept(0, 12), spec.open().load_kept(0, 12))
 
 
@@ -72,7 +72,7 @@ def test_which_jpegs_decode_exactly_on_the_device():
 
 
 def test_other_formats_and_a_broken_jpeg_go_the_cpu_way(folder):
-    transform = describe_dataset(folder / "full" / "photos", transform=TRANSFORM).transform
+    transform = describe_dataset(folder / "full" / "photos", ReadOptions(transform=TRANSFORM)).transform
     buffer = io.BytesIO()
     Image.fromarray(np.full((50, 60, 3), 90, dtype=np.uint8)).save(buffer, format="PNG")
     png = buffer.getvalue()
@@ -85,7 +85,7 @@ def test_other_formats_and_a_broken_jpeg_go_the_cpu_way(folder):
 
 def test_kept_on_the_host_for_later_passes(folder):
     """A CUDA rank keeps its device-decoded crops in host memory like any rank."""
-    spec = describe_dataset(folder / "full" / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "full" / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore()
     data = KeptData(DeviceDecoded(spec.open(), CPU), store.scope(KeepDecoded("job", "calibration", 1 << 30, 0)),
                     "calibration")
@@ -101,8 +101,8 @@ def test_chosen_by_device_and_by_the_first_sample(folder, tmp_path, ray_cluster)
     np.save(tmp_path / "x.npy", np.zeros((4, 3, 8, 8), dtype=np.float32))
     arrays = describe_dataset(tmp_path / "x.npy").open()
     for name, on_gpu in (("full", True), ("subsampled", False)):
-        images = describe_dataset(folder / name / "photos", transform=TRANSFORM)
-        shards = describe_dataset(folder / name / "shards", transform=TRANSFORM)
+        images = describe_dataset(folder / name / "photos", ReadOptions(transform=TRANSFORM))
+        shards = describe_dataset(folder / name / "shards", ReadOptions(transform=TRANSFORM))
         [shipped] = ship_dataset(images, [[(0, 12)]])
         for data in (images.open(), shards.open(), shipped):
             assert isinstance(on_device(data, "cuda"), DeviceDecoded) is on_gpu

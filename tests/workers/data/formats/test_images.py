@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.workers.data import DEFAULT_TRANSFORM, DatasetSpec, describe_dataset, iter_batches
+from bnrecal.workers.data import DEFAULT_TRANSFORM, DataAccess, DatasetSpec, ReadOptions, describe_dataset, iter_batches
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 IDENTITY = {"resize": 8, "crop": 8, "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
@@ -41,7 +41,7 @@ def test_flat_image_folder_in_sorted_path_order(tmp_path: Path) -> None:
         Image.new("RGB", (8, 8), (level, level, level)).save(tmp_path / name)
     (tmp_path / "notes.txt").write_text("ignored")
     (tmp_path / ".hidden.png").write_bytes(b"ignored, not an image")
-    spec = describe_dataset(tmp_path, transform=IDENTITY)
+    spec = describe_dataset(tmp_path, ReadOptions(transform=IDENTITY))
     assert (spec.kind, spec.num_samples, spec.sample_shape, spec.classes) == ("images", 5, (3, 8, 8), ())
     batch = spec.open().load(0, 5)
     order = sorted(colours)  # A.png, a.png, b.png, c10.png, c2.png
@@ -53,7 +53,7 @@ def test_class_folders_give_classes_and_labels(tmp_path: Path) -> None:
     for name, level in layout.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (8, 8), (level, 0, 0)).save(tmp_path / name)
-    spec = describe_dataset(tmp_path, transform=IDENTITY)
+    spec = describe_dataset(tmp_path, ReadOptions(transform=IDENTITY))
     assert spec.classes == ("bird", "cat", "dog")
     data = spec.open()
     order = sorted(layout)  # deeper nesting is flattened into its class folder
@@ -74,7 +74,7 @@ def test_a_single_wrapper_folder_is_descended(tmp_path: Path) -> None:
     for name in ("calib/cat/a.png", "calib/dog/b.png", "__MACOSX/calib/._a.png"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (4, 4)).save(tmp_path / name, format="PNG")
-    spec = describe_dataset(tmp_path, transform={"resize": 4, "crop": 4})
+    spec = describe_dataset(tmp_path, ReadOptions(transform={"resize": 4, "crop": 4}))
     assert spec.classes == ("cat", "dog") and spec.num_samples == 2
     assert Path(spec.path) == (tmp_path / "calib").absolute()
 
@@ -93,7 +93,7 @@ def test_default_transform_matches_a_hand_computed_preset(tmp_path: Path) -> Non
 def test_custom_transform_with_odd_sizes(tmp_path: Path) -> None:
     random_rgb(5, 23, 31).save(tmp_path / "a.png")
     options = {"resize": 17, "crop": 9, "mean": [0.5, 0.25, 0.0], "std": [0.5, 2.0, 1.0]}
-    batch = describe_dataset(tmp_path, transform=options).open().load(0, 1)
+    batch = describe_dataset(tmp_path, ReadOptions(transform=options)).open().load(0, 1)
     expected = expected_image(tmp_path / "a.png", 17, 9, options["mean"], options["std"])
     np.testing.assert_allclose(batch[0].numpy(), expected, atol=1e-5)
 
@@ -107,7 +107,7 @@ def test_custom_transform_with_odd_sizes(tmp_path: Path) -> None:
 )
 def test_each_image_format_and_mode(tmp_path: Path, name: str, pil_format: str, mode: str) -> None:
     random_rgb(6, 12, 14).convert(mode).save(tmp_path / name, format=pil_format)
-    batch = describe_dataset(tmp_path, transform={"resize": 10, "crop": 10}).open().load(0, 1)
+    batch = describe_dataset(tmp_path, ReadOptions(transform={"resize": 10, "crop": 10})).open().load(0, 1)
     expected = expected_image(tmp_path / name, 10, 10)
     np.testing.assert_allclose(batch[0].numpy(), expected, atol=1e-5)
 
@@ -115,7 +115,7 @@ def test_each_image_format_and_mode(tmp_path: Path, name: str, pil_format: str, 
 def test_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path: Path) -> None:
     levels = np.full((6, 6), 257 * 100, dtype=np.uint16)
     Image.fromarray(levels).save(tmp_path / "deep.png")
-    batch = describe_dataset(tmp_path, transform={**IDENTITY, "resize": 6, "crop": 6}).open().load(0, 1)
+    batch = describe_dataset(tmp_path, ReadOptions(transform={**IDENTITY, "resize": 6, "crop": 6})).open().load(0, 1)
     np.testing.assert_allclose(batch.numpy() * 255, 100.0, atol=1e-4)
 
 
@@ -128,7 +128,7 @@ def test_corrupt_images_are_named(tmp_path: Path) -> None:
     random_rgb(8, 64, 64).save(tmp_path / "cut.jpg", quality=95)
     whole = (tmp_path / "cut.jpg").read_bytes()
     (tmp_path / "cut.jpg").write_bytes(whole[: len(whole) // 2])  # header intact, scan data cut
-    spec = describe_dataset(tmp_path, transform={"resize": 8, "crop": 8})
+    spec = describe_dataset(tmp_path, ReadOptions(transform={"resize": 8, "crop": 8}))
     data = spec.open()
     with pytest.raises(DatasetError, match=r"cut\.jpg") as caught:
         data.load(0, 2)
@@ -161,13 +161,13 @@ def test_empty_folders_are_refused(tmp_path: Path) -> None:
 def test_invalid_transforms_name_the_key(tmp_path: Path, transform: object, field: str) -> None:
     Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
     with pytest.raises(DatasetOptionError) as caught:
-        describe_dataset(tmp_path, transform=transform)  # type: ignore[arg-type]
+        describe_dataset(tmp_path, ReadOptions(transform=transform))  # type: ignore[arg-type]
     assert caught.value.field == field and field in str(caught.value)
 
 
 def test_image_folder_changed_after_describe_is_detected(tmp_path: Path) -> None:
     Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
-    spec = describe_dataset(tmp_path, transform={"resize": 4, "crop": 4})
+    spec = describe_dataset(tmp_path, ReadOptions(transform={"resize": 4, "crop": 4}))
     Image.new("RGB", (4, 4)).save(tmp_path / "0.png")
     with pytest.raises(DatasetError, match="changed"):
         spec.open()
@@ -192,7 +192,7 @@ def write_digits_tree(root: Path, count: int) -> tuple[list[str], np.ndarray, np
 
 def test_sklearn_digits_read_back_from_class_folders(tmp_path: Path) -> None:
     names, pixels, targets = write_digits_tree(tmp_path, 60)
-    spec = describe_dataset(tmp_path, transform=IDENTITY)
+    spec = describe_dataset(tmp_path, ReadOptions(transform=IDENTITY))
     assert spec.classes == tuple(str(d) for d in sorted(set(targets)))
     data = spec.open()
     assert list(data.files) == names
@@ -213,7 +213,7 @@ def step_ranges(num_samples: int, batch: int, world: int, rank: int) -> list[tup
 
 def test_iter_batches_with_workers_matches_in_process(tmp_path: Path) -> None:
     write_digits_tree(tmp_path, 21)
-    spec: DatasetSpec = describe_dataset(tmp_path, transform={"resize": 12, "crop": 10})
+    spec: DatasetSpec = describe_dataset(tmp_path, ReadOptions(transform={"resize": 12, "crop": 10}))
     data = spec.open()
     ranges = step_ranges(21, 6, 4, 3)  # the last step (3 samples) gives this rank an empty slice
     assert any(start == stop for start, stop in ranges)
@@ -230,7 +230,9 @@ def test_iter_batches_with_workers_matches_in_process(tmp_path: Path) -> None:
 def test_iter_batches_worker_errors_keep_their_one_line_message(tmp_path: Path) -> None:
     random_rgb(10, 8, 8).save(tmp_path / "a.png")
     (tmp_path / "b.png").write_bytes(b"broken")
-    data = describe_dataset(tmp_path, transform={"resize": 8, "crop": 8}, check_images=False).open()
+    data = describe_dataset(
+        tmp_path, ReadOptions(transform={"resize": 8, "crop": 8}), DataAccess(check_images=False),
+    ).open()
     with pytest.raises(DatasetError, match=r"^cannot decode image b\.png") as caught:
         list(iter_batches(data, [(0, 1), (1, 2)], num_workers=2))
     assert "\n" not in str(caught.value)

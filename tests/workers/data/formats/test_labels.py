@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
 
 from tests.ecosystem import shard_writer
 from tests.shards import photos, write_folder
@@ -16,7 +16,9 @@ pytest.importorskip("webdataset")
 
 
 def labels_of(source, tmp_path):
-    return read_labels(describe_dataset(source, unpack_root=tmp_path / "u", order="given", role="evaluation data"))
+    return read_labels(describe_dataset(
+        source, ReadOptions(order="given", role="evaluation data"), DataAccess(unpack_root=tmp_path / "u"),
+    ))
 
 
 def test_shards_with_a_class_per_sample_are_labelled(tmp_path):

@@ -5,13 +5,12 @@ its samples and its spill file."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from bnrecal.workers.data import describe_dataset, iter_batches, ship_dataset
+from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches, ship_dataset
 from bnrecal.workers.data.reading.kept import DecodedStore, KeepDecoded, KeptCounts, KeptData, open_kept
 from tests.disks import mounted_tmpfs
 from tests.shards import folder_order, photos, write_folder, write_tar_shards
@@ -46,7 +45,7 @@ RANGES = [(0, 5), (5, 10), (10, 17), (17, 24)]
 def test_kept_samples_read_back_bit_for_bit(folder, source):
     """A second pass reads from memory and gives exactly the first pass's floats, which are
     the plain dataset's; nothing is decoded twice."""
-    spec = describe_dataset(folder / source, transform=TRANSFORM)
+    spec = describe_dataset(folder / source, ReadOptions(transform=TRANSFORM))
     plain = read(spec.open(), RANGES)
     store = DecodedStore()
     data = kept(spec, store, memory=1 << 30)
@@ -59,7 +58,7 @@ def test_kept_samples_read_back_bit_for_bit(folder, source):
 
 def test_a_pass_may_not_change_what_is_kept(folder):
     """The batch a pass gets is its own: writing into it leaves the kept samples as they were."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     data = kept(spec, DecodedStore(), memory=1 << 30)
     first = read(data, RANGES)
     expected = [batch.clone() for batch in first]
@@ -71,7 +70,7 @@ def test_a_pass_may_not_change_what_is_kept(folder):
 def test_other_ranges_over_the_same_samples_are_served_from_what_is_kept(folder):
     """A later pass with another batch size (the INT8 range pass on fewer samples) reads the
     samples kept by the statistics' batches."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore()
     data = kept(spec, store, memory=1 << 30)
     read(data, RANGES)
@@ -81,7 +80,7 @@ def test_other_ranges_over_the_same_samples_are_served_from_what_is_kept(folder)
 
 
 def test_beyond_the_memory_budget_samples_spill_to_disk_and_read_back_exactly(folder, tmp_path):
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore()
     data = kept(spec, store, memory=10 * SAMPLE_BYTES, disk=1 << 30, spill_root=tmp_path)
     first = read(data, RANGES)
@@ -94,7 +93,7 @@ def test_beyond_the_memory_budget_samples_spill_to_disk_and_read_back_exactly(fo
 
 
 def test_past_both_budgets_a_sample_is_decoded_again(folder, tmp_path):
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore()
     data = kept(spec, store, memory=5 * SAMPLE_BYTES, disk=5 * SAMPLE_BYTES, spill_root=tmp_path)
     first = read(data, RANGES)
@@ -106,7 +105,7 @@ def test_past_both_budgets_a_sample_is_decoded_again(folder, tmp_path):
 
 def test_a_full_disk_keeps_nothing_more_and_fails_nothing(folder, tmp_path):
     """A spill file on a disk that fills up: the pass goes on, decoding what it could not keep."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     with mounted_tmpfs(tmp_path / "small", "8k") as disk:
         store = DecodedStore()
         data = kept(spec, store, memory=0, disk=1 << 30, spill_root=disk)
@@ -120,7 +119,7 @@ def test_a_full_disk_keeps_nothing_more_and_fails_nothing(folder, tmp_path):
 def test_samples_decoded_in_loader_workers_are_kept(folder):
     """With DataLoader workers the missing ranges are decoded in the workers (as uint8) and
     kept here; the next pass decodes nothing."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore()
     data = kept(spec, store, memory=1 << 30)
     plain = read(spec.open(), RANGES)
@@ -131,7 +130,7 @@ def test_samples_decoded_in_loader_workers_are_kept(folder):
 
 def test_a_rank_keeps_one_job_at_a_time(folder):
     """A rank's store drops a job's samples when the next job's first pass begins."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     store = DecodedStore(one_scope=True)
     read(kept(spec, store, memory=1 << 30), RANGES)
     other = KeepDecoded("next job", "calibration", 1 << 30, 0)
@@ -149,14 +148,14 @@ def test_arrays_are_not_kept_and_unmarked_data_is_read_as_it_is(folder, tmp_path
     arrays = describe_dataset(tmp_path / "x.npy")
     keep = KeepDecoded("job", "calibration", 1 << 30, 0)
     assert not isinstance(open_kept(replace(arrays, keep=keep), arrays.open()), KeptData)
-    images = describe_dataset(folder / "photos", transform=TRANSFORM)
+    images = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     assert not isinstance(open_kept(images, images.open()), KeptData)
     assert isinstance(open_kept(replace(images, keep=keep), images.open()), KeptData)
 
 
 def test_shipped_images_are_kept_as_their_crops(folder, ray_cluster):
     """Images that came through the object store are decoded once on the rank too."""
-    spec = describe_dataset(folder / "photos", transform=TRANSFORM)
+    spec = describe_dataset(folder / "photos", ReadOptions(transform=TRANSFORM))
     [shard] = ship_dataset(spec, [RANGES])
     store = DecodedStore()
     data = kept(spec, store, memory=1 << 30, opened=shard)

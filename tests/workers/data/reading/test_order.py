@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from bnrecal.errors import DatasetOptionError
-from bnrecal.workers.data import describe_dataset, iter_batches, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, iter_batches, read_labels
 from bnrecal.workers.data.reading.order import order_rows, sorted_runs
 
 from bnrecal.workers.ranks.sharding import rank_ranges
@@ -59,7 +59,7 @@ def test_array_rows_come_in_the_seeded_order(tmp_path: Path, kind: str) -> None:
         np.save(path, samples)
     else:
         (np.savez_compressed if kind == "npz-compressed" else np.savez)(path, x=samples)
-    spec = describe_dataset(path, order="shuffled", seed=5, max_samples=60)
+    spec = describe_dataset(path, ReadOptions(order="shuffled", seed=5, max_samples=60))
     assert (spec.order, spec.seed, spec.num_samples, spec.total_samples) == ("shuffled", 5, 60, 97)
     expected = samples[contract_order(97, 5)[:60]].astype(np.float32)
     with spec.open() as data:
@@ -67,7 +67,7 @@ def test_array_rows_come_in_the_seeded_order(tmp_path: Path, kind: str) -> None:
         assert data.load(7, 7).shape == (0, 2, 3)
     np.testing.assert_array_equal(np.concatenate(steps), expected)
     assert spec.summary()["order"] == "shuffled" and spec.summary()["seed"] == 5
-    given = describe_dataset(path, max_samples=60)
+    given = describe_dataset(path, ReadOptions(max_samples=60))
     assert given.order == "given"
     with given.open() as data:
         np.testing.assert_array_equal(data.load(0, 60).numpy(), samples[:60].astype(np.float32))
@@ -78,9 +78,9 @@ def test_class_folders_read_class_by_class_are_drawn_fairly_with_their_labels(tm
         (tmp_path / name).mkdir()
         for i in range(10):
             Image.new("RGB", (8, 8), (label * 60, i * 20, 0)).save(tmp_path / name / f"{i:02d}.png")
-    given = describe_dataset(tmp_path, transform=IDENTITY, max_samples=8)
+    given = describe_dataset(tmp_path, ReadOptions(transform=IDENTITY, max_samples=8))
     assert set(read_labels(given).tolist()) == {0}  # file order: the first 8 are all ants
-    spec = describe_dataset(tmp_path, transform=IDENTITY, max_samples=8, order="shuffled", seed=0)
+    spec = describe_dataset(tmp_path, ReadOptions(transform=IDENTITY, max_samples=8, order="shuffled", seed=0))
     labels = read_labels(spec)
     assert len(set(labels.tolist())) >= 3  # a fair draw of 8 from 4 classes of 10
     files = sorted(f"{c}/{i:02d}.png" for c in ("ant", "bee", "cat", "dog") for i in range(10))
@@ -95,7 +95,7 @@ def test_class_folders_read_class_by_class_are_drawn_fairly_with_their_labels(tm
 def test_npz_labels_follow_the_order(tmp_path: Path) -> None:
     x = np.arange(30, dtype=np.float32).reshape(30, 1, 1)
     np.savez(tmp_path / "e.npz", x=x, y=np.arange(30) % 7)
-    spec = describe_dataset(tmp_path / "e.npz", order="shuffled", seed=2, max_samples=12)
+    spec = describe_dataset(tmp_path / "e.npz", ReadOptions(order="shuffled", seed=2, max_samples=12))
     with spec.open() as data:
         rows = data.load(0, 12).numpy().reshape(-1).astype(int)
     np.testing.assert_array_equal(read_labels(spec), rows % 7)
@@ -105,7 +105,7 @@ def test_npz_labels_follow_the_order(tmp_path: Path) -> None:
 def test_bad_order_options_name_their_field(tmp_path: Path, option: str, value: object) -> None:
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
     with pytest.raises(DatasetOptionError) as caught:
-        describe_dataset(tmp_path / "x.npy", **{option: value})
+        describe_dataset(tmp_path / "x.npy", ReadOptions(**{option: value}))
     assert caught.value.field == option
 
 
@@ -114,7 +114,7 @@ def test_remote_rows_in_the_order_are_fetched_as_few_coalesced_ranges(s3_server:
     buffer = io.BytesIO()
     np.save(buffer, samples)
     uri = s3_server.put("calib-data", "ordered/x.npy", buffer.getvalue())
-    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint, order="shuffled", seed=1)
+    spec = describe_dataset(uri, ReadOptions(order="shuffled", seed=1), DataAccess(endpoint_url=s3_server.endpoint))
     order = contract_order(400, 1)
     with spec.open() as data:
         before = len(s3_server.gets("/calib-data/ordered/x.npy"))
@@ -131,7 +131,7 @@ def test_remote_rows_in_the_order_are_fetched_as_few_coalesced_ranges(s3_server:
 def test_a_compressed_member_in_the_order_is_read_ahead_several_steps_per_pass(tmp_path: Path) -> None:
     samples = np.random.default_rng(4).standard_normal((300, 4, 4)).astype(np.float32)
     np.savez_compressed(tmp_path / "c.npz", x=samples)
-    spec = describe_dataset(tmp_path / "c.npz", order="shuffled", seed=9, max_samples=250)
+    spec = describe_dataset(tmp_path / "c.npz", ReadOptions(order="shuffled", seed=9, max_samples=250))
     ranges = rank_ranges(250, 16, 2, 1)
     with spec.open() as data:
         got = np.concatenate([batch.numpy() for batch in iter_batches(data, ranges)])
@@ -144,7 +144,7 @@ def test_remote_rows_of_a_whole_shard_come_in_one_read_ahead(s3_server: S3Server
     buffer = io.BytesIO()
     np.save(buffer, samples)
     uri = s3_server.put("calib-data", "ordered/ahead.npy", buffer.getvalue())
-    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint, order="shuffled", seed=2)
+    spec = describe_dataset(uri, ReadOptions(order="shuffled", seed=2), DataAccess(endpoint_url=s3_server.endpoint))
     ranges = rank_ranges(256, 32, 2, 0)
     with spec.open() as data:
         before = len(s3_server.gets("/calib-data/ordered/ahead.npy"))

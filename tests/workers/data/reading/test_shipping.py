@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.workers.data import describe_dataset, ship_dataset
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, ship_dataset
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -37,7 +37,7 @@ def test_images_travel_encoded_and_decode_in_the_rank(tmp_path):
     rng = np.random.default_rng(1)
     for index in range(7):
         Image.fromarray(rng.integers(0, 255, size=(20, 24, 3), dtype=np.uint8)).save(tmp_path / f"{index}.png")
-    spec = describe_dataset(tmp_path, transform={"resize": 16, "crop": 12})
+    spec = describe_dataset(tmp_path, ReadOptions(transform={"resize": 16, "crop": 12}))
     shards = check_every_rank(spec, batch_size=4, world_size=2, block_bytes=1 << 20)
     block = shards[1].blocks[0]
     import ray
@@ -71,8 +71,11 @@ def test_shard_samples_travel_encoded_and_decode_in_the_rank(tmp_path, gz):
     from tests.shards import photos, write_tar_shards
 
     write_tar_shards(tmp_path / "s", photos(23, size=32), 8, gz=gz)
-    spec = describe_dataset(tmp_path / "s", transform={"resize": 16, "crop": 12}, unpack_root=tmp_path / "u",
-                            order="shuffled", seed=3)
+    spec = describe_dataset(
+        tmp_path / "s",
+        ReadOptions(transform={"resize": 16, "crop": 12}, order="shuffled", seed=3),
+        DataAccess(unpack_root=tmp_path / "u"),
+    )
     shards = check_every_rank(spec, batch_size=5, world_size=2, block_bytes=1 << 20)
     import ray
 

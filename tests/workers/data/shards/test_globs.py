@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.data import DataAccess, describe_dataset
 from bnrecal.workers.data.shards.patterns import brace_pattern, glob_hint
 
 from tests.shards import photos, write_folder, write_parquet
@@ -30,13 +30,13 @@ def test_a_glob_of_shards_names_the_brace_pattern_of_its_matches(tmp_path):
     write_parquet(tmp_path, items, 3)
     glob = f"{tmp_path}/data/train-*.parquet"
     with pytest.raises(DatasetError) as refused:
-        describe_dataset(glob, unpack_root=tmp_path / "u")
+        describe_dataset(glob, access=DataAccess(unpack_root=tmp_path / "u"))
     pattern = f"{tmp_path}/data/train-{{00000..00002}}-of-00003.parquet"
     assert str(refused.value) == (
         f"calibration data not found: {glob}; globs (*, ?, [...]) are not expanded: give its 3 matches as the "
         f"brace pattern '{pattern}'"
     )
-    assert describe_dataset(pattern, unpack_root=tmp_path / "u").num_samples == 9  # the advice works
+    assert describe_dataset(pattern, access=DataAccess(unpack_root=tmp_path / "u")).num_samples == 9  # the advice works
 
 
 def test_a_glob_of_images_or_of_nothing_says_what_to_give(tmp_path):

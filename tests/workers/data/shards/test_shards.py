@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
 from bnrecal.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges
 
@@ -44,7 +44,7 @@ def formats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def read_all(source: object, cache: Path, **options: object) -> tuple[torch.Tensor, np.ndarray | None, object]:
-    spec = describe_dataset(source, transform=TRANSFORM, unpack_root=cache / "unpacked", **options)
+    spec = describe_dataset(source, ReadOptions(transform=TRANSFORM, **options), DataAccess(unpack_root=cache / "unpacked"))
     with spec.open() as data:
         return data.load(0, len(data)), read_labels(spec), spec
 
@@ -69,7 +69,11 @@ def test_one_parquet_file_is_its_rows(formats, tmp_path):
 @pytest.mark.parametrize("fmt", ["tar", "tar.gz", "parquet"])
 def test_global_batches_are_the_same_for_any_number_of_ranks(formats, fmt, tmp_path):
     """Rank k reads only its part of each step; the parts joined are the K=1 step, for K=1, 2, 4."""
-    spec = describe_dataset(formats[fmt], transform=TRANSFORM, unpack_root=tmp_path / "u", order="shuffled", seed=1)
+    spec = describe_dataset(
+        formats[fmt],
+        ReadOptions(transform=TRANSFORM, order="shuffled", seed=1),
+        DataAccess(unpack_root=tmp_path / "u"),
+    )
     batch = 16
     steps: dict[int, list[torch.Tensor]] = {}
     for world in (1, 2, 4):
@@ -89,19 +93,21 @@ def test_shard_index_is_cached_by_mtime(formats, tmp_path):
     shards = sorted(Path(formats["tar"]).glob("*.tar"))
     copy = tmp_path / "one.tar"
     copy.write_bytes(shards[0].read_bytes())
-    first = describe_dataset(copy, transform=TRANSFORM, unpack_root=tmp_path / "u")
+    first = describe_dataset(copy, ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
     cached = list((tmp_path / "shard-index").glob("*.npz"))
     assert len(cached) == 1 and first.num_samples == 40
     stat = copy.stat()
     os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new version: indexed again
-    describe_dataset(copy, transform=TRANSFORM, unpack_root=tmp_path / "u")
+    describe_dataset(copy, ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
     assert len(list((tmp_path / "shard-index").glob("*.npz"))) == 2
 
 
 def test_a_shard_rewritten_after_it_was_indexed_fails_instead_of_reading_other_bytes(tmp_path):
     items = photos(12, size=32)
     (path,) = write_tar_shards(tmp_path / "s", items, 12)
-    spec = describe_dataset(path, transform=TRANSFORM, unpack_root=tmp_path / "u", order="given")
+    spec = describe_dataset(
+        path, ReadOptions(transform=TRANSFORM, order="given"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     write_tar_shards(tmp_path / "s", [(n, d + b"\0" * 700, label) for n, d, label in items], 12)
     with spec.open() as data, pytest.raises(DatasetError, match=r"train-000000.tar.*(changed|corrupt)"):
         data.load(0, 12)
@@ -112,7 +118,7 @@ def test_truncated_shard_names_the_shard_and_the_member(tmp_path):
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(DatasetError, match=r"shard train-000000.tar is truncated or corrupt after member 0000\d\d_\d\.\w+"):
-        describe_dataset(path, transform=TRANSFORM, unpack_root=tmp_path / "u")
+        describe_dataset(path, ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
     assert not list((tmp_path / "shard-index").glob("*.npz"))  # nothing written for a bad shard
 
 
@@ -121,14 +127,16 @@ def test_truncated_gzip_shard_names_the_shard(tmp_path):
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) * 2 // 3])
     with pytest.raises(DatasetError, match=r"shard train-000000.tar.gz is truncated or corrupt"):
-        describe_dataset(path, transform=TRANSFORM, unpack_root=tmp_path / "u")
+        describe_dataset(path, ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
 
 
 def test_corrupt_member_names_the_shard_and_the_member(tmp_path):
     items = photos(6, size=32)
     items[4] = (items[4][0], b"\xff\xd8 not a jpeg" + bytes(300), items[4][2])
     (path,) = write_tar_shards(tmp_path / "s", items, 6)
-    spec = describe_dataset(path, transform=TRANSFORM, unpack_root=tmp_path / "u", order="given")
+    spec = describe_dataset(
+        path, ReadOptions(transform=TRANSFORM, order="given"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     with spec.open() as data:
         data.load(0, 4)
         with pytest.raises(DatasetError, match=r"cannot decode image train-000000.tar:000004_1.jpg"):
@@ -139,7 +147,9 @@ def test_corrupt_parquet_cell_names_the_file_and_row(tmp_path):
     items = photos(6, size=32)
     items[3] = (items[3][0], b"garbage", items[3][2])
     (path,) = write_parquet(tmp_path, items, 6)
-    spec = describe_dataset(path, transform=TRANSFORM, unpack_root=tmp_path / "u", order="given")
+    spec = describe_dataset(
+        path, ReadOptions(transform=TRANSFORM, order="given"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     with spec.open() as data, pytest.raises(DatasetError, match=r"train-00000-of-00001.parquet:row 3"):
         data.load(0, 6)
 
@@ -147,11 +157,13 @@ def test_corrupt_parquet_cell_names_the_file_and_row(tmp_path):
 def test_evaluation_shards_without_labels_name_what_is_missing(tmp_path):
     items = photos(8, size=32)
     tars = write_tar_shards(tmp_path / "t", items, 8, labels=False)
-    spec = describe_dataset(tars[0], transform=TRANSFORM, unpack_root=tmp_path / "u", role="evaluation data")
+    spec = describe_dataset(
+        tars[0], ReadOptions(transform=TRANSFORM, role="evaluation data"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     with pytest.raises(DatasetError, match=r"evaluation data: shard train-000000.tar has no labels: no 000000_0.cls"):
         read_labels(spec)
     (parquet,) = write_parquet(tmp_path / "p", items, 8, labels=False)
-    spec = describe_dataset(parquet, transform=TRANSFORM, unpack_root=tmp_path / "u")
+    spec = describe_dataset(parquet, ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
     with pytest.raises(DatasetError, match=r"has no label column 'label' \(columns: image\)"):
         read_labels(spec)
 
@@ -164,8 +176,10 @@ def test_parquet_columns_by_option_or_the_only_bytes_column(tmp_path):
     assert spec.shards.image_column == "jpg" and torch.equal(found, expected)
     assert labels.tolist() == [label for _, _, label in items]
     with pytest.raises(DatasetError, match=r"has no image column 'picture' \(columns: jpg, label\)"):
-        describe_dataset(binary, image_column="picture", unpack_root=tmp_path / "u")
-    spec = describe_dataset(binary, image_column="jpg", label_column="klass", unpack_root=tmp_path / "u")
+        describe_dataset(binary, ReadOptions(image_column="picture"), DataAccess(unpack_root=tmp_path / "u"))
+    spec = describe_dataset(
+        binary, ReadOptions(image_column="jpg", label_column="klass"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     with pytest.raises(DatasetError, match=r"no label column 'klass' \(columns: jpg, label\); set label_column to its"):
         read_labels(spec)
 
@@ -175,7 +189,7 @@ def test_a_folder_of_several_splits_is_refused(tmp_path):
     write_tar_shards(tmp_path / "d", items, 4, prefix="train")
     write_tar_shards(tmp_path / "d", items, 4, prefix="test")
     with pytest.raises(DatasetError, match=r"several splits \(test, train\)"):
-        describe_dataset(tmp_path / "d", unpack_root=tmp_path / "u")
+        describe_dataset(tmp_path / "d", access=DataAccess(unpack_root=tmp_path / "u"))
 
 
 def test_npy_samples_are_fed_as_they_are(tmp_path):
@@ -188,7 +202,7 @@ def test_npy_samples_are_fed_as_they_are(tmp_path):
             info = tarfile.TarInfo(f"s{i:03d}.npy")
             info.size = len(buffer.getvalue())
             tar.addfile(info, io.BytesIO(buffer.getvalue()))
-    spec = describe_dataset(path, unpack_root=tmp_path / "u", order="given")
+    spec = describe_dataset(path, ReadOptions(order="given"), DataAccess(unpack_root=tmp_path / "u"))
     assert spec.sample_shape == (3, 5, 5) and spec.transform is None
     with spec.open() as data:
         assert torch.equal(data.load(0, 9), torch.from_numpy(rows))
@@ -210,9 +224,9 @@ def test_an_archive_of_images_is_still_unpacked(tmp_path):
     flat = _tar(tmp_path / "flat.tar", {f"{n}.jpg": d for n, d, _ in items} | {f"{items[0][0]}.png": items[1][1]})
     classes = _tar(tmp_path / "classes.tar", {f"c{label}/{n}.jpg": d for n, d, label in items})
     for archive, count in ((flat, 7), (classes, 6)):
-        spec = describe_dataset(archive, unpack_root=tmp_path / "u")
+        spec = describe_dataset(archive, access=DataAccess(unpack_root=tmp_path / "u"))
         assert spec.kind == "images" and spec.num_samples == count
-    assert describe_dataset(classes, unpack_root=tmp_path / "u").classes == ("c0", "c1", "c2")
+    assert describe_dataset(classes, access=DataAccess(unpack_root=tmp_path / "u")).classes == ("c0", "c1", "c2")
 
 
 def test_a_webdataset_tar_is_told_by_its_keys(tmp_path):
@@ -221,7 +235,9 @@ def test_a_webdataset_tar_is_told_by_its_keys(tmp_path):
     (shard,) = write_tar_shards(tmp_path / "s", items, 6, labels=False)
     blob = tmp_path / "sha256-upload"  # an upload is stored without its extension
     blob.write_bytes(shard.read_bytes())
-    spec = describe_dataset(blob, transform=TRANSFORM, unpack_root=tmp_path / "u", name="mine.tar")
+    spec = describe_dataset(
+        blob, ReadOptions(transform=TRANSFORM, name="mine.tar"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     assert spec.kind == "shards" and spec.num_samples == 6 and spec.display_name == "mine.tar"
     assert not (tmp_path / "u").exists()  # streamed, never unpacked
 
@@ -238,22 +254,24 @@ def test_an_uploaded_tar_of_shards_is_read_in_place(formats, tmp_path):
     with tarfile.open(packed, "w:gz") as tar:
         tar.add(shards[0], arcname=shards[0].name)
     with pytest.raises(DatasetError, match=r"compressed tar of shards.*plain \.tar"):
-        describe_dataset(packed, unpack_root=tmp_path / "u")
+        describe_dataset(packed, access=DataAccess(unpack_root=tmp_path / "u"))
 
 
 def test_a_brace_pattern_naming_a_missing_shard_fails_naming_it(formats, tmp_path):
     pattern = str(Path(formats["tar"]) / "train-{000000..000009}.tar")
     with pytest.raises(DatasetError, match=r"shard train-000004.tar of train-\{000000..000009\}.tar not found"):
-        describe_dataset(pattern, unpack_root=tmp_path / "u")
+        describe_dataset(pattern, access=DataAccess(unpack_root=tmp_path / "u"))
     with pytest.raises(DatasetError, match=r"last path component"):
-        describe_dataset(str(Path(formats["tar"]) / "{a,b}" / "x.tar"), unpack_root=tmp_path / "u")
+        describe_dataset(str(Path(formats["tar"]) / "{a,b}" / "x.tar"), access=DataAccess(unpack_root=tmp_path / "u"))
 
 
 def test_dataloader_workers_read_ahead_only_their_own_steps(formats, tmp_path):
     """With DataLoader workers each reads ahead the steps it decodes: the batches are the same."""
     from bnrecal.workers.data import iter_batches
 
-    spec = describe_dataset(formats["tar.gz"], transform=TRANSFORM, unpack_root=tmp_path / "u", order="shuffled")
+    spec = describe_dataset(
+        formats["tar.gz"], ReadOptions(transform=TRANSFORM, order="shuffled"), DataAccess(unpack_root=tmp_path / "u"),
+    )
     ranges = rank_ranges(spec.num_samples, 12, 2, 0)
     with spec.open() as data:
         alone = list(iter_batches(data, ranges))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
 from bnrecal.workers.data.shards import reads as shard_reads
 from bnrecal.workers.data.objectstore import RemoteSource
 from bnrecal.workers.data.shards.listing import LIST_THREADS, list_prefix, prefix_shards, refs_of
@@ -42,7 +42,9 @@ def uploaded(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> d
 
 
 def local(uploaded: dict[str, object], tmp_path: Path, **options: object) -> tuple[torch.Tensor, np.ndarray]:
-    spec = describe_dataset(uploaded["folder"], transform=TRANSFORM, unpack_root=tmp_path / "u", **options)
+    spec = describe_dataset(
+        uploaded["folder"], ReadOptions(transform=TRANSFORM, **options), DataAccess(unpack_root=tmp_path / "u"),
+    )
     with spec.open() as data:
         return data.load(0, len(data)), read_labels(spec)
 
@@ -50,8 +52,8 @@ def local(uploaded: dict[str, object], tmp_path: Path, **options: object) -> tup
 @pytest.mark.parametrize("source", ["wds", "wds/train-{000000..000002}.tar", "lists/gz.manifest", "hf"])
 def test_shards_in_s3_read_as_the_local_folder(s3_server, uploaded, source, tmp_path):
     spec = describe_dataset(
-        f"s3://{BUCKET}/{source}", transform=TRANSFORM, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint,
-        order="shuffled", seed=2,
+        f"s3://{BUCKET}/{source}", ReadOptions(transform=TRANSFORM, order="shuffled", seed=2),
+        DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint),
     )
     assert spec.kind == "shards" and spec.remote is not None and spec.num_samples == 90
     with spec.open() as data:
@@ -65,9 +67,9 @@ def test_a_saved_dataset_in_s3_reads_as_the_same_folder_on_disk(s3_server, tmp_p
     items = photos(30, size=32)
     saved = save_dataset(tmp_path / "saved", items, num_shards=2)
     uri = s3_server.put_tree(BUCKET, "saved", saved)
-    options = {"transform": TRANSFORM, "unpack_root": tmp_path / "u", "order": "shuffled", "seed": 3}
-    local = describe_dataset(saved, **options)
-    spec = describe_dataset(uri, endpoint_url=s3_server.endpoint, **options)
+    read = ReadOptions(transform=TRANSFORM, order="shuffled", seed=3)
+    local = describe_dataset(saved, read, DataAccess(unpack_root=tmp_path / "u"))
+    spec = describe_dataset(uri, read, DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint))
     assert spec.shards.format == "arrow" and len(spec.shards.shards) == 2 and spec.remote is not None
     with spec.open() as data, local.open() as expected:
         assert torch.equal(data.load(0, 30), expected.load(0, 30))
@@ -78,20 +80,20 @@ def test_a_saved_dataset_dict_in_s3_is_refused_naming_a_split_to_give(s3_server,
     pytest.importorskip("datasets")
     items = photos(6, size=32)
     uri = s3_server.put_tree(BUCKET, "dict", save_dataset_dict(tmp_path / "d", {"train": items[:4], "test": items[4:]}))
-    options = {"transform": TRANSFORM, "unpack_root": tmp_path / "u", "endpoint_url": s3_server.endpoint}
+    read, access = ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint)
     with pytest.raises(DatasetError) as refused:
-        describe_dataset(uri, **options)
+        describe_dataset(uri, read, access)
     assert str(refused.value) == (
         f"{uri} holds a DatasetDict with splits train, test, not one dataset: give one split's folder as the "
         f"calibration data, e.g. {uri}/train"
     )
-    assert describe_dataset(f"{uri}/train", **options).num_samples == 4
+    assert describe_dataset(f"{uri}/train", read, access).num_samples == 4
 
 
 def test_a_glob_in_s3_says_globs_are_not_expanded_and_what_to_give(s3_server, uploaded, tmp_path):
     uri = f"s3://{BUCKET}/wds/train-*.tar"
     with pytest.raises(DatasetError) as refused:
-        describe_dataset(uri, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint)
+        describe_dataset(uri, access=DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint))
     assert str(refused.value) == (
         f"calibration data not found: {uri}; globs (*, ?, [...]) are not expanded: name the shards with a brace "
         "pattern such as 'train-{000000..000146}.tar' ({000..146} ranges keep the zero padding, {a,b} lists), "
@@ -102,8 +104,8 @@ def test_a_glob_in_s3_says_globs_are_not_expanded_and_what_to_give(s3_server, up
 def test_each_rank_fetches_only_its_members_with_ranged_gets(s3_server, uploaded, tmp_path, monkeypatch):
     monkeypatch.setattr(shard_reads, "GATHER_GAP_BYTES", 0)  # one request per member, to count them
     spec = describe_dataset(
-        f"s3://{BUCKET}/wds", transform=TRANSFORM, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint,
-        order="shuffled", seed=4,
+        f"s3://{BUCKET}/wds", ReadOptions(transform=TRANSFORM, order="shuffled", seed=4),
+        DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint),
     )
     ranges = rank_ranges(spec.num_samples, 8, 3, 1)  # rank 1 of 3: about a third of the 90 samples
     before = len(s3_server.requests)
@@ -122,7 +124,8 @@ def test_each_rank_fetches_only_its_members_with_ranged_gets(s3_server, uploaded
 def test_parquet_in_s3_reads_only_the_row_groups_it_needs(s3_server, uploaded, tmp_path):
     key = f"/{BUCKET}/hf/data/{uploaded['parquet'].name}"
     spec = describe_dataset(
-        f"s3:/{key}", transform=TRANSFORM, unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint, order="given",
+        f"s3:/{key}", ReadOptions(transform=TRANSFORM, order="given"),
+        DataAccess(unpack_root=tmp_path / "u", endpoint_url=s3_server.endpoint),
     )
     before = len(s3_server.gets(key))
     with spec.open() as data:
