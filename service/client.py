@@ -64,6 +64,15 @@ class ServerEvent:
     data: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Downloaded:
+    """An artifact saved from the server: where, its digest (checked against the server's) and size."""
+
+    path: Path
+    digest: str
+    size: int
+
+
 _BY_STATUS: dict[int, type[BnrecalError]] = {
     http_status(cls): cls
     for cls in (
@@ -254,7 +263,7 @@ class BnrecalClient:
                     raise RunError(f"lost the event stream of job {job_id} from {self.server}: {exc}") from exc
                 time.sleep(min(2.0**failures * 0.25, 5.0))
 
-    def download(self, job_id: str, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def download(self, job_id: str, name: str, path: str | os.PathLike[str]) -> Downloaded:
         """Save an artifact (``checkpoint``, ``onnx``, ``report``) atomically, checking its digest."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +291,7 @@ class BnrecalClient:
                 raise RunError(f"download of {name} of job {job_id} is corrupt: got {received}, expected {expected}")
 
         atomic_write(target, fetch)  # the usual file mode; nothing at the target unless the digest matched
-        return {"path": str(target), "digest": f"sha256:{digest.hexdigest()}", "size": target.stat().st_size}
+        return Downloaded(target, f"sha256:{digest.hexdigest()}", target.stat().st_size)
 
     def _json(self, method: str, url: str, **kwargs: Any) -> Any:
         try:

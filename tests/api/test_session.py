@@ -211,7 +211,7 @@ def test_submit_command_and_client_give_the_same_result(finished, live_server, s
     assert submitted["placement"] == "PACK" and submitted["attempts"] == 1
     with BnrecalClient(live_server.url, KEYS["alice"]) as client:
         first = client.download(final["id"], "checkpoint", tmp_path / "first.safetensors")
-    ours, theirs = load_file(str(out)), load_file(first["path"])
+    ours, theirs = load_file(str(out)), load_file(str(first.path))
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-7)
     assert json.loads(report.read_text())["samples"] == 23
