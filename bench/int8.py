@@ -109,7 +109,7 @@ def ranks(folder: Path, workers: int) -> None:
     (folder / f"int8-k{workers}.onnx").write_bytes(quantized.model)
     top1 = accuracy(quantized.model, _evaluation(folder))["top1"]
     _record(folder, {"mode": f"ranks-k{workers}", "seconds": time.perf_counter() - started, "top1": top1,
-                     "range_seconds": quantized.section["range_seconds"]})
+                     "range_seconds": quantized.section.range_seconds})
 
 
 def ort(folder: Path) -> None:

@@ -30,6 +30,8 @@ _HOMES = {
     "service.client": ("BnrecalClient",),
     "service.jobserver.jobs.views": ("JobStatus", "JobView"),  # what the client's job calls return
     "service.live": ("RecalibrationReport", "export_onnx", "quantize", "recalibrate"),
+    "service.export.report_sections": ("Int8Section", "OnnxSection"),  # what export_onnx and quantize return
+    "service.export.int8.options": ("Int8Options",),  # quantize's options, typed
     "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)
@@ -38,4 +40,6 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name l
     from bnrecal.errors import *  # noqa: F403 - the names bnrecal.errors.__all__ lists
     from bnrecal.service.client import BnrecalClient
     from bnrecal.service.jobserver.jobs.views import JobStatus, JobView
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.export.report_sections import Int8Section, OnnxSection
     from bnrecal.service.live import RecalibrationReport, export_onnx, quantize, recalibrate

@@ -231,20 +231,21 @@ class ExportError(BnrecalError):
 class Int8GuardError(ExportError):
     """The INT8 output failed its accuracy guard (``max_top1_drop``): the run's other
     outputs (checkpoint, FP32 export, report) are still written; ``section`` is the report's
-    ``int8`` section saying why there is no INT8 file (``"written": false``)."""
+    ``int8`` section saying why there is no INT8 file (``"written": false``): an
+    ``Int8Section``, read by attribute or by its JSON key (``section["failure"]``)."""
 
-    def __init__(self, message: str, section: dict[str, object] | None = None) -> None:
+    def __init__(self, message: str, section: object = None) -> None:
         super().__init__(message)
-        self.section: dict[str, object] = section if section is not None else {}
+        self.section = section
 
 
 class Int8GuardUnreachableError(ExportError):
     """The guard's bound cannot hold within ``max_float_ops`` ops kept in float: no INT8
-    file. ``kept`` lists the ops tried in float, as the report gives them."""
+    file. ``kept`` lists the ops tried in float, as the report gives them (``KeptFloat``)."""
 
-    def __init__(self, message: str, kept: list[dict[str, object]] | None = None) -> None:
+    def __init__(self, message: str, kept: list[object] | None = None) -> None:
         super().__init__(message)
-        self.kept: list[dict[str, object]] = kept if kept is not None else []
+        self.kept: list[object] = kept if kept is not None else []
 
 
 class InsufficientStorageError(BnrecalError):

@@ -136,13 +136,15 @@ def reference_metrics(before: torch.Tensor, after: torch.Tensor, labels: torch.T
     return result
 
 def assert_metrics_match(
-    metrics: dict[str, Any], expected: dict[str, float], *, cross_entropy_rel: float, kl_rel: float
+    metrics: Any, expected: dict[str, float], *, cross_entropy_rel: float, kl_rel: float
 ) -> None:
-    """The engine's labelled evaluation metrics equal :func:`reference_metrics`: counts exactly,
-    the float sums within the given relative tolerances."""
+    """The engine's labelled evaluation metrics (the ranks' ``EvalMetrics`` or the report's
+    ``evaluation`` section: read by attribute alike) equal :func:`reference_metrics`: counts
+    exactly, the float sums within the given relative tolerances."""
     for name in ("before", "after"):
-        assert metrics[name]["top1"] == pytest.approx(expected[f"top1_{name}"], abs=1e-12)
-        assert metrics[name]["top5"] == pytest.approx(expected[f"top5_{name}"], abs=1e-12)
-        assert metrics[name]["cross_entropy"] == pytest.approx(expected[f"ce_{name}"], rel=cross_entropy_rel)
-    assert metrics["prediction_change"] == pytest.approx(expected["changed"], abs=1e-12)
-    assert metrics["kl_divergence"] == pytest.approx(expected["kl"], rel=kl_rel)
+        scores = getattr(metrics, name)
+        assert scores.top1 == pytest.approx(expected[f"top1_{name}"], abs=1e-12)
+        assert scores.top5 == pytest.approx(expected[f"top5_{name}"], abs=1e-12)
+        assert scores.cross_entropy == pytest.approx(expected[f"ce_{name}"], rel=cross_entropy_rel)
+    assert metrics.prediction_change == pytest.approx(expected["changed"], abs=1e-12)
+    assert metrics.kl_divergence == pytest.approx(expected["kl"], rel=kl_rel)

@@ -15,6 +15,9 @@ from bnrecal.service.run.progress import stderr
 from bnrecal.service.run.report_html import STANDARD_ERROR_MEANING as MEANING
 
 if TYPE_CHECKING:
+    from bnrecal.service.export.report_sections import Int8Section
+    from bnrecal.service.run.report import EvaluationSection, Report
+
     from ..client import BnrecalClient
 
 
@@ -43,7 +46,7 @@ def parse_shape(value: str) -> tuple[int, ...]:
 
 
 def summary_lines(
-    report: dict[str, Any], out: Path, job_id: str | None = None, also_wrote: Sequence[Path | None] = ()
+    report: Report, out: Path, job_id: str | None = None, also_wrote: Sequence[Path | None] = ()
 ) -> list[str]:
     """The closing lines of ``calibrate`` and ``submit``: what was recalibrated, every file
     written and, with evaluation data, whether it helped."""
@@ -70,7 +73,7 @@ def summary_lines(
     return lines
 
 
-def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
+def int8_line(section: Int8Section, path: Path | None = None) -> str:
     """One line on the INT8 export: its target and size against FP32, the ops the guard kept
     in float, and with evaluation data top-1 (a fraction; drops in points, as in the report);
     for an INT8 output that failed its guard, why there is no file."""
@@ -100,7 +103,7 @@ def int8_line(section: dict[str, Any], path: Path | None = None) -> str:
     return line
 
 
-def statistics_line(report: dict[str, Any]) -> str | None:
+def statistics_line(report: Report) -> str | None:
     """How precise the statistics are: where ``--max-samples auto`` stopped (or that it ran out
     of data), else the worst standard error and the order the samples were drawn in."""
     worst = report.get("standard_error_max")
@@ -121,7 +124,7 @@ def statistics_line(report: dict[str, Any]) -> str | None:
             f"{MEANING} ({where}{drawn})")
 
 
-def evaluation_line(evaluation: dict[str, Any]) -> str:
+def evaluation_line(evaluation: EvaluationSection) -> str:
     """One line saying what recalibration changed on the evaluation data."""
     changed = f"{evaluation['prediction_change']:.1%} of predictions changed"
     before, after = evaluation.get("before"), evaluation.get("after")

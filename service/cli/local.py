@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -137,15 +137,15 @@ def export_command(
         from bnrecal.service.run.int8 import quantize_file
 
         assert data is not None
-        result["int8"] = quantize_file(
+        result.int8 = quantize_file(
             out, data, onnx_int8, int8_options, Settings(), transform=transform_values, batch_size=batch_size,
         )
     if report is not None:
         write_report(result, report)
-    section = result["onnx"]
+    section = result.onnx
     print_line(
-        f"exported {out}: {section['folded']} BN folded, {section['batchnorm_nodes']} left, "
-        f"max abs diff {section['max_abs_diff']:.2e}",
+        f"exported {out}: {section.folded} BN folded, {section.batchnorm_nodes} left, "
+        f"max abs diff {section.max_abs_diff:.2e}",
     )
-    if "int8" in result:
-        print_line(int8_line(result["int8"], onnx_int8))
+    if result.int8 is not None:
+        print_line(int8_line(result.int8, onnx_int8))

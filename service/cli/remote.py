@@ -147,11 +147,13 @@ def submit(
     int8_failed = _int8_failed(job)
     written_int8 = None if int8_failed else flags.onnx_int8
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
-    for line in summary_lines(job.report or {}, flags.out, job.id, also_wrote=also_wrote):
+    from bnrecal.service.run.report import Report  # the report's types: torch, once the job is done
+
+    report = Report.from_dict(job.report or {})
+    for line in summary_lines(report, flags.out, job.id, also_wrote=also_wrote):
         print_line(line)
     if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
-        section = (job.report or {}).get("int8") or {}
-        raise ExportError(str(section.get("failure", "the INT8 output failed")))
+        raise ExportError(report.int8.failure if report.int8 and report.int8.failure else "the INT8 output failed")
 
 
 def _int8_failed(job: JobView) -> bool:

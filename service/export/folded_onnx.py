@@ -31,6 +31,7 @@ from bnrecal.service.export.graph_passes import (
     globalize_whole_input_pools,
 )
 from bnrecal.service.export.folding.in_onnx import OnnxFoldResult, fold_batchnorm_nodes
+from bnrecal.service.export.report_sections import OnnxSection, RuntimeChecks, RuntimeEntry, UnfoldedLayer
 from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 from bnrecal.service.export.folding.in_torch import TorchFoldResult, fold_batchnorm_modules
 from bnrecal.service.export.verification import TOLERANCE, flatten_outputs, reference_outputs, verify_onnx
@@ -92,7 +93,7 @@ def export_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_in_openvino(source: Path | bytes, batches: Sequence[np.ndarray], references: Sequence[Sequence[np.ndarray]],
-                      tolerance: float, what: str) -> dict[str, Any]:
+                      tolerance: float, what: str) -> RuntimeEntry:
     """Run the file in OpenVINO on ``batches`` and hold it to ``references`` at ``tolerance``
     (times ``max(1, max|y|)``, as onnxruntime is held); the report's ``openvino`` entry.
     Raises ``ExportError`` (one line) when OpenVINO cannot run it or disagrees."""
@@ -195,10 +196,9 @@ def export_folded_onnx(
     openvino: bool = True,
     _exporter: str = "auto",
     _torch_fold: bool = True,
-) -> dict:
-    """Fold BN, export one verified .onnx file at `path`; return the report's `onnx` section:
-    {"opset", "dtype", "batchnorm_nodes", "folded", "unfolded": [{"name", "reason"}],
-     "max_abs_diff", "max_rel_diff", "verified_batches": [...], "bytes"}.
+) -> OnnxSection:
+    """Fold BN, export one verified .onnx file at `path`; return the report's `onnx` section
+    (its folds, what stayed unfolded, its verification and its size).
 
     ``model`` is left untouched (a deep copy is folded, in eval mode). ``samples`` (N >= 2)
     give the export shape and the verification inputs: onnxruntime, optimizations off,
@@ -255,7 +255,7 @@ def export_folded_onnx(
         np_dtype = np.float16 if dtype == "float16" else np.float32
         written["openvino"] = check_in_openvino(
             temp, [b.numpy().astype(np_dtype) for b in batches], references, TOLERANCE[dtype], "the exported model"
-        ) if openvino else {"ran": False, "reason": "not checked: a file made only to be measured, not deployed"}
+        ) if openvino else RuntimeEntry(ran=False, reason="not checked: a file made only to be measured, not deployed")
         written["size"] = temp.stat().st_size
 
     try:
@@ -267,20 +267,20 @@ def export_folded_onnx(
     logger.info("exported %s via %s: %d BN folded in PyTorch (%s), %d on the graph, %d left",
                 target, exporter, len(torch_result.folded), torch_result.method, len(onnx_result.folded),
                 len(onnx_result.unfolded))
-    return {
-        "opset": opset,
-        "dtype": dtype,
-        "batch": "dynamic" if dynamic_batch else fixed_batch,
-        "batchnorm_nodes": batchnorm_count(proto),
-        "folded": len(torch_result.folded) + len(onnx_result.folded),
-        "unfolded": [{"name": name, "reason": reason} for name, reason in onnx_result.unfolded],
-        "max_abs_diff": verified.max_abs_diff,
-        "max_rel_diff": verified.max_rel_diff,
-        "verified_batches": verified.verified_batches,
-        "bytes": size,
-        "runtimes": {
-            "reference": "the PyTorch model, on the verified batches",
-            "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": verified.max_abs_diff},
-            "openvino": written["openvino"],
-        },
-    }
+    return OnnxSection(
+        opset=opset,
+        dtype=dtype,
+        batch="dynamic" if dynamic_batch else fixed_batch,
+        batchnorm_nodes=batchnorm_count(proto),
+        folded=len(torch_result.folded) + len(onnx_result.folded),
+        unfolded=[UnfoldedLayer(name=name, reason=reason) for name, reason in onnx_result.unfolded],
+        max_abs_diff=verified.max_abs_diff,
+        max_rel_diff=verified.max_rel_diff,
+        verified_batches=verified.verified_batches,
+        bytes=size,
+        runtimes=RuntimeChecks(
+            reference="the PyTorch model, on the verified batches",
+            onnxruntime=RuntimeEntry(ran=True, version=onnxruntime_version(), max_abs_diff=verified.max_abs_diff),
+            openvino=written["openvino"],
+        ),
+    )

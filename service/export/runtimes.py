@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from bnrecal.service.export.report_sections import RuntimeEntry
 
 
 OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -143,16 +144,15 @@ def cpu_saturates_int8(cpuinfo: str | None = None) -> bool:
     return bool(flags) and not flags.intersection(VNNI_FLAGS)
 
 
-def runtime_entry(run: RuntimeRun, max_abs_diff: float | None = None, **extra: Any) -> dict[str, Any]:
+def runtime_entry(run: RuntimeRun, max_abs_diff: float | None = None, *,
+                  max_abs_diff_to_onnxruntime: float | None = None, judged: bool | None = None,
+                  reason: str | None = None) -> RuntimeEntry:
     """The report's entry for one runtime: whether it ran the file, its version, its
     agreement (``max_abs_diff`` against the reference named by the section)."""
     if run.outputs is None:
-        return {"ran": False, "reason": run.reason}
-    entry: dict[str, Any] = {"ran": True, "version": run.version}
-    if max_abs_diff is not None:
-        entry["max_abs_diff"] = max_abs_diff
-    entry.update(extra)
-    return entry
+        return RuntimeEntry(ran=False, reason=run.reason)
+    return RuntimeEntry(ran=True, version=run.version, max_abs_diff=max_abs_diff,
+                        max_abs_diff_to_onnxruntime=max_abs_diff_to_onnxruntime, judged=judged, reason=reason)
 
 
 def onnxruntime_version() -> str:

@@ -33,6 +33,8 @@ from torch import nn
 from bnrecal.errors import SpecError, first_line
 from bnrecal.workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
 
+from bnrecal.service.run.report import ModelSection
+
 IN_PROCESS = "in-process"
 
 
@@ -49,12 +51,10 @@ class ShippedModel:
     notes: list[str] = field(default_factory=list)
     restore: Callable[[], None] | None = None  # puts the caller's modules back (a run on the model itself)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ModelSection:
         """The report's ``model`` section: how the model travelled and why."""
-        info: dict[str, Any] = {"transport": self.transport, "name": self.source.name}  # type: ignore[union-attr]
-        if self.notes:
-            info["notes"] = self.notes
-        return info
+        return ModelSection(transport=self.transport, name=self.source.name,  # type: ignore[union-attr]
+                            notes=list(self.notes) or None)
 
 
 def guest_view(model: nn.Module) -> nn.Module:

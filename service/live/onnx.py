@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,6 +13,10 @@ from bnrecal.errors import SpecError
 
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET
+
+if TYPE_CHECKING:  # the exporters load where a call uses them
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.export.report_sections import Int8Section, OnnxSection
 
 
 
@@ -23,7 +27,7 @@ def export_onnx(
     *,
     opset: int = DEFAULT_OPSET,
     dynamic_batch: bool = True,
-) -> dict[str, Any]:
+) -> OnnxSection:
     """Export ``model`` in eval mode to ``path`` as one self-contained ONNX file with every
     legal Conv/Linear/BN fold done, verified in onnxruntime against PyTorch on ``sample``
     (a batch of the model's input); returns the report's ``onnx`` section (``folded``,
@@ -47,15 +51,15 @@ def quantize(
     path: str | os.PathLike[str],
     data: torch.Tensor,
     *,
-    options: dict[str, Any] | None = None,
+    options: Int8Options | dict[str, Any] | None = None,
     eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
     batch_size: int = 32,
     opset: int = DEFAULT_OPSET,
-) -> dict[str, Any]:
+) -> Int8Section:
     """Export ``model`` folded (as :func:`export_onnx`) and quantized to INT8 in QDQ format at
     ``path``, activation ranges from the calibration samples ``data`` (a tensor, one sample
     per row), gathered in this process: the same file a job's ranks make from the same data.
-    ``options`` are the job's ``int8`` object (``method``, ``per_channel``, ``keep_float``,
+    ``options`` are an :class:`Int8Options` or the job's ``int8`` object (``method``, ``per_channel``, ``keep_float``,
     ``max_top1_drop``...); with ``eval_data`` (inputs, labels) the report's ``evaluation``
     gives top-1/top-5 of FP32 and INT8, and ``max_top1_drop`` is enforced. Returns the
     report's ``int8`` section; a failed check or guard raises ``ExportError``, writing nothing.

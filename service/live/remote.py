@@ -33,6 +33,8 @@ from ..client import BnrecalClient, run_remote_job
 from ..settings import Settings
 from .data import describe_python_data
 from .model import export_program, on_cpu, program_bytes
+from bnrecal.service.run.report import ModelSection
+
 from .report import RecalibrationReport
 
 EXACT_FLOAT32_INTEGERS = 2**24
@@ -130,7 +132,7 @@ def recalibrate_on_server(
                                  downloads=lambda job: [("program", result)])
         _write_back(model, result, prefix)
     report = RecalibrationReport.from_dict(job.report or {})
-    report.model = {"transport": "program", "name": type(model).__qualname__, "server": server, "job": job.id}
+    report.model = ModelSection(transport="program", name=type(model).__qualname__, server=server, job=job.id)
     return report
 
 

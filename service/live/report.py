@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
 from typing import Any
 
 from bnrecal.service.run.report import Report, write_report
 
 
-@dataclass(repr=False)
 class RecalibrationReport(Report):
     """The run report (docs/report.md): the typed :class:`~bnrecal.service.run.report.Report`
-    the run core builds, read by attribute (``report.samples``) or as ``report.json``'s
-    mapping (``report["samples"]``), whose ``repr`` is a short summary; :meth:`save`
+    the run core builds, read by attribute (``report.samples``) or by ``report.json``'s
+    keys (``report["samples"]``), whose ``repr`` is a short summary; :meth:`save`
     writes it as ``report.json``."""
 
     @classmethod
     def of(cls, report: Report) -> RecalibrationReport:
-        """The same report, with the Python API's summary and ``save``."""
-        return cls(**{item.name: getattr(report, item.name) for item in fields(report)})
+        """The same report (its parts shared, not copied), with the Python API's summary and ``save``."""
+        return cls.model_validate({**report.__dict__, **(report.__pydantic_extra__ or {})})
 
     def summary(self) -> str:
         """A few lines: what ran where, and the layers whose statistics moved most."""

@@ -27,6 +27,7 @@ from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, LaterP
 from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
 from bnrecal.service.run.progress import progress_bar
+from bnrecal.service.run.report import DataSummary
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
@@ -173,7 +174,7 @@ def recalibrate(
         shipped.write_back(result.updates)
     report = result.report
     report.model = shipped.describe()
-    report.data = spec.summary()
+    report.data = DataSummary.model_validate(spec.summary())
     return RecalibrationReport.of(report)
 
 

@@ -44,7 +44,8 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
 from bnrecal.service.run.report import (
-    PYTORCH_RUNTIME, DecodingReport, LayerDrift, Placement, Report, add_to_timeline, build_report, where_ranks_ran,
+    PYTORCH_RUNTIME, DataSummary, DecodingReport, EvaluationSection, LayerDrift, Placement, Report, add_to_timeline,
+    build_report, where_ranks_ran,
 )
 
 if TYPE_CHECKING:
@@ -333,8 +334,10 @@ def _finish(
     ]
     report = build_report(plan.options, result, drifts, skipped, placement, plan.data, failures)
     if plan.evaluation is not None and result.evaluation is not None:
-        report.evaluation = {"data": plan.evaluation.dataset.summary(), **result.evaluation, "collectives": 1,
-                             "runtime": PYTORCH_RUNTIME}
+        report.evaluation = EvaluationSection.of(
+            DataSummary.model_validate(plan.evaluation.dataset.summary()), result.evaluation,
+            result.evaluation.seconds or 0.0, PYTORCH_RUNTIME,
+        )
     calibrated = [layer for layer in layers if layer.name not in unreached]
     return RunResult(report, calibrated, stale, plan.data, plan.evaluation, result.head)
 
@@ -344,7 +347,7 @@ def _time_the_pass(report: Report, plan: RunPlan, result: GroupResult, wall: flo
     the statistics, and the evaluation before and after (fused: one read of its data,
     both models on each batch, in the same rank call)."""
     where = where_ranks_ran(report)
-    evaluating = float(result.evaluation.get("seconds", 0.0)) if result.evaluation else 0.0
+    evaluating = float(result.evaluation.seconds or 0.0) if result.evaluation else 0.0
     add_to_timeline(report, STARTING_PHASE, max(0.0, wall - result.seconds - evaluating), 0, 0, where)
     add_to_timeline(report, "statistics", result.seconds, result.samples, attempts, where)
     if plan.evaluation is not None and result.evaluation is not None:

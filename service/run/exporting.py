@@ -8,15 +8,17 @@ from typing import Any
 
 import torch
 
-from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.errors import EvaluationError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 
 from bnrecal.service.export.graph_reuse import GraphReuse
+from bnrecal.service.export.report_sections import Int8Section, OnnxSection
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET
 from bnrecal.service.run.recalibration import Recalibration
+from bnrecal.service.report_part import ReportPart
 from bnrecal.service.settings import Settings
 
 
@@ -32,7 +34,7 @@ def export_recalibrated(
     model: torch.nn.Module | None = None,
     reuse: GraphReuse | None = None,
     openvino: bool = True,
-) -> dict[str, Any]:
+) -> OnnxSection:
     """Fold and export the recalibrated model (or ``model``, e.g. the stale one), verified on
     its own calibration samples (``reuse`` and ``openvino``: ``export_folded_onnx``'s).
 
@@ -89,12 +91,12 @@ def export_checkpoint(
     opset: int = DEFAULT_OPSET,
     dtype: str = "float32",
     dynamic_batch: bool = True,
-) -> dict[str, Any]:
+) -> ExportReport:
     """Fold and export a checkpoint as it is, without recalibrating it.
 
     The export is verified on the first calibration samples of ``data``, or, without
     data, on seeded random samples of ``input_shape``. Returns a report with the
-    ``onnx`` section.
+    ``onnx`` section (``bnrecal export --report``; ``int8`` is set by ``--onnx-int8``).
     """
     from bnrecal.service.export import export_folded_onnx
 
@@ -104,7 +106,8 @@ def export_checkpoint(
     load_into_model(model, load_checkpoint(checkpoint))
     model.eval()
     if data is not None:
-        spec = describe_dataset(data, transform=transform, **settings.unpack_options())
+        access = settings.data_access()  # s3:// data through the configured endpoint, as every other surface reads it
+        spec = describe_dataset(data, ReadOptions(transform=transform), access)
         with spec.open() as opened:
             samples = opened.load(0, min(VERIFY_SAMPLES, spec.num_samples))
         if samples.shape[0] < 2:
@@ -115,4 +118,16 @@ def export_checkpoint(
     section = export_folded_onnx(
         model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch, input_shape=input_shape
     )
-    return {"arch": arch, "checkpoint": str(checkpoint), "onnx": section}
+    return ExportReport(arch=arch, checkpoint=str(checkpoint), onnx=section)
+
+
+class ExportReport(ReportPart):
+    """``bnrecal export``'s smaller report (docs/report.md, "The `onnx` section"): the
+    architecture, the checkpoint, its export and, with ``--onnx-int8``, its INT8 file."""
+
+    OMIT_WHEN_NONE = frozenset({"int8"})
+
+    arch: str
+    checkpoint: str
+    onnx: OnnxSection
+    int8: Int8Section | None = None

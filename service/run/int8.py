@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
-from bnrecal.workers.engine.evaluation import EvalTarget
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.ort.rank_pass import Comparison, ModelResult, OnnxPassResult, PassModel, RangeRequest
 from bnrecal.workers.ranks.plan import GroupPass
@@ -41,6 +41,15 @@ from bnrecal.service.export.int8.quantizer import (
     tensors_data,
     write_qdq,
 )
+from bnrecal.service.export.report_sections import (
+    GuardReportPart,
+    GuardSelection,
+    Int8Evaluation,
+    Int8Guard,
+    Int8Section,
+    Latency,
+    TopScores,
+)
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
 from bnrecal.service.settings import Settings
@@ -54,7 +63,7 @@ class Quantized:
     """An INT8 model ready to write, and its report section."""
 
     model: bytes
-    section: dict[str, Any]
+    section: Int8Section
 
     def write(self, path: str | Path) -> None:
         """Write the file atomically."""
@@ -87,7 +96,7 @@ def quantize_export(
     *,
     stale_fp32_model: bytes | None = None,
     compare: EvalTarget | None = None,
-    on_evaluation: Callable[[dict[str, Any]], None] | None = None,
+    on_evaluation: Callable[[EvalMetrics, float], None] | None = None,
     output: int = 0,
     on_phase: Callable[[str], None] | None = None,
 ) -> Quantized:
@@ -96,7 +105,7 @@ def quantize_export(
     samples, measured and guarded on the labelled evaluation data when ``passes`` has some
     (with the stale model's export quantized alike when given). With ``compare`` (and the
     stale export) the same FP32 pass measures the evaluation before and after, handed to
-    ``on_evaluation``. ``output`` is the graph output holding the class scores. Raises
+    ``on_evaluation`` with the pass's seconds. ``output`` is the graph output holding the class scores. Raises
     ``ExportError`` on a failed check, ``Int8GuardError`` (carrying the report's section)
     when the guard cannot hold."""
     phase = on_phase or (lambda _: None)
@@ -110,28 +119,29 @@ def quantize_export(
     stale = prepare(stale_fp32_model) if stale_fp32_model is not None and (passes.labelled or compare) else None
     fp32 = _float32_pass(fp32_model, prepared, stale_fp32_model, stale, options, passes, compare, output, phase)
     if fp32.measured is not None and fp32.measured.evaluation is not None and on_evaluation is not None:
-        on_evaluation({**fp32.measured.evaluation, "seconds": fp32.measured.seconds})
+        on_evaluation(fp32.measured.evaluation, fp32.measured.seconds)
     found = fp32.ranges(MODEL)
     data = tensors_data(found.ranges, found.histograms, found.edges, options)
     phase("writing and verifying INT8")
     model = write_qdq(prepared, data, options, list(reasons))
     section = _section(options, prepared, fp32.gathered)
     if options.method != "minmax":
-        section["ranges_as_minmax"] = ranges_as_minmax(data, found.ranges)
+        section.ranges_as_minmax = ranges_as_minmax(data, found.ranges)
     if passes.labelled:
         assert fp32.measured is not None
         alike = _quantizer_alike(stale, fp32.ranges(STALE), options, phase) if stale is not None else None
         phase("evaluating INT8")
         model = _evaluate(section, fp32.measured, model, prepared, data, options, reasons, passes, alike, output)
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
-    section.update(check_int8(model, fp32_model, [samples[:1], samples]))
-    section["verified_batches"] = [1, len(samples)]
-    section.update(graph_summary(model, prepared, reasons, options))
-    section["bytes"] = len(model)
-    section["fp32_bytes"] = len(fp32_model)
+    checked = check_int8(model, fp32_model, [samples[:1], samples])
+    summary = graph_summary(model, prepared, reasons, options)
     one = samples[:1]  # batch 1, as a deployed model answers one request
-    section["latency_ms"] = {"batch": 1, "fp32": latency_ms(fp32_model, one), "int8": latency_ms(model, one)}
-    section["written"] = True
+    section = section.model_copy(update={
+        "max_abs_diff": checked.max_abs_diff, "fp32_max_abs": checked.fp32_max_abs, "runtimes": checked.runtimes,
+        "verified_batches": [1, len(samples)], **vars(summary), "bytes": len(model), "fp32_bytes": len(fp32_model),
+        "latency_ms": Latency(batch=1, fp32=latency_ms(fp32_model, one), int8=latency_ms(model, one)),
+        "written": True,
+    })
     return Quantized(model, section)
 
 
@@ -169,44 +179,40 @@ def _quantizer_alike(stale: PreparedModel, found: ModelResult, options: Int8Opti
     return alike
 
 
-def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass) -> dict[str, Any]:
+def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass) -> Int8Section:
     """The report's ``int8`` section as far as the ranges go."""
-    section: dict[str, Any] = {
-        "target": options.target,
-        "method": options.method,
-        "weight_type": "int8",
-        "weights": ("symmetric, per output channel" if options.per_channel else "symmetric, per tensor")
+    histogram = options.method != "minmax"
+    return Int8Section(
+        target=options.target,
+        method=options.method,
+        weight_type="int8",
+        weights=("symmetric, per output channel" if options.per_channel else "symmetric, per tensor")
         + (", 7-bit (reduce_range)" if options.reduce_range else ""),
-        "activation_type": options.activation(),
-        "symmetric_activations": options.activations_symmetric(),
-        "per_channel": options.per_channel,
-        "reduce_range": options.reduce_range,
-        "format": "QDQ",
-        "writer": _writer(),
-        "tensors_calibrated": len(prepared.tensors),
-        "samples": sum(gathered.samples),
-        "world_size": len(gathered.samples),
-        "collectives": gathered.collectives,
-        "range_seconds": gathered.seconds,
-    }
-    if options.op_types is not None:
-        section["op_types"] = list(options.op_types)
-    if options.method != "minmax":
-        section["bins"] = options.histogram_bins()
-        if options.method == "percentile":
-            section["percentile"] = options.percentile
-        else:
-            section["quantized_bins"] = options.quantized_bins
-    return section
+        activation_type=options.activation(),
+        symmetric_activations=options.activations_symmetric(),
+        per_channel=options.per_channel,
+        reduce_range=options.reduce_range,
+        format="QDQ",
+        writer=_writer(),
+        tensors_calibrated=len(prepared.tensors),
+        samples=sum(gathered.samples),
+        world_size=len(gathered.samples),
+        collectives=list(gathered.collectives),
+        range_seconds=gathered.seconds,
+        op_types=list(options.op_types) if options.op_types is not None else None,
+        bins=options.histogram_bins() if histogram else None,
+        percentile=options.percentile if options.method == "percentile" else None,
+        quantized_bins=options.quantized_bins if histogram and options.method != "percentile" else None,
+    )
 
 
 def _evaluate(
-    section: dict[str, Any], fp32: OnnxPassResult, model: bytes, prepared: PreparedModel, data: Any,
+    section: Int8Section, fp32: OnnxPassResult, model: bytes, prepared: PreparedModel, data: Any,
     options: Int8Options, reasons: dict[str, str], passes: OnnxPasses,
     stale_alike: Callable[[set[str]], bytes] | None, output: int,
 ) -> bytes:
     """Top-1/top-5 of the FP32 and INT8 models (and the stale model's, FP32 and quantized
-    alike, when given) into ``section["evaluation"]``, guarded when ``max_top1_drop`` is set:
+    alike, when given) into ``section.evaluation``, guarded when ``max_top1_drop`` is set:
     the float ops chosen on the selection part (even positions), the accuracies reported on
     the other part (odd positions). ``fp32`` holds the FP32 models' scores on every part; the
     INT8 models are scored together in one pass, the guard's candidates many to a pass.
@@ -229,53 +235,52 @@ def _evaluate(
     reported = score([model, *stale_int8])  # every part: the guard's selection, and the report part
     if guarding:
         selection_fp32, selection_int8 = fp32.scores(MODEL, "even")["top1"], reported.scores(MODEL, "even")["top1"]
-        guard: dict[str, Any] = {
-            "max_top1_drop": options.max_top1_drop,
-            "selection": {"samples": fp32.scores(MODEL, "even")["samples"], "which": SELECTION_RULE,
-                          "fp32_top1": selection_fp32, "int8_top1_before": selection_int8},
-            "report": {"which": REPORT_RULE},
-        }
-        section["guard"] = guard
+        guard = Int8Guard(
+            max_top1_drop=options.max_top1_drop,
+            selection=GuardSelection(samples=fp32.scores(MODEL, "even")["samples"], which=SELECTION_RULE,
+                                     fp32_top1=selection_fp32, int8_top1_before=selection_int8),
+            report=GuardReportPart(which=REPORT_RULE),
+        )
+        section.guard = guard
         try:
             guarded = enforce_top1_drop(
                 prepared, data, options, list(reasons), model, selection_fp32, selection_int8, selection_top1,
             )
         except Int8GuardUnreachableError as failed:
             fp32_top, int8_top = fp32.scores(MODEL, report_part), reported.scores(MODEL, report_part)
-            guard["report"]["samples"] = fp32_top["samples"]
-            guard.update({"held": False, "kept_float": failed.kept, "reason": str(failed)})
-            section["evaluation"] = {"samples": fp32_top["samples"], "fp32": _top(fp32_top), "int8": _top(int8_top),
-                                     "top1_drop_points": 100.0 * (fp32_top["top1"] - int8_top["top1"])}
-            section.update({"written": False, "failure": str(failed)})
+            guard.report.samples = fp32_top["samples"]
+            guard.held, guard.kept_float, guard.reason = False, list(failed.kept), str(failed)  # type: ignore[arg-type]
+            section.evaluation = Int8Evaluation(samples=fp32_top["samples"], fp32=_top(fp32_top), int8=_top(int8_top),
+                                                top1_drop_points=100.0 * (fp32_top["top1"] - int8_top["top1"]))
+            section.written, section.failure = False, str(failed)
             raise Int8GuardError(str(failed), section) from failed
-        guard["selection"]["int8_top1_after"] = guarded.top1
-        guard.update({"held": True, "kept_float": guarded.kept, "models_measured": guarded.measured})
+        guard.selection.int8_top1_after = guarded.top1
+        guard.held, guard.kept_float, guard.models_measured = True, guarded.kept, guarded.measured
         if guarded.kept:
             model = guarded.model
             for kept in guarded.kept:
-                reasons[kept["name"]] = (
-                    f"kept float by int8.max_top1_drop (recovers {kept['top1_gain_alone_points']:+.2f} top-1 points alone)"
+                reasons[kept.name] = (
+                    f"kept float by int8.max_top1_drop (recovers {kept.top1_gain_alone_points:+.2f} top-1 points alone)"
                 )
             stale_int8 = [stale_alike(set(reasons))] if stale_alike is not None else []
             reported = score([model, *stale_int8], report_part)  # the model kept, the stale one alike
-    scores: dict[str, Any] = {
-        "samples": fp32.scores(MODEL, report_part)["samples"],
-        "fp32": _top(fp32.scores(MODEL, report_part)), "int8": _top(reported.scores(MODEL, report_part)),
-    }
-    if stale_int8:
-        scores["stale_fp32"] = _top(fp32.scores(STALE, report_part))
-        scores["stale_int8"] = _top(reported.scores(STALE, report_part))
-    scores["top1_drop_points"] = 100.0 * (scores["fp32"]["top1"] - scores["int8"]["top1"])
-    section["evaluation"] = scores
+    fp32_top, int8_top = _top(fp32.scores(MODEL, report_part)), _top(reported.scores(MODEL, report_part))
+    scores = Int8Evaluation(
+        samples=fp32.scores(MODEL, report_part)["samples"], fp32=fp32_top, int8=int8_top,
+        stale_fp32=_top(fp32.scores(STALE, report_part)) if stale_int8 else None,
+        stale_int8=_top(reported.scores(STALE, report_part)) if stale_int8 else None,
+        top1_drop_points=100.0 * (fp32_top.top1 - int8_top.top1),
+    )
+    section.evaluation = scores
     if guarding:
-        guard["report"]["samples"] = scores["samples"]
-        guard["report_drop_points"] = scores["top1_drop_points"]
-        guard["held_on_report"] = scores["top1_drop_points"] <= float(options.max_top1_drop)  # type: ignore[arg-type]
+        guard.report.samples = scores.samples
+        guard.report_drop_points = scores.top1_drop_points
+        guard.held_on_report = scores.top1_drop_points <= float(options.max_top1_drop)  # type: ignore[arg-type]
     return model
 
 
-def _top(scores: dict[str, float]) -> dict[str, float]:
-    return {"top1": scores["top1"], "top5": scores["top5"]}
+def _top(scores: dict[str, float]) -> TopScores:
+    return TopScores(top1=scores["top1"], top5=scores["top5"])
 
 
 def _writer() -> str:
@@ -302,12 +307,13 @@ def quantize_file(
     *,
     transform: dict[str, Any] | None = None,
     batch_size: int = 32,
-) -> dict[str, Any]:
+) -> Int8Section:
     """Quantize a folded FP32 export as it is (``bnrecal export --onnx-int8``), its ranges
     gathered in this process over every sample of ``data``; returns the ``int8`` section."""
-    from bnrecal.workers.data import describe_dataset
+    from bnrecal.workers.data import ReadOptions, describe_dataset
 
-    dataset = describe_dataset(data, transform=transform, **settings.unpack_options())
+    access = settings.data_access()  # s3:// data through the configured endpoint, as every other surface reads it
+    dataset = describe_dataset(data, ReadOptions(transform=transform), access)
     with dataset.open() as opened:
         verify = opened.load(0, min(VERIFY_SAMPLES, dataset.num_samples))
     quantized = quantize_export(Path(fp32_path).read_bytes(), options, InProcessPasses(dataset, batch_size), verify)

@@ -13,9 +13,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bnrecal.errors import Int8GuardError
+from bnrecal.workers.engine.evaluation import EvalMetrics
 from bnrecal.workers.ranks.plan import GroupPass
 
 from bnrecal.service.export.graph_reuse import GraphReuse
@@ -26,7 +26,7 @@ from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.int8 import fp32_bytes_for, quantize_export
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
-from bnrecal.service.run.report import ONNX_RUNTIME, add_to_timeline, where_ranks_ran
+from bnrecal.service.run.report import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
 
 HOST = "host"
 EXPORTING_PHASE = "exporting"
@@ -132,10 +132,10 @@ def _make_int8(
         stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, openvino=False,
                                                                    **kwargs))
 
-    def evaluated(metrics: dict[str, Any]) -> None:
+    def evaluated(metrics: EvalMetrics, seconds: float) -> None:
         assert evaluation is not None
-        report.evaluation = {"data": evaluation.dataset.summary(), **metrics, "collectives": 1,
-                             "runtime": ONNX_RUNTIME}
+        report.evaluation = EvaluationSection.of(DataSummary.model_validate(evaluation.dataset.summary()), metrics,
+                                                 seconds, ONNX_RUNTIME)
 
     try:
         quantized = quantize_export(
@@ -150,7 +150,7 @@ def _make_int8(
     check_cancel(cancel)
     quantized.write(outputs.int8)
     section = quantized.section
-    section["attempts"] = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
-    section["retried_failures"] = failures
+    section.attempts = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
+    section.retried_failures = failures
     result.report.int8 = section
     return spent[0]

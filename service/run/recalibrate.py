@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bnrecal.workers.data import describe_dataset
+from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.export.graph_reuse import GraphReuse
@@ -28,6 +28,7 @@ from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
+from bnrecal.service.run.report import ProgramSection
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
     RecalibrationRequest,
@@ -74,15 +75,16 @@ def recalibrate(
     require_batchnorm_layers(model, loaded.label)  # before the data is read: nothing to do
     dataset = describe_dataset(
         request.data,
-        transform=request.transform,
-        max_samples=request.sample_limit,
-        **settings.unpack_options(),
-        name=request.data_name,
-        endpoint_url=settings.s3_endpoint_url,
-        order=request.order,
-        seed=request.seed,
-        image_column=request.image_column,
-        columns_elsewhere="ignore",
+        ReadOptions(
+            transform=request.transform,
+            max_samples=request.sample_limit,
+            name=request.data_name,
+            order=request.order,
+            seed=request.seed,
+            image_column=request.image_column,
+            columns_elsewhere="ignore",
+        ),
+        settings.data_access(),
     )
     with dataset.open() as data:
         probe = data.load(0, 1)
@@ -114,7 +116,7 @@ def recalibrate(
             head=result.head, evaluation_later=later,
         )
         if loaded.is_program:
-            result.report.program = {"name": loaded.source.name, "batch": model.batch.describe()}  # type: ignore[union-attr]
+            result.report.program = ProgramSection(name=loaded.source.name, batch=model.batch.describe())  # type: ignore[union-attr]
         if outputs is not None and outputs.any:
             make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel,
                          reuse=reuse)

@@ -3,9 +3,11 @@
 One typed object, :class:`Report`, built once by the run core (``service.run.core``) from
 what the ranks returned; the phases after the statistics (the ONNX and INT8 exports, the
 server's job label) fill their own section, and the report is serialised once
-(:meth:`Report.to_dict`, :func:`write_report`). It reads like the JSON it becomes
-(``report["samples"]``, ``report.get("onnx")``: a read-only mapping of ``to_dict()``), so
-code that reads a ``report.json`` reads the object the same way.
+(:meth:`Report.to_dict`, :func:`write_report`). Every part is a typed model
+(``service.report_part``; the ``onnx`` and ``int8`` sections are the exports' own,
+``service.export.report_sections``), read by attribute or by its JSON key
+(``report["samples"]``, ``report.get("onnx")``: the same objects, nothing copied), so code
+that reads a ``report.json`` reads the object the same way.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 import torch
 
@@ -24,16 +28,14 @@ from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.local import IN_PROCESS
 
+from bnrecal.service.export.report_sections import Int8Section, OnnxSection
+from bnrecal.service.report_part import ReportPart
 from bnrecal.service.run.options import AUTO, RunOptions
 
 if TYPE_CHECKING:  # annotations only: writing a report (bnrecal export) needs neither Ray nor the data readers
+    from bnrecal.workers.engine.evaluation import EvalMetrics, ModelScores
     from bnrecal.workers.engine.moments import MomentStats
     from bnrecal.workers.ranks.plan import GroupResult
-
-Section = dict[str, Any]
-"""A section written by a phase after the statistics (``onnx``, ``int8``, ``evaluation``,
-``job``, ...): plain JSON, its fields listed in docs/report.md and the phase's own page."""
-
 
 @dataclass(frozen=True)
 class LayerDrift:
@@ -47,12 +49,12 @@ class LayerDrift:
     stats: MomentStats | None = None
 
 
-@dataclass(frozen=True)
-class LayerReport:
-    """How far one layer's statistics moved, and how precisely they are known (``layers[]``)."""
+class LayerReport(ReportPart):
+    """How far one layer's statistics moved, and how precisely they are known (``layers[]``;
+    ``class_name`` is written as ``class``)."""
 
     name: str
-    class_name: str
+    class_name: str = Field(alias="class")
     channels: int
     calls: int
     mean_shift: float | None
@@ -63,33 +65,20 @@ class LayerReport:
     se_var_max: float | None = None
     se_var_median: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON entry (``class_name`` is written as ``class``)."""
-        entry = asdict(self)
-        entry["class"] = entry.pop("class_name")
-        return {key: entry[key] for key in LAYER_KEYS}
-
 
 PYTORCH_RUNTIME, ONNX_RUNTIME = "pytorch", "onnxruntime"
 """Where the evaluation before and after was measured (``evaluation.runtime``): the model
 itself beside the statistics, or its folded FP32 exports in the INT8 export's passes."""
 
-LAYER_KEYS = (
-    "name", "class", "channels", "calls", "mean_shift", "var_ratio_max", "var_ratio_min",
-    "se_mean_max", "se_mean_median", "se_var_max", "se_var_median",
-)
 
-
-@dataclass(frozen=True)
-class SkippedLayerReport:
+class SkippedLayerReport(ReportPart):
     """A BN layer left as it was, and why (``skipped[]``)."""
 
     name: str
     reason: str
 
 
-@dataclass(frozen=True)
-class WorstError:
+class WorstError(ReportPart):
     """The largest standard error of any layer's new statistics (``standard_error_max``)."""
 
     layer: str
@@ -97,8 +86,7 @@ class WorstError:
     error: float
 
 
-@dataclass(frozen=True)
-class Convergence:
+class Convergence(ReportPart):
     """Where a ``max_samples: "auto"`` run stopped (``convergence``)."""
 
     tolerance: float
@@ -110,8 +98,7 @@ class Convergence:
     worst: WorstError | None
 
 
-@dataclass(frozen=True)
-class DatasetReport:
+class DatasetReport(ReportPart):
     """The calibration data as used (``dataset``)."""
 
     kind: str
@@ -119,8 +106,7 @@ class DatasetReport:
     sample_shape: list[int]
 
 
-@dataclass
-class TimelineEntry:
+class TimelineEntry(ReportPart):
     """One phase of the run (``timeline[]``): its wall seconds, the samples it read, its
     passes over them, and where it ran (``ranks``, ``in-process`` for a one-worker run in
     the calling process, or ``host`` for the driver's own work)."""
@@ -147,11 +133,11 @@ def add_to_timeline(report: Report, phase: str, seconds: float, samples: int, pa
             entry.samples += samples
             entry.passes += passes
             return
-    report.timeline.append(TimelineEntry(phase, round(seconds, 6), samples, passes, where))
+    report.timeline.append(TimelineEntry(phase=phase, seconds=round(seconds, 6), samples=samples, passes=passes,
+                                          where=where))
 
 
-@dataclass
-class DecodingReport:
+class DecodingReport(ReportPart):
     """What the ranks decoded over the whole job (``decoding``, docs/report.md): each decode
     of a sample, the reads later passes took from what the ranks kept, the bytes kept in
     memory and spilled to local disk, the samples no budget had room for, and each rank's
@@ -178,11 +164,133 @@ class Placement:
     object_store_bytes: int = 0
 
 
-@dataclass
-class Report(Mapping[str, Any]):
+class DataSummary(ReportPart):
+    """Data as a run used it (``data``, ``evaluation.data``): its kind, where it came from,
+    how many samples of how many, their shape and order; arrays add their storage, shards
+    their format, images their transform. Fields a reader of this release does not know
+    are kept as they came."""
+
+    OMIT_WHEN_NONE = frozenset({"order", "seed", "steps", "storage", "dtype", "array", "transform", "classes",
+                                "format", "shards", "image_column"})
+
+    kind: str
+    source: str | None = None
+    samples: int
+    steps: int | None = None
+    total_samples: int | None = None
+    sample_shape: list[int]
+    order: str | None = None
+    seed: int | None = None
+    storage: str | None = None
+    dtype: str | None = None
+    array: str | None = None
+    transform: dict[str, Any] | None = None  # the transform as given (docs/data.md), free-form
+    classes: int | None = None
+    format: str | None = None
+    shards: int | None = None
+    image_column: str | None = None
+
+
+class ModelSection(ReportPart):
+    """How the Python API's model travelled (``model``): ``program`` or ``pickle``, its name,
+    why an export was not used; or the server and job it ran as."""
+
+    OMIT_WHEN_NONE = frozenset({"notes", "server", "job"})
+
+    transport: str
+    name: str
+    notes: list[str] | None = None
+    server: str | None = None
+    job: str | None = None
+
+
+class ProgramSection(ReportPart):
+    """A ``torch.export`` program's name and how its batch dimension is fed (``program``)."""
+
+    name: str
+    batch: str
+
+
+class Scores(ReportPart):
+    """One model's accuracy on the labelled evaluation data (top-5 with 10 classes or more)."""
+
+    OMIT_WHEN_NONE = frozenset({"top5"})
+
+    top1: float
+    top5: float | None = None
+    cross_entropy: float
+
+    @classmethod
+    def of(cls, scores: ModelScores | None) -> Scores | None:
+        """The scores as the ranks measured them."""
+        if scores is None:
+            return None
+        return cls(top1=scores.top1, top5=scores.top5, cross_entropy=scores.cross_entropy)
+
+
+class EvaluationSection(ReportPart):
+    """The evaluation before and after (``evaluation``, docs/evaluation.md)."""
+
+    OMIT_WHEN_NONE = frozenset({"before", "after", "note"})
+
+    data: DataSummary
+    samples: int
+    classes: int
+    output_shape: list[int]
+    labelled: bool
+    prediction_change: float
+    kl_divergence: float
+    before: Scores | None = None
+    after: Scores | None = None
+    note: str | None = None
+    seconds: float
+    collectives: int
+    runtime: Literal["pytorch", "onnxruntime"]
+
+    @classmethod
+    def of(cls, data: DataSummary, metrics: EvalMetrics, seconds: float, runtime: str) -> EvaluationSection:
+        """The section from the ranks' combined metrics (``workers.engine.evaluation``)."""
+        return cls(
+            data=data, samples=metrics.samples, classes=metrics.classes, output_shape=list(metrics.output_shape),
+            labelled=metrics.labelled, prediction_change=metrics.prediction_change,
+            kl_divergence=metrics.kl_divergence, before=Scores.of(metrics.before), after=Scores.of(metrics.after),
+            note=metrics.note, seconds=seconds, collectives=1, runtime=runtime,  # type: ignore[arg-type]
+        )
+
+
+class InputFile(ReportPart):
+    """An uploaded input of a job: its file name and blob digest."""
+
+    filename: str | None
+    digest: str | None
+
+
+class Versions(ReportPart):
+    """The software that wrote the report."""
+
+    bnrecal: str
+    torch: str
+    python: str
+
+
+class JobSection(ReportPart):
+    """What names a server job in its report (``job``)."""
+
+    id: str
+    submitted_at: str
+    written_at: str
+    inputs: dict[str, InputFile]
+    versions: Versions
+    hosts: dict[str, str]
+
+
+class Report(ReportPart):
     """The run report: built once by the run core; the phases after the statistics set their
-    own section (``onnx``, ``int8``, ``evaluation``, ``job``...). Read it as its JSON
-    (``report["layers"][0]["name"]``), or by attribute (``report.layers[0].name``)."""
+    own section (``onnx``, ``int8``, ``evaluation``, ``job``...). Read it by attribute
+    (``report.layers[0].name``) or by its JSON keys (``report["layers"][0]["name"]``)."""
+
+    OMIT_WHEN_NONE = frozenset({"convergence", "decoding", "model", "data", "program", "evaluation", "onnx", "int8",
+                                "job"})
 
     arch: str | None
     mode: str
@@ -212,82 +320,20 @@ class Report(Mapping[str, Any]):
     seed: int | None
     standard_error_max: WorstError | None
     convergence: Convergence | None = None
-    timeline: list[TimelineEntry] = field(default_factory=list)
+    timeline: list[TimelineEntry] = Field(default_factory=list)
     decoding: DecodingReport | None = None
-    model: Section | None = None
-    data: Section | None = None
-    program: Section | None = None
-    evaluation: Section | None = None
-    onnx: Section | None = None
-    int8: Section | None = None
-    job: Section | None = None
-    extra: Section = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready data, in ``report.json``'s field order (a section a run
-        did not have is left out; ``standard_error_max`` and ``seed`` are kept as null)."""
-        out: dict[str, Any] = {}
-        for item in fields(self):
-            if item.name == "extra":
-                continue
-            value = getattr(self, item.name)
-            if value is None and item.name in OPTIONAL_SECTIONS:
-                continue
-            out[item.name] = _plain(value)
-        out.update(self.extra)
-        return out
+    model: ModelSection | None = None
+    data: DataSummary | None = None
+    program: ProgramSection | None = None
+    evaluation: EvaluationSection | None = None
+    onnx: OnnxSection | None = None
+    int8: Int8Section | None = None
+    job: JobSection | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Report:
         """A report read back from its JSON (a server job's ``report``)."""
-        known = {item.name for item in fields(cls)} - {"extra"}
-        values: dict[str, Any] = {name: data.get(name) for name in known}
-        values["dataset"] = DatasetReport(**data["dataset"]) if data.get("dataset") else None
-        values["layers"] = [_layer_from(entry) for entry in data.get("layers", [])]
-        values["skipped"] = [SkippedLayerReport(**entry) for entry in data.get("skipped", [])]
-        values["timeline"] = [TimelineEntry(**entry) for entry in data.get("timeline") or []]
-        values["decoding"] = DecodingReport(**data["decoding"]) if data.get("decoding") else None
-        values["standard_error_max"] = _worst_from(data.get("standard_error_max"))
-        reached = data.get("convergence")
-        values["convergence"] = (
-            Convergence(**{**reached, "worst": _worst_from(reached.get("worst"))}) if reached else None
-        )
-        return cls(**values, extra={key: value for key, value in data.items() if key not in known})
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.to_dict()
-
-
-OPTIONAL_SECTIONS = ("convergence", "decoding", "model", "data", "program", "evaluation", "onnx", "int8", "job")
-
-
-def _plain(value: Any) -> Any:
-    """A field's JSON form: dataclasses by their ``to_dict``/fields, lists item by item."""
-    if isinstance(value, LayerReport):
-        return value.to_dict()
-    if hasattr(value, "__dataclass_fields__"):
-        return {item.name: _plain(getattr(value, item.name)) for item in fields(value)}
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    return value
-
-
-def _layer_from(entry: Mapping[str, Any]) -> LayerReport:
-    values = {key: entry.get(key) for key in LAYER_KEYS if key != "class"}
-    return LayerReport(class_name=entry.get("class", ""), **values)
-
-
-def _worst_from(entry: Mapping[str, Any] | None) -> WorstError | None:
-    return WorstError(**entry) if entry else None
+        return cls.model_validate(data)
 
 
 def build_report(
@@ -334,9 +380,9 @@ def build_report(
         attempts=len(attempts) + 1,
         retried_failures=list(attempts),
         cpus_per_worker=placement.cpus_per_worker,
-        dataset=DatasetReport(dataset.kind, dataset.num_samples, list(dataset.sample_shape)),
+        dataset=DatasetReport(kind=dataset.kind, samples=dataset.num_samples, sample_shape=list(dataset.sample_shape)),
         layers=entries,
-        skipped=[SkippedLayerReport(s.name, s.reason) for s in skipped],
+        skipped=[SkippedLayerReport(name=s.name, reason=s.reason) for s in skipped],
         embedded_cluster=placement.embedded_cluster,
         order=order,
         seed=getattr(dataset, "seed", 0) if order == "shuffled" else None,
@@ -352,7 +398,7 @@ def worst_standard_error(layers: Sequence[LayerReport]) -> WorstError | None:
     for entry in layers:
         for statistic, value in (("mean", entry.se_mean_max), ("variance", entry.se_var_max)):
             if value is not None and (worst is None or value > worst.error):
-                worst = WorstError(entry.name, statistic, value)
+                worst = WorstError(layer=entry.name, statistic=statistic, error=value)
     return worst
 
 
@@ -397,10 +443,10 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def write_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the report (a :class:`Report`, or a report section's plain data) as indented
-    JSON, atomically."""
-    data = report.to_dict() if isinstance(report, Report) else dict(report)
+def write_report(report: ReportPart, path: str | os.PathLike[str]) -> None:
+    """Write the report (or a part of it, such as ``bnrecal export``'s smaller report) as
+    indented JSON, atomically."""
+    data = report.to_dict()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"

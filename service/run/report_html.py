@@ -15,16 +15,19 @@ import math
 import os
 import platform
 import re
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, select_autoescape
 
 from bnrecal.workers.files import atomic_write
+
+if TYPE_CHECKING:  # the page's module stays light: the console imports its wording, without torch
+    from bnrecal.service.run.report import EvaluationSection, JobSection, LayerReport, Report
 
 _TEMPLATE = """<!doctype html>
 <html lang="en">
@@ -171,46 +174,42 @@ _METRICS = (("top1", "top-1 accuracy"), ("top5", "top-5 accuracy"), ("cross_entr
 _ENVIRONMENT = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
 
 
-def render_html_report(report: dict[str, Any]) -> str:
-    """The report (``report.json``'s content) as one self-contained HTML page."""
-    layers = report.get("layers", [])
-    nodes = report.get("nodes", [])
-    formats = report.get("memory_formats", [])
-    collectives = report.get("collectives_per_rank", [])
+def render_html_report(report: Report) -> str:
+    """The report as one self-contained HTML page."""
+    hosts = report.job.hosts if report.job is not None else {}
+    formats, collectives = report.memory_formats, report.collectives_per_rank
     ranks = [
         {
             "rank": rank,
             "node": node,
-            "host": ((report.get("job") or {}).get("hosts") or {}).get(node),
+            "host": hosts.get(node),
             "layout": formats[rank] if rank < len(formats) else "",
             "collectives": collectives[rank] if rank < len(collectives) else "",
         }
-        for rank, node in enumerate(nodes)
+        for rank, node in enumerate(report.nodes)
     ]
-    dataset = report.get("dataset", {})
-    program = report.get("program")
-    model = report.get("arch") or (f"program {program['name']}" if program else "")
+    dataset, program = report.dataset, report.program
+    model = report.arch or (f"program {program.name}" if program else "")
     job = [
-        ("architecture", report.get("arch")) if not program else ("program", f"{program['name']} ({program['batch']})"),
-        ("mode", report.get("mode")),
-        ("workers", f"{report.get('world_size')} ({report.get('backend')}, {report.get('device')})"),
-        ("batch size", report.get("batch_size")),
-        ("samples / steps", f"{report.get('samples')} / {report.get('steps')}"),
-        ("data", f"{dataset.get('kind')}, {dataset.get('samples')} samples of {dataset.get('sample_shape')}"),
-        ("calibration pass", f"{report.get('seconds', 0):.2f} s, {report.get('samples_per_second') or 0:.1f} samples/s"),
-        ("placement / transport", f"{report.get('placement')} / {report.get('data_transport')}"),
-        ("attempts", report.get("attempts")),
+        ("architecture", report.arch) if not program else ("program", f"{program.name} ({program.batch})"),
+        ("mode", report.mode),
+        ("workers", f"{report.world_size} ({report.backend}, {report.device})"),
+        ("batch size", report.batch_size),
+        ("samples / steps", f"{report.samples} / {report.steps}"),
+        ("data", f"{dataset.kind}, {dataset.samples} samples of {dataset.sample_shape}"),
+        ("calibration pass", f"{report.seconds:.2f} s, {report.samples_per_second or 0:.1f} samples/s"),
+        ("placement / transport", f"{report.placement} / {report.data_transport}"),
+        ("attempts", report.attempts),
     ]
-    evaluation = report.get("evaluation")
-    accuracy_chart = accuracy_chart_svg(evaluation) if evaluation and evaluation.get("before") else ""
+    evaluation = report.evaluation
+    accuracy_chart = accuracy_chart_svg(evaluation) if evaluation is not None and evaluation.before else ""
     template = _ENVIRONMENT.from_string(_TEMPLATE)
-    context = report.get("job") or {}
     precision = precision_sentence(report)
     return template.render(
-        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(layers), fmt=_format, pct=_percent,
+        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(report.layers), fmt=_format, pct=_percent,
         precision=precision, precision_chart=precision_chart_svg(report) if precision else "",
         ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
-        context=context, versions=context.get("versions") or software_versions(),
+        context=report.job or {}, versions=report.job.versions.to_dict() if report.job else software_versions(),
     )
 
 
@@ -236,18 +235,20 @@ class JobLabel:
     inputs: dict[str, dict[str, str | None]]
 
 
-def job_section(label: JobLabel, nodes: list[str] | None = None) -> dict[str, Any]:
+def job_section(label: JobLabel, nodes: list[str] | None = None) -> JobSection:
     """What names the job in its report: its id, when it was submitted and the report
     written, its inputs (file name and digest by spec field), the software versions, and
     the host name of each Ray node its ranks ran on (``nodes``: their ids)."""
-    return {
-        "id": label.id,
-        "submitted_at": label.submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
-        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "inputs": label.inputs,
-        "versions": software_versions(),
-        "hosts": node_hosts(nodes or []),
-    }
+    from bnrecal.service.run.report import InputFile, JobSection, Versions
+
+    return JobSection(
+        id=label.id,
+        submitted_at=label.submitted_at.astimezone(UTC).isoformat(timespec="seconds"),
+        written_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        inputs={field: InputFile.model_validate(entry) for field, entry in label.inputs.items()},
+        versions=Versions.model_validate(software_versions()),
+        hosts=node_hosts(nodes or []),
+    )
 
 
 def node_hosts(nodes: list[str]) -> dict[str, str]:
@@ -265,27 +266,27 @@ def node_hosts(nodes: list[str]) -> dict[str, str]:
     }
 
 
-def write_html_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the HTML report (of a :class:`~bnrecal.service.run.report.Report`, or its JSON), atomically."""
+def write_html_report(report: Report, path: str | os.PathLike[str]) -> None:
+    """Write the HTML report, atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = render_html_report(report.to_dict() if hasattr(report, "to_dict") else dict(report))
+    text = render_html_report(report)
     atomic_write(target, lambda temp: temp.write_text(text, encoding="utf-8"))
 
 
-def drift_chart_svg(layers: list[dict[str, Any]]) -> str:
+def drift_chart_svg(layers: Sequence[LayerReport]) -> str:
     """Mean shift and variance ratio of each layer against its depth, as inline SVG."""
     return _inline_svg(drift_figure(layers))
 
 
-def drift_figure(layers: list[dict[str, Any]]) -> Any:
+def drift_figure(layers: Sequence[LayerReport]) -> Any:
     """The drift chart as a matplotlib figure (its legend right of the axes, over no point)."""
     from matplotlib.figure import Figure
 
     depth = list(range(len(layers)))
-    shifts = [_number(layer.get("mean_shift")) for layer in layers]
-    ratios = [_ratio(layer.get("var_ratio_max")) for layer in layers]
-    lows = [_ratio(layer.get("var_ratio_min")) for layer in layers]
+    shifts = [_number(layer.mean_shift) for layer in layers]
+    ratios = [_ratio(layer.var_ratio_max) for layer in layers]
+    lows = [_ratio(layer.var_ratio_min) for layer in layers]
     width = min(40.0, max(8.0, 0.28 * len(layers)))
     figure = Figure(figsize=(width, 5.0), layout="constrained")
     top, bottom = figure.subplots(2, 1, sharex=True)
@@ -299,7 +300,7 @@ def drift_figure(layers: list[dict[str, Any]]) -> Any:
     bottom.set_yscale("log")
     bottom.set_ylabel("variance ratio (new / old)")
     bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)  # outside: never over a point
-    bottom.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
+    bottom.set_xticks(depth, [layer.name for layer in layers], rotation=90, fontsize=7)
     bottom.set_xlabel("BN layer, in module order")
     for axes in (top, bottom):
         axes.grid(axis="y", alpha=0.3)
@@ -311,73 +312,75 @@ STANDARD_ERROR_MEANING = "about how far more data of the same kind would move th
 console (service/cli/console.py) and on the web page's job view (api/static/format.js)."""
 
 
-def precision_sentence(report: dict[str, Any]) -> str:
+def precision_sentence(report: Report) -> str:
     """Where ``max_samples: "auto"`` stopped, or the worst standard error; empty without any."""
-    worst = report.get("standard_error_max")
-    if not worst:
+    worst = report.standard_error_max
+    if worst is None:
         return ""
-    where = f"worst: {worst['layer']}, {worst['statistic']} \u00b1{worst['error']:.1%}"
-    convergence = report.get("convergence")
-    if convergence:
-        seen = f"{convergence['samples']:,} of {convergence['available_samples']:,} samples"
-        if convergence["converged"]:
-            return (f"Statistics converged at {seen}: every standard error under \u00b1{convergence['tolerance']:.1%}, "
+    where = f"worst: {worst.layer}, {worst.statistic} \u00b1{worst.error:.1%}"
+    convergence = report.convergence
+    if convergence is not None:
+        seen = f"{convergence.samples:,} of {convergence.available_samples:,} samples"
+        if convergence.converged:
+            return (f"Statistics converged at {seen}: every standard error under \u00b1{convergence.tolerance:.1%}, "
                     f"{STANDARD_ERROR_MEANING} ({where}).")
-        return (f"Did not converge to a standard error of \u00b1{convergence['tolerance']:.1%} on all {seen} "
+        return (f"Did not converge to a standard error of \u00b1{convergence.tolerance:.1%} on all {seen} "
                 f"({where}): give more data.")
-    return (f"Statistics \u00b1{worst['error']:.1%}, the standard error of {report.get('samples')} samples: "
+    return (f"Statistics \u00b1{worst.error:.1%}, the standard error of {report.samples} samples: "
             f"{STANDARD_ERROR_MEANING} ({where}).")
 
 
-def precision_chart_svg(report: dict[str, Any]) -> str:
+def precision_chart_svg(report: Report) -> str:
     """Each layer's standard errors (median to worst channel) against its depth, as inline SVG."""
     return _inline_svg(precision_figure(report))
 
 
-def precision_figure(report: dict[str, Any]) -> Any:
+def precision_figure(report: Report) -> Any:
     """The error bars per layer: mean (std units) and variance (relative), in percent, with
     the tolerance of ``max_samples: "auto"`` as a line."""
     from matplotlib.figure import Figure
 
-    layers = report.get("layers", [])
+    layers = report.layers
     depth = list(range(len(layers)))
     width = min(40.0, max(8.0, 0.28 * len(layers)))
     figure = Figure(figsize=(width, 3.2), layout="constrained")
     axes = figure.subplots()
     for offset, key, color, label in ((-0.15, "se_mean", "#3b6ea8", "mean (std units)"),
                                       (0.15, "se_var", "#c0633a", "variance (relative)")):
-        median = [100 * _number(layer.get(f"{key}_median")) for layer in layers]
-        worst = [100 * _number(layer.get(f"{key}_max")) for layer in layers]
+        median = [100 * _number(layer[f"{key}_median"]) for layer in layers]
+        worst = [100 * _number(layer[f"{key}_max"]) for layer in layers]
         x = [d + offset for d in depth]
         axes.vlines(x, median, worst, color=color, linewidth=3)
         axes.scatter(x, worst, color=color, marker="_", s=60, zorder=3, label=f"{label}: worst")
         axes.scatter(x, median, color=color, marker="o", s=14, zorder=3, label=f"{label}: median")
-    tolerance = (report.get("convergence") or {}).get("tolerance")
+    tolerance = report.convergence.tolerance if report.convergence is not None else None
     if tolerance:
         axes.axhline(100 * tolerance, color="#555", linestyle="--", linewidth=0.8, label="tolerance")
     axes.set_ylabel("standard error (%)")
     axes.set_ylim(bottom=0)
     axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-    axes.set_xticks(depth, [layer.get("name", "") for layer in layers], rotation=90, fontsize=7)
+    axes.set_xticks(depth, [layer.name for layer in layers], rotation=90, fontsize=7)
     axes.grid(axis="y", alpha=0.3)
     return figure
 
 
-def accuracy_chart_svg(evaluation: dict[str, Any]) -> str:
+def accuracy_chart_svg(evaluation: EvaluationSection) -> str:
     """Accuracy before and after recalibration, side by side per metric, as inline SVG."""
     return _inline_svg(accuracy_figure(evaluation))
 
 
-def accuracy_figure(evaluation: dict[str, Any]) -> Any:
+def accuracy_figure(evaluation: EvaluationSection) -> Any:
     """The accuracy chart as a matplotlib figure (its legend right of the axes, over no bar)."""
     from matplotlib.figure import Figure
 
-    names = [name for name in ("top1", "top5") if name in evaluation["before"]]
+    assert evaluation.before is not None and evaluation.after is not None
+    scores = {"before": evaluation.before, "after": evaluation.after}
+    names = [name for name in ("top1", "top5") if name in evaluation.before]
     figure = Figure(figsize=(5.0, 2.8), layout="constrained")
     axes = figure.subplots()
     positions = range(len(names))
     for offset, (when, color) in ((-0.2, ("before", "#9aa5b1")), (0.2, ("after", "#2e8b57"))):
-        values = [evaluation[when][name] for name in names]
+        values = [scores[when][name] for name in names]
         bars = axes.bar([p + offset for p in positions], values, width=0.38, color=color, label=when)
         axes.bar_label(bars, fmt="%.3f", fontsize=8)
     axes.set_xticks(list(positions), [name.replace("top", "top-") for name in names])

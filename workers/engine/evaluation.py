@@ -43,6 +43,34 @@ _TOTALS = (
 _INDEX = {name: i for i, name in enumerate(_TOTALS)}
 
 StepCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """One model's accuracy on the labelled evaluation data: top-1, cross-entropy (mean,
+    natural log) and, for models of ``TOP5_MIN_CLASSES`` classes or more, top-5."""
+
+    top1: float
+    cross_entropy: float
+    top5: float | None = None
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    """The evaluation before and after, combined over the ranks (docs/evaluation.md, "What is
+    measured"): the report's ``evaluation`` section without its data and runtime; ``seconds``
+    is the pass of the rank that measured it, where timed."""
+
+    samples: int
+    classes: int
+    output_shape: list[int]
+    labelled: bool
+    prediction_change: float
+    kl_divergence: float
+    before: ModelScores | None = None
+    after: ModelScores | None = None
+    note: str | None = None
+    seconds: float | None = None
 """Called after each evaluation batch with the number of samples this rank evaluated in it."""
 
 
@@ -146,28 +174,23 @@ class EvalTotals:
                 v[i[f"top5_{name}"]] += (top5 == y[:, None]).any(1).sum().item()
             v[i[f"ce_{name}"]] += F.nll_loss(logits, y, reduction="sum").item()
 
-    def summary(self, target: EvalTarget) -> dict[str, Any]:
+    def summary(self, target: EvalTarget) -> EvalMetrics:
         """The report's metrics from the (combined) totals."""
         v = {name: float(self.values[i]) for name, i in _INDEX.items()}
         positions = max(v["positions"], 1.0)
-        result: dict[str, Any] = {
-            "samples": int(v["samples"]),
-            "classes": target.classes,
-            "output_shape": list(target.output_shape),
-            "labelled": target.labelled,
-            "prediction_change": v["changed"] / positions,
-            "kl_divergence": v["kl"] / positions,
-        }
+        scores: dict[str, ModelScores] = {}
         if target.labelled and v["labelled"] > 0:
             for name in ("before", "after"):
-                metrics = {"top1": v[f"top1_{name}"] / v["labelled"]}
-                if target.classes >= TOP5_MIN_CLASSES:
-                    metrics["top5"] = v[f"top5_{name}"] / v["labelled"]
-                metrics["cross_entropy"] = v[f"ce_{name}"] / v["labelled"]
-                result[name] = metrics
-        if target.note:
-            result["note"] = target.note
-        return result
+                scores[name] = ModelScores(
+                    top1=v[f"top1_{name}"] / v["labelled"],
+                    cross_entropy=v[f"ce_{name}"] / v["labelled"],
+                    top5=v[f"top5_{name}"] / v["labelled"] if target.classes >= TOP5_MIN_CLASSES else None,
+                )
+        return EvalMetrics(
+            samples=int(v["samples"]), classes=target.classes, output_shape=list(target.output_shape),
+            labelled=target.labelled, prediction_change=v["changed"] / positions, kl_divergence=v["kl"] / positions,
+            before=scores.get("before"), after=scores.get("after"), note=target.note or None,
+        )
 
 
 def _positions(logits: torch.Tensor) -> torch.Tensor:
@@ -188,7 +211,7 @@ def evaluation_pass(
     device: torch.device | str = "cpu",
     channels_last: bool = False,
     on_step: StepCallback | None = None,
-) -> tuple[dict[str, Any], float]:
+) -> tuple[EvalMetrics, float]:
     """Evaluate this rank's batches with both models, then combine every rank's totals.
 
     ``labels`` holds each batch's labels (None without labels). Every rank makes exactly

@@ -19,6 +19,7 @@ from bnrecal.workers.data import CalibrationData
 from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope, release_kept
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.engine.evaluation import EvalMetrics
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from bnrecal.workers.ranks.collectives import RayCollective
@@ -40,7 +41,7 @@ class _Finished:
     """The work thread's last message: the calibration pass and the evaluation, if any."""
 
     calibration: PassResult
-    evaluation: dict[str, Any] | None
+    evaluation: EvalMetrics | None
 
 
 class CalibrationRank:
@@ -192,7 +193,7 @@ class CalibrationRank:
         shard: CalibrationData | None,
         collective: RayCollective,
         emit: Callable[[RankEvent], None],
-    ) -> dict[str, Any]:
+    ) -> EvalMetrics:
         """Evaluate this rank's evaluation shard before and after; every rank gets the job's metrics."""
 
         def on_samples(samples: int) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from bnrecal.workers.engine.evaluation import EvalMetrics
+
 
 @dataclass(frozen=True)
 class RankStarted:
@@ -59,7 +61,7 @@ class CalibrationDone:
     memory_format: str
     stats: Any
     convergence: dict[str, Any] | None
-    evaluation: dict[str, Any] | None
+    evaluation: EvalMetrics | None
     head: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 

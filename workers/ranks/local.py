@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
-from bnrecal.workers.engine.evaluation import evaluation_pass, with_statistics
+from bnrecal.workers.engine.evaluation import EvalMetrics, evaluation_pass, with_statistics
 from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.plan import GroupResult, RankPlan
 from bnrecal.workers.ranks.sharding import rank_ranges, step_ranges
@@ -83,7 +83,7 @@ def evaluate_rank(
     shard: CalibrationData | None,
     collective: Collective,
     on_samples: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> EvalMetrics:
     """Evaluate rank ``rank``'s evaluation shard before and after; every rank gets the job's metrics."""
     evaluation = plan.evaluation
     assert evaluation is not None
@@ -103,7 +103,7 @@ def evaluate_rank(
         channels_last=calibration.memory_format == "channels_last",
         on_step=on_samples,
     )
-    return {**metrics, "seconds": seconds}
+    return replace(metrics, seconds=seconds)
 
 
 def run_in_process(

@@ -11,7 +11,7 @@ import numpy as np
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.calibration import StopRule
-from bnrecal.workers.engine.evaluation import EvalTarget
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.workers.models.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class GroupResult:
     nodes: list[str]
     calls: list[int] = field(default_factory=list)
     memory_formats: list[str] = field(default_factory=list)
-    evaluation: dict[str, Any] | None = None
+    evaluation: EvalMetrics | None = None
     convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
     head: torch.Tensor | None = None  # the first ``RankPlan.head`` samples the ranks read, in order
 

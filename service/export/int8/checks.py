@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from bnrecal.errors import ExportError, first_line
 from bnrecal.workers.engine.ranges import fixed_batch
 from bnrecal.workers.ranks.ort.rank_pass import scoring_session
 
+from bnrecal.service.export.report_sections import Int8Checks, RuntimeChecks, RuntimeEntry
 from bnrecal.service.export.runtimes import (
     cpu_saturates_int8,
     largest_difference,
@@ -41,7 +41,7 @@ largest difference plus this share of the outputs' scale: the runtimes round req
 values in their own kernels, a graph read differently is off by the outputs' scale."""
 
 
-def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> Int8Checks:
     """Full checker, then the INT8 and FP32 files on ``batches``: the largest absolute
     difference of their outputs and the FP32 outputs' scale, in onnxruntime and in OpenVINO
     (``runtimes``). Raises ``ExportError`` when the file fails the checker, does not run,
@@ -72,22 +72,20 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
         worst, scale = largest_difference(got_all, expected_all)
     except ValueError as exc:
         raise ExportError(f"INT8 {exc}; no file written") from exc
-    return {"max_abs_diff": worst, "fp32_max_abs": scale,
-            "runtimes": _openvino_agreement(int8_model, batches, got_all, expected_all, worst)}
+    return Int8Checks(max_abs_diff=worst, fp32_max_abs=scale,
+                      runtimes=_openvino_agreement(int8_model, batches, got_all, expected_all, worst))
 
 
 def _openvino_agreement(int8_model: bytes, batches: Sequence[np.ndarray], onnxruntime_outputs: list,
-                        fp32_outputs: list, onnxruntime_diff: float) -> dict[str, Any]:
+                        fp32_outputs: list, onnxruntime_diff: float) -> RuntimeChecks:
     """The report's ``runtimes``: each runtime's largest difference from the FP32 export (in
     onnxruntime), and OpenVINO's from onnxruntime's INT8 outputs."""
     import onnx
 
     if any(node.domain == "com.microsoft" for node in onnx.load_from_string(int8_model).graph.node):
-        openvino = {"ran": False, "reason": "16-bit Q/DQ before opset 21 are onnxruntime's own (com.microsoft) ops, "
-                    "which OpenVINO does not read"}
-        return {"reference": "the FP32 export in onnxruntime, on the verified batches",
-                "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": onnxruntime_diff},
-                "openvino": openvino}
+        openvino = RuntimeEntry(ran=False, reason="16-bit Q/DQ before opset 21 are onnxruntime's own (com.microsoft) "
+                                "ops, which OpenVINO does not read")
+        return _runtimes(onnxruntime_diff, openvino)
     try:
         run = run_openvino(int8_model, batches)
         if run.outputs is None:
@@ -108,11 +106,15 @@ def _openvino_agreement(int8_model: bytes, batches: Sequence[np.ndarray], onnxru
                 raise ExportError(f"{strayed}: OpenVINO reads the graph otherwise; no file written")
     except (RuntimeError, ValueError) as exc:
         raise ExportError(f"the INT8 model fails in OpenVINO: {first_line(exc)}; no file written") from exc
-    return {
-        "reference": "the FP32 export in onnxruntime, on the verified batches",
-        "onnxruntime": {"ran": True, "version": onnxruntime_version(), "max_abs_diff": onnxruntime_diff},
-        "openvino": openvino,
-    }
+    return _runtimes(onnxruntime_diff, openvino)
+
+
+def _runtimes(onnxruntime_diff: float, openvino: RuntimeEntry) -> RuntimeChecks:
+    return RuntimeChecks(
+        reference="the FP32 export in onnxruntime, on the verified batches",
+        onnxruntime=RuntimeEntry(ran=True, version=onnxruntime_version(), max_abs_diff=onnxruntime_diff),
+        openvino=openvino,
+    )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from bnrecal.errors import Int8GuardUnreachableError
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
+from bnrecal.service.export.report_sections import KeptFloat
 
 SELECTION_RULE = "evaluation samples at even positions (0, 2, 4, ...)"
 REPORT_RULE = "evaluation samples at odd positions (1, 3, 5, ...)"
@@ -41,7 +42,7 @@ class Guarded:
 
     model: bytes
     top1: float
-    kept: list[dict[str, Any]] = field(default_factory=list)
+    kept: list[KeptFloat] = field(default_factory=list)
     measured: int = 0
 
 
@@ -82,18 +83,18 @@ def enforce_top1_drop(
         tops = top1_of([write_qdq(prepared, data, options, [*exclude, name]) for name in names])
         gain.update({name: 100.0 * (top1 - int8_top1) for name, top1 in zip(names, tops, strict=True)})
     order = sorted(candidates, key=lambda name: (-gain[name], candidates.index(name)))
-    kept: list[dict[str, Any]] = []
+    kept: list[KeptFloat] = []
     top1 = int8_top1
     for name in order[:limit]:
-        kept.append({"name": name, "op_type": prepared.op_types.get(name, ""), "top1_gain_alone_points": gain[name]})
-        model = write_qdq(prepared, data, options, [*exclude, *(k["name"] for k in kept)])
+        kept.append(KeptFloat(name=name, op_type=prepared.op_types.get(name, ""), top1_gain_alone_points=gain[name]))
+        model = write_qdq(prepared, data, options, [*exclude, *(k.name for k in kept)])
         top1 = top1_of([model])[0]
-        kept[-1]["selection_top1_after"] = top1
+        kept[-1].selection_top1_after = top1
         if drop(top1) <= bound:
             return Guarded(model, top1, kept, measured=len(candidates) + len(kept))
     raise Int8GuardUnreachableError(
         f"INT8 top-1 stays {drop(top1):.2f} points below FP32 {fp32_top1:.2%} on the guard's selection samples with "
-        f"the {len(kept)} most sensitive ops kept in float ({', '.join(k['name'] for k in kept)}): "
+        f"the {len(kept)} most sensitive ops kept in float ({', '.join(k.name for k in kept)}): "
         f"int8.max_top1_drop {bound:g} cannot hold within int8.max_float_ops {limit}; no INT8 file written",
         kept,
     )

@@ -27,6 +27,7 @@ from bnrecal.errors import ExportError, first_line
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.targets import placement
+from bnrecal.service.export.report_sections import FloatOp, GraphSummary, RangesAsMinmax
 
 QDQ = "QuantizeLinear", "DequantizeLinear"
 
@@ -186,7 +187,7 @@ def drop_unused_domains(model: Any) -> None:
 
 
 def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str, str],
-                  options: Int8Options) -> dict[str, Any]:
+                  options: Int8Options) -> GraphSummary:
     """Ops quantized (by op type) and ops left in float, each with its reason."""
     import onnx
 
@@ -196,7 +197,7 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
     quantizable = set(quantizable_op_types())
     placed = set(placement(options, sorted(quantizable), 0).op_types)
     quantized: dict[str, int] = {}
-    left: list[dict[str, str]] = []
+    left: list[FloatOp] = []
     merged = shapes = 0
     for name in prepared.node_names:
         op_type = prepared.op_types[name]
@@ -221,15 +222,15 @@ def graph_summary(int8_model: bytes, prepared: PreparedModel, reasons: dict[str,
                       else f"target {options.target} places no Q/DQ on {op_type} (the runtime runs it as it chooses)")
         else:
             reason = "onnxruntime's QDQ quantizer left it float (its inputs are not quantized)"
-        left.append({"name": name, "op_type": op_type, "reason": reason})
-    return {
-        "ops_quantized": dict(sorted(quantized.items())),
-        "ops_float": left,
-        "ops_merged": merged,
-        "ops_on_shapes": shapes,
-        "quantize_linear_nodes": sum(1 for node in graph.node if node.op_type == "QuantizeLinear"),
-        "dequantize_linear_nodes": sum(1 for node in graph.node if node.op_type == "DequantizeLinear"),
-    }
+        left.append(FloatOp(name=name, op_type=op_type, reason=reason))
+    return GraphSummary(
+        ops_quantized=dict(sorted(quantized.items())),
+        ops_float=left,
+        ops_merged=merged,
+        ops_on_shapes=shapes,
+        quantize_linear_nodes=sum(1 for node in graph.node if node.op_type == "QuantizeLinear"),
+        dequantize_linear_nodes=sum(1 for node in graph.node if node.op_type == "DequantizeLinear"),
+    )
 
 
 def quantized_node_names(int8_model: bytes, options: Int8Options) -> list[str]:
@@ -246,7 +247,7 @@ def quantized_node_names(int8_model: bytes, options: Int8Options) -> list[str]:
     ]
 
 
-def ranges_as_minmax(data: Any, ranges: TensorRanges) -> dict[str, Any]:
+def ranges_as_minmax(data: Any, ranges: TensorRanges) -> RangesAsMinmax:
     """How many tensors a histogram method gave exactly the min/max range (float32), and a
     note when it is all of them: the file is then the ``minmax`` file (docs/int8.md)."""
     minmax = dict(ranges.pairs())
@@ -255,10 +256,9 @@ def ranges_as_minmax(data: Any, ranges: TensorRanges) -> dict[str, Any]:
         got = data[name].range_value
         if _scalar(got[0]) == _scalar(low) and _scalar(got[1]) == _scalar(high):
             same += 1
-    result: dict[str, Any] = {"tensors": same, "of": len(minmax)}
-    if minmax and same == len(minmax):
-        result["note"] = "every range is the min/max range: this file is the minmax file"
-    return result
+    every = bool(minmax) and same == len(minmax)
+    return RangesAsMinmax(tensors=same, of=len(minmax),
+                          note="every range is the min/max range: this file is the minmax file" if every else None)
 
 
 def check_op_types(options: Int8Options) -> None:

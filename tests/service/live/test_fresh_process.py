@@ -60,7 +60,7 @@ after = model.state_dict()
 unchanged = [k for k, v in before.items() if k.split(".")[-1] not in ("running_mean", "running_var",
              "num_batches_tracked") and torch.equal(v, after[k])]
 auth_env = {name: os.environ.get(name) for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
-json.dump({"report": dict(report), "unchanged": unchanged, "ray_left_running": ray.is_initialized(),
+json.dump({"report": report.to_dict(), "unchanged": unchanged, "ray_left_running": ray.is_initialized(),
            "auth_env": auth_env,
            "tracked": int(after["bn.num_batches_tracked"])}, sys.stdout)
 '''

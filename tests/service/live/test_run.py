@@ -158,7 +158,7 @@ def test_an_iterable_of_tuples_with_numpy_counts(mixed, warm_live):
     report = bnrecal.recalibrate(live, batches, workers=np.int64(2), max_samples=np.int64(20), progress=False)
     assert_matches_reference(live, reference_statistics(model, samples[:20], 8, world_size=2))
     assert_only_bn_buffers_changed(before, live, steps=3)
-    assert report["data"] == {"kind": "batches", "source": "generator of batches", "samples": 20, "steps": 3,
+    assert report["data"].to_dict() == {"kind": "batches", "source": "generator of batches", "samples": 20, "steps": 3,
                               "total_samples": 24, "sample_shape": [3, 6, 6]}
 
 

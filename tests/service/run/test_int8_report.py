@@ -4,7 +4,12 @@ side, and every op left in float with its reason (escaped, offline)."""
 from __future__ import annotations
 
 from bnrecal.service.run.report_html import render_html_report
-from tests.service.run.test_report_html import assert_offline
+from tests.service.run.test_report_html import assert_offline, typed
+
+RANGES = {  # what every int8 section says of its range pass
+    "target": "onnxruntime", "symmetric_activations": False, "per_channel": True, "reduce_range": False,
+    "format": "QDQ", "writer": "onnxruntime", "tensors_calibrated": 30, "range_seconds": 1.0,
+}
 
 
 def test_int8_section_shows_accuracy_side_by_side_and_ops_left_float():
@@ -12,16 +17,17 @@ def test_int8_section_shows_accuracy_side_by_side_and_ops_left_float():
         "arch": "torchvision:resnet18", "mode": "sync", "world_size": 2, "samples": 64, "steps": 1, "seconds": 0.5,
         "layers": [], "nodes": ["n1"],
         "int8": {
-            "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
+            **RANGES, "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
             "activation_type": "uint8", "samples": 64, "world_size": 2, "collectives": [1, 1],
             "ops_quantized": {"Conv": 20, "Gemm": 1}, "bytes": 11 * 2**20, "fp32_bytes": 44 * 2**20,
             "max_abs_diff": 0.25, "fp32_max_abs": 20.0,
             "ops_float": [{"name": "head<fc>", "op_type": "Gemm", "reason": "kept float as asked (int8.keep_float)"}],
             "evaluation": {"samples": 360, "fp32": {"top1": 0.975, "top5": 1.0}, "int8": {"top1": 0.972, "top5": 1.0},
-                           "stale_fp32": {"top1": 0.35, "top5": 0.81}, "stale_int8": {"top1": 0.34, "top5": 0.80}},
+                           "stale_fp32": {"top1": 0.35, "top5": 0.81}, "stale_int8": {"top1": 0.34, "top5": 0.80},
+                           "top1_drop_points": 0.3},
         },
     }
-    page = render_html_report(report)
+    page = render_html_report(typed(report))
     assert 'id="int8"' in page and "Conv 20, Gemm 1" in page
     for label in ("FP32, stale statistics", "FP32, recalibrated", "INT8, stale statistics", "INT8, recalibrated"):
         assert label in page
@@ -35,16 +41,18 @@ def test_int8_section_shows_target_runtimes_guard_and_why_no_file():
         "arch": "torchvision:resnet18", "mode": "sync", "world_size": 1, "samples": 64, "steps": 1, "seconds": 0.5,
         "layers": [], "nodes": ["n1"],
         "int8": {
-            "target": "tensorrt", "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
+            **RANGES, "target": "tensorrt", "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel",
             "activation_type": "int8", "samples": 64, "world_size": 1, "collectives": [1], "written": False,
             "failure": "INT8 top-1 stays 3.00 points below FP32 ... no INT8 file written",
             "guard": {"max_top1_drop": 0.5, "held": False, "kept_float": [],
-                      "selection": {"samples": 180, "which": "evaluation samples at even positions (0, 2, 4, ...)"},
+                      "selection": {"samples": 180, "which": "evaluation samples at even positions (0, 2, 4, ...)",
+                                    "fp32_top1": 0.95, "int8_top1_before": 0.92},
                       "report": {"samples": 180, "which": "evaluation samples at odd positions (1, 3, 5, ...)"}},
-            "evaluation": {"samples": 180, "fp32": {"top1": 0.95, "top5": 1.0}, "int8": {"top1": 0.92, "top5": 1.0}},
+            "evaluation": {"samples": 180, "fp32": {"top1": 0.95, "top5": 1.0}, "int8": {"top1": 0.92, "top5": 1.0},
+                           "top1_drop_points": 3.0},
         },
     }
-    page = render_html_report(report)
+    page = render_html_report(typed(report))
     assert "No INT8 file: INT8 top-1 stays 3.00 points" in page and "tensorrt" in page
     assert "float ops chosen on 180 evaluation samples at even positions" in page
     assert_offline(page)

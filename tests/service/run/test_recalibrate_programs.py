@@ -63,7 +63,7 @@ def test_a_static_program_gets_its_eager_models_statistics_on_two_ranks(own, set
     result = run(settings, program, data, warm_pool, workers=2, batch_size=8, mode=mode)
     assert_matches_reference(buffers_as_modules(result.model), expected)
     report = result.report
-    assert report["arch"] is None and report["program"] == {"name": "own.pt2", "batch": "a static batch of 1"}
+    assert report["arch"] is None and report["program"].to_dict() == {"name": "own.pt2", "batch": "a static batch of 1"}
     assert [layer["name"] for layer in report["layers"]] == ["features.1", "features.4"]
     assert report["collectives"] == (2 * 4 if mode == "sync" else 1)
 

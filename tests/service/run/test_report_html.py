@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bnrecal.service.cli import main
+from bnrecal.service.run.report import Report
 from bnrecal.service.run.report_html import render_html_report
 
 from tests.conftest import save_array, save_state
@@ -28,6 +29,19 @@ def assert_offline(page: str) -> None:
     assert "<script" not in page and "<link" not in page and "@import" not in page
     assert not re.search(r"url\(\s*['\"]?(?!#)", page)  # only the chart's own fragments: url(#clip)
     assert not re.search(r"""(src|href)\s*=\s*["'](?!#)""", page)
+
+
+def typed(fields: dict) -> Report:
+    """A report of the given fields, the others as a small run would have them."""
+    defaults = {
+        "arch": None, "mode": "sync", "world_size": 1, "backend": "gloo", "device": "cpu", "batch_size": 4,
+        "samples": 4, "steps": 1, "collectives": 1, "collectives_per_rank": [1], "seconds": 0.1,
+        "samples_per_second": 40.0, "nodes": ["n1"], "memory_formats": ["contiguous"], "placement": "SPREAD",
+        "data_transport": "shared", "object_store_bytes": 0, "attempts": 1, "retried_failures": [],
+        "cpus_per_worker": 1.0, "dataset": {"kind": "array", "samples": 4, "sample_shape": [3, 4, 4]}, "layers": [],
+        "skipped": [], "embedded_cluster": True, "order": "given", "seed": None, "standard_error_max": None,
+    }
+    return Report.model_validate({**defaults, **fields})
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -66,10 +80,10 @@ def test_names_are_escaped_and_missing_values_shown():
     report = {
         "arch": "tests.nets:<b>net</b>", "mode": "local", "world_size": 1, "samples": 4, "steps": 1, "seconds": 0.1,
         "layers": [{"name": "a<script>", "class": "BatchNorm1d", "channels": 2, "calls": 1,
-                    "mean_shift": 0.5, "var_ratio_max": None}],
+                    "mean_shift": 0.5, "var_ratio_max": None, "var_ratio_min": None}],
         "nodes": ["n1"],
     }
-    page = render_html_report(report)
+    page = render_html_report(typed(report))
     assert "<script" not in page and "&lt;script&gt;" in page and "&lt;b&gt;net" in page
     assert "n/a" in page
     assert_offline(page)
@@ -85,11 +99,15 @@ def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
         "arch": "tests.nets:mixed_net", "samples": 8, "world_size": 1, "mode": "sync", "seconds": 0.5,
         "layers": [{"name": "bn", "class": "BatchNorm2d", "channels": 6, "calls": 2, "mean_shift": 1.5,
                     "var_ratio_max": 2.0, "var_ratio_min": 0.5}],
-        "evaluation": {"samples": 8, "before": {"top1": 0.25, "top5": 1.0}, "after": {"top1": 0.75, "top5": 1.0},
-                       "prediction_change": 0.5, "kl_divergence": 0.1},
+        "evaluation": {"samples": 8, "before": {"top1": 0.25, "top5": 1.0, "cross_entropy": 1.2},
+                       "after": {"top1": 0.75, "top5": 1.0, "cross_entropy": 0.6}, "prediction_change": 0.5,
+                       "kl_divergence": 0.1, "classes": 10, "output_shape": [10], "labelled": True, "seconds": 0.1,
+                       "collectives": 1, "runtime": "pytorch",
+                       "data": {"kind": "array", "source": "e.npz", "samples": 8, "sample_shape": [3, 4, 4]}},
         "job": job_section(JobLabel("0123abcd" * 4, datetime(2026, 11, 24, 21, 0, tzinfo=UTC),
                                     {"checkpoint": {"filename": "team<model>.pt", "digest": digest}})),
     }
+    report = typed(report)
     page = render_html_report(report)
     context = page[page.index('id="job-context"'):page.index("</table>", page.index('id="job-context"'))]
     assert "0123abcd" * 4 in context and "2026-11-24T21:00:00+00:00" in context
@@ -99,7 +117,7 @@ def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
     # Each legend sits right of its axes (so it covers no bar or point) and inside the figure.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    for figure in (drift_figure(report["layers"]), accuracy_figure(report["evaluation"])):
+    for figure in (drift_figure(report.layers), accuracy_figure(report.evaluation)):
         canvas = FigureCanvasAgg(figure)
         canvas.draw()
         renderer = canvas.get_renderer()

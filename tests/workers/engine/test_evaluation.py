@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bnrecal.workers.data import describe_dataset, read_labels
+from bnrecal.workers.data import ReadOptions, describe_dataset, read_labels
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.evaluation import check_eval_output, evaluation_pass, model_logits, with_statistics
 from bnrecal.workers.engine.moments import MomentStats
@@ -42,9 +42,9 @@ def test_labelled_metrics_match_their_definitions() -> None:
     metrics, _ = evaluation_pass(before, after, batches, labels, target, collective=SingleProcessCollective())
     with torch.no_grad():
         expected = reference_metrics(before(x), after(x), torch.from_numpy(y))
-    assert metrics["samples"] == 37 and metrics["labelled"]
+    assert metrics.samples == 37 and metrics.labelled
     assert_metrics_match(metrics, expected, cross_entropy_rel=1e-6, kl_rel=1e-5)
-    assert metrics["kl_divergence"] > 0 and metrics["before"] != metrics["after"]
+    assert metrics.kl_divergence > 0 and metrics.before != metrics.after
     assert after.bn.num_batches_tracked.item() == before.bn.num_batches_tracked.item() + 3
 
 
@@ -57,10 +57,10 @@ def test_identical_statistics_change_nothing() -> None:
     y = np.arange(9) % 4
     target = check_eval_output(model, x[:1], y)
     metrics, _ = evaluation_pass(model, same, [x], [y], target, collective=SingleProcessCollective())
-    assert metrics["prediction_change"] == 0 and metrics["kl_divergence"] == pytest.approx(0, abs=1e-9)
-    assert metrics["before"]["top1"] == metrics["after"]["top1"]
-    assert metrics["before"]["cross_entropy"] == pytest.approx(metrics["after"]["cross_entropy"], rel=1e-7)
-    assert "top5" not in metrics["before"]  # 4 classes: no top-5
+    assert metrics.prediction_change == 0 and metrics.kl_divergence == pytest.approx(0, abs=1e-9)
+    assert metrics.before.top1 == metrics.after.top1
+    assert metrics.before.cross_entropy == pytest.approx(metrics.after.cross_entropy, rel=1e-7)
+    assert metrics.before.top5 is None  # 4 classes: no top-5
 
 
 def test_segmentation_output_is_compared_per_position_and_labels_are_not_used() -> None:
@@ -75,9 +75,9 @@ def test_segmentation_output_is_compared_per_position_and_labels_are_not_used() 
     with torch.no_grad():
         flat = [m(x)["out"].movedim(1, -1).reshape(-1, 5) for m in (before, after)]
     expected = reference_metrics(*flat, None)
-    assert metrics["prediction_change"] == pytest.approx(expected["changed"], abs=1e-12)
-    assert metrics["kl_divergence"] == pytest.approx(expected["kl"], rel=1e-5)
-    assert "before" not in metrics and metrics["note"] == target.note
+    assert metrics.prediction_change == pytest.approx(expected["changed"], abs=1e-12)
+    assert metrics.kl_divergence == pytest.approx(expected["kl"], rel=1e-5)
+    assert metrics.before is None and metrics.note == target.note
 
 
 def test_unusable_outputs_and_labels_fail_with_a_clear_message() -> None:
@@ -96,7 +96,7 @@ def test_unusable_outputs_and_labels_fail_with_a_clear_message() -> None:
 def test_labels_come_from_npz_y_and_class_folders(tmp_path: Path) -> None:
     x = np.zeros((5, 3, 4, 4), np.float32)
     np.savez(tmp_path / "eval.npz", x=x, y=np.array([3, 1, 4, 1, 5]))
-    spec = describe_dataset(tmp_path / "eval.npz", max_samples=4)
+    spec = describe_dataset(tmp_path / "eval.npz", ReadOptions(max_samples=4))
     assert read_labels(spec).tolist() == [3, 1, 4, 1]
     np.save(tmp_path / "plain.npy", x)
     assert read_labels(describe_dataset(tmp_path / "plain.npy")) is None
@@ -110,19 +110,19 @@ def test_labels_come_from_npz_y_and_class_folders(tmp_path: Path) -> None:
         folder = tmp_path / "images" / ("cat" if label == 0 else "dog")
         folder.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (8, 8)).save(folder / f"{name}.png")
-    images = describe_dataset(tmp_path / "images", transform={"resize": 8, "crop": 8})
+    images = describe_dataset(tmp_path / "images", ReadOptions(transform={"resize": 8, "crop": 8}))
     assert read_labels(images).tolist() == [0, 1, 1]
 
 
 def test_evaluation_data_errors_say_evaluation(tmp_path: Path) -> None:
     (tmp_path / "notes.bin").write_text("hello")
     with pytest.raises(DatasetError, match="unknown evaluation data format 'notes.bin'"):
-        describe_dataset(tmp_path / "notes.bin", role="evaluation data")
+        describe_dataset(tmp_path / "notes.bin", ReadOptions(role="evaluation data"))
     (tmp_path / "notes.txt").write_text("hello")  # a .txt is read as a manifest of shards
     with pytest.raises(DatasetError, match="^evaluation data: manifest notes.txt, line 1: 'hello' is not a"):
-        describe_dataset(tmp_path / "notes.txt", role="evaluation data")
+        describe_dataset(tmp_path / "notes.txt", ReadOptions(role="evaluation data"))
     with pytest.raises(DatasetError, match="evaluation data not found"):
-        describe_dataset(tmp_path / "missing.npz", role="evaluation data")
+        describe_dataset(tmp_path / "missing.npz", ReadOptions(role="evaluation data"))
 
 
 def test_cross_entropy_of_a_confident_model_is_finite() -> None:
@@ -133,5 +133,5 @@ def test_cross_entropy_of_a_confident_model_is_finite() -> None:
     target = check_eval_output(model, torch.zeros(1, 3), np.array([0]))
     metrics, _ = evaluation_pass(model, model, [torch.zeros(2, 3)], [np.array([0, 9])], target,
                                  collective=SingleProcessCollective())
-    assert math.isfinite(metrics["before"]["cross_entropy"]) and metrics["before"]["top1"] == 0.5
-    assert metrics["before"]["cross_entropy"] == pytest.approx(1800 / 2)
+    assert math.isfinite(metrics.before.cross_entropy) and metrics.before.top1 == 0.5
+    assert metrics.before.cross_entropy == pytest.approx(1800 / 2)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from bnrecal.workers.engine.collective import Collective
-from bnrecal.workers.engine.evaluation import EvalTarget, EvalTotals
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget, EvalTotals
 from bnrecal.workers.engine.ranges import (
     HISTOGRAM_METHODS, HistogramAccumulator, MinMaxAccumulator, TensorRanges, fixed_batch,
 )
@@ -124,7 +124,7 @@ class OnnxPassResult:
 
     models: list[ModelResult]
     scored: tuple[int, ...] = ()
-    evaluation: dict[str, Any] | None = None
+    evaluation: EvalMetrics | None = None
     samples: int = 0
     collectives: int = 0
     seconds: float = 0.0
