@@ -36,7 +36,6 @@ from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
-from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.local import IN_PROCESS
@@ -324,7 +323,7 @@ def _finish(
     placement: Placement, failures: list[str],
 ) -> RunResult:
     """Write the statistics into the driver's layers and build the report."""
-    stats = [MomentStats(s["count"], s["mean"], s["var"], s.get("se_mean"), s.get("se_var")) for s in result.stats]
+    stats = list(result.stats)
     not_called = apply_statistics(layers, stats, result.steps)  # in layer order
     unreached = set(not_called)
     skipped = skipped + [SkippedLayer(name, "not called by the forward pass") for name in not_called]

@@ -353,11 +353,11 @@ def build_report(
     order = getattr(dataset, "order", "given")
     convergence = None
     if getattr(options, "max_samples", None) == AUTO:
-        reached = result.convergence or {}
+        reached = result.convergence
         convergence = Convergence(
-            tolerance=options.stop_tolerance, converged=bool(reached.get("converged")), samples=result.samples,
-            available_samples=dataset.num_samples, steps=result.steps, min_steps=reached.get("min_steps"),
-            worst=worst,
+            tolerance=options.stop_tolerance, converged=reached is not None and reached.converged,
+            samples=result.samples, available_samples=dataset.num_samples, steps=result.steps,
+            min_steps=reached.min_steps if reached is not None else None, worst=worst,
         )
     return Report(
         arch=options.arch,

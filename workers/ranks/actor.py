@@ -9,7 +9,7 @@ import threading
 import traceback
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
@@ -181,7 +181,7 @@ class CalibrationRank:
             collectives=passed.collectives, collectives_total=collective.calls, calls=passed.calls,
             seconds=passed.seconds, memory_format=passed.memory_format,
             stats=stats_payload(passed) if self.rank == 0 else None,
-            convergence=None if passed.convergence is None else asdict(passed.convergence),
+            convergence=passed.convergence,
             evaluation=event.evaluation, head=head,
         )
 

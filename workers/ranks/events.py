@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from bnrecal.workers.engine.calibration import Convergence
 from bnrecal.workers.engine.evaluation import EvalMetrics
+from bnrecal.workers.engine.moments import MomentStats
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class CalibrationDone:
     calls: list[int]
     seconds: float
     memory_format: str
-    stats: Any
-    convergence: dict[str, Any] | None
+    stats: list[MomentStats] | None
+    convergence: Convergence | None
     evaluation: EvalMetrics | None
     head: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
 from bnrecal.workers.engine.evaluation import EvalMetrics, evaluation_pass, with_statistics
+from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.plan import GroupResult, RankPlan
 from bnrecal.workers.ranks.sharding import rank_ranges, step_ranges
@@ -155,20 +156,21 @@ def run_in_process(
         calls=list(result.calls),
         memory_formats=[result.memory_format],
         evaluation=evaluation,
-        convergence=None if result.convergence is None else asdict(result.convergence),
+        convergence=result.convergence,
         head=joined_head(head),
     )
 
 
-def stats_payload(result: PassResult) -> list[dict[str, Any]]:
-    """A pass's statistics as rank 0 sends them to the driver (CPU tensors in plain dicts),
-    with each layer's standard errors per channel where they were estimated."""
+def stats_payload(result: PassResult) -> list[MomentStats]:
+    """A pass's statistics as rank 0 sends them to the driver (on the CPU), with each layer's
+    standard errors per channel where they were estimated."""
     payload = []
     for stat in result.stats:
-        entry: dict[str, Any] = {"count": stat.count, "mean": stat.mean.cpu(), "var": stat.var.cpu()}
-        if stat.se_mean is not None and stat.se_var is not None:
-            entry.update(se_mean=stat.se_mean.cpu(), se_var=stat.se_var.cpu())
-        payload.append(entry)
+        both = stat.se_mean is not None and stat.se_var is not None
+        payload.append(MomentStats(
+            stat.count, stat.mean.cpu(), stat.var.cpu(),
+            stat.se_mean.cpu() if both else None, stat.se_var.cpu() if both else None,  # type: ignore[union-attr]
+        ))
     return payload
 
 

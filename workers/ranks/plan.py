@@ -10,8 +10,9 @@ import numpy as np
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec
-from bnrecal.workers.engine.calibration import StopRule
+from bnrecal.workers.engine.calibration import Convergence, StopRule
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
+from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.workers.models.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class GroupResult:
     """What the ranks of a job produced together (also a one-rank run in the calling
     process, ``workers.ranks.local``)."""
 
-    stats: list[dict[str, Any]]
+    stats: list[MomentStats]
     steps: int
     samples: int
     collectives: list[int]
@@ -70,7 +71,7 @@ class GroupResult:
     calls: list[int] = field(default_factory=list)
     memory_formats: list[str] = field(default_factory=list)
     evaluation: EvalMetrics | None = None
-    convergence: dict[str, Any] | None = None  # with a stop rule: converged, error, layer, statistic
+    convergence: Convergence | None = None  # with a stop rule: where it ended
     head: torch.Tensor | None = None  # the first ``RankPlan.head`` samples the ranks read, in order
 
 
