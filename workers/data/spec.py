@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -170,50 +170,48 @@ def describe_dataset(
     reads as if they were not given: options that name the columns of whichever data set is columnar).
     """
     role, name, endpoint_url = read.role, read.name, access.endpoint_url
-    ordering = {"order": read.order, "seed": read.seed}
-    shard_options = {
-        "transform": read.transform, "image_column": read.image_column, "label_column": read.label_column,
-        "strict_columns": read.columns_elsewhere == "error", "endpoint_url": endpoint_url, "role": role,
-        "cache_root": Path(
-            access.unpack_root if access.unpack_root is not None else default_unpack_root()
-        ).expanduser().absolute().parent,
-    }
     if is_shard_list(path):
         entries = list(path)  # type: ignore[arg-type]
         shown = Path(os.fspath(entries[0])).name + (f" and {len(entries) - 1} more shards" if len(entries) > 1 else "")
-        found = list_shards(entries, role, endpoint_url, shard_options["cache_root"])
-        spec = _shard_spec(*found, os.fspath(entries[0]), read.max_samples, ordering, shard_options)
+        found = list_shards(entries, role, endpoint_url, _index_cache(access))
+        spec = _shard_spec(*found, os.fspath(entries[0]), read, access)
         return replace(spec, name=name or shown)
     if not isinstance(path, (str, os.PathLike)):
         raise DatasetError(f"{role} must be a path, a URI or a list of shards, not {type(path).__name__}")
     if is_data_uri(path):
         remote = RemoteSource(parse_data_uri(str(path), "data"), endpoint_url)
-        return _describe_remote(remote, read, access, ordering, shard_options)
+        return _describe_remote(remote, read, access)
     source = Path(path).expanduser()
     if not source.exists() and not has_brace_pattern(str(path)):
         raise not_found(str(path), role)
     source = source.absolute()
-    found = local_shards(source, name or source.name, role, endpoint_url, shard_options["cache_root"])
+    found = local_shards(source, name or source.name, role, endpoint_url, _index_cache(access))
     if found is not None:
-        spec = _shard_spec(*found, str(source), read.max_samples, ordering, shard_options)
+        spec = _shard_spec(*found, str(source), read, access)
         return spec if name is None else replace(spec, name=name)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet and Arrow shards; {name or source.name} is not",
             field="image_column" if read.image_column is not None else "label_column",
         )
-    spec = _describe(source, read, access, ordering)
+    spec = _describe(source, read, access)
     return spec if name is None else replace(spec, name=name)
 
 
-def _describe(source: Path, read: ReadOptions, access: DataAccess, ordering: dict[str, Any]) -> DatasetSpec:
+def _index_cache(access: DataAccess) -> Path:
+    """Where shard indexes are cached: beside the unpack root (``shard-index/``)."""
+    root = access.unpack_root if access.unpack_root is not None else default_unpack_root()
+    return Path(root).expanduser().absolute().parent
+
+
+def _describe(source: Path, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """:func:`describe_dataset` on an existing absolute path. Every error calls the data
     ``read.name`` where given (a blob is stored, and an archive unpacked, under its digest)."""
-    transform, max_samples, check_images, name = read.transform, read.max_samples, access.check_images, read.name
+    transform, max_samples, name = read.transform, read.max_samples, read.name
     shown = name or source.name
     try:
         if source.is_dir():
-            return _describe_images(source, source, shown, transform, max_samples, check_images, ordering)
+            return _describe_images(source, source, shown, read, access.check_images)
         data_format = detect_format(source, read.role, name)
         if data_format in ("npy", "npz"):
             if transform:
@@ -233,7 +231,7 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess, ordering: dic
             return DatasetSpec(
                 kind="array", path=str(source), num_samples=min(total, max_samples or total),
                 sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source), layout=layout,
-                **ordering,
+                order=read.order, seed=read.seed,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
         folder = unpack_archive(
@@ -242,7 +240,7 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess, ordering: dic
             max_compression_ratio=access.max_compression_ratio,
         )
         try:
-            return _describe_images(folder, source, shown, transform, max_samples, check_images, ordering)
+            return _describe_images(folder, source, shown, read, access.check_images)
         except DatasetError:
             discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
             raise
@@ -250,28 +248,24 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess, ordering: dic
         raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
 
 
-def _shard_spec(
-    data_format: str, refs: list[Any], source: str, max_samples: int | None, ordering: dict[str, Any],
-    options: dict[str, Any],
-) -> DatasetSpec:
+def _shard_spec(data_format: str, refs: list[Any], source: str, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """The description of a dataset of shards: every shard counted, the first sample read."""
-    shards, transform, shape = describe_shards(data_format, refs, **options)
+    shards, transform, shape = describe_shards(
+        data_format, refs, transform=read.transform, image_column=read.image_column, label_column=read.label_column,
+        endpoint_url=access.endpoint_url, cache_root=_index_cache(access), role=read.role,
+        strict_columns=read.columns_elsewhere == "error",
+    )
     total = shards.total
     remote = next((ref.location for ref in refs if ref.remote), None)
     return DatasetSpec(
-        kind="shards", path=source, num_samples=min(total, max_samples or total), sample_shape=shape,
+        kind="shards", path=source, num_samples=min(total, read.max_samples or total), sample_shape=shape,
         total_samples=total, source=source, transform=transform, shards=shards,
-        remote=RemoteSource(remote, options["endpoint_url"]) if remote is not None else None, **ordering,
+        remote=RemoteSource(remote, access.endpoint_url) if remote is not None else None, order=read.order,
+        seed=read.seed,
     )
 
 
-def _describe_remote(
-    remote: RemoteSource,
-    read: ReadOptions,
-    access: DataAccess,
-    ordering: dict[str, Any],
-    shard_options: dict[str, Any],
-) -> DatasetSpec:
+def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """:func:`describe_dataset` for an object or prefix in object storage: arrays, image
     prefixes and shards stay there (each rank fetches its own samples), archives of images
     are fetched and unpacked."""
@@ -280,12 +274,10 @@ def _describe_remote(
         kind, size = "pattern", 0
     else:
         kind, size = stat_data(remote, role)
-    found = remote_shards(remote, kind, role, shard_options["cache_root"])
+    found = remote_shards(remote, kind, role, _index_cache(access))
     if found is not None:
-        return _shard_spec(*found, remote.uri, max_samples, ordering, shard_options)
-    if (shard_options["image_column"] is not None or shard_options["label_column"] is not None) and shard_options[
-        "strict_columns"
-    ]:
+        return _shard_spec(*found, remote.uri, read, access)
+    if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet and Arrow shards; {remote.uri} is not", field="image_column"
         )
@@ -293,11 +285,12 @@ def _describe_remote(
         resolved = resolve_transform(transform)
         listing = list_remote_images(remote, role)
         total = len(listing.files)
-        files = _ordered_files(listing.files, max_samples, ordering)
+        files = _ordered_files(listing.files, read)
         return DatasetSpec(
             kind="images", path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape,
             total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
-            files_digest=files_digest(files), listing_digest=files_digest(listing.files), remote=remote, **ordering,
+            files_digest=files_digest(files), listing_digest=files_digest(listing.files), remote=remote,
+            order=read.order, seed=read.seed,
         )
     data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format in (None, "parquet", "manifest"):
@@ -317,7 +310,7 @@ def _describe_remote(
         return DatasetSpec(
             kind="array", path=remote.uri, num_samples=min(total, max_samples or total),
             sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri, layout=layout,
-            remote=remote, **ordering,
+            remote=remote, order=read.order, seed=read.seed,
         )
     resolve_transform(transform)  # bad options fail before a long download
     root = access.unpack_root if access.unpack_root is not None else default_unpack_root()
@@ -326,7 +319,7 @@ def _describe_remote(
         archive = fetch_object(remote, Path(staging) / remote.name, access.max_unpacked_bytes, role)
         # The fetched archive is a local file: no endpoint, and its images' headers are always checked.
         spec = describe_dataset(
-            archive, ReadOptions(transform=transform, max_samples=max_samples, role=role, **ordering),
+            archive, ReadOptions(transform=transform, max_samples=max_samples, role=role, order=read.order, seed=read.seed),
             replace(access, check_images=True, endpoint_url=None),
         )
     return replace(spec, source=remote.uri)
@@ -334,33 +327,25 @@ def _describe_remote(
 
 
 
-def _describe_images(
-    folder: Path,
-    source: Path,
-    shown: str,
-    transform: Mapping[str, Any] | None,
-    max_samples: int | None,
-    check_images: bool,
-    ordering: dict[str, Any],
-) -> DatasetSpec:
-    resolved = resolve_transform(transform)
+def _describe_images(folder: Path, source: Path, shown: str, read: ReadOptions, check_images: bool) -> DatasetSpec:
+    resolved = resolve_transform(read.transform)
     listing = list_images(folder, shown=shown)
     total = len(listing.files)
-    files = _ordered_files(listing.files, max_samples, ordering)
+    files = _ordered_files(listing.files, read)
     if check_images:
         for name in files:
             check_image_header(listing.root / name, name)
     return DatasetSpec(
         kind="images", path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape,
         total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
-        files_digest=files_digest(files), listing_digest=files_digest(listing.files), **ordering,
+        files_digest=files_digest(files), listing_digest=files_digest(listing.files), order=read.order, seed=read.seed,
     )
 
 
-def _ordered_files(files: tuple[str, ...], max_samples: int | None, ordering: dict[str, Any]) -> tuple[str, ...]:
+def _ordered_files(files: tuple[str, ...], read: ReadOptions) -> tuple[str, ...]:
     """The listed images at the first ``max_samples`` positions of the order."""
     total = len(files)
-    rows = order_rows(total, min(total, max_samples or total), ordering["order"], ordering["seed"])
+    rows = order_rows(total, min(total, read.max_samples or total), read.order, read.seed)
     return tuple(files[i] for i in rows.tolist())
 
 
