@@ -33,7 +33,8 @@ from bnrecal.workers.data.formats.columnar import (
 )
 from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
 from bnrecal.workers.data.shards.listing import (
-    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ShardRef, has_brace_pattern, is_manifest_name, list_prefix,
+    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ListedObject, ShardRef, has_brace_pattern, is_manifest_name,
+    list_prefix,
     local_ref, prefix_shards, read_manifest, refs_of, shard_files_in,
 )
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
@@ -119,7 +120,7 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
 
 
-def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, dict[str, Any]], role: str) -> list[ShardRef]:
+def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, ListedObject], role: str) -> list[ShardRef]:
     """The Arrow files of a ``save_to_disk`` folder under an ``s3://`` prefix (its listing
     ``objects``), in ``state.json``'s order, read as the same folder on disk is."""
     fs = remote.filesystem()
@@ -132,10 +133,7 @@ def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, dict[str, Any]
             raise remote_error(exc, RemoteSource(f"{base}/{name}", remote.endpoint_url), role) from exc
 
     top = [name for name in objects if "/" not in name]
-    return [
-        ShardRef(f"{base}/{name}", objects[name]["size"], objects[name]["ETag"] or str(objects[name]["size"]), name)
-        for name in save_to_disk_names(top, read, remote.uri, role)
-    ]
+    return [objects[name].shard(base, name) for name in save_to_disk_names(top, read, remote.uri, role)]
 
 
 def list_shards(

@@ -290,7 +290,7 @@ def _listed_refs(folder: RemoteSource, uris: list[str], role: str, cache_root: P
         name = uri[len(base):]
         if name not in objects:
             raise DatasetError(f"{role}: shard {uri} not found")
-        refs[uri] = ShardRef(uri, objects[name]["size"], objects[name]["ETag"] or str(objects[name]["size"]), name)
+        refs[uri] = objects[name].shard(folder.uri, name)
     return refs
 
 
@@ -315,10 +315,22 @@ def _remote_ref(uri: str, info: dict[str, Any], name: str) -> ShardRef:
     return ShardRef(uri, int(info.get("size") or 0), version.strip('"'), name)
 
 
+@dataclass(frozen=True)
+class ListedObject:
+    """An object of a listed prefix: its size and ETag (the version a shard's index is keyed by)."""
+
+    size: int
+    etag: str
+
+    def shard(self, base: str, name: str) -> ShardRef:
+        """The object ``name`` under ``base`` (a prefix URI) as a shard."""
+        return ShardRef(f"{base.rstrip('/')}/{name}", self.size, self.etag or str(self.size), name)
+
+
 def list_prefix(
     source: RemoteSource, role: str, cache_root: Path | None, *, fresh: bool = False
-) -> dict[str, dict[str, Any]]:
-    """Every object under a prefix (``{relative key: {size, ETag}}``), listed once, paginated
+) -> dict[str, ListedObject]:
+    """Every object under a prefix (by relative key), listed once, paginated
     and in concurrent key ranges (:func:`list_keys`); cached on disk for :data:`LISTING_TTL_S`
     (``fresh`` lists again and replaces the cached listing)."""
     ttl = float(os.environ.get("BNRECAL_LISTING_TTL_S", LISTING_TTL_S))
@@ -331,7 +343,7 @@ def list_prefix(
                 raise OSError("listing again")
             cached = json.loads(cache.read_text())
             if time.time() - float(cached["listed_at"]) < ttl:
-                return dict(cached["objects"])
+                return {key: ListedObject(int(size), str(etag)) for key, (size, etag) in cached["objects"].items()}
         except (OSError, ValueError, KeyError, TypeError):
             pass
     base = source.key + "/"
@@ -341,14 +353,15 @@ def list_prefix(
         raise remote_error(exc, source, role) from exc
     within = base.partition("/")[2]  # ListObjectsV2 keys do not start with the bucket
     objects = {
-        entry["Key"][len(within):]: {"size": int(entry.get("Size") or 0), "ETag": str(entry.get("ETag", "")).strip('"')}
+        entry["Key"][len(within):]: ListedObject(int(entry.get("Size") or 0), str(entry.get("ETag", "")).strip('"'))
         for entry in listed
         if entry["Key"].startswith(within) and not entry["Key"].endswith("/")
     }
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         staging = cache.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"listed_at": time.time(), "objects": objects}))
+        listing = {key: [found.size, found.etag] for key, found in objects.items()}
+        staging.write_text(json.dumps({"listed_at": time.time(), "objects": listing}))
         os.replace(staging, cache)
     return objects
 
@@ -410,7 +423,7 @@ def _cuts_after(last: str, count: int) -> list[str]:
     return cuts
 
 
-def prefix_shards(source: RemoteSource, objects: dict[str, dict[str, Any]]) -> list[ShardRef] | None:
+def prefix_shards(source: RemoteSource, objects: dict[str, ListedObject]) -> list[ShardRef] | None:
     """The shards of a listed prefix, sorted by relative key, when it holds shards and no
     image or array objects; None otherwise (an image prefix, say)."""
     from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
@@ -420,8 +433,5 @@ def prefix_shards(source: RemoteSource, objects: dict[str, dict[str, Any]]) -> l
     if not shards or any(is_image_name(n) or n.lower().endswith((".npy", ".npz", ".zip")) for n in names):
         return None
     check_one_split(shards, source.uri)
-    return [
-        ShardRef(f"{source.uri.rstrip('/')}/{n}", objects[n]["size"], objects[n]["ETag"] or str(objects[n]["size"]), n)
-        for n in shards
-    ]
+    return [objects[name].shard(source.uri, name) for name in shards]
 
