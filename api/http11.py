@@ -65,7 +65,7 @@ class ProblemH11Protocol(H11Protocol):
         """Answer the request h11 refused with problem+json, then linger until the client closes."""
         assert isinstance(self.conn, _Connection)
         error = refusal(self.conn.error, self.conn.trailing_data[0], self.max_header_bytes)
-        body = json.dumps(problem_of(error)).encode()
+        body = json.dumps(problem_of(error).body()).encode()
         headers = [
             (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
             (b"content-length", str(len(body)).encode()),

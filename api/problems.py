@@ -17,10 +17,9 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bnrecal.service.jobserver.problems import http_status, problem_of
+from bnrecal.service.jobserver.problems import FieldProblem, Problem, http_status, problem_of
 from bnrecal.errors import BnrecalError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -32,19 +31,9 @@ RETRY_AFTER_S = 5
 log = logging.getLogger("bnrecal.api")
 
 
-class Problem(BaseModel):
-    """An error response (RFC 9457 problem details)."""
-
-    type: str
-    title: str
-    status: int
-    detail: str
-    field: str | None = None
-
-
-def problem_response(problem: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-    """A problem object as a response with its status."""
-    return JSONResponse(problem, status_code=problem["status"], media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+def problem_response(problem: Problem, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A problem as a response with its status."""
+    return JSONResponse(problem.body(), status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
 
 def field_name(location: tuple[Any, ...] | list[Any]) -> str:
@@ -79,18 +68,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     invalid_json = next((error for error in exc.errors() if error.get("type") == "json_invalid"), None)
     if invalid_json is not None:
         return problem_response(_invalid_json_problem(invalid_json, exc.body))
-    errors = [{"field": field_name(error.get("loc", ())), "message": _message(error)} for error in exc.errors()]
-    shown = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:_SHOWN_ERRORS])
+    errors = [FieldProblem(field=field_name(error.get("loc", ())), message=_message(error)) for error in exc.errors()]
+    shown = "; ".join(f"{e.field}: {e.message}" for e in errors[:_SHOWN_ERRORS])
     more = f" (and {len(errors) - _SHOWN_ERRORS} more)" if len(errors) > _SHOWN_ERRORS else ""
-    problem = {
-        "type": VALIDATION_TYPE,
-        "title": "Invalid request",
-        "status": 422,
-        "detail": (shown or "the request is invalid") + more,
-        "field": errors[0]["field"] if errors else None,
-        "errors": errors,
-    }
-    return problem_response(problem)
+    return problem_response(Problem(
+        type=VALIDATION_TYPE, title="Invalid request", status=422, detail=(shown or "the request is invalid") + more,
+        field=errors[0].field if errors else None, errors=errors,
+    ))
 
 
 _TYPE_ERRORS = frozenset({"int_type", "bool_type", "string_type", "float_type", "dict_type", "list_type"})
@@ -117,7 +101,7 @@ def _json_kind(value: Any) -> str:
     return "an object" if isinstance(value, dict) else "an array" if isinstance(value, list) else type(value).__name__
 
 
-def _invalid_json_problem(error: dict[str, Any], body: Any) -> dict[str, Any]:
+def _invalid_json_problem(error: dict[str, Any], body: Any) -> Problem:
     """A body that is not JSON at all: where it breaks, as line and column; no field to name.
 
     FastAPI puts the character offset of the decode error where a field path would be
@@ -133,14 +117,8 @@ def _invalid_json_problem(error: dict[str, Any], body: Any) -> dict[str, Any]:
         where = f" at line {position.lineno} column {position.colno}"
     elif offset is not None:
         where = f" at character {offset + 1}"
-    return {
-        "type": VALIDATION_TYPE,
-        "title": "Invalid request",
-        "status": 422,
-        "detail": f"the request body is not valid JSON: {reason}{where}",
-        "field": None,
-        "errors": [],
-    }
+    return Problem(type=VALIDATION_TYPE, title="Invalid request", status=422,
+                   detail=f"the request body is not valid JSON: {reason}{where}", field=None, errors=[])
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -152,19 +130,16 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else title
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no route {request.url.path}"
-    problem = {"type": "about:blank", "title": title, "status": exc.status_code, "detail": detail}
+    problem = Problem(type="about:blank", title=title, status=exc.status_code, detail=detail)
     return problem_response(problem, dict(exc.headers) if exc.headers else None)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    problem = {
-        "type": "https://bnrecal.dev/problems/internal",
-        "title": "Internal error",
-        "status": 500,
-        "detail": f"an unexpected {type(exc).__name__} occurred; the server log has the details",
-    }
-    return problem_response(problem)
+    return problem_response(Problem(
+        type="https://bnrecal.dev/problems/internal", title="Internal error", status=500,
+        detail=f"an unexpected {type(exc).__name__} occurred; the server log has the details",
+    ))
 
 
 class ContainUnexpectedErrors:

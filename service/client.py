@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
+from pydantic import ValidationError
 
 from bnrecal.errors import (
     AuthenticationError,
@@ -45,7 +46,7 @@ from bnrecal.workers.files import atomic_write
 
 from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
-from .jobserver.problems import error_classes, http_status
+from .jobserver.problems import Problem, error_classes, http_status
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 COUNTED_PHASES = ("calibrating", "evaluating")
@@ -83,17 +84,26 @@ _BY_STATUS: dict[int, type[BnrecalError]] = {
 """The statuses that name one error class: how an answer without a body (to ``HEAD``) is typed."""
 
 
-def error_from_problem(problem: dict[str, Any]) -> BnrecalError:
-    """The typed error a problem object stands for (by its ``type``; else by its status)."""
-    detail = str(problem.get("detail") or problem.get("title") or "unknown error")
-    status = int(problem.get("status") or 500)
-    cls = error_classes().get(str(problem.get("type"))) or _BY_STATUS.get(status)
+def error_from_problem(problem: Problem) -> BnrecalError:
+    """The typed error a problem stands for (by its ``type``; else by its status)."""
+    cls = error_classes().get(problem.type) or _BY_STATUS.get(problem.status)
     if cls is None:
-        cls = InputError if 400 <= status < 500 else RunError
-    error = cls(detail)
+        cls = InputError if 400 <= problem.status < 500 else RunError
+    error = cls(problem.detail or problem.title or "unknown error")
     if isinstance(error, SpecError):
-        error.field = problem.get("field")
+        error.field = problem.field
     return error
+
+
+def problem_in(body: object, status: int, reason: str) -> Problem:
+    """The problem an error answer holds; for a body that is not one (a proxy's page, a
+    ``HEAD`` answer without a body), one made of the status and what the body said."""
+    if isinstance(body, dict):
+        try:
+            return Problem.model_validate({"type": "about:blank", "title": reason, "status": status, **body})
+        except ValidationError:
+            pass
+    return Problem(type="about:blank", title=reason, status=status, detail=f"HTTP {status}: {str(body)[:200] or reason}")
 
 
 class BnrecalClient:
@@ -304,14 +314,10 @@ class BnrecalClient:
 
     def _error(self, response: httpx.Response) -> BnrecalError:
         try:
-            problem = response.json()
+            body: object = response.json()
         except ValueError:
-            problem = None
-        if not isinstance(problem, dict):
-            text = response.text[:200] or response.reason_phrase  # a HEAD answer has no body
-            problem = {"status": response.status_code, "detail": f"HTTP {response.status_code}: {text}"}
-        problem.setdefault("status", response.status_code)
-        return error_from_problem(problem)
+            body = response.text  # a HEAD answer has none
+        return error_from_problem(problem_in(body, response.status_code, response.reason_phrase))
 
 
 def parse_events(lines: Iterator[str]) -> Iterator[ServerEvent]:
@@ -430,7 +436,8 @@ def _raise_unless_succeeded(job: JobView, server: str) -> None:
         return
     if job.status == "cancelled":
         raise CancelledError(f"job {job.id} on {server} was cancelled")
-    raise error_from_problem(job.error or {"status": 500, "detail": f"job {job.id} {job.status.value}"})
+    raise error_from_problem(job.error or Problem(type="about:blank", title="Failed", status=500,
+                                                  detail=f"job {job.id} {job.status.value}"))
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Response
 from bnrecal.api.deps import ServicesDep
 from bnrecal.api.problems import problem_response
 from bnrecal.service.jobserver.metrics import CONTENT_TYPE
+from bnrecal.service.jobserver.problems import Problem
 
 router = APIRouter(tags=["operations"])
 
@@ -40,7 +41,7 @@ def readyz(services: ServicesDep) -> Any:
     except Exception as exc:  # noqa: BLE001 - any failure here means "not ready", with the reason
         detail = f"not ready: {type(exc).__name__}: {str(exc)[:300]}"
         return problem_response(
-            {"type": "https://bnrecal.dev/problems/not-ready", "title": "Not ready", "status": 503, "detail": detail}
+            Problem(type="https://bnrecal.dev/problems/not-ready", title="Not ready", status=503, detail=detail)
         )
     return {
         "status": "ready",

@@ -60,8 +60,7 @@ def progress_text(job: JobView) -> str:
 def result_text(job: JobView) -> str:
     """What a finished job came to: samples and accuracy, the failure's title, or ``cancelled``."""
     if job.status == "failed":
-        error = job.error or {}
-        return f"failed: {error.get('title') or 'error'}"
+        return f"failed: {job.error.title if job.error is not None else 'error'}"
     if job.status == "cancelled":
         return "cancelled"
     report = job.report or {}
@@ -107,9 +106,9 @@ def status_lines(job: JobView) -> list[str]:
     if not job.status.is_terminal:
         lines.append(f"progress: {progress_text(job)}")
     error = job.error
-    if error:
-        field = f" (field {error['field']})" if error.get("field") else ""
-        lines.append(f"error: {error.get('title', 'error')}: {error.get('detail', '')}{field}")
+    if error is not None:
+        field = f" (field {error.field})" if error.field else ""
+        lines.append(f"error: {error.title}: {error.detail}{field}")
     report = job.report
     if report:
         lines.append(f"recalibrated {len(report['layers'])} BN layers on {report['samples']} samples "

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+
 import bnrecal.errors as errors
 from bnrecal.errors import (
     ArchitectureError,
@@ -138,17 +140,53 @@ def fault_field(exc: BnrecalError, spec: Any = None) -> str | None:
     return None
 
 
-def problem_of(exc: BnrecalError, spec: Any = None) -> dict[str, Any]:
-    """The problem+json object of an error (``type``, ``title``, ``status``, ``detail`` and its
-    context: the ``field`` at fault, the rank and node of a run failure)."""
+class FieldProblem(BaseModel):
+    """One invalid field of a request (a validation problem's ``errors[]``)."""
+
+    field: str
+    message: str
+
+
+class Problem(BaseModel):
+    """An error as problem+json (RFC 9457 problem details): what the API answers, what a
+    failed job stores, and what the client turns back into the error it stands for.
+    ``field`` names the field to fix, ``rank``/``node`` where a run failed, ``errors`` every
+    invalid field of a request. Written with the fields it was given (:meth:`body`): a field
+    never set is left out, one set to None is ``null``. Fields of a newer server are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    field: str | None = None
+    rank: int | None = None
+    node: str | None = None
+    errors: list[FieldProblem] | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        unset = {"field", "rank", "node", "errors"} - self.model_fields_set
+        return {key: value for key, value in data.items() if key not in unset}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON object, as answered and stored."""
+        return self.model_dump(mode="json")
+
+
+def problem_of(exc: BnrecalError, spec: Any = None) -> Problem:
+    """The problem of an error (``type``, ``title``, ``status``, ``detail`` and its context:
+    the ``field`` at fault, the rank and node of a run failure)."""
     kind = problem_kind(exc)
-    problem: dict[str, Any] = {"type": problem_type(exc), "title": kind.title, "status": kind.status, "detail": exc.message}
+    problem = Problem(type=problem_type(exc), title=kind.title, status=kind.status, detail=exc.message)
     field = fault_field(exc, spec)
     if field:
-        problem["field"] = field
+        problem.field = field
     if isinstance(exc, RunError):
         if exc.rank is not None:
-            problem["rank"] = exc.rank
+            problem.rank = exc.rank
         if exc.node is not None:
-            problem["node"] = exc.node
+            problem.node = exc.node
     return problem

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bnrecal.service.cli.console import exit_code as cli_exit_code
-from bnrecal.service.client import BnrecalClient, error_from_problem, parse_events
+from bnrecal.service.client import BnrecalClient, error_from_problem, parse_events, problem_in
 from bnrecal.service.jobserver.problems import problem_of, problem_type
 from bnrecal.errors import (
     CancelledError,
@@ -62,12 +62,14 @@ def test_a_problem_comes_back_as_the_error_the_server_raised(error, exit_code):
 
 
 def test_spec_errors_keep_their_field_and_unknown_types_go_by_status():
-    error = error_from_problem(
-        {"type": problem_type(SpecError), "status": 422, "detail": "workers must be >= 1", "field": "workers"}
-    )
+    error = error_from_problem(problem_in(
+        {"type": problem_type(SpecError), "status": 422, "detail": "workers must be >= 1", "field": "workers"}, 422, "x"
+    ))
     assert isinstance(error, SpecError) and error.field == "workers"
-    assert type(error_from_problem({"type": "about:blank", "status": 405, "detail": "nope"})) is InputError
-    assert type(error_from_problem({"status": 502, "detail": "bad gateway"})) is RunError
+    assert type(error_from_problem(problem_in({"type": "about:blank", "detail": "nope"}, 405, "x"))) is InputError
+    assert type(error_from_problem(problem_in({"detail": "bad gateway"}, 502, "Bad Gateway"))) is RunError
+    # an answer that is no problem at all (a proxy's page) still comes back as the status's error
+    assert type(error_from_problem(problem_in("<html>gateway</html>", 502, "Bad Gateway"))) is RunError
 
 
 def recorded_uploads(client: BnrecalClient) -> list[tuple[httpx.URL, bytes]]:

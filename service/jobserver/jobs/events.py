@@ -159,7 +159,7 @@ def event_payload(job: JobRecord) -> dict[str, Any]:
         "id": job.id,
         "status": job.status.value,
         "progress": job.progress().model_dump(),
-        "error": job.error,
+        "error": job.error.body() if job.error is not None else None,
     }
 
 

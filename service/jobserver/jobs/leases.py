@@ -32,7 +32,8 @@ from bnrecal.errors import InsufficientStorageError
 
 from bnrecal.service.jobserver.jobs.spec import JobRecord
 from bnrecal.service.jobserver.jobs.views import JobStatus
-from bnrecal.service.jobserver.ledger import JobRow, Ledger, start_values
+from bnrecal.service.jobserver.ledger import JobRow, Ledger, outcome_values, start_values
+from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.ledger.engines import is_postgres
 
 log = logging.getLogger("bnrecal.leases")
@@ -90,12 +91,15 @@ class JobLeases:
             cancel = session.scalar(select(JobRow.cancel_requested).where(JobRow.id == job_id))
         return Renewal(held=held, cancel_requested=bool(cancel))
 
-    def finish(self, job_id: str, status: JobStatus, **outcome: Any) -> bool:
+    def finish(
+        self, job_id: str, status: JobStatus, *, error: Problem | None = None,
+        artifacts: dict[str, Any] | None = None, report: dict[str, Any] | None = None,
+    ) -> bool:
         """Write a job's outcome (``error``, ``artifacts``, ``report``) if this replica still holds its lease."""
         assert status.is_terminal
-        values = {"finished_at": datetime.now(UTC), "error": None} | outcome
         return self.ledger._update(
-            job_id, {JobStatus.running}, JobRow.lease_owner == self.owner, status=status.value, **values
+            job_id, {JobStatus.running}, JobRow.lease_owner == self.owner, status=status.value,
+            **outcome_values(error, artifacts, report),
         )
 
     def requeue(self, job_id: str) -> bool:

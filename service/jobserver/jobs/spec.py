@@ -38,6 +38,7 @@ from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_c
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.jobs.views import Artifact, InputFile, JobStatus, JobView, PhaseTime, Progress
+from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.storage.blobs import DIGEST_PATTERN, BlobStore
 from bnrecal.service.jobserver.cluster.capacity import Node, check_fits_cluster
 
@@ -158,7 +159,7 @@ class JobRecord:
     samples_done: int
     samples_total: int | None
     phase: str | None
-    error: dict[str, Any] | None
+    error: Problem | None
     artifacts: dict[str, dict[str, Any]]
     report: dict[str, Any] | None
     revision: int

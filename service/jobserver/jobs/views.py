@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from bnrecal.service.jobserver.problems import Problem
+
 
 class JobStatus(str, enum.Enum):
     """Where a job is; ``succeeded``, ``failed`` and ``cancelled`` are final."""
@@ -72,7 +74,7 @@ class JobView(BaseModel):
     status: JobStatus
     spec: dict[str, Any]
     progress: Progress
-    error: dict[str, Any] | None
+    error: Problem | None
     artifacts: dict[str, Artifact]
     report: dict[str, Any] | None
     attempts: int

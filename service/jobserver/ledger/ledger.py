@@ -31,6 +31,7 @@ from bnrecal.service.jobserver.jobs.spec import JobRecord
 from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger.engines import lock_tenant, make_engine, prepare_schema
 from bnrecal.service.jobserver.ledger.table import Base, JobRow
+from bnrecal.service.jobserver.problems import Problem
 
 INTERRUPTED = "interrupted by restart"
 MAX_ATTEMPTS = 2  # a job a crash interrupted runs again from scratch once
@@ -43,6 +44,19 @@ def sqlite_url(data_dir: Path) -> str:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def outcome_values(
+    error: Problem | None = None, artifacts: dict[str, Any] | None = None, report: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The columns a job's outcome writes as it ends: when, its problem (stored as its JSON;
+    None clears an earlier one), and the artifacts and report where given."""
+    values: dict[str, Any] = {"finished_at": _now(), "error": error.body() if error is not None else None}
+    if artifacts is not None:
+        values["artifacts"] = artifacts
+    if report is not None:
+        values["report"] = report
+    return values
 
 
 def start_values() -> dict[str, Any]:
@@ -238,18 +252,14 @@ class Ledger:
         job_id: str,
         status: JobStatus,
         *,
-        error: dict[str, Any] | None = None,
+        error: Problem | None = None,
         artifacts: dict[str, Any] | None = None,
         report: dict[str, Any] | None = None,
     ) -> bool:
         """Move an unfinished job to a terminal status with its outcome."""
         assert status.is_terminal
-        values: dict[str, Any] = {"status": status.value, "finished_at": _now(), "error": error}
-        if artifacts is not None:
-            values["artifacts"] = artifacts
-        if report is not None:
-            values["report"] = report
-        return self._update(job_id, {JobStatus.queued, JobStatus.running}, **values)
+        return self._update(job_id, {JobStatus.queued, JobStatus.running}, status=status.value,
+                            **outcome_values(error, artifacts, report))
 
     def request_cancel(self, tenant: str, job_id: str) -> JobRecord:
         """Cancel a tenant's job: a queued one at once, a running one by flagging it for the runner."""
@@ -297,13 +307,9 @@ class Ledger:
             else:
                 outcome = JobStatus.failed
                 detail = INTERRUPTED + (f" (after {attempts} attempts)" if rerun else "")
-                problem = {
-                    "type": "https://bnrecal.dev/problems/interrupted",
-                    "title": "Interrupted",
-                    "status": 500,
-                    "detail": detail,
-                }
-                values = {"finished_at": _now(), "error": problem}
+                problem = Problem(type="https://bnrecal.dev/problems/interrupted", title="Interrupted", status=500,
+                                  detail=detail)
+                values = outcome_values(problem)
             if self._update(job_id, running, *expired, status=outcome.value, **values):
                 outcomes[job_id] = outcome
         return outcomes

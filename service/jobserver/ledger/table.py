@@ -12,6 +12,7 @@ from sqlalchemy.types import TypeDecorator
 
 from bnrecal.service.jobserver.jobs.spec import JobRecord
 from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.problems import Problem
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -72,7 +73,7 @@ class JobRow(Base):
             samples_done=self.samples_done,
             samples_total=self.samples_total,
             phase=self.phase,
-            error=self.error,
+            error=Problem.model_validate(self.error) if self.error else None,
             artifacts=dict(self.artifacts or {}),
             report=self.report,
             revision=self.revision,

@@ -154,7 +154,7 @@ def test_recovery_reruns_once_then_fails_and_survives_reopening(database_url):
     outcomes = reopened.recover_interrupted(rerun=True)
     failed = reopened.get_any(first.id)
     assert outcomes == {first.id: JobStatus.failed} and failed.status is JobStatus.failed
-    assert INTERRUPTED in failed.error["detail"] and failed.finished_at is not None
+    assert INTERRUPTED in failed.error.detail and failed.finished_at is not None
     assert not [job for job in reopened.list("alice") if job.status is JobStatus.running]
     reopened.close()
 
@@ -163,7 +163,7 @@ def test_recovery_without_rerun_fails_interrupted_jobs(ledger):
     job, _ = ledger.create("alice", SPEC)
     ledger.mark_running(job.id)
     assert ledger.recover_interrupted(rerun=False) == {job.id: JobStatus.failed}
-    assert ledger.get_any(job.id).error["detail"] == INTERRUPTED
+    assert ledger.get_any(job.id).error.detail == INTERRUPTED
 
 
 def test_requeue_on_shutdown_does_not_count_the_attempt(ledger):

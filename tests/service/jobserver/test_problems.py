@@ -84,14 +84,14 @@ def test_the_problem_type_names_the_class_and_comes_back_as_it():
         cls = getattr(errors, name)
         error = cls("the message")
         problem = problem_of(error)
-        assert problem["status"] == http_status(cls) and problem["detail"] == "the message"
+        assert problem.status == http_status(cls) and problem.detail == "the message"
         assert type(error_from_problem(problem)) is cls, name
 
 
 def test_a_run_failure_says_where_and_an_input_error_names_its_field():
-    assert problem_of(RunError("rank 1 died", rank=1, node="n1")) == {
+    assert problem_of(RunError("rank 1 died", rank=1, node="n1")).body() == {
         "type": "https://bnrecal.dev/problems/run", "title": "Calibration run failed", "status": 500,
         "detail": "rank 1 died", "rank": 1, "node": "n1",
     }
-    assert problem_of(SpecError("workers must be >= 1", field="workers"))["field"] == "workers"
-    assert problem_of(DatasetError("empty"))["field"] == "data"
+    assert problem_of(SpecError("workers must be >= 1", field="workers")).field == "workers"
+    assert problem_of(DatasetError("empty")).field == "data"

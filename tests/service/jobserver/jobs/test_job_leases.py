@@ -15,9 +15,11 @@ from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
+from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.jobs.ledger_watch import LedgerWatcher
 
 SPEC = {"arch": "tests.nets:mixed_net", "checkpoint": "sha256:" + "1" * 64, "data": "sha256:" + "2" * 64}
+FAILED = Problem(type="about:blank", title="Failed", status=500, detail="the job failed")
 
 
 @pytest.fixture
@@ -78,7 +80,7 @@ def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas, tmp
     assert b.take_over_expired(rerun=True) == {}  # claimed again: a live lease
     assert not a.renew(job.id).held  # replica a, if it only paused, learns it lost the job ...
     assert not a.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "stale"}})  # ... and writes nothing
-    assert not a.finish_making_room(job.id, JobStatus.failed, tmp_path / "work", error={})  # told, not raised
+    assert not a.finish_making_room(job.id, JobStatus.failed, tmp_path / "work", error=FAILED)  # told, not raised
     assert b.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"ok": True})
     done = b.ledger.get_any(job.id)
     assert done.status is JobStatus.succeeded and done.artifacts == {"report": {"digest": "d"}}
@@ -95,7 +97,7 @@ def test_a_job_whose_replicas_keep_dying_fails_after_its_second_attempt(replicas
     time.sleep(0.5)
     assert a.take_over_expired(rerun=True) == {job.id: JobStatus.failed}
     failed = a.ledger.get_any(job.id)
-    assert failed.status is JobStatus.failed and INTERRUPTED in failed.error["detail"]
+    assert failed.status is JobStatus.failed and INTERRUPTED in failed.error.detail
 
 
 def test_the_collector_takes_its_turn_on_one_replica_at_a_time(replicas, database_url):

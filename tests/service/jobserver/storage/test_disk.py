@@ -16,7 +16,7 @@ import torch
 from bnrecal.service.jobserver.storage.disk import check_reserve, disk_full_error, free_bytes
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.views import JobStatus
-from bnrecal.service.jobserver.problems import http_status
+from bnrecal.service.jobserver.problems import Problem, http_status
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.errors import InsufficientStorageError
 
@@ -103,7 +103,8 @@ def test_a_job_that_filled_the_disk_with_its_work_dir_still_ends_with_its_507(sm
         workdir.mkdir(parents=True)
         fill(workdir)  # the job's own files took the last byte
         exhaust_the_ledger(ledger)
-        problem = {"status": 507, "detail": "the server's disk is full (the job's work dir)"}
+        problem = Problem(type="about:blank", title="Insufficient Storage", status=507,
+                          detail="the server's disk is full (the job's work dir)")
         with pytest.raises(InsufficientStorageError):  # as it stands, the outcome does not fit
             leases.finish(job.id, JobStatus.failed, error=problem)
 
@@ -124,7 +125,8 @@ def test_an_outcome_that_cannot_be_written_is_logged_not_raised(small_disk, capl
         fill(small_disk)  # not the job's: removing its work dir frees nothing
         exhaust_the_ledger(ledger)
 
-        assert not leases.finish_making_room(job.id, JobStatus.failed, small_disk / "work" / job.id, error={})
+        problem = Problem(type="about:blank", title="Failed", status=500, detail="the job failed")
+        assert not leases.finish_making_room(job.id, JobStatus.failed, small_disk / "work" / job.id, error=problem)
         assert "its outcome (failed) was not written" in caplog.text
         assert ledger.get_any(job.id).status is JobStatus.running  # left to its lease, which runs out
     finally:
