@@ -6,6 +6,9 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def sync_directory(directory: Path) -> None:
@@ -22,11 +25,12 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(target: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(target: Path, write: Callable[[Path], T]) -> T:
     """Write ``target`` so readers see the old file or the whole new one, never a part.
 
     ``write`` fills a temporary file beside the target (given the usual file mode, not
-    mkstemp's 0600), which is fsynced and renamed into place.
+    mkstemp's 0600), which is fsynced and renamed into place; what it returns (what it
+    found checking the file, say) is returned once the file is in place.
     """
     directory = target.parent if str(target.parent) else Path(".")
     handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
@@ -34,7 +38,7 @@ def atomic_write(target: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         os.chmod(tmp, 0o666 & ~_current_umask())
-        write(tmp)
+        made = write(tmp)
         with tmp.open("rb+") as written:
             os.fsync(written.fileno())
         os.replace(tmp, target)
@@ -42,6 +46,7 @@ def atomic_write(target: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     sync_directory(directory)
+    return made
 
 
 def _current_umask() -> int:

@@ -8,7 +8,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
@@ -34,7 +34,9 @@ from bnrecal.service.export.folding.in_onnx import OnnxFoldResult, fold_batchnor
 from bnrecal.service.export.report_sections import OnnxSection, RuntimeChecks, RuntimeEntry, UnfoldedLayer
 from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
 from bnrecal.service.export.folding.in_torch import TorchFoldResult, fold_batchnorm_modules
-from bnrecal.service.export.verification import TOLERANCE, flatten_outputs, reference_outputs, verify_onnx
+from bnrecal.service.export.verification import (
+    TOLERANCE, VerificationResult, flatten_outputs, reference_outputs, verify_onnx,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,23 +249,21 @@ def export_folded_onnx(
     except Exception as exc:  # noqa: BLE001 - exporter and pass failures become one-line ExportErrors
         raise ExportError(f"ONNX export failed: {_root_cause(exc)}") from exc
     target = Path(path)
-    written: dict[str, Any] = {}
-
-    def write_and_verify(temp: Path) -> None:
+    def write_and_verify(temp: Path) -> tuple[VerificationResult, RuntimeEntry, int]:
         temp.write_bytes(proto.SerializeToString())
-        written["verified"] = verify_onnx(temp, batches, references, dtype)
+        verified = verify_onnx(temp, batches, references, dtype)
         np_dtype = np.float16 if dtype == "float16" else np.float32
-        written["openvino"] = check_in_openvino(
+        in_openvino = check_in_openvino(
             temp, [b.numpy().astype(np_dtype) for b in batches], references, TOLERANCE[dtype], "the exported model"
         ) if openvino else RuntimeEntry(ran=False, reason="not checked: a file made only to be measured, not deployed")
-        written["size"] = temp.stat().st_size
+        return verified, in_openvino, temp.stat().st_size
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, write_and_verify)  # the usual file mode; nothing at the target unless verified
+        # the usual file mode; nothing at the target unless verified
+        verified, in_openvino, size = atomic_write(target, write_and_verify)
     except OSError as exc:
         raise ExportError(f"cannot write the ONNX file '{target}': {exc.strerror or exc}") from exc
-    verified, size = written["verified"], written["size"]
     logger.info("exported %s via %s: %d BN folded in PyTorch (%s), %d on the graph, %d left",
                 target, exporter, len(torch_result.folded), torch_result.method, len(onnx_result.folded),
                 len(onnx_result.unfolded))
@@ -281,6 +281,6 @@ def export_folded_onnx(
         runtimes=RuntimeChecks(
             reference="the PyTorch model, on the verified batches",
             onnxruntime=RuntimeEntry(ran=True, version=onnxruntime_version(), max_abs_diff=verified.max_abs_diff),
-            openvino=written["openvino"],
+            openvino=in_openvino,
         ),
     )
