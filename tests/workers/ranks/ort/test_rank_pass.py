@@ -122,12 +122,13 @@ def test_the_comparison_is_the_engines_evaluation_of_the_same_models(scored, war
     request = OnnxPassRequest(tuple(PassModel(m) for m in models), labels, compare=Comparison(0, 1, target))
     for world in (1, 2, 4):
         measured = on_ranks(request, dataset, world, warm_pool).result.evaluation
-        assert measured["samples"] == reference["samples"] == SAMPLES
+        assert measured.samples == reference.samples == SAMPLES
         for key in ("before", "after"):
-            assert measured[key]["top1"] == reference[key]["top1"] and measured[key]["top5"] == reference[key]["top5"]
-            assert measured[key]["cross_entropy"] == pytest.approx(reference[key]["cross_entropy"], rel=1e-4)
-        assert measured["prediction_change"] == reference["prediction_change"]
-        assert measured["kl_divergence"] == pytest.approx(reference["kl_divergence"], rel=1e-3, abs=1e-6)
+            got, expected = getattr(measured, key), getattr(reference, key)
+            assert got.top1 == expected.top1 and got.top5 == expected.top5
+            assert got.cross_entropy == pytest.approx(expected.cross_entropy, rel=1e-4)
+        assert measured.prediction_change == reference.prediction_change
+        assert measured.kl_divergence == pytest.approx(reference.kl_divergence, rel=1e-3, abs=1e-6)
 
 
 def test_a_pass_in_another_order_scores_by_evaluation_position(scored):
