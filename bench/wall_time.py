@@ -156,7 +156,7 @@ def main() -> None:
                     seconds, _ = timed(command)
                     results[job][name].append(seconds)
                     print(f"  {job} round {round_ + 1}: {name:16s} {seconds:6.2f} s", flush=True)
-                if job == args.jobs.split(",")[0]:
+                if job == args.jobs.split(",")[0] and any(name.endswith("K=2") for name in runs):
                     _, out = timed([sys.executable, "-c", RAY_START])
                     ray_start.append([float(v) for v in out.split()])
     print(f"after:  {load()}\n")
