@@ -347,8 +347,8 @@ def precision_figure(report: Report) -> Any:
     axes = figure.subplots()
     for offset, key, color, label in ((-0.15, "se_mean", "#3b6ea8", "mean (std units)"),
                                       (0.15, "se_var", "#c0633a", "variance (relative)")):
-        median = [100 * _number(layer[f"{key}_median"]) for layer in layers]
-        worst = [100 * _number(layer[f"{key}_max"]) for layer in layers]
+        median = [100 * _number(getattr(layer, f"{key}_median")) for layer in layers]
+        worst = [100 * _number(getattr(layer, f"{key}_max")) for layer in layers]
         x = [d + offset for d in depth]
         axes.vlines(x, median, worst, color=color, linewidth=3)
         axes.scatter(x, worst, color=color, marker="_", s=60, zorder=3, label=f"{label}: worst")
