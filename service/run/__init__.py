@@ -3,8 +3,8 @@
 It owns the run options declared once for every surface (``options``), the model source
 a run loads from a checkpoint or a program (``model_source``), Ray start-up and the
 embedded local instance (``cluster``), the run itself: load, probe, plan, rank group,
-statistics (``recalibrate``), the report (``report``, ``report_html``) and the files a run
+statistics (``recalibrate``), the executor many runs share (``shared``, a sweep's), the report (``report``, ``report_html``) and the files a run
 writes, checkpoint and folded ONNX (``exporting``, through ``service.export``). It may
 import ``service.export``, ``service.settings`` and ``workers``; never ``jobserver``,
-``live`` or ``cli``, which build on it.
+``live``, ``sweep`` or ``cli``, which build on it.
 """

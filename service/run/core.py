@@ -97,6 +97,18 @@ class LaterPhases:
     head: int = 0
     evaluation_later: bool = False
     meanwhile: Callable[[], None] | None = None
+    shared: SharedScope | None = None
+
+
+@dataclass(frozen=True)
+class SharedScope:
+    """Samples kept beyond one run: a sweep's runs (``service.run.shared``) keep what their
+    ranks decode under the sweep's ``scope``, each of its datasets named with ``suffix``
+    (the calibration set's name), so the next model over the same set reads them decoded.
+    The owner of the scope releases it, and reports what was decoded and reused."""
+
+    scope: str
+    suffix: str
 
 
 @dataclass(frozen=True)
@@ -229,7 +241,8 @@ def run(
     the report, or, given ``then`` (the export and INT8 files: ``service.run.outputs``),
     what ``then`` makes of it on the same executor while its ranks are up."""
     options = plan.options
-    scope = uuid.uuid4().hex
+    shared = plan.later.shared
+    scope = shared.scope if shared is not None else uuid.uuid4().hex
     plan = _kept(plan, scope)
     try:
         try:
@@ -262,8 +275,8 @@ def run(
         if then is not None:  # on the same executor, while its world is up
             check_cancel(cancel)
             made = then(finished, executor)
-        if plan.later.keep is not None:
-            finished.report.decoding = _decoding(executor.release_decoded(scope), plan.later.keep)
+        if plan.later.keep is not None and shared is None:  # a shared scope's owner reports its decoding
+            finished.report.decoding = decoding_report(executor.release_decoded(scope), plan.later.keep)
         return made
     finally:
         try:
@@ -293,15 +306,17 @@ def _beside(work: Callable[[], None] | None) -> threading.Thread:
 
 
 def _kept(plan: RunPlan, scope: str) -> RunPlan:
-    """The plan with its described data marked to be kept on the ranks for ``scope``."""
+    """The plan with its described data marked to be kept on the ranks for ``scope`` (under
+    names of their own within a shared scope)."""
     keep = plan.later.keep
     if keep is None:
         return plan
+    suffix = f":{plan.later.shared.suffix}" if plan.later.shared is not None else ""
 
     def marked(data: Any, name: str) -> Any:
         if not isinstance(data, DatasetSpec):
             return data
-        return replace(data, keep=KeepDecoded(scope, name, keep.memory_bytes, keep.disk_bytes))
+        return replace(data, keep=KeepDecoded(scope, name + suffix, keep.memory_bytes, keep.disk_bytes))
 
     evaluation = plan.evaluation
     if evaluation is not None:
@@ -309,7 +324,7 @@ def _kept(plan: RunPlan, scope: str) -> RunPlan:
     return replace(plan, data=marked(plan.data, "calibration"), evaluation=evaluation)
 
 
-def _decoding(counts: KeptCounts, budget: KeepBudget) -> DecodingReport:
+def decoding_report(counts: KeptCounts, budget: KeepBudget) -> DecodingReport:
     """The report's ``decoding``, from what the ranks counted."""
     return DecodingReport(
         decoded=counts.decoded, reused=counts.reused, kept_bytes=counts.memory_bytes, spilled_bytes=counts.disk_bytes,

@@ -95,15 +95,17 @@ class RayRanks:
         self.gang: JobGang | None = None
 
     def start(self, plan: RunPlan) -> None:
-        """Start or join Ray, place nothing yet; decide how the data reaches the ranks."""
+        """Start or join Ray, place nothing yet (once); decide how the plan's data reaches the ranks."""
         from bnrecal.service.run.cluster import ensure_ray
 
         from bnrecal.workers.ranks.job_gang import JobGang
 
         options = self.options = plan.options
-        self.started_local = ensure_ray(self.address, min_cpus=options.workers)
-        self.gang = JobGang(self.pool)  # every pass of the run on the same ranks, which keep what they decode
-        self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
+        if self.gang is None:  # once: the runs of a sweep start here again, each with its own data
+            self.started_local = ensure_ray(self.address, min_cpus=options.workers)
+            self.gang = JobGang(self.pool)  # every pass of the run on the same ranks, which keep what they decode
+            self.group = group_options(self.settings, options.workers, options.device, self.placement_strategy)
+        self.shards = self.eval_shards = None
         if isinstance(plan.data, DatasetSpec):
             self.transport = "remote" if plan.data.remote is not None else resolve_data_transport(self.settings.data_transport)
         if self.transport == "object_store":  # data in object storage is fetched by each rank itself

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in th
     from bnrecal.workers.ranks.pool import WarmPool
 
     from bnrecal.service.run.report_html import JobLabel
+    from bnrecal.service.run.shared import SharedRanks
 
 
 def recalibrate(
@@ -55,6 +56,7 @@ def recalibrate(
     pool: WarmPool | None = None,
     in_process: bool = False,
     outputs: RunOutputs | None = None,
+    shared: SharedRanks | None = None,
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
 
@@ -65,7 +67,9 @@ def recalibrate(
     --workers 1`` without a Ray address) the one rank runs in this process, without Ray.
     ``outputs`` are the files the run makes after the statistics (the ONNX export, the
     INT8 file), later phases of the same run on its ranks (``service.run.outputs``); an
-    INT8 file that failed its guard leaves ``int8_failed`` set on the result.
+    INT8 file that failed its guard leaves ``int8_failed`` set on the result. With
+    ``shared`` (a sweep's cell) the run is on the sweep's ranks and keeps what they decode
+    of the data for the sweep's next models (``service.run.shared``).
     """
     loaded = load_model(
         settings, arch=request.arch, model_kwargs=request.model_kwargs, checkpoint=request.checkpoint,
@@ -96,16 +100,21 @@ def recalibrate(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
         later=LaterPhases(
-            keep=kept_budget(settings, outputs), head=head_samples(outputs, model), evaluation_later=later,
+            keep=kept_budget(settings, outputs) if shared is None else shared.keep, head=head_samples(outputs, model),
+            evaluation_later=later,
             meanwhile=None if in_process or reuse is None else trace_beside(model, probe, reuse, outputs),  # type: ignore[arg-type]
+            shared=None if shared is None else shared.shared_scope(str(request.data)),
         ),
     )
     if in_process and request.workers != 1:
         raise ValueError("a run in the calling process has one worker")
-    executor: Executor = (
-        InProcess() if in_process
-        else RayRanks(settings, address=settings.ray_address, pool=pool, placement=request.placement)
-    )
+    executor: Executor
+    if shared is not None:
+        executor = shared
+    elif in_process:
+        executor = InProcess()
+    else:
+        executor = RayRanks(settings, address=settings.ray_address, pool=pool, placement=request.placement)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     policy = FailurePolicy(retries)
 
@@ -152,18 +161,20 @@ def recalibrate_to_files(
     pool: WarmPool | None = None,
     in_process: bool = False,
     int8_field: str = "int8",
+    shared: SharedRanks | None = None,
 ) -> Recalibration:
     """From a request to the files, for ``bnrecal calibrate`` and a server job alike: check
     an INT8 file's ``keep_float``/``op_types`` against the graph before any calibration
     (docs/int8.md; a ``SpecError`` names ``int8_field``), recalibrate with the ``outputs``
     as later phases of the run, then write the ``files``. An INT8 file that failed its
-    guard leaves ``int8_failed`` set on the result, for the surface to raise."""
+    guard leaves ``int8_failed`` set on the result, for the surface to raise. ``shared``: a
+    sweep's cell, on the sweep's ranks (``recalibrate``)."""
     if outputs.int8 is not None and outputs.int8_options is not None:
         from bnrecal.service.run.int8_names import check_int8_names  # the quantizer's imports: only for INT8
 
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
     result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool, in_process=in_process,
-                         outputs=outputs)
+                         outputs=outputs, shared=shared)
     check_cancel(cancel)
     if on_progress is not None:
         on_progress(0, None, WRITING_PHASE)
