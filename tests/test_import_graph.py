@@ -38,9 +38,10 @@ ROOMS = {
     "service": {
         "export": set(),
         "run": {"export"},
-        "live": {"run", "export"},
+        "sweep": {"run", "export"},
+        "live": {"run", "export", "sweep"},
         "jobserver": {"run", "export"},
-        "cli": {"run", "export", "jobserver"},
+        "cli": {"run", "export", "jobserver", "sweep"},
     },
 }
 TOP_MAY_IMPORT = {
