@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -59,7 +60,7 @@ def calibrate(
     files = RunFiles(model=flags.out, report=flags.report, report_html=flags.report_html)
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
-    connected_before = in_process or _ray_connected()
+    connected_before = in_process or ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.job_gang).
         try:
@@ -71,9 +72,7 @@ def calibrate(
             cancel.set()
             raise
         if not connected_before:  # an instance this command started takes seconds to stop: before the summary
-            update(0, 1, "stopping Ray")
-            _stop_ray()
-            update(1, 1, "stopping Ray")
+            finish_ray(update)
     int8_failed = result.int8_failed
     written_int8 = flags.onnx_int8 if int8_failed is None else None
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
@@ -83,19 +82,22 @@ def calibrate(
         raise int8_failed  # exit 1: the INT8 file asked for was not written
 
 
-def _ray_connected() -> bool:
+def ray_connected() -> bool:
     """Whether this process was connected to Ray before the command (then it stays connected)."""
     import ray
 
     return ray.is_initialized()
 
 
-def _stop_ray() -> None:
-    """Stop the Ray instance this command started (or leave the cluster it joined)."""
+def finish_ray(update: Callable[[int, int | None, str], None]) -> None:
+    """Stop the Ray instance this command started (or leave the cluster it joined), saying so
+    on the progress line: it takes seconds, and comes before the command's summary."""
     import ray
 
+    update(0, 1, "stopping Ray")
     if ray.is_initialized():
         ray.shutdown()
+    update(1, 1, "stopping Ray")
 
 
 def export_command(

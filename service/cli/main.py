@@ -12,7 +12,7 @@ import typer
 
 from bnrecal.errors import BnrecalError, first_line
 
-from . import jobs, local, remote, storage
+from . import jobs, local, remote, storage, sweep
 from .console import exit_code, fail
 from .options import flag_message
 
@@ -48,6 +48,7 @@ def _commands(
 
 app.command()(local.calibrate)
 app.command("export")(local.export_command)
+app.command("sweep")(sweep.sweep)
 app.command()(remote.serve)
 app.command()(remote.submit)
 app.command("jobs")(jobs.list_jobs)

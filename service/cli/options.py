@@ -185,8 +185,35 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
     return Path(value)
 
 
+class RunOptionFlags:
+    """What a command whose fields include the run options' flags (``RunFlags``,
+    ``SweepFlags``) makes of them."""
+
+    def run_options(self) -> RunOptions:
+        """The run options of the command line, validated (a bad value names its flag's field)."""
+        flags: Any = self
+        tolerance = {} if flags.tolerance is None else {"tolerance": flags.tolerance}
+        return RunOptions.checked(
+            arch=flags.arch,
+            model_kwargs=parse_json_object(flags.model_kwargs, "--model-kwargs") or {},
+            workers=flags.workers,
+            batch_size=flags.batch_size,
+            mode=flags.mode.value,
+            device=flags.device.value,
+            transform=parse_json_object(flags.transform, "--transform"),
+            placement=flags.placement.value if flags.placement is not None else None,
+            max_retries=flags.max_retries,
+            max_samples=parse_max_samples(flags.max_samples),
+            order=flags.order.value,
+            seed=flags.seed,
+            image_column=flags.image_column,
+            label_column=flags.label_column,
+            **tolerance,
+        )
+
+
 @dataclass(frozen=True)
-class RunFlags:
+class RunFlags(RunOptionFlags):
     """The flags ``calibrate`` and ``submit`` share, declared once: a field's annotation is
     its option (spelling, type, help), its default the flag's default, and the field order
     the order ``--help`` lists them in. :func:`run_command` makes them the command's flags."""
@@ -227,27 +254,6 @@ class RunFlags:
             self.arch, self.checkpoint, self.program, parse_json_object(self.model_kwargs, "--model-kwargs"), flags=True
         )
 
-    def run_options(self) -> RunOptions:
-        """The run options of the command line, validated (a bad value names its flag's field)."""
-        tolerance = {} if self.tolerance is None else {"tolerance": self.tolerance}
-        return RunOptions.checked(
-            arch=self.arch,
-            model_kwargs=parse_json_object(self.model_kwargs, "--model-kwargs") or {},
-            workers=self.workers,
-            batch_size=self.batch_size,
-            mode=self.mode.value,
-            device=self.device.value,
-            transform=parse_json_object(self.transform, "--transform"),
-            placement=self.placement.value if self.placement is not None else None,
-            max_retries=self.max_retries,
-            max_samples=parse_max_samples(self.max_samples),
-            order=self.order.value,
-            seed=self.seed,
-            image_column=self.image_column,
-            label_column=self.label_column,
-            **tolerance,
-        )
-
     def int8_options(self) -> Any:
         """The ``--int8`` options checked (see :func:`int8_options`), or None without ``--onnx-int8``."""
         return int8_options(self.onnx_int8, self.int8)
@@ -269,29 +275,32 @@ def flag_message(error: BnrecalError) -> str:
     return re.sub(rf"(?<![\w./'\"-])({'|'.join(words)})(?![\w/'\"-])", lambda m: flag_of(m.group(1)), message)
 
 
-def run_command(**after: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def run_command(
+    flags_type: type[RunOptionFlags] | None = None, /, **after: str
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Make ``command(flags: RunFlags, **own)`` a typer command whose flags are the
-    :class:`RunFlags` fields and its own parameters, each of those listed right after the
+    :class:`RunFlags` fields (or ``flags_type``'s: ``SweepFlags``) and its own parameters, each of those listed right after the
     shared flag ``after`` names for it (``run_command(server="out")``), as ``--help`` shows them.
 
     typer reads the command's parameters from its signature; the one built here is the
     shared fields followed, in place, by the command's own. The values come back as keyword
     arguments, the shared ones gathered into the ``RunFlags`` the command is called with.
     """
-    hints = get_type_hints(RunFlags, include_extras=True)
+    kind: Any = flags_type or RunFlags
+    hints = get_type_hints(kind, include_extras=True)
     shared = [
         inspect.Parameter(
             field.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[field.name],
             default=inspect.Parameter.empty if field.default is MISSING else field.default,
         )
-        for field in fields(RunFlags)
+        for field in fields(kind)
     ]
     names = [parameter.name for parameter in shared]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         first, *own = inspect.signature(command, eval_str=True).parameters.values()
         placed = {parameter.name for parameter in own}
-        if first.annotation is not RunFlags or placed != set(after) or not set(after.values()) <= set(names):
+        if first.annotation is not kind or placed != set(after) or not set(after.values()) <= set(names):
             raise TypeError(f"{command.__name__}: write it (flags: RunFlags, ...) and place each own flag after a shared one")
         parameters = []
         for parameter in shared:
@@ -300,7 +309,7 @@ def run_command(**after: str) -> Callable[[Callable[..., None]], Callable[..., N
 
         @functools.wraps(command)
         def run(**values: Any) -> None:
-            command(RunFlags(**{name: values.pop(name) for name in names}), **values)
+            command(kind(**{name: values.pop(name) for name in names}), **values)
 
         run.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
         run.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}

@@ -44,7 +44,7 @@ def run_fresh(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
 
 @pytest.mark.parametrize("args", [
     ["--help"], [], ["calibrate", "--help"], ["submit", "--help"], ["jobs", "--help"], ["status", "--help"],
-    ["export", "--help"], ["serve", "--help"],
+    ["export", "--help"], ["serve", "--help"], ["sweep", "--help"],
 ])
 def test_help_imports_neither_torch_nor_ray(args):
     code, out, _, imported = run_fresh(*args)

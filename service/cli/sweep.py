@@ -1,0 +1,144 @@
+"""``bnrecal sweep``: many models over many named calibration sets in one run, each cell the
+single ``calibrate`` of its model and set (docs/sweeps.md)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bnrecal.errors import SpecError
+
+from bnrecal.service.run.options import STARTING_PHASE
+
+from . import options as opt
+from .console import print_line
+
+ModelsOpt = Annotated[
+    Path, typer.Option(help="Models manifest: one a line, a checkpoint path (with --arch), a .pt2 program path, or "
+                            'a JSON object {"checkpoint"|"program", "arch", "model_kwargs", "name"}.')
+]
+SetsOpt = Annotated[
+    list[str], typer.Option("--data", help="A calibration set as NAME=PATH (repeat for several; one PATH alone is "
+                                          "the set named data).")
+]
+EvalSetsOpt = Annotated[
+    list[str] | None, typer.Option("--eval-data", help="A set's evaluation data as NAME=PATH (NAME: a --data set's).")
+]
+OutDirOpt = Annotated[Path, typer.Option(help="Folder for every cell's files (<model>/<set>/) and sweep.json, "
+                                              "sweep.csv, sweep.html.")]
+PairsOpt = Annotated[Path | None, typer.Option(help="Run only these cells: one 'MODEL SET' (names) a line.")]
+OnnxFlag = Annotated[bool, typer.Option("--onnx", help="Also export each cell's model folded to ONNX (model.onnx).")]
+Int8Flag = Annotated[bool, typer.Option("--onnx-int8", help="Also export each cell's model in INT8 QDQ (model.int8.onnx).")]
+RankByOpt = Annotated[str | None, typer.Option(
+    help="Rank the cells by: after_top1 (default with evaluation data), worst_drift (default without), "
+         "top1_gain, before_top1, int8_top1, prediction_change, seconds.")]
+
+
+@dataclass(frozen=True)
+class SweepFlags(opt.RunOptionFlags):
+    """The flags of ``bnrecal sweep``: the models and sets, then ``calibrate``'s run options."""
+
+    models: ModelsOpt
+    data: SetsOpt
+    out_dir: OutDirOpt
+    eval_data: EvalSetsOpt = None
+    pairs: PairsOpt = None
+    arch: opt.ArchOpt = None
+    model_kwargs: opt.ModelKwargsOpt = None
+    workers: opt.WorkersOpt = opt.WORKERS
+    batch_size: opt.BatchOpt = opt.BATCH_SIZE
+    mode: opt.ModeOpt = opt.MODE
+    max_samples: opt.MaxSamplesOpt = None
+    order: opt.OrderOpt = opt.ORDER
+    seed: opt.SeedOpt = opt.SEED
+    tolerance: opt.ToleranceOpt = None
+    device: opt.DeviceOpt = opt.DEVICE
+    transform: opt.TransformOpt = None
+    image_column: opt.ImageColumnOpt = None
+    label_column: opt.LabelColumnOpt = None
+    placement: opt.PlacementOpt = None
+    max_retries: opt.MaxRetriesOpt = None
+    eval_max_samples: opt.EvalMaxSamplesOpt = None
+    onnx: OnnxFlag = False
+    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET
+    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32
+    onnx_int8: Int8Flag = False
+    int8: opt.Int8Opt = None
+    rank_by: RankByOpt = None
+
+
+@opt.run_command(SweepFlags, ray_address="transform")
+def sweep(
+    flags: SweepFlags,
+    ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+) -> None:
+    """Recalibrate many models (--models MANIFEST) over many calibration sets (--data NAME=PATH,
+    repeated) in one run: ranks start once, each set is decoded once, and every cell (a model
+    and a set) is the single calibrate of it. Exit 0 when every cell succeeded, 1 when some
+    failed (each named on stderr)."""
+    from bnrecal.service.sweep.inputs import as_sets, calibration_sets, read_manifest, read_pairs
+    from bnrecal.service.sweep.matrix import check_metric
+
+    from ..settings import Settings
+    from .console import parse_json_object
+
+    opt.check_paths({"--models": flags.models, "--pairs": flags.pairs})
+    if flags.out_dir.exists() and not flags.out_dir.is_dir():
+        raise SpecError(f"--out-dir {flags.out_dir}: is a file; give a folder", field="--out-dir")
+    sets = calibration_sets(flags.data, flags.eval_data or [])
+    opt.check_paths({f"--data {name}": path for name, path, _ in sets if "://" not in path})
+    opt.check_paths({f"--eval-data {name}": path for name, _, path in sets if path and "://" not in path})
+    models = read_manifest(flags.models, arch=flags.arch, model_kwargs=parse_json_object(flags.model_kwargs,
+                                                                                         "--model-kwargs") or {})
+    names = [model.name for model in models]
+    pairs = read_pairs(flags.pairs, names, [name for name, _, _ in sets]) if flags.pairs is not None else None
+    labelled = any(evaluation for _, _, evaluation in sets)
+    rank_by = check_metric(flags.rank_by or ("after_top1" if labelled else "worst_drift"), "--rank-by")
+    if flags.int8 is not None and not flags.onnx_int8:
+        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 too", field="--int8")
+    int8 = None
+    if flags.onnx_int8:
+        from bnrecal.service.export.int8.options import int8_options
+
+        int8 = int8_options(parse_json_object(flags.int8, "--int8"), "--int8")
+    if int8 is not None and int8.max_top1_drop is not None and not labelled:
+        raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
+    options = flags.run_options()
+    settings = Settings()
+    if ray_address:
+        settings = settings.model_copy(update={"ray_address": ray_address})
+
+    from bnrecal.service.run.options import ExportOptions
+    from bnrecal.service.run.progress import progress_bar
+    from bnrecal.service.sweep.running import SweepFiles, SweepRun, sweep_to_files  # the input is fine: now torch
+
+    from .local import finish_ray, ray_connected
+
+    sweep_files = SweepFiles(models, as_sets([(n, opt.data_source(d, "--data"), opt.data_source(e, "--eval-data"))
+                                              for n, d, e in sets]), pairs)
+    run = SweepRun(options=options, rank_by=rank_by, eval_max_samples=flags.eval_max_samples, onnx=flags.onnx,
+                   int8=int8, export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value))
+    cancel = threading.Event()
+    connected_before = (options.workers == 1 and not settings.ray_address) or ray_connected()
+    with progress_bar(STARTING_PHASE) as update:
+        try:
+            report = sweep_to_files(sweep_files, run, settings, flags.out_dir, on_progress=update, cancel=cancel)
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
+        finally:
+            if not connected_before:
+                finish_ray(update)
+    print_line(
+        f"swept {len(report.models)} models x {len(report.sets)} sets: {report.succeeded} cells succeeded, "
+        f"{report.failed} failed in {report.seconds:.1f} s; wrote {flags.out_dir}/sweep.json, sweep.csv, sweep.html"
+    )
+    for cell in report.cells:
+        if cell.status.value != "succeeded":
+            typer.echo(f"cell {cell.model}/{cell.set_name} {cell.status.value}: {cell.error}", err=True)
+    if report.failed:
+        raise typer.Exit(1)

@@ -1,0 +1,177 @@
+"""``bnrecal sweep`` as a user runs it: every cell is byte for byte the single ``calibrate`` of
+its model and set (checkpoint, ONNX, INT8), each set's photos are decoded once for all the
+models, a failing cell fails alone, bad input is refused before any work, and per-site
+statistics beat pooled ones where the sites differ (docs/sweeps.md)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import run_cli, save_array, save_state
+from tests.nets import classifier_net, mixed_net, no_norm_net, perturbed
+from tests.shards import photos, write_folder
+
+pytestmark = pytest.mark.usefixtures("cli_environment")
+
+
+@pytest.fixture(scope="module")
+def sweep_inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sweep")
+    for seed in range(2):
+        torch.manual_seed(seed)
+        save_state(folder / f"m{seed}.pt", perturbed(mixed_net(), seed))
+    torch.manual_seed(9)
+    save_array(folder / "a.npy", torch.randn(20, 3, 6, 5))
+    save_array(folder / "b.npy", torch.randn(20, 3, 6, 5) * 2 + 1)
+    (folder / "models.txt").write_text("m0.pt\nm1.pt\n")
+    return folder
+
+
+def _calibrate(capsys, folder: Path, checkpoint: Path, data: Path, *extra: str) -> None:
+    code, _, err = run_cli(capsys, "calibrate", "--arch", "tests.nets:mixed_net", "--checkpoint", str(checkpoint),
+                           "--data", str(data), "--batch-size", "8", "--out", str(folder / checkpoint.name), *extra)
+    assert code == 0, err
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_cell_is_byte_identical_to_its_single_calibrate(capsys, tmp_path, sweep_inputs, workers):
+    code, out, err = run_cli(
+        capsys, "sweep", "--models", str(sweep_inputs / "models.txt"), "--arch", "tests.nets:mixed_net",
+        "--data", f"A={sweep_inputs / 'a.npy'}", "--data", f"B={sweep_inputs / 'b.npy'}", "--batch-size", "8",
+        "--workers", str(workers), "--onnx", "--out-dir", str(tmp_path / "out"),
+    )
+    assert code == 0, err
+    assert "swept 2 models x 2 sets: 4 cells succeeded, 0 failed" in out + err
+    singles = [("m1", "B", "b.npy")] if workers > 1 else [("m0", "A", "a.npy"), ("m1", "B", "b.npy")]
+    for model, set_name, data in singles:  # a later model over a set an earlier one read, and the first cell
+        single = tmp_path / f"single-{model}-{set_name}"
+        single.mkdir()
+        _calibrate(capsys, single, sweep_inputs / f"{model}.pt", sweep_inputs / data, "--workers", str(workers),
+                   "--onnx", str(single / "model.onnx"), "--report", str(single / "report.json"))
+        cell = tmp_path / "out" / model / set_name
+        assert (cell / f"{model}.pt").read_bytes() == (single / f"{model}.pt").read_bytes()
+        assert (cell / "model.onnx").read_bytes() == (single / "model.onnx").read_bytes()
+        mine, theirs = json.loads((cell / "report.json").read_text()), json.loads((single / "report.json").read_text())
+        assert mine["layers"] == theirs["layers"] and mine["samples"] == theirs["samples"]
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [(c["model"], c["set"], c["status"]) for c in matrix["cells"]] == [
+        ("m0", "A", "succeeded"), ("m0", "B", "succeeded"), ("m1", "A", "succeeded"), ("m1", "B", "succeeded")]
+    assert matrix["rank_by"] == "worst_drift" and len(matrix["ranking"]) == 4
+
+
+@pytest.fixture(scope="module")
+def photo_inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sweep-photos")
+    write_folder(folder / "day", photos(16, size=40))
+    write_folder(folder / "night", photos(16, size=40, seed=5))
+    for seed in range(2):
+        torch.manual_seed(seed)
+        save_state(folder / f"c{seed}.pt", perturbed(classifier_net(3), seed))
+    (folder / "models.txt").write_text('c0.pt\n{"checkpoint": "c1.pt", "name": "second"}\n')
+    return folder
+
+
+def test_photos_are_decoded_once_for_every_model_and_int8_matches(capsys, tmp_path, photo_inputs):
+    options = ("--transform", '{"resize": 20, "crop": 16}', "--batch-size", "8")
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(photo_inputs / "models.txt"), "--arch", "tests.nets:classifier_net",
+        "--model-kwargs", '{"classes": 3}', "--data", f"day={photo_inputs / 'day'}",
+        "--data", f"night={photo_inputs / 'night'}", "--onnx-int8", "--int8", '{"method": "minmax"}',
+        "--out-dir", str(tmp_path / "out"), *options,
+    )
+    assert code == 0, err
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert matrix["decoding"]["decoded"] == 32  # 16 photos of each set, once for both models and the INT8 passes
+    assert matrix["decoding"]["reused"] > 32
+    code, _, err = run_cli(
+        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 3}',
+        "--checkpoint", str(photo_inputs / "c1.pt"), "--data", str(photo_inputs / "night"),
+        "--onnx-int8", str(tmp_path / "single.int8.onnx"), "--int8", '{"method": "minmax"}',
+        "--out", str(tmp_path / "single.pt"), *options,
+    )
+    assert code == 0, err
+    cell = tmp_path / "out" / "second" / "night"
+    assert (cell / "c1.pt").read_bytes() == (tmp_path / "single.pt").read_bytes()
+    assert (cell / "model.int8.onnx").read_bytes() == (tmp_path / "single.int8.onnx").read_bytes()
+
+
+def test_a_failing_cell_fails_alone(capsys, tmp_path, sweep_inputs):
+    save_state(tmp_path / "plain.pt", no_norm_net())
+    manifest = tmp_path / "models.txt"
+    manifest.write_text(f"{sweep_inputs / 'm0.pt'}\n"
+                        f'{{"checkpoint": "plain.pt", "arch": "tests.nets:no_norm_net"}}\n'
+                        f"{sweep_inputs / 'm1.pt'}\n")
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(manifest), "--arch", "tests.nets:mixed_net",
+        "--data", str(sweep_inputs / "a.npy"), "--batch-size", "8", "--out-dir", str(tmp_path / "out"),
+    )
+    assert code == 1
+    assert "cell plain/data failed:" in err and "BatchNorm" in err
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "out" / "sweep.csv").read_text())))
+    assert [(r["model"], r["status"]) for r in rows] == [("m0", "succeeded"), ("plain", "failed"), ("m1", "succeeded")]
+    assert (tmp_path / "out" / "m1" / "data" / "m1.pt").is_file() and not (tmp_path / "out" / "plain" / "data" / "plain.pt").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--data", "A=missing.npy"), "--data A missing.npy: no such file"),
+    (("--data", "A=a.npy", "--data", "b.npy"), "--data b.npy: name each set as NAME=PATH"),
+    (("--data", "a.npy", "--eval-data", "B=a.npy"), "--eval-data B: no calibration set of that name"),
+    (("--data", "a.npy", "--rank-by", "accuracy"), "--rank-by must be one of"),
+    (("--data", "a.npy", "--int8", "{}"), "--int8 sets the INT8 export's options"),
+])
+def test_bad_input_is_refused_before_any_work(capsys, tmp_path, sweep_inputs, monkeypatch, args, message):
+    monkeypatch.chdir(sweep_inputs)
+    code, _, err = run_cli(capsys, "sweep", "--models", "models.txt", "--arch", "tests.nets:mixed_net", *args,
+                           "--out-dir", str(tmp_path / "out"))
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def _sites(seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Three cameras over the demo's digits (standardised as the model was trained): low
+    contrast, a bright background, and a blur on a dark one; each site's unlabelled training
+    scans and its held-out scans with labels."""
+    from bnrecal.service import demo
+
+    digits = demo.load_digits_split(seed)
+
+    def cameras(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        blurred = torch.nn.functional.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+        return {"contrast": 0.35 * x + 0.6, "background": 0.6 * x + 1.8, "blur": 1.4 * blurred - 1.2}
+
+    train, held_out = cameras(digits.train_x), cameras(digits.eval_x)
+    return {name: (train[name].numpy(), held_out[name].numpy(), digits.eval_y.numpy()) for name in train}
+
+
+def test_per_site_statistics_beat_pooled_ones_and_the_heatmap_shows_it(capsys, tmp_path, demo_inputs):
+    sites, data = _sites(), []
+    pooled = save_array(tmp_path / "pooled.npy", np.concatenate([calib for calib, _, _ in sites.values()]))
+    for name, (calib, held_x, held_y) in sites.items():
+        np.savez(tmp_path / f"{name}-eval.npz", x=held_x, y=held_y)
+        data += ["--data", f"{name}={save_array(tmp_path / f'{name}.npy', calib)}",
+                 "--eval-data", f"{name}={tmp_path / f'{name}-eval.npz'}",
+                 "--data", f"pooled-{name}={pooled}", "--eval-data", f"pooled-{name}={tmp_path / f'{name}-eval.npz'}"]
+    (tmp_path / "models.txt").write_text(f"{demo_inputs.checkpoint}\n")
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(tmp_path / "models.txt"), "--arch", "torchvision:resnet18",
+        "--model-kwargs", '{"num_classes": 10}', *data, "--batch-size", "64", "--out-dir", str(tmp_path / "out"),
+    )
+    assert code == 0, err
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    top1 = {cell["set"]: cell["after_top1"] for cell in matrix["cells"]}
+    for site in sites:
+        assert top1[site] > top1[f"pooled-{site}"] + 0.02, (site, top1)
+        assert top1[site] > 0.85, (site, top1)
+    assert matrix["rank_by"] == "after_top1" and matrix["ranking"][-1].split("/")[1].startswith("pooled-")
+    page = (tmp_path / "out" / "sweep.html").read_text()
+    heatmap = page[page.index('id="heatmap-table"'):page.index('id="ranking"')]
+    for site in sites:
+        assert f">{top1[site]:.4g}</a>" in heatmap and f">{top1[f'pooled-{site}']:.4g}</a>" in heatmap
