@@ -29,7 +29,7 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, not installe
 _HOMES = {
     "service.client": ("BnrecalClient",),
     "service.jobserver.jobs.views": ("JobStatus", "JobView"),  # what the client's job calls return
-    "service.live": ("RecalibrationReport", "export_onnx", "quantize", "recalibrate"),
+    "service.live": ("CellResult", "RecalibrationReport", "export_onnx", "quantize", "recalibrate", "recalibrate_many"),
     "service.export.report_sections": ("Int8Section", "OnnxSection"),  # what export_onnx and quantize return
     "service.export.int8.options": ("Int8Options",),  # quantize's options, typed
     "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
@@ -42,4 +42,6 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name l
     from bnrecal.service.jobserver.jobs.views import JobStatus, JobView
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.export.report_sections import Int8Section, OnnxSection
-    from bnrecal.service.live import RecalibrationReport, export_onnx, quantize, recalibrate
+    from bnrecal.service.live import (
+        CellResult, RecalibrationReport, export_onnx, quantize, recalibrate, recalibrate_many,
+    )

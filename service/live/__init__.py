@@ -1,10 +1,12 @@
 """The Python API behind ``import bnrecal``: recalibrate a caller's live model in place
-(``run.py``), on Ray or as a job of a bnrecal server, and export it to folded ONNX."""
+(``run.py``), on Ray or as a job of a bnrecal server, many models at once (``many.py``), and
+export it to folded ONNX."""
 
 from __future__ import annotations
 
+from .many import CellResult, recalibrate_many
 from .onnx import export_onnx, quantize
 from .report import RecalibrationReport
 from .run import recalibrate
 
-__all__ = ["RecalibrationReport", "export_onnx", "quantize", "recalibrate"]
+__all__ = ["CellResult", "RecalibrationReport", "export_onnx", "quantize", "recalibrate", "recalibrate_many"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,9 @@ from bnrecal.workers.data.formats.loader import LoaderSpec, call_model, check_sp
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.errors import ModelInputError, SpecError, first_line
 
-from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, LaterPhases, RunPlan, run
+from bnrecal.service.run.core import (
+    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunPlan, SharedScope, run,
+)
 from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
 from bnrecal.service.run.progress import progress_bar
@@ -124,12 +127,7 @@ def recalibrate(
     ``bnrecal.BnrecalError`` subclasses with one-line messages.
     """
     settings, pool = Settings(), _warm_pool.get()
-    options = RunOptions.checked(
-        workers=_count(workers, "workers"), mode=mode, device=device,
-        batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
-        max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
-        image_column=image_column,
-    )
+    options = live_options(workers, mode, batch_size, max_samples, device, tolerance, order, seed, image_column)
     if isinstance(model, nn.Module):  # before any export
         require_batchnorm_layers(model, f"model {type(model).__name__}")
     if server is not None:
@@ -139,43 +137,107 @@ def recalibrate(
             model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
             batch_size=batch_size, forward=forward, progress=lambda label: _bar(progress, label),
         )
+    prepared = prepare_data(data, options, forward, settings, batch_size=batch_size, max_samples=max_samples)
+    here = runs_here(options, pool, ray_address)
+    executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
+    with _bar(progress) as update:
+        report, _ = run_live(model, prepared, LiveRun(forward, settings, executor, here, ray_address), update)
+    return report
+
+
+def live_options(
+    workers: Any, mode: str, batch_size: Any, max_samples: int | str | None, device: str, tolerance: float | None,
+    order: str, seed: int, image_column: str | None,
+) -> RunOptions:
+    """``recalibrate``'s keywords as run options, checked (a bad value names its keyword)."""
+    return RunOptions.checked(
+        workers=_count(workers, "workers"), mode=mode, device=device,
+        batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
+        max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
+        image_column=image_column,
+    )
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """A caller's data described once for the runs over it: the description, the probe batch
+    (as the ranks feed it) and the run options (a DataLoader's batches set the batch size)."""
+
+    spec: DatasetSpec | LoaderSpec
+    sample: Any
+    options: RunOptions
+
+
+def prepare_data(
+    data: Any, options: RunOptions, forward: Forward | None, settings: Settings, *, batch_size: int | None,
+    max_samples: int | str | None,
+) -> PreparedData:
+    """Describe the caller's data and read its probe batch (docs/python.md, "Data")."""
     spec = describe_python_data(
         data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
         order=options.order, seed=options.seed, image_column=options.image_column,
     )
     sample = _probe_batch(spec, forward)
+    if isinstance(spec, LoaderSpec):
+        options = options.model_copy(update={"batch_size": max(spec.sizes)})
+    return PreparedData(spec, sample, options)
+
+
+def runs_here(options: RunOptions, pool: WarmPool | None, ray_address: str | None) -> bool:
+    """Whether the pass runs in this process, without Ray: one worker, no pool, no cluster asked for."""
+    return options.workers == 1 and pool is None and not ray_address and not os.environ.get("RAY_ADDRESS")
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """Where a live model's run goes: the caller's ``forward``, the settings, the executor
+    (``here``: in this process), the Ray address asked for, and a sweep's shared scope."""
+
+    forward: Forward | None
+    settings: Settings
+    executor: Executor
+    here: bool
+    ray_address: str | None = None
+    shared: SharedScope | None = None
+    keep: KeepBudget = KeepBudget(0, 0)  # one pass: nothing read again, decodes counted
+
+
+def run_live(
+    model: nn.Module | torch.export.ExportedProgram, data: PreparedData, where: LiveRun,
+    on_progress: ProgressCallback,
+) -> tuple[RecalibrationReport, dict[str, torch.Tensor]]:
+    """Recalibrate ``model`` in place over prepared data: ship it (or run on a view of it
+    here), run the one run core, write the statistics back; the report and the BN buffers
+    written (by the model's keys)."""
+    spec, sample, options, forward = data.spec, data.sample, data.options, where.forward
     feed = forward if forward is not None or isinstance(sample, torch.Tensor) else call_model
-    here = options.workers == 1 and pool is None and not ray_address and not os.environ.get("RAY_ADDRESS")
-    if here:
+    if where.here:
         shipped = run_here(model, options.device)
     else:
         _check_split(spec)
-        shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, ray_address))
-    if isinstance(spec, LoaderSpec):
-        options = options.model_copy(update={"batch_size": max(spec.sizes)})
+        shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, where.ray_address))
     plan = RunPlan(
         model=shipped.driver, source=shipped.source, weights=shipped.weights, label=f"model {type(model).__name__}",
         data=spec, probe=sample, options=options, feed=feed,
         # the model itself (it does not deep-copy) keeps its parameters' layout: no channels-last round trip
-        memory_format="contiguous" if shipped.restore is not None else settings.memory_format,
-        release=shipped.restore, later=LaterPhases(keep=KeepBudget(0, 0)),  # one pass: nothing read again, decodes counted
+        memory_format="contiguous" if shipped.restore is not None else where.settings.memory_format,
+        release=shipped.restore, later=LaterPhases(keep=where.keep, shared=where.shared),
     )
-    executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
-    with _bar(progress) as update:
-        try:
-            result = run(plan, executor, policy=FailurePolicy(settings.max_retries), on_progress=update)
-        except ModelInputError as exc:
-            raise _dtype_advice(model, sample, forward) or exc from None
-        except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
-            if "serialize" not in str(exc):
-                raise
-            raise _not_picklable(shipped, spec, plan.feed, exc) from None
+    try:
+        result = run(plan, where.executor, policy=FailurePolicy(where.settings.max_retries), on_progress=on_progress)
+    except ModelInputError as exc:
+        raise _dtype_advice(model, sample, forward) or exc from None
+    except TypeError as exc:  # Ray could not pickle the model or the data for the ranks
+        if "serialize" not in str(exc):
+            raise
+        raise _not_picklable(shipped, spec, plan.feed, exc) from None
+    updates = result.updates
     if shipped.write_back is not None:
-        shipped.write_back(result.updates)
+        shipped.write_back(updates)
     report = result.report
     report.model = shipped.describe()
     report.data = DataSummary.model_validate(spec.summary())
-    return RecalibrationReport.of(report)
+    return RecalibrationReport.of(report), updates
 
 
 def _transport(spec: DatasetSpec | LoaderSpec, forward: Forward | None, ray_address: str | None) -> str:

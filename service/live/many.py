@@ -1,0 +1,150 @@
+"""``bnrecal.recalibrate_many``: a sweep from Python (docs/sweeps.md, "From Python").
+
+Many live models (any iterable, consumed one model at a time: a generator of 1,000 subnets
+is never held at once) over one dataset or several named ones. Each cell (a model and a
+set) is exactly ``bnrecal.recalibrate`` of that model on that set; what the cells share is
+below them (``service.run.shared``): the Ray ranks start once, and the samples a path's
+data decodes are kept for the next model over the same set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from bnrecal.errors import BnrecalError, CancelledError, SpecError
+
+from bnrecal.service.run.core import KeepBudget
+from bnrecal.service.run.executors import InProcess, RayRanks
+from bnrecal.service.run.shared import SharedRanks
+from bnrecal.service.sweep.cells import CellStatus, check_name
+
+from ..settings import Settings
+from .report import RecalibrationReport
+from .run import Forward, LiveRun, _bar, _warm_pool, live_options, prepare_data, run_live, runs_here
+
+if TYPE_CHECKING:
+    from .run import PreparedData
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One cell of ``recalibrate_many``: the model's index in the iterable, the set's name,
+    and either the report and the statistics (the model's BN buffers after this cell, by
+    its state-dict keys) or the error that failed this cell alone."""
+
+    model_index: int
+    set_name: str
+    status: CellStatus
+    report: RecalibrationReport | None = None
+    statistics: dict[str, torch.Tensor] | None = None
+    error: BnrecalError | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the cell succeeded."""
+        return self.status is CellStatus.SUCCEEDED
+
+
+def recalibrate_many(
+    models: Iterable[nn.Module | torch.export.ExportedProgram],
+    data: Any,
+    *,
+    workers: int = 1,
+    mode: str = "sync",
+    batch_size: int | None = None,
+    max_samples: int | str | None = None,
+    device: str = "cpu",
+    forward: Forward | None = None,
+    ray_address: str | None = None,
+    progress: bool = False,
+    tolerance: float | None = None,
+    order: str = "shuffled",
+    seed: int = 0,
+    image_column: str | None = None,
+) -> Iterator[CellResult]:
+    """Recalibrate every model of ``models`` in place on ``data`` (one dataset, or a dict of
+    named datasets: the cells are every model over every set, model by model), yielding one
+    :class:`CellResult` per cell as it finishes.
+
+    Each cell is exactly ``bnrecal.recalibrate(model, set, **options)`` (the same options,
+    the same statistics); with several sets a model's statistics are its last set's, and
+    each cell's ``statistics`` hold its own. ``models`` is read one model at a time. A
+    cell that fails (a model without BatchNorm, one the data does not fit) is yielded with
+    its ``error`` and the sweep goes on; every dataset is described and checked before
+    the first cell. The Ray ranks (``workers`` > 1 or ``ray_address``) start once for the
+    sweep, and the samples a path's data decodes are kept for the next model (docs/sweeps.md).
+    Stop early by leaving the loop: the ranks are let go.
+    """
+    settings, pool = Settings(), _warm_pool.get()
+    options = live_options(workers, mode, batch_size, max_samples, device, tolerance, order, seed, image_column)
+    named = _named_sets(data)
+    prepared: dict[str, PreparedData] = {
+        name: prepare_data(value, options, forward, settings, batch_size=batch_size, max_samples=max_samples)
+        for name, value in named.items()
+    }
+    here = runs_here(options, pool, ray_address)
+    inner = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
+    shared = SharedRanks(inner, KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb))
+    try:
+        for index, model in enumerate(models):
+            first = _statistics_buffers(model)
+            before = {key: value.detach().clone() for key, value in first.items()}
+            for number, (name, ready) in enumerate(prepared.items()):
+                if number:  # each cell from the model as given: num_batches_tracked counts one set's steps
+                    with torch.no_grad():
+                        for key, value in before.items():
+                            first[key].copy_(value)
+                where = LiveRun(forward, settings, shared, here, ray_address, shared.shared_scope(name), shared.keep)
+                yield _cell(index, name, model, ready, where, progress)
+    finally:
+        shared.finish()
+
+
+def _cell(index: int, name: str, model: Any, data: PreparedData, where: LiveRun, progress: bool) -> CellResult:
+    """One cell, its failure its own (a cancellation or an interrupt ends the sweep)."""
+    started = time.monotonic()
+    try:
+        if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
+            raise SpecError(f"models[{index}] is a {type(model).__name__}, not an nn.Module or ExportedProgram",
+                            field=f"models[{index}]")
+        with _bar(progress, f"[model {index}, {name}] starting workers") as update:
+            report, updates = run_live(model, data, where, update)
+    except CancelledError:
+        raise
+    except BnrecalError as exc:
+        return CellResult(index, name, CellStatus.FAILED, error=exc, seconds=time.monotonic() - started)
+    statistics = {key: value.detach().clone() for key, value in updates.items()}  # this cell's, not the next's
+    return CellResult(index, name, CellStatus.SUCCEEDED, report, statistics, seconds=time.monotonic() - started)
+
+
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _statistics_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """The model's BN statistics buffers, by state-dict key (the tensors themselves)."""
+    if isinstance(model, torch.export.ExportedProgram):
+        buffers = dict(model.state_dict)
+    elif isinstance(model, nn.Module):
+        buffers = dict(model.named_buffers())
+    else:
+        return {}
+    return {key: value for key, value in buffers.items() if key.rsplit(".", 1)[-1] in STATISTICS}
+
+
+def _named_sets(data: Any) -> dict[str, Any]:
+    """``data`` as {set name: dataset}: a dict of named datasets as given, else one set ``data``."""
+    if isinstance(data, Mapping) and data and all(isinstance(key, str) for key in data):
+        sets = dict(data)
+        for key in sets:
+            check_name(key, "set", f"data[{key!r}]")
+        return sets
+    if isinstance(data, Mapping):
+        raise SpecError("data: give one dataset, or a dict of named datasets {name: dataset}", field="data")
+    return {"data": data}
