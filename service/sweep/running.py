@@ -10,9 +10,12 @@ matrix report is written again, so ``sweep.json`` always holds what is done.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +103,7 @@ def sweep_to_files(
     started = time.monotonic()
     cells = list(sweep.cells())
     cancelled: CancelledError | None = None
+    pages = _PageWriter()
     try:
         for number, cell in enumerate(cells, 1):
             if cancelled is None and cancel is not None and cancel.is_set():
@@ -113,13 +117,18 @@ def sweep_to_files(
                                    shared, progress, cancel)
                 if isinstance(result.error, CancelledError):
                     cancelled = result.error
+                if result.report is not None:
+                    pages.write(result.report, folder / "report.html")
             report.cells.append(_summary(result, out_dir))
             report.seconds = round(time.monotonic() - started, 3)
             write_sweep_report(report, out_dir)
             if on_cell is not None:
                 on_cell(result)
     finally:
-        counts = shared.finish()
+        try:
+            counts = shared.finish()
+        finally:
+            pages.close()
     report.decoding = decoding_report(counts, keep)
     report.seconds = round(time.monotonic() - started, 3)
     write_sweep_report(report, out_dir)
@@ -149,7 +158,7 @@ def _run_cell(
             onnx=folder / "model.onnx" if run.onnx else None, int8=folder / "model.int8.onnx" if run.int8 else None,
             int8_options=run.int8, export=run.export,
         )
-        files = RunFiles(model=folder / source.name, report=folder / "report.json", report_html=folder / "report.html")
+        files = RunFiles(model=folder / source.name, report=folder / "report.json")  # its page: _PageWriter
         made = recalibrate_to_files(request, settings, outputs, files, on_progress=on_progress, cancel=cancel,
                                     in_process=isinstance(shared.inner, InProcess), int8_field="--int8", shared=shared)
     except BnrecalError as exc:
@@ -163,8 +172,7 @@ def _run_cell(
 
 def _summary(result: CellResult, out_dir: Path) -> CellSummary:
     """A finished cell in the matrix, linked to its own report page where it has one."""
-    page = result.folder / "report.html"
-    link = relative_link(page, out_dir) if result.report is not None and page.exists() else None
+    link = relative_link(result.folder / "report.html", out_dir) if result.report is not None else None
     error = None if result.error is None else result.error.message
     return CellSummary.of(result.cell, result.status, result.report, result.seconds, error, link)
 
@@ -174,3 +182,30 @@ def _cell_progress(on_progress: ProgressCallback | None, label: str) -> Progress
     if on_progress is None:
         return None
     return lambda done, total, phase: on_progress(done, total, f"{label} {phase}")
+
+
+class _PageWriter:
+    """Each cell's ``report.html``, drawn in a thread of this process while the next cell
+    runs on the ranks (its charts take a second or two of the host's CPU, which the ranks'
+    pass does not wait for), at the lowest priority; :meth:`close` waits for every page and
+    raises the first failure."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bnrecal-sweep-pages",
+                                        initializer=_lowest_priority)
+        self._written: list[Future[None]] = []
+
+    def write(self, report: Report, path: Path) -> None:
+        from bnrecal.service.run.report_html import write_html_report  # jinja2 and matplotlib: only for the pages
+
+        self._written.append(self._pool.submit(write_html_report, report, path))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for written in self._written:
+            written.result()
+
+
+def _lowest_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: an ordinary thread
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -76,3 +76,27 @@ def test_bad_data_is_refused_before_any_model_is_read():
     with pytest.raises(bnrecal.SpecError, match="set name '../x'"):
         next(bnrecal.recalibrate_many(_models(2, made), {"../x": SETS["day"]}, batch_size=8))
     assert made == []
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_lost_rank_reruns_only_its_cell_and_a_rank_that_always_dies_fails_only_its_own(monkeypatch, tmp_path):
+    from tests.nets import MARKER, marker_net
+
+    monkeypatch.setenv("BNRECAL_MAX_RETRIES", "1")
+    clean = torch.randn(16, 4, generator=torch.Generator().manual_seed(3))
+    marked = clean.clone()
+    marked[-1, 0] = MARKER  # the last sample: rank 1's part of the last step
+    models = [marker_net("exit_once", str(tmp_path)), marker_net("exit"), marker_net("exit_once", str(tmp_path))]
+    for seed, model in enumerate(models):
+        perturbed(model, seed)
+    given = [copy.deepcopy(model) for model in models]
+    cells = list(bnrecal.recalibrate_many(models, {"clean": clean, "marked": marked}, batch_size=8, workers=2))
+    status = {(cell.model_index, cell.set_name): cell for cell in cells}
+    assert [key for key in status if not status[key].ok] == [(1, "marked")]  # it dies on every attempt
+    assert "after 1 retries" in status[1, "marked"].error.message
+    assert status[0, "marked"].report.attempts == 2 and len(status[0, "marked"].report.retried_failures) == 1
+    assert all(status[key].report.attempts == 1 for key in status if key not in ((0, "marked"), (1, "marked")))
+    single = copy.deepcopy(given[0])  # the retried cell's statistics are those of a run that never failed
+    bnrecal.recalibrate(single, marked, batch_size=8, workers=2, progress=False)
+    for key, value in status[0, "marked"].statistics.items():
+        assert torch.equal(value, single.state_dict()[key]), key
