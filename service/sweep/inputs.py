@@ -1,4 +1,4 @@
-"""A sweep as the command line gives it (docs/sweeps.md, "bnrecal sweep"): a models manifest,
+"""A sweep as the command line gives it (docs/sweeps.md, "`bnrecal sweep`"): a models manifest,
 ``NAME=PATH`` calibration and evaluation sets, and a pairs file, each read and checked
 before any work, every problem a ``SpecError`` naming the flag and the line or set.
 
