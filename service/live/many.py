@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +26,7 @@ from bnrecal.service.sweep.cells import CellStatus, check_name
 
 from ..settings import Settings
 from .report import RecalibrationReport
-from .run import Forward, LiveRun, _bar, _warm_pool, live_options, prepare_data, run_live, runs_here
+from .run import Forward, LiveRun, live_options, prepare_data, progress_display, run_live, runs_here, warm_pool
 
 if TYPE_CHECKING:
     from .run import PreparedData
@@ -80,9 +80,10 @@ def recalibrate_many(
     its ``error`` and the sweep goes on; every dataset is described and checked before
     the first cell. The Ray ranks (``workers`` > 1 or ``ray_address``) start once for the
     sweep, and the samples a path's data decodes are kept for the next model (docs/sweeps.md).
-    Stop early by leaving the loop: the ranks are let go.
+    Bad options and data are refused at the call; nothing runs until the first cell is
+    asked for. Stop early by leaving the loop: the ranks are let go.
     """
-    settings, pool = Settings(), _warm_pool.get()
+    settings, pool = Settings(), warm_pool()
     options = live_options(workers, mode, batch_size, max_samples, device, tolerance, order, seed, image_column)
     named = _named_sets(data)
     prepared: dict[str, PreparedData] = {
@@ -92,6 +93,14 @@ def recalibrate_many(
     here = runs_here(options, pool, ray_address)
     inner = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
     shared = SharedRanks(inner, KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb))
+    return _cells(models, prepared, LiveRun(forward, settings, shared, here, ray_address, keep=shared.keep), progress)
+
+
+def _cells(models: Iterable[Any], prepared: dict[str, PreparedData], where: LiveRun, progress: bool) -> Iterator[CellResult]:
+    """The cells, model by model, on the shared ranks (``where.executor``), started for the
+    first cell when it is asked for."""
+    shared = where.executor
+    assert isinstance(shared, SharedRanks)
     try:
         for index, model in enumerate(models):
             first = _statistics_buffers(model)
@@ -101,8 +110,7 @@ def recalibrate_many(
                     with torch.no_grad():
                         for key, value in before.items():
                             first[key].copy_(value)
-                where = LiveRun(forward, settings, shared, here, ray_address, shared.shared_scope(name), shared.keep)
-                yield _cell(index, name, model, ready, where, progress)
+                yield _cell(index, name, model, ready, replace(where, shared=shared.shared_scope(name)), progress)
     finally:
         shared.finish()
 
@@ -114,7 +122,7 @@ def _cell(index: int, name: str, model: Any, data: PreparedData, where: LiveRun,
         if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
             raise SpecError(f"models[{index}] is a {type(model).__name__}, not an nn.Module or ExportedProgram",
                             field=f"models[{index}]")
-        with _bar(progress, f"[model {index}, {name}] starting workers") as update:
+        with progress_display(progress, f"[model {index}, {name}] starting workers") as update:
             report, updates = run_live(model, data, where, update)
     except CancelledError:
         raise

@@ -45,6 +45,11 @@ Forward = Callable[[nn.Module, Any], Any]
 _warm_pool: ContextVar[WarmPool | None] = ContextVar("bnrecal_warm_pool", default=None)
 
 
+def warm_pool() -> WarmPool | None:
+    """The pool ``warm_ranks`` set for this context, if any."""
+    return _warm_pool.get()
+
+
 @contextlib.contextmanager
 def warm_ranks(pool: WarmPool) -> Iterator[None]:
     """Within it, ``recalibrate`` calls on Ray take their ranks from ``pool`` (warm actors of
@@ -135,12 +140,12 @@ def recalibrate(
 
         return recalibrate_on_server(
             model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
-            batch_size=batch_size, forward=forward, progress=lambda label: _bar(progress, label),
+            batch_size=batch_size, forward=forward, progress=lambda label: progress_display(progress, label),
         )
     prepared = prepare_data(data, options, forward, settings, batch_size=batch_size, max_samples=max_samples)
     here = runs_here(options, pool, ray_address)
     executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
-    with _bar(progress) as update:
+    with progress_display(progress) as update:
         report, _ = run_live(model, prepared, LiveRun(forward, settings, executor, here, ray_address), update)
     return report
 
@@ -309,8 +314,8 @@ def _not_picklable(
     return SpecError(f"what goes to the Ray workers cannot be pickled: {first_line(exc)}", field="data")
 
 
-def _bar(progress: bool, first_phase: str = STARTING_PHASE) -> Any:
-    """The CLI's progress bar (a terminal only), or none at all."""
+def progress_display(progress: bool, first_phase: str = STARTING_PHASE) -> Any:
+    """The CLI's progress bar (a terminal only), or none at all: ``with`` it, the callback."""
     if progress:
         return progress_bar(first_phase)
     from contextlib import nullcontext
