@@ -18,23 +18,23 @@ from . import options as opt
 from .console import print_line
 
 ModelsOpt = Annotated[
-    Path, typer.Option(help="Models manifest: one a line, a checkpoint path (with --arch), a .pt2 program path, or "
+    Path, typer.Option(metavar="MANIFEST", help="Models manifest: one a line, a checkpoint path (with --arch), a .pt2 program path, or "
                             'a JSON object {"checkpoint"|"program", "arch", "model_kwargs", "name"}.')
 ]
 SetsOpt = Annotated[
-    list[str], typer.Option("--data", help="A calibration set as NAME=PATH (repeat for several; one PATH alone is "
+    list[str], typer.Option("--data", metavar="NAME=PATH", help="A calibration set as NAME=PATH (repeat for several; one PATH alone is "
                                           "the set named data).")
 ]
 EvalSetsOpt = Annotated[
-    list[str] | None, typer.Option("--eval-data", help="A set's evaluation data as NAME=PATH (NAME: a --data set's).")
+    list[str] | None, typer.Option("--eval-data", metavar="NAME=PATH", help="A set's evaluation data as NAME=PATH (NAME: a --data set's).")
 ]
 OutDirOpt = Annotated[Path, typer.Option(help="Folder for every cell's files (<model>/<set>/) and sweep.json, "
                                               "sweep.csv, sweep.html.")]
-PairsOpt = Annotated[Path | None, typer.Option(help="Run only these cells: one 'MODEL SET' (names) a line.")]
+PairsOpt = Annotated[Path | None, typer.Option(metavar="FILE", help="Run only these cells: one 'MODEL SET' (names) a line.")]
 OnnxFlag = Annotated[bool, typer.Option("--onnx", help="Also export each cell's model folded to ONNX (model.onnx).")]
 Int8Flag = Annotated[bool, typer.Option("--onnx-int8", help="Also export each cell's model in INT8 QDQ (model.int8.onnx).")]
 RankByOpt = Annotated[str | None, typer.Option(
-    help="Rank the cells by: after_top1 (default with evaluation data), worst_drift (default without), "
+    metavar="METRIC", help="Rank the cells by: after_top1 (default with evaluation data), worst_drift (default without), "
          "top1_gain, before_top1, int8_top1, prediction_change, seconds.")]
 
 
