@@ -89,6 +89,7 @@ def sweep(
     opt.check_paths({"--models": flags.models, "--pairs": flags.pairs})
     if flags.out_dir.exists() and not flags.out_dir.is_dir():
         raise SpecError(f"--out-dir {flags.out_dir}: is a file; give a folder", field="--out-dir")
+    opt.check_paths({}, {"--out-dir": None if flags.out_dir.exists() else flags.out_dir})  # the folder it is made in
     sets = calibration_sets(flags.data, flags.eval_data or [])
     opt.check_paths({f"--data {name}": path for name, path, _ in sets if "://" not in path})
     opt.check_paths({f"--eval-data {name}": path for name, _, path in sets if path and "://" not in path})

@@ -126,11 +126,12 @@ def test_a_failing_cell_fails_alone(capsys, tmp_path, sweep_inputs):
     (("--data", "a.npy", "--eval-data", "B=a.npy"), "--eval-data B: no calibration set of that name"),
     (("--data", "a.npy", "--rank-by", "accuracy"), "--rank-by must be one of"),
     (("--data", "a.npy", "--int8", "{}"), "--int8 sets the INT8 export's options"),
+    (("--data", "a.npy", "--out-dir", "no/such/folder/out"), "--out-dir no/such/folder/out: its folder no/such/folder"),
 ])
 def test_bad_input_is_refused_before_any_work(capsys, tmp_path, sweep_inputs, monkeypatch, args, message):
     monkeypatch.chdir(sweep_inputs)
-    code, _, err = run_cli(capsys, "sweep", "--models", "models.txt", "--arch", "tests.nets:mixed_net", *args,
-                           "--out-dir", str(tmp_path / "out"))
+    code, _, err = run_cli(capsys, "sweep", "--models", "models.txt", "--arch", "tests.nets:mixed_net",
+                           "--out-dir", str(tmp_path / "out"), *args)
     assert code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
