@@ -132,6 +132,7 @@ LONGEST_FIRST = (
     "tests/api/test_soak.py",
     "tests/service/run/test_recalibrate_variants.py",
     "tests/service/cli/test_cli_int8.py",
+    "tests/service/cli/test_cli_sweep.py",
     "tests/service/run/test_recalibrate_transformers.py",
     "tests/api/test_restart.py",
     "tests/test_docs.py",

@@ -163,7 +163,8 @@ def test_per_site_statistics_beat_pooled_ones_and_the_heatmap_shows_it(capsys, t
     (tmp_path / "models.txt").write_text(f"{demo_inputs.checkpoint}\n")
     code, _, err = run_cli(
         capsys, "sweep", "--models", str(tmp_path / "models.txt"), "--arch", "torchvision:resnet18",
-        "--model-kwargs", '{"num_classes": 10}', *data, "--batch-size", "64", "--out-dir", str(tmp_path / "out"),
+        "--model-kwargs", '{"num_classes": 10}', *data, "--batch-size", "64", "--max-samples", "512",
+        "--out-dir", str(tmp_path / "out"),
     )
     assert code == 0, err
     matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
