@@ -1,0 +1,36 @@
+"""Runs that share ranks (``service.run.shared``): the second run over the same photos reads
+them as the first decoded them, to the same statistics; each run's own ``close`` keeps the
+ranks and what they kept, and ``finish`` ends it all once."""
+
+from __future__ import annotations
+
+import torch
+
+from bnrecal.service.run.core import KeepBudget
+from bnrecal.service.run.executors import InProcess
+from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
+from bnrecal.service.run.shared import SharedRanks
+from bnrecal.workers.data.reading.kept import KeptCounts
+from tests.conftest import save_state
+from tests.nets import classifier_net, perturbed
+from tests.shards import photos, write_folder
+
+
+def test_a_second_run_reads_what_the_first_decoded_and_finish_ends_it_once(tmp_path, settings):
+    folder = write_folder(tmp_path / "photos", photos(12, size=40))
+    request = RecalibrationRequest(
+        arch="tests.nets:classifier_net", model_kwargs={"classes": 3}, batch_size=4, data=folder,
+        transform={"resize": 20, "crop": 16}, checkpoint=save_state(tmp_path / "m.pt", perturbed(classifier_net(3))),
+    )
+    alone = recalibrate(request, settings, in_process=True)
+    shared = SharedRanks(InProcess(), KeepBudget(2**26, 0))
+    first = recalibrate(request, settings, in_process=True, shared=shared)
+    second = recalibrate(request, settings, in_process=True, shared=shared)
+    for result in (first, second):
+        assert result.report.decoding is None  # the sweep's, not a cell's
+        for key, value in alone.updates.items():
+            assert torch.equal(result.updates[key], value), key
+    counts = shared.finish()
+    assert (counts.decoded, counts.reused) == (12, 12)  # the second run decoded nothing
+    assert counts.memory_bytes == 12 * 3 * 16 * 16
+    assert shared.finish() == counts and shared.release_decoded(shared.scope) == KeptCounts()
