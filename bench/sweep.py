@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from wall_time import load, timed  # noqa: E402 - the same fresh-process timer and load line as wall_time.py
+
 TRANSFORM = '{"resize": 256, "crop": 224}'
 BATCH = 32
 ARCH = ["--arch", "torchvision:resnet18", "--model-kwargs", '{"num_classes": 10}']
@@ -108,24 +108,6 @@ done = sum(cell.ok for cell in bnrecal.recalibrate_many(models, data, batch_size
 assert done == int(sys.argv[2])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
-
-
-def load() -> str:
-    """The machine's load averages, and its CPUs."""
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
-
-
-def timed(command: list[str]) -> tuple[float, str]:
-    """Wall seconds of one fresh process (which must succeed), and its stdout."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
-    environment["PYTHONPATH"] = str(ROOT)
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)
-    seconds = time.perf_counter() - started
-    if done.returncode not in (0,):
-        raise SystemExit(f"{' '.join(command[:4])} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return seconds, done.stdout
 
 
 def pruned_models(folder: Path, count: int) -> list[Path]:
