@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +34,20 @@ def read_manifest(path: Path, *, arch: str | None, model_kwargs: dict[str, Any],
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{flag} {path}: cannot be read ({exc.__class__.__name__})", field=flag) from None
-    entries: list[tuple[int, dict[str, Any]]] = []
+    lines: list[tuple[str, SweepModel]] = []  # where it stands, the model as its line gives it
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{flag} {path} line {number}"
-        entries.append((number, _manifest_entry(line, where, path.parent)))
-    if not entries:
+        if line and not line.startswith("#"):
+            where = f"{flag} {path} line {number}"
+            lines.append((where, _manifest_line(line, where, path.parent, flag)))
+    if not lines:
         raise SpecError(f"{flag} {path}: lists no model", field=flag)
-    stems = [entry.get("name") or Path(entry.get("program") or entry["checkpoint"]).stem for _, entry in entries]
     models = []
-    for (number, entry), name in zip(entries, unique_names(stems), strict=True):
-        where = f"{flag} {path} line {number}"
-        model = SweepModel(
-            name=_line_name(name, where, flag), checkpoint=entry.get("checkpoint"), program=entry.get("program"),
-            arch=None if entry.get("program") else entry.get("arch") or arch,
-            model_kwargs={} if entry.get("program") else entry.get("model_kwargs") or model_kwargs,
+    for (where, given), name in zip(lines, unique_names([model.name for _, model in lines]), strict=True):
+        model = replace(  # the command's --arch and --model-kwargs where the line gives none; a program has its own
+            given, name=_line_name(name, where, flag),
+            arch=None if given.program else given.arch or arch,
+            model_kwargs={} if given.program else given.model_kwargs or model_kwargs,
         )
         try:
             check_model_choice(model.arch, model.checkpoint, model.program, model.model_kwargs, flags=True)
@@ -59,37 +57,37 @@ def read_manifest(path: Path, *, arch: str | None, model_kwargs: dict[str, Any],
     return models
 
 
-def _manifest_entry(line: str, where: str, folder: Path) -> dict[str, Any]:
-    """One manifest line as checkpoint/program (existing paths), arch, model_kwargs and name."""
+def _manifest_line(line: str, where: str, folder: Path, flag: str) -> SweepModel:
+    """One manifest line as a model: its existing checkpoint or program, its own arch and
+    model_kwargs (none on a path line), and its name (its ``name``, else its file's stem)."""
     if line.startswith("{"):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SpecError(f"{where}: not a JSON object ({exc.msg})", field=where.split()[0]) from None
+            raise SpecError(f"{where}: not a JSON object ({exc.msg})", field=flag) from None
         if not isinstance(entry, dict):
-            raise SpecError(f"{where}: not a JSON object", field=where.split()[0])
+            raise SpecError(f"{where}: not a JSON object", field=flag)
         unknown = sorted(set(entry) - set(MANIFEST_KEYS))
         if unknown:
-            raise SpecError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(MANIFEST_KEYS)})",
-                            field=where.split()[0])
+            raise SpecError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(MANIFEST_KEYS)})", field=flag)
         for key in ("checkpoint", "program", "arch", "name"):
             if key in entry and not isinstance(entry[key], str):
-                raise SpecError(f"{where}: {key} must be a string", field=where.split()[0])
+                raise SpecError(f"{where}: {key} must be a string", field=flag)
         if "model_kwargs" in entry and not isinstance(entry["model_kwargs"], dict):
-            raise SpecError(f"{where}: model_kwargs must be a JSON object", field=where.split()[0])
+            raise SpecError(f"{where}: model_kwargs must be a JSON object", field=flag)
         if ("checkpoint" in entry) == ("program" in entry):
-            raise SpecError(f"{where}: give checkpoint or program (one of them)", field=where.split()[0])
+            raise SpecError(f"{where}: give checkpoint or program (one of them)", field=flag)
     else:
-        key = "program" if line.lower().endswith(".pt2") else "checkpoint"
-        entry = {key: line}
-    for key in ("checkpoint", "program"):
-        if key in entry:
-            file = Path(entry[key]).expanduser()
-            file = file if file.is_absolute() else folder / file
-            if not file.is_file():
-                raise SpecError(f"{where}: {key} {entry[key]}: no such file", field=where.split()[0])
-            entry[key] = file
-    return entry
+        entry = {"program" if line.lower().endswith(".pt2") else "checkpoint": line}
+    key = "program" if "program" in entry else "checkpoint"
+    file = Path(entry[key]).expanduser()
+    file = file if file.is_absolute() else folder / file
+    if not file.is_file():
+        raise SpecError(f"{where}: {key} {entry[key]}: no such file", field=flag)
+    return SweepModel(
+        name=entry.get("name") or file.stem, arch=entry.get("arch"), model_kwargs=entry.get("model_kwargs") or {},
+        checkpoint=file if key == "checkpoint" else None, program=file if key == "program" else None,
+    )
 
 
 def _line_name(name: str, where: str, flag: str) -> str:
