@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bnrecal.workers.data import ReadOptions, describe_dataset
+from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.export.graph_reuse import GraphReuse
@@ -77,19 +77,21 @@ def recalibrate(
     )
     model = loaded.model
     require_batchnorm_layers(model, loaded.label)  # before the data is read: nothing to do
-    dataset = describe_dataset(
-        request.data,
-        ReadOptions(
-            transform=request.transform,
-            max_samples=request.sample_limit,
-            name=request.data_name,
-            order=request.order,
-            seed=request.seed,
-            image_column=request.image_column,
-            columns_elsewhere="ignore",
-        ),
-        settings.data_access(),
+    read = ReadOptions(
+        transform=request.transform,
+        max_samples=request.sample_limit,
+        name=request.data_name,
+        order=request.order,
+        seed=request.seed,
+        image_column=request.image_column,
+        columns_elsewhere="ignore",
     )
+
+    def describe() -> DatasetSpec:
+        return describe_dataset(request.data, read, settings.data_access())
+
+    # a sweep's cells over one set share its description: a prefix of shards is listed once
+    dataset = describe() if shared is None else shared.described(f"{request.data}|{read!r}", describe)
     with dataset.open() as data:
         probe = data.load(0, 1)
     evaluation = plan_evaluation(request, model, settings) if request.eval_data is not None else None

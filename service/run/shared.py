@@ -6,7 +6,7 @@ is an executor that hands every run the same executor underneath (the same Ray r
 started once, or this process), whose per-run ``release_decoded`` and ``close`` keep the
 ranks and what they decoded; every run keeps its samples under the sweep's scope, named
 by its calibration set (``SharedScope``), so the next model over the same set reads them
-decoded, bit for bit the floats a decode gives. :meth:`SharedRanks.close` ends it all.
+decoded, bit for bit the floats a decode gives; and a set is described (listed) once. :meth:`SharedRanks.close` ends it all.
 """
 
 from __future__ import annotations
@@ -38,10 +38,23 @@ class SharedRanks:
         self.scope = uuid.uuid4().hex
         self.counts: KeptCounts | None = None
         self._lock = threading.Lock()
+        self._described: dict[str, DatasetSpec] = {}
 
     def shared_scope(self, set_name: str) -> SharedScope:
         """Where a run over the calibration set ``set_name`` keeps its samples."""
         return SharedScope(self.scope, set_name)
+
+    def described(self, key: str, describe: Callable[[], DatasetSpec]) -> DatasetSpec:
+        """The description of the data ``key`` names (its source and read options), made by
+        ``describe`` for the first run over it and the same for every later one: listing a
+        prefix of shards, or a folder of photos, once per sweep."""
+        with self._lock:
+            found = self._described.get(key)
+        if found is None:
+            found = describe()
+            with self._lock:
+                found = self._described.setdefault(key, found)
+        return found
 
     def start(self, plan: RunPlan) -> None:
         """Start the ranks (the first run), or point them at this run's data."""
