@@ -177,3 +177,17 @@ def test_per_site_statistics_beat_pooled_ones_and_the_heatmap_shows_it(capsys, t
     heatmap = page[page.index('id="heatmap-table"'):page.index('id="ranking"')]
     for site in sites:
         assert f">{top1[site]:.4g}</a>" in heatmap and f">{top1[f'pooled-{site}']:.4g}</a>" in heatmap
+
+
+def test_pairs_run_only_the_cells_listed(capsys, tmp_path, sweep_inputs):
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("m0 B\nm1 A\n")
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(sweep_inputs / "models.txt"), "--arch", "tests.nets:mixed_net",
+        "--data", f"A={sweep_inputs / 'a.npy'}", "--data", f"B={sweep_inputs / 'b.npy'}", "--pairs", str(pairs),
+        "--batch-size", "8", "--out-dir", str(tmp_path / "out"),
+    )
+    assert code == 0, err
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [(c["model"], c["set"]) for c in matrix["cells"]] == [("m0", "B"), ("m1", "A")]
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").glob("*/*")) == ["m0/B", "m1/A"]
