@@ -40,7 +40,7 @@ ROOMS = {
         "run": {"export"},
         "sweep": {"run", "export"},
         "live": {"run", "export", "sweep"},
-        "jobserver": {"run", "export"},
+        "jobserver": {"run", "export", "sweep"},
         "cli": {"run", "export", "jobserver", "sweep"},
     },
 }

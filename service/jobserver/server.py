@@ -45,7 +45,9 @@ from bnrecal.service.jobserver.cluster.health import ClusterHealth
 from bnrecal.service.jobserver.storage.disk import check_reserve
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
-from bnrecal.service.jobserver.jobs.spec import ARTIFACT_NAMES, JobRecord, JobSpec, check_submission
+from bnrecal.service.jobserver.jobs.spec import (
+    ARTIFACT_NAMES, SWEEP_ARTIFACT_NAMES, JobRecord, JobSpec, check_submission, is_artifact_name, spec_digests,
+)
 from bnrecal.service.jobserver.jobs.views import JobView
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import is_postgres
@@ -54,7 +56,7 @@ from bnrecal.service.jobserver.metrics import ServiceMetrics
 from bnrecal.service.jobserver.problems import fault_field
 from bnrecal.service.jobserver.jobs.runner import JobRunner
 from bnrecal.service.jobserver.storage.scrub import BlobScrubber
-from bnrecal.service.jobserver.storage.collection import StorageCollector, spec_digests
+from bnrecal.service.jobserver.storage.collection import StorageCollector
 
 log = logging.getLogger("bnrecal.server")
 
@@ -76,6 +78,11 @@ before it stops itself."""
 
 PUBLIC_TENANT = "public"
 """The one tenant of a server without API keys."""
+
+
+def _cell_prefix(name: str) -> str:
+    """``<model>-<set>-`` for a sweep's cell's artifact (its download's file name says whose), else nothing."""
+    return name.rsplit("/", 1)[0].replace("/", "-") + "-" if "/" in name else ""
 
 
 def tenant_of_key(api_key: str) -> str:
@@ -237,9 +244,7 @@ class Services:
             check_submission(spec, tenant, self.blobs, self.settings, nodes)
         except (CheckpointError, ProgramError, DatasetError) as exc:  # a file that does not read (not a bad shape)
             field = fault_field(exc, spec)
-            named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data,
-                     "eval.data": spec.eval.data if spec.eval is not None else None}
-            digest = named.get(field) if isinstance(field, str) else None
+            digest = spec.input_sources().get(field) if isinstance(field, str) else None
             if isinstance(digest, str) and self.blobs.exists(tenant, digest):
                 self.blobs.check(tenant, digest, field=field, where="submission")  # raises if corrupt
             raise
@@ -252,7 +257,7 @@ class Services:
         check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # 507 before anything is written
         spec = spec.with_outputs()
         stored = spec.model_dump(mode="json")
-        for digest in spec_digests(stored):
+        for digest in spec_digests(stored).values():
             self.blobs.touch(tenant, digest)  # used now: the collector keeps it a full retention period
         self._check_submission(tenant, spec)
         job, created = self.ledger.create(tenant, stored, idempotency_key, self.settings.tenant_max_queued_jobs)
@@ -269,21 +274,24 @@ class Services:
         return job
 
     def artifact(self, tenant: str, job_id: str, name: str) -> ArtifactFile:
-        """Where a finished job's artifact is: 404 for an unknown name or one the job did not
-        make, 409 while the job has not finished."""
+        """Where a job's artifact is: 404 for an unknown name or one the job did not make, 409
+        while the job has not finished, unless it is a sweep's cell that has (docs/sweeps.md)."""
         job = self.ledger.get(tenant, job_id)
-        if name not in ARTIFACT_NAMES:
-            raise NotFoundError(f"no artifact {name!r}: artifacts are {', '.join(ARTIFACT_NAMES)}")
-        if not job.status.is_terminal:
-            raise ConflictError(f"job {job_id} is {job.status.value}; its artifacts exist once it has succeeded")
+        if not is_artifact_name(name):
+            raise NotFoundError(
+                f"no artifact {name!r}: artifacts are {', '.join(ARTIFACT_NAMES)}; a sweep's are "
+                f"{', '.join(SWEEP_ARTIFACT_NAMES)} and <model>/<set>/<artifact> for each cell"
+            )
         artifact = job.artifacts.get(name)
+        if not job.status.is_terminal and artifact is None:
+            raise ConflictError(f"job {job_id} is {job.status.value}; its artifacts exist once it has succeeded")
         if artifact is None:
             raise NotFoundError(f"job {job_id} ({job.status.value}) has no {name} artifact")
         return ArtifactFile(
             path=self.blobs.path(tenant, artifact["digest"]),
             digest=artifact["digest"],
             media_type=artifact["media_type"],
-            filename=f"{job_id[:12]}-{artifact['filename']}",
+            filename=f"{job_id[:12]}-{_cell_prefix(name)}{artifact['filename']}",
         )
 
     def delete_job(self, tenant: str, job_id: str) -> int:

@@ -40,6 +40,7 @@ class SweepModel:
     checkpoint: Path | None = None
     program: Path | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # free-form: the model factory's own keywords
+    source_name: str | None = None  # what its file is called where the path does not say (an upload's name)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class CalibrationSet:
     name: str
     data: Path | str
     eval_data: Path | str | None = None
+    data_name: str | None = None  # what the data is called where the path does not say (an upload's name)
+    eval_data_name: str | None = None
+    eval_max_samples: int | None = None  # the set's own limit on its evaluation data (else the sweep's)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,19 @@ class CellStatus(str, Enum):
     def is_terminal(self) -> bool:
         """Whether the cell is over."""
         return self in (CellStatus.SUCCEEDED, CellStatus.FAILED, CellStatus.CANCELLED)
+
+
+@dataclass(frozen=True)
+class SweepFiles:
+    """A sweep of files: its models, its named sets, and the pairs to run (None: all)."""
+
+    models: list[SweepModel]
+    sets: list[CalibrationSet]
+    pairs: set[tuple[str, str]] | None = None
+
+    def cells(self) -> Iterator[Cell]:
+        """The cells, model by model."""
+        return cells_of(((i, m.name) for i, m in enumerate(self.models)), [s.name for s in self.sets], self.pairs)
 
 
 def cells_of(models: Iterable[tuple[int, str]], sets: list[str], pairs: set[tuple[str, str]] | None) -> Iterator[Cell]:

@@ -14,12 +14,13 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from bnrecal.errors import BnrecalError, CancelledError
+from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import KeepBudget, ProgressCallback, decoding_report
@@ -31,23 +32,10 @@ from bnrecal.service.run.report import Report
 from bnrecal.service.run.shared import SharedRanks
 from bnrecal.service.settings import Settings
 
-from .cells import CalibrationSet, Cell, CellStatus, SweepModel, cells_of
+from .cells import CalibrationSet, Cell, CellStatus, SweepFiles, SweepModel
 from .matrix import CellSummary, SweepReport, relative_link, write_sweep_report
 
 REPORT_NAMES = ("sweep.json", "sweep.csv", "sweep.html")
-
-
-@dataclass(frozen=True)
-class SweepFiles:
-    """A sweep of files: its models, its named sets, and the pairs to run (None: all)."""
-
-    models: list[SweepModel]
-    sets: list[CalibrationSet]
-    pairs: set[tuple[str, str]] | None = None
-
-    def cells(self) -> Iterator[Cell]:
-        """The cells, model by model."""
-        return cells_of(((i, m.name) for i, m in enumerate(self.models)), [s.name for s in self.sets], self.pairs)
 
 
 @dataclass(frozen=True)
@@ -75,6 +63,7 @@ class CellResult:
     error: BnrecalError | None
     seconds: float
     folder: Path
+    model_file: Path | None = None  # its recalibrated model, where it has one
 
 
 def sweep_to_files(
@@ -86,14 +75,17 @@ def sweep_to_files(
     on_cell: Callable[[CellResult], None] | None = None,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    pool: WarmPool | None = None,
 ) -> SweepReport:
     """Run every cell of ``sweep`` into ``out_dir/<model>/<set>/`` (the model in its uploaded
     format, ``report.json``, ``report.html``, and the ONNX and INT8 files asked for), on
-    ranks shared by all cells; ``on_cell`` hears each cell as it finishes. Returns the
+    ranks shared by all cells; ``on_cell`` hears each cell as it finishes. With a warm
+    ``pool`` (a server's) the cells run on its ranks, even with one worker. Returns the
     matrix report, written as ``sweep.json``, ``sweep.csv`` and ``sweep.html``."""
     options = run.options
-    in_process = options.workers == 1 and not settings.ray_address
-    inner = InProcess() if in_process else RayRanks(settings, address=settings.ray_address, placement=options.placement)
+    in_process = options.workers == 1 and not settings.ray_address and pool is None
+    inner = InProcess() if in_process else RayRanks(settings, address=settings.ray_address, placement=options.placement,
+                                                    pool=pool)
     keep = KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb)
     shared = SharedRanks(inner, keep)
     sets = {s.name: s for s in sweep.sets}
@@ -119,7 +111,7 @@ def sweep_to_files(
                     cancelled = result.error
                 if result.report is not None:
                     pages.write(result.report, folder / "report.html")
-            report.cells.append(_summary(result, out_dir))
+            report.cells.append(cell_summary(result, out_dir))
             report.seconds = round(time.monotonic() - started, 3)
             write_sweep_report(report, out_dir)
             if on_cell is not None:
@@ -149,11 +141,15 @@ def _run_cell(
                "arch": None if model.program else model.arch or run.options.arch,
                "model_kwargs": {} if model.program else model.model_kwargs or run.options.model_kwargs},
             checkpoint=model.checkpoint, program=model.program, data=calibration.data, eval_data=calibration.eval_data,
-            eval_max_samples=run.eval_max_samples,
+            eval_max_samples=calibration.eval_max_samples or run.eval_max_samples, data_name=calibration.data_name,
+            eval_data_name=calibration.eval_data_name,
+            **{"program_name" if model.program else "checkpoint_name": model.source_name},
         )
         folder.mkdir(parents=True, exist_ok=True)
         source = model.program or model.checkpoint
         assert source is not None
+        if model.source_name is not None:
+            source = Path(Path(model.source_name).name or source.name)
         outputs = RunOutputs(
             onnx=folder / "model.onnx" if run.onnx else None, int8=folder / "model.int8.onnx" if run.int8 else None,
             int8_options=run.int8, export=run.export,
@@ -166,11 +162,11 @@ def _run_cell(
         return CellResult(cell, status, None, exc, time.monotonic() - started, folder)
     seconds = time.monotonic() - started
     if made.int8_failed is not None:
-        return CellResult(cell, CellStatus.FAILED, made.report, made.int8_failed, seconds, folder)
-    return CellResult(cell, CellStatus.SUCCEEDED, made.report, None, seconds, folder)
+        return CellResult(cell, CellStatus.FAILED, made.report, made.int8_failed, seconds, folder, files.model)
+    return CellResult(cell, CellStatus.SUCCEEDED, made.report, None, seconds, folder, files.model)
 
 
-def _summary(result: CellResult, out_dir: Path) -> CellSummary:
+def cell_summary(result: CellResult, out_dir: Path) -> CellSummary:
     """A finished cell in the matrix, linked to its own report page where it has one."""
     link = relative_link(result.folder / "report.html", out_dir) if result.report is not None else None
     error = None if result.error is None else result.error.message

@@ -37,7 +37,8 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest
 from bnrecal.service.run.report_html import JobLabel
 
 from bnrecal.service.settings import Settings
-from bnrecal.service.jobserver.jobs.work import Event, JobFiles, run_job
+from bnrecal.service.sweep.cells import SweepFiles
+from bnrecal.service.jobserver.jobs.work import Event, JobFiles, run_job, run_sweep_job
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 log = logging.getLogger("bnrecal.job_host")
@@ -74,7 +75,8 @@ class _HostedJob:
         """Keep ``event`` for the server (a newer count of the same phase replaces an uncollected one)."""
         with self.changed:
             last = self.events[-1] if self.events else None
-            if last is not None and last[0] is not None and event[0] is not None and last[2] == event[2]:
+            if isinstance(last, tuple) and isinstance(event, tuple) and last[0] is not None and event[0] is not None \
+                    and last[2] == event[2]:
                 self.events[-1] = event
             else:
                 self.events.append(event)
@@ -113,12 +115,14 @@ class JobHost:
 
     @ray.method(concurrency_group="jobs")
     def run(
-        self, job_id: str, request: RecalibrationRequest, settings: Settings, spec: JobSpec, workdir: Path,
-        label: JobLabel | None = None,
+        self, job_id: str, request: RecalibrationRequest | SweepFiles, settings: Settings, spec: JobSpec,
+        workdir: Path, label: JobLabel | None = None,
     ) -> JobFiles:
-        """Run one job into ``workdir``; its errors are raised as they are (the server records them)."""
+        """Run one job (or sweep) into ``workdir``; its errors are raised as they are (the server records them)."""
         job = self._job(job_id)
         try:
+            if isinstance(request, SweepFiles):
+                return run_sweep_job(request, settings, spec, workdir, job.report, job.cancel, self.pool)
             return run_job(request, settings, spec, workdir, job.report, job.cancel, self.pool, label)
         finally:
             job.end()
@@ -215,7 +219,7 @@ class JobHostClient:
     def run(
         self,
         job_id: str,
-        request: RecalibrationRequest,
+        request: RecalibrationRequest | SweepFiles,
         settings: Settings,
         spec: JobSpec,
         workdir: Path,

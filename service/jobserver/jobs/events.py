@@ -163,6 +163,23 @@ def event_payload(job: JobRecord) -> dict[str, Any]:
     }
 
 
+def cell_events(job: JobRecord) -> list[dict[str, Any]]:
+    """A sweep's finished cells, in the order they finished, as their ``cell`` events carry them
+    (under ``cell``, so a client that reads every event's ``status`` sees only the job's):
+    model, set, status, error and the names of its artifacts (none for a single job)."""
+    cells = (job.report or {}).get("cells") if job.spec.get("models") is not None or job.spec.get("datasets") is not None \
+        else None
+    events = []
+    for cell in cells if isinstance(cells, list) else []:
+        key = f"{cell.get('model')}/{cell.get('set')}/"
+        events.append({
+            "model": cell.get("model"), "model_index": cell.get("model_index"), "set": cell.get("set"),
+            "status": cell.get("status"), "error": cell.get("error"),
+            "artifacts": sorted(name for name in job.artifacts if name.startswith(key)),
+        })
+    return events
+
+
 def format_event(event_id: int | None, kind: str, data: dict[str, Any]) -> str:
     """One Server-Sent Event (without an ``id`` line when ``event_id`` is None)."""
     head = f"id: {event_id}\n" if event_id is not None else ""
@@ -178,13 +195,20 @@ async def job_event_stream(
     is_disconnected: Callable[[], Any],
 ) -> AsyncIterator[str]:
     """Events of one job from after ``last_event_id`` until (and including) its terminal status,
-    or until the server shuts down (a client then resumes elsewhere with ``Last-Event-ID``)."""
+    or until the server shuts down (a client then resumes elsewhere with ``Last-Event-ID``).
+    A sweep's stream also sends a ``cell`` event for each cell done (every one done so far
+    when it opens, or resumes: a client keys them by model and set)."""
     sent = last_event_id if last_event_id is not None else 0
     last_status: str | None = None
+    cells_sent = 0
     with feed.subscribe(job_id) as changed:
         while True:
             changed.clear()
             job = await run_in_threadpool(ledger.get, tenant, job_id)
+            cells = cell_events(job)
+            for cell in cells[cells_sent:]:  # a sweep's finished cells, each once per stream
+                yield format_event(None, "cell", {"id": job.id, "cell": cell})
+            cells_sent = len(cells)
             if job.revision > sent:
                 kind = "progress" if last_status == job.status.value else "status"
                 yield format_event(job.revision, kind, event_payload(job))

@@ -4,9 +4,11 @@ against the settings, and the names messages call them by."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
+from bnrecal.service.sweep.cells import CalibrationSet, SweepFiles, SweepModel, unique_names
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore
@@ -38,16 +40,67 @@ def job_request(job: JobRecord, spec: JobSpec, blobs: BlobStore, settings: Setti
     )
 
 
+def sweep_files(job: JobRecord, spec: JobSpec, blobs: BlobStore, settings: Settings) -> SweepFiles:
+    """A sweep job's models and sets as the sweep runner takes them: every input blob hashed
+    first, as a single job's; each model named by its ``name``, else its upload's file stem,
+    else ``model-<index>`` (colliding stems get ``-2``, ``-3``, ...)."""
+    checked = checked_inputs(job, spec, blobs)
+    specs = spec.sweep_models()
+    stems = []
+    for index, model in enumerate(specs):
+        digest = model.program or model.checkpoint
+        uploaded = blobs.filename(job.tenant, digest) if digest else None
+        stems.append(model.name or _stem(uploaded) or f"model-{index}")
+    names = unique_names(stems)
+    prefix = "models[{}]." if spec.models is not None else ""
+    models = []
+    for index, (model, name) in enumerate(zip(specs, names, strict=True)):
+        program = model.program is not None
+        digest = model.program or model.checkpoint
+        models.append(SweepModel(
+            name=name,
+            arch=None if program else model.arch or spec.arch,
+            model_kwargs={} if program else (model.model_kwargs if model.model_kwargs is not None else spec.model_kwargs),
+            checkpoint=None if program else checked[prefix.format(index) + "checkpoint"],
+            program=checked[prefix.format(index) + "program"] if program else None,
+            source_name=blobs.filename(job.tenant, digest) or digest if digest else None,
+        ))
+    sets = []
+    for name, calibration in spec.sweep_sets().items():
+        where = f"datasets.{name}." if spec.datasets is not None else ""
+        evaluation = calibration.eval
+        sets.append(CalibrationSet(
+            name=name,
+            data=data_path(job, calibration.data, blobs, settings, checked.get(where + "data")),
+            data_name=blob_name(job, calibration.data, blobs),
+            eval_data=data_path(job, evaluation.data, blobs, settings, checked.get(where + "eval.data"))
+            if evaluation is not None else None,
+            eval_data_name=blob_name(job, evaluation.data, blobs) if evaluation is not None else None,
+            eval_max_samples=evaluation.max_samples if evaluation is not None else None,
+        ))
+    pairs = {(names[index], set_name) for index, set_name in spec.pairs} if spec.pairs is not None else None
+    return SweepFiles(models, sets, pairs)
+
+
+def _stem(filename: str | None) -> str | None:
+    """A folder-safe name from an upload's file name (``resnet18-p50.pt`` -> ``resnet18-p50``), or None."""
+    if not filename:
+        return None
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(filename).stem).strip("-._")[:128]
+    return stem or None
+
+
 def checked_inputs(job: JobRecord, spec: JobSpec, blobs: BlobStore) -> dict[str, Path]:
-    """The job's input blobs by spec field, each hashed against its digest."""
-    named = {"checkpoint": spec.checkpoint, "program": spec.program, "data": spec.data}
-    if spec.eval is not None:
-        named["eval.data"] = spec.eval.data
-    return {
-        field: blobs.check(job.tenant, digest, field=field)
-        for field, digest in named.items()
-        if isinstance(digest, str)
-    }
+    """The job's input blobs by spec field, each hashed against its digest once (a sweep may
+    name one blob in many fields)."""
+    checked: dict[str, Path] = {}
+    by_field: dict[str, Path] = {}
+    for field, digest in spec.input_sources().items():
+        if isinstance(digest, str):
+            if digest not in checked:
+                checked[digest] = blobs.check(job.tenant, digest, field=field)
+            by_field[field] = checked[digest]
+    return by_field
 
 
 def blob_name(job: JobRecord, source: str | DataPath | DataUri, blobs: BlobStore) -> str | None:

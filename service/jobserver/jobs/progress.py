@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from bnrecal.errors import InsufficientStorageError
 
 from bnrecal.service.run.options import STARTING_PHASE
 
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
-from bnrecal.service.jobserver.jobs.work import Event
+from bnrecal.service.jobserver.jobs.work import CellDone, Event
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.metrics import ServiceMetrics
 
@@ -24,19 +25,29 @@ PROGRESS_INTERVAL_S = 0.25  # at most this often a job's progress is written to 
 class JobProgress:
     """The progress writer of one running job."""
 
-    def __init__(self, job_id: str, ledger: Ledger, feed: ChangeFeed, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self, job_id: str, ledger: Ledger, feed: ChangeFeed, metrics: ServiceMetrics,
+        on_cell: Callable[[CellDone], None] | None = None,
+    ) -> None:
         self.job_id = job_id
+        self.on_cell = on_cell
         self.ledger = ledger
         self.feed = feed
         self.metrics = metrics
         self._done = 0
+        self._calibrating = "calibrating"
         self._written = 0.0
         self._phase: str | None = None
 
     def on_events(self, events: list[Event]) -> None:
-        """The host's events since the last call: (done, total, phase), or (None, None, phase)
-        for a phase that counts no samples."""
-        for done, total, phase in events:
+        """The host's events since the last call: (done, total, phase), (None, None, phase)
+        for a phase that counts no samples, or a sweep's finished cell (``on_cell``)."""
+        for event in events:
+            if isinstance(event, CellDone):
+                if self.on_cell is not None:
+                    self.on_cell(event)
+                continue
+            done, total, phase = event
             if done is None or total is None:
                 self.enter_phase(phase)
             else:
@@ -48,7 +59,9 @@ class JobProgress:
         if self._phase is None and phase == STARTING_PHASE:
             self._phase = phase  # the ledger entered it as the job started: one event per phase
             return
-        if phase == "calibrating":
+        if phase.rsplit("] ", 1)[-1] == "calibrating":  # a sweep's cell's too ("[2/8 m/s] calibrating")
+            if phase != self._calibrating:  # a new cell counts from 0
+                self._calibrating, self._done = phase, 0
             self.metrics.samples_processed.inc(max(0, done - self._done))
             self._done = done
         now = time.monotonic()

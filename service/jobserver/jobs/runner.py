@@ -52,7 +52,10 @@ from bnrecal.service.jobserver.cluster.job_host import JobHostClient
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.progress import JobProgress
 from bnrecal.service.run.report_html import JobLabel
-from bnrecal.service.jobserver.jobs.inputs import job_request
+from bnrecal.service.jobserver.jobs.inputs import job_request, sweep_files
+from bnrecal.service.jobserver.jobs.work import CellDone, sweep_rank_by
+from bnrecal.service.sweep.matrix import SweepReport
+from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec
 from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
@@ -314,8 +317,12 @@ class JobRunner:
         workdir = Path(self.settings.data_dir) / "work" / job.id
         final = JobStatus.failed
         try:
-            artifacts, report = self._run(job, spec, entry.cancel, workdir)
-            final = self._end(job.id, JobStatus.succeeded, workdir, artifacts=artifacts, report=report)
+            artifacts, report, failed = self._run(job, spec, entry.cancel, workdir)
+            if failed is not None:  # a sweep with failed cells: the good cells' files stand
+                final = self._end(job.id, JobStatus.failed, workdir, error=problem_of(failed, spec),
+                                  artifacts=artifacts, report=report)
+            else:
+                final = self._end(job.id, JobStatus.succeeded, workdir, artifacts=artifacts, report=report)
         except CancelledError as exc:
             final = self._after_cancel(job, entry, exc, workdir)
         except BnrecalError as exc:
@@ -357,25 +364,28 @@ class JobRunner:
 
     def _run(
         self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    ) -> tuple[dict[str, Any], dict[str, Any], BnrecalError | None]:
         """Run the job on the job host (recalibrate, export, write the files), then store
-        the files it wrote as the tenant's blobs."""
+        the files it wrote as the tenant's blobs; a sweep's cells are stored as each finishes.
+        The artifacts, the report, and a sweep's error when some of its cells failed."""
         if self.ledger.get_any(job.id).cancel_requested:
             raise CancelledError("the job was cancelled")
         check_reserve(Path(self.settings.data_dir), self.settings.min_free_bytes)  # refused before it runs
-        request, settings = self._request(job, spec)
-        progress = JobProgress(job.id, self.ledger, self.feed, self.metrics)
+        live: _LiveSweep | None = None
+        if spec.is_sweep:
+            work: RecalibrationRequest | SweepFiles = sweep_files(job, spec, self.blobs, self.settings)
+            live = _LiveSweep(self, job, spec, work)
+        else:
+            work = job_request(job, spec, self.blobs, self.settings)
+        progress = JobProgress(job.id, self.ledger, self.feed, self.metrics, live.on_cell if live else None)
         label = JobLabel(job.id, job.created_at, {  # the report names its job
             field: {"filename": self.blobs.filename(job.tenant, digest), "digest": digest}
             for field, digest in job.input_digests().items()
         })
-        made = self.host.run(job.id, request, settings, spec, workdir, cancel, progress.on_events, label)
-        artifacts = {name: self._store(job, file, media_type) for name, (file, media_type) in made.files.items()}
-        return artifacts, made.report
-
-    def _request(self, job: JobRecord, spec: JobSpec) -> tuple[RecalibrationRequest, Settings]:
-        """The engine's request (its input blobs hashed first) and settings."""
-        return job_request(job, spec, self.blobs, self.settings), self.settings
+        made = self.host.run(job.id, work, self.settings, spec, workdir, cancel, progress.on_events, label)
+        artifacts = dict(live.artifacts) if live is not None else {}
+        artifacts.update({name: self.store_artifact(job, file, media_type) for name, (file, media_type) in made.files.items()})
+        return artifacts, made.report, made.failed
 
     @staticmethod
     def _disk_full(exc: BaseException, workdir: Path) -> InsufficientStorageError | None:
@@ -387,6 +397,34 @@ class JobRunner:
             return None
         return disk_full_error(exc, "the job's work dir", workdir, "the job's results could not be written")
 
-    def _store(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
+    def store_artifact(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
+        """Move a file the job wrote into the tenant's blobs: the artifact entry the job resource shows."""
         info: BlobInfo = self.blobs.adopt(job.tenant, file)
         return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
+
+
+class _LiveSweep:
+    """A running sweep as the ledger shows it: each cell's files stored as soon as the host
+    reports the cell done, and the matrix as it fills in (``report``), so a client downloads a
+    cell's files, and a page draws the matrix, while the sweep goes on (docs/sweeps.md)."""
+
+    def __init__(self, runner: JobRunner, job: JobRecord, spec: JobSpec, sweep: SweepFiles) -> None:
+        self.runner, self.job = runner, job
+        labelled = any(s.eval_data is not None for s in sweep.sets)
+        self.matrix = SweepReport(models=[m.name for m in sweep.models], sets=[s.name for s in sweep.sets], cells=[],
+                                  rank_by=sweep_rank_by(spec, labelled), workers=spec.workers)
+        self.artifacts: dict[str, Any] = {}
+
+    def on_cell(self, done: CellDone) -> None:
+        """Store a finished cell's files and show it in the job's matrix."""
+        for name, (file, media_type) in done.files.items():
+            self.artifacts[name] = self.runner.store_artifact(self.job, file, media_type)
+        self.matrix.cells.append(done.summary)
+        self.matrix.rank()
+        try:
+            self.runner.ledger.set_partial(self.job.id, dict(self.artifacts), self.matrix.to_dict())
+        except InsufficientStorageError:  # the sweep goes on; its end writes every artifact
+            log.warning("job %s: the disk is full; cell %s/%s was not written yet", self.job.id,
+                        done.summary.model, done.summary.set_name)
+            return
+        self.runner.feed.publish(self.job.id)

@@ -1,15 +1,18 @@
-"""One server job's driver work, as the job host runs it: recalibrate, export, write the files.
+"""One server job's driver work, as the job host runs it: recalibrate, export, write the files;
+or a sweep's, every cell the single job of its model and set (docs/sweeps.md).
 
 The files go into the job's work folder; the server adopts them as the tenant's blobs.
 Progress and phases go to ``report`` as (done, total, phase) events, (None, None, phase)
-for a phase without samples.
+for a phase without samples; a sweep's finished cell as a :class:`CellDone`, whose files
+the server adopts at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +24,43 @@ from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.outputs import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, recalibrate_to_files
 from bnrecal.service.run.report_html import JobLabel
+from bnrecal.service.sweep.matrix import CellSummary, check_metric
+from bnrecal.service.sweep.cells import SweepFiles
+from bnrecal.service.sweep.running import CellResult, SweepRun, cell_summary, sweep_to_files
+from bnrecal.errors import RunError
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 OCTET_STREAM = "application/octet-stream"
 
-Event = tuple[int | None, int | None, str]
+JSON = "application/json"
+HTML = "text/html; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class CellDone:
+    """A sweep's cell that finished: its summary in the matrix, and its files as artifacts
+    (``<model>/<set>/checkpoint``, ...; its ``report.html`` comes with the sweep's end)."""
+
+    summary: CellSummary
+    files: dict[str, tuple[Path, str]] = field(default_factory=dict)
+
+
+Event = tuple[int | None, int | None, str] | CellDone
 """A job's progress as the host reports it: (samples done, samples total, phase), or
-(None, None, phase) when the job entered a phase without samples (exporting, writing)."""
+(None, None, phase) when the job entered a phase without samples (exporting, writing), or a
+sweep's finished cell."""
 
 
 @dataclass(frozen=True)
 class JobFiles:
-    """What a job left in its work folder: artifact name -> (file, media type), and the report."""
+    """What a job left in its work folder: artifact name -> (file, media type), and the report;
+    ``failed`` is a sweep's error when some of its cells failed (its files stand all the same)."""
 
     files: dict[str, tuple[Path, str]]
     report: dict[str, Any]
+    failed: RunError | None = None
 
 
 def run_job(
@@ -61,10 +84,7 @@ def run_job(
     outputs = RunOutputs(
         onnx=workdir / "recalibrated.onnx" if "onnx" in spec.outputs else None,
         int8=workdir / "recalibrated-int8.onnx" if int8 else None,
-        export=ExportOptions(
-            opset=spec.onnx.opset, dtype=spec.onnx.dtype, dynamic_batch=spec.onnx.dynamic_batch,
-            input_shape=tuple(spec.onnx.input_shape) if spec.onnx.input_shape is not None else None,
-        ),
+        export=export_options(spec),
         int8_options=int8_options(spec.int8) if int8 else None,
     )
     run_files = RunFiles(report=workdir / "report.json", report_html=workdir / "report.html", job=label)
@@ -83,6 +103,109 @@ def run_job(
     files["report"] = (workdir / "report.json", "application/json")
     files["report.html"] = (workdir / "report.html", "text/html; charset=utf-8")
     return JobFiles(files, result.report.to_dict())
+
+
+def export_options(spec: JobSpec) -> ExportOptions:
+    """The spec's ``onnx`` options as the export takes them."""
+    return ExportOptions(
+        opset=spec.onnx.opset, dtype=spec.onnx.dtype, dynamic_batch=spec.onnx.dynamic_batch,
+        input_shape=tuple(spec.onnx.input_shape) if spec.onnx.input_shape is not None else None,
+    )
+
+
+def run_sweep_job(
+    sweep: SweepFiles,
+    settings: Settings,
+    spec: JobSpec,
+    workdir: Path,
+    report: Callable[[Event], None],
+    cancel: threading.Event,
+    pool: WarmPool | None,
+) -> JobFiles:
+    """Run a sweep job's cells into ``workdir/<model>/<set>/`` (``sweep_to_files``, as ``bnrecal
+    sweep`` does), telling ``report`` of each cell as it finishes, with its files; then the
+    matrix report and one zip archive of every file. ``failed`` says how many cells failed."""
+    check_cancel(cancel)
+    workdir.mkdir(parents=True, exist_ok=True)
+    options = spec.model_copy(update={"max_retries": spec.max_retries if spec.max_retries is not None
+                                      else settings.job_max_retries})
+    labelled = any(s.eval_data is not None for s in sweep.sets)
+    int8 = "onnx_int8" in spec.outputs
+    run = SweepRun(
+        options=options, rank_by=sweep_rank_by(spec, labelled),
+        onnx="onnx" in spec.outputs, int8=int8_options(spec.int8) if int8 else None, export=export_options(spec),
+    )
+    cells: list[str] = []
+    archive = _Archive(workdir / "sweep.zip", workdir)
+
+    def on_cell(result: CellResult) -> None:  # its files go into the archive before the server takes them
+        key = result.cell.key
+        cells.append(key)
+        program = sweep.models[result.cell.model_index].program is not None
+        made = {f"{key}/{name}": file for name, file in _cell_files(result, spec, program).items()}
+        archive.add(path for path, _ in made.values())
+        report(CellDone(cell_summary(result, workdir), made))
+
+    try:
+        matrix = sweep_to_files(sweep, run, settings, workdir, on_cell=on_cell, on_progress=_events(report),
+                                cancel=cancel, pool=pool)
+        files: dict[str, tuple[Path, str]] = {
+            "sweep": (workdir / "sweep.json", JSON), "sweep.csv": (workdir / "sweep.csv", "text/csv; charset=utf-8"),
+            "sweep.html": (workdir / "sweep.html", HTML),
+        }
+        for key in cells:
+            page = workdir / key / "report.html"
+            if page.is_file():
+                files[f"{key}/report.html"] = (page, HTML)
+        archive.add(path for path, _ in files.values())
+    finally:
+        archive.close()
+    files["archive"] = (archive.path, "application/zip")
+    failed = None
+    if matrix.failed:
+        named = ", ".join(f"{c.model}/{c.set_name}" for c in matrix.cells if c.status.value == "failed")
+        failed = RunError(f"{matrix.failed} of {len(matrix.cells)} cells failed ({named[:300]}); "
+                          "the other cells' files are the job's artifacts")
+    return JobFiles(files, matrix.to_dict(), failed)
+
+
+def sweep_rank_by(spec: JobSpec, labelled: bool) -> str:
+    """The metric a sweep's matrix ranks by: the spec's, else top-1 after with evaluation data,
+    else the worst drift."""
+    return check_metric(spec.rank_by or ("after_top1" if labelled else "worst_drift"))
+
+
+class _Archive:
+    """One zip of every file a sweep wrote, laid out as ``bnrecal sweep`` lays them out, filled
+    as the cells finish (stored: models and ONNX files do not compress)."""
+
+    def __init__(self, path: Path, root: Path) -> None:
+        self.path, self.root = path, root
+        self._zip = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+
+    def add(self, files: Iterable[Path]) -> None:
+        for file in files:
+            self._zip.write(file, file.relative_to(self.root).as_posix())
+
+    def close(self) -> None:
+        self._zip.close()
+
+
+def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, tuple[Path, str]]:
+    """A finished cell's artifacts by name (as a single job's): the files it wrote."""
+    folder = result.folder
+    found: dict[str, tuple[Path, str]] = {}
+    if result.report is None:
+        return found
+    for name, path in (("onnx", folder / "model.onnx"), ("onnx_int8", folder / "model.int8.onnx"),
+                       ("report", folder / "report.json")):
+        if path.is_file() and (name == "report" or name in spec.outputs):
+            found[name] = (path, JSON if name == "report" else OCTET_STREAM)
+    if result.model_file is not None and result.model_file.is_file():
+        kind = "program" if program else "checkpoint"
+        if kind in spec.outputs:
+            found[kind] = (result.model_file, OCTET_STREAM)
+    return found
 
 
 def _events(report: Callable[[Event], None]) -> Callable[[int, int | None, str], None]:

@@ -59,6 +59,15 @@ def outcome_values(
     return values
 
 
+def _phase_key(phase: str) -> str:
+    """What a phase counts as in a job's ``phases``: a sweep's cell as a whole (``[3/16 m2/cam1]``
+    for each of its phases), so a sweep of a thousand cells keeps a thousand entries, not one
+    per phase of each."""
+    if phase.startswith("[") and "] " in phase:
+        return phase.split("] ", 1)[0] + "]"
+    return phase
+
+
 def start_values() -> dict[str, Any]:
     """What starting a queued job writes: the attempt counted, progress reset, the first phase."""
     now = _now()
@@ -66,6 +75,7 @@ def start_values() -> dict[str, Any]:
         "status": JobStatus.running.value, "started_at": now, "attempts": JobRow.attempts + 1,
         "samples_done": 0, "samples_total": None, "phase": STARTING_PHASE,
         "phases": [{"phase": STARTING_PHASE, "at": now.isoformat()}],
+        "artifacts": {}, "report": None,  # a sweep's cells of an earlier attempt are done again
     }
 
 
@@ -237,15 +247,20 @@ class Ledger:
         """Record that a running job entered a phase that does not count samples (exporting, writing)."""
         return self._update(job_id, {JobStatus.running}, phase=phase, **self._phase_entered(job_id, phase))
 
+    def set_partial(self, job_id: str, artifacts: dict[str, Any], report: dict[str, Any]) -> bool:
+        """Record what a running sweep has finished so far: its cells' artifacts, and its
+        matrix report as it stands (docs/sweeps.md, "Over HTTP")."""
+        return self._update(job_id, {JobStatus.running}, artifacts=artifacts, report=report)
+
     def _phase_entered(self, job_id: str, phase: str) -> dict[str, Any]:
         """The ``phases`` column with ``phase`` appended (and when it began) if the job was in
         another phase; nothing to change while it stays in the same one. A job's progress is
         written by one thread, so reading then writing cannot interleave with another writer."""
         with self._session() as session:
             row = session.execute(select(JobRow.phase, JobRow.phases).where(JobRow.id == job_id)).first()
-        if row is None or row.phase == phase:
+        if row is None or row.phase is not None and _phase_key(row.phase) == _phase_key(phase):
             return {}
-        return {"phases": [*(row.phases or []), {"phase": phase, "at": _now().isoformat()}]}
+        return {"phases": [*(row.phases or []), {"phase": _phase_key(phase), "at": _now().isoformat()}]}
 
     def finish(
         self,

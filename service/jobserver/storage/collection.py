@@ -37,7 +37,7 @@ from bnrecal.errors import ConflictError, NotFoundError
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore, is_digest
-from bnrecal.service.jobserver.jobs.spec import JobRecord
+from bnrecal.service.jobserver.jobs.spec import JobRecord, spec_digests, spec_inputs
 from bnrecal.service.jobserver.jobs.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
@@ -97,22 +97,16 @@ class _Needs:
     expired: list[JobRecord]
 
 
-def spec_digests(spec: dict[str, Any]) -> set[str]:
-    """The blob digests a stored job spec names: checkpoint, data and evaluation data."""
-    found = [spec.get("checkpoint"), spec.get("data"), (spec.get("eval") or {}).get("data")]
-    return {value for value in found if isinstance(value, str) and is_digest(value)}
-
-
 def job_digests(job: JobRecord, artifacts: bool = True) -> set[str]:
     """The blob digests a job references: those of its spec and (if asked) its artifacts."""
-    found = spec_digests(job.spec)
+    found = {value for value in spec_digests(job.spec).values() if is_digest(value)}
     if artifacts:
         found |= {artifact.get("digest") for artifact in job.artifacts.values() if is_digest(artifact.get("digest") or "")}
     return found
 
 
 def _uses_server_path(job: JobRecord) -> bool:
-    return any(isinstance(value, dict) for value in (job.spec.get("data"), (job.spec.get("eval") or {}).get("data")))
+    return any(isinstance(value, dict) for value in spec_inputs(job.spec).values())
 
 
 def folder_bytes(folder: Path) -> int:

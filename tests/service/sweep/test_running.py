@@ -12,7 +12,8 @@ import torch
 from bnrecal.errors import CancelledError
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.sweep.cells import CalibrationSet, SweepModel
-from bnrecal.service.sweep.running import SweepFiles, SweepRun, sweep_to_files
+from bnrecal.service.sweep.cells import SweepFiles
+from bnrecal.service.sweep.running import SweepRun, sweep_to_files
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 
