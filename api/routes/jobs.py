@@ -148,13 +148,14 @@ def delete_job(job_id: str, tenant: TenantDep, services: ServicesDep) -> Respons
 
 
 @router.get(
-    "/{job_id}/artifacts/{name}",
-    summary="Download an artifact (checkpoint, onnx, report)",
+    "/{job_id}/artifacts/{name:path}",
+    summary="Download an artifact (checkpoint, onnx, report; a sweep's sweep, archive, <model>/<set>/...)",
     response_class=Response,
     responses=_CONFLICT,
 )
 def download_artifact(job_id: str, name: str, request: Request, tenant: TenantDep, services: ServicesDep) -> Response:
-    """The artifact file, with ``ETag`` = its digest; checked against it as it is sent."""
+    """The artifact file, with ``ETag`` = its digest; checked against it as it is sent. A
+    sweep's cell's files (``<model>/<set>/checkpoint``, ...) as soon as the cell is done."""
     artifact = services.artifact(tenant, job_id, name)
     return blob_response(
         request, services.blobs, tenant, artifact.digest, artifact.path, artifact.media_type, artifact.filename

@@ -182,6 +182,10 @@ export async function followJob(jobId, onEvent, signal = undefined) {
       const headers = lastEventId ? { "Last-Event-ID": lastEventId } : {};
       const response = await api(`/v1/jobs/${encodeURIComponent(jobId)}/events`, { headers, signal });
       for await (const event of readEvents(response.body)) {
+        if (event.event === "cell") { // a sweep's cell done: told, but not the job's state
+          onEvent(JSON.parse(event.data), "cell");
+          continue;
+        }
         if (event.id) lastEventId = event.id;
         last = JSON.parse(event.data);
         attempt = 0;

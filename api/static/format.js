@@ -49,6 +49,7 @@ export function inputDetail(job, field) {
 
 /** The spec fields that name the model and data, in the order a reader wants them. */
 export function inputFields(job) {
+  if (job.spec.models || job.spec.datasets) return Object.keys(job.inputs || {}); // a sweep's uploads, by field
   const fields = ["program", "checkpoint", "data"];
   if (job.spec.eval) fields.push("eval.data");
   return fields.filter((field) => (field === "eval.data" ? job.spec.eval : job.spec[field]));
@@ -56,6 +57,7 @@ export function inputFields(job) {
 
 /** "tests.nets:mixed_net" or "program model.pt2". */
 export function modelName(job) {
+  if (job.spec.models) return `sweep: ${job.spec.models.length} models${job.spec.arch ? ` (${job.spec.arch})` : ""}`;
   if (job.spec.arch) return job.spec.arch;
   return job.spec.program ? `program ${inputName(job, "program")}` : "";
 }

@@ -64,13 +64,18 @@ function rows(list, entries) {
 
 function showInputs(current) {
   rows(document.getElementById("job-inputs"), inputFields(current).map((field) => [
-    INPUT_LABELS[field], inputName(current, field), inputDetail(current, field),
+    INPUT_LABELS[field] || field, inputName(current, field), inputDetail(current, field),
   ]));
 }
 
 /** The spec in words: only what was asked for (no ONNX options without an ONNX export). */
 function showSpec(spec) {
   const entries = [];
+  if (spec.models || spec.datasets) {
+    const models = spec.models ? spec.models.length : 1;
+    const sets = spec.datasets ? Object.keys(spec.datasets).length : 1;
+    entries.push(["sweep", `${models} model(s) × ${sets} set(s)${spec.pairs ? `, ${spec.pairs.length} cells listed` : ""}`]);
+  }
   if (spec.arch) entries.push(["architecture", spec.arch]);
   if (spec.model_kwargs && Object.keys(spec.model_kwargs).length) {
     entries.push(["model kwargs", Object.entries(spec.model_kwargs).map(([k, v]) => `${k} = ${JSON.stringify(v)}`).join(", ")]);
@@ -117,9 +122,10 @@ function showTimes(current) {
   )));
 }
 
-/** The name a download gets: the job's short id, then the artifact's file name. */
-function downloadName(artifact) {
-  return `${shortId(jobId)}-${artifact.filename}`;
+/** The name a download gets: the job's short id, a sweep's cell (model-set-), then the artifact's file name. */
+function downloadName(name, artifact) {
+  const cell = name.includes("/") ? `${name.slice(0, name.lastIndexOf("/")).replaceAll("/", "-")}-` : "";
+  return `${shortId(jobId)}-${cell}${artifact.filename}`;
 }
 
 /** Fetch an artifact with the key and hand it to the browser as a download from a blob: URL. */
@@ -127,7 +133,7 @@ async function download(name, artifact) {
   try {
     const response = await api(`${jobPath}/artifacts/${encodeURIComponent(name)}`);
     const url = URL.createObjectURL(await response.blob());
-    const link = el("a", { href: url, download: downloadName(artifact) });
+    const link = el("a", { href: url, download: downloadName(name, artifact) });
     document.body.append(link);
     link.click();
     link.remove();
@@ -143,7 +149,7 @@ function showArtifacts(artifacts) {
   list.replaceChildren(
     ...names.map((name) => {
       const artifact = artifacts[name];
-      const button = el("button", { type: "button", className: "link", "data-artifact": name }, downloadName(artifact));
+      const button = el("button", { type: "button", className: "link", "data-artifact": name }, downloadName(name, artifact));
       button.addEventListener("click", () => download(name, artifact));
       return el("li", {}, button, " ", el("span", { className: "muted" }, `${name}, ${artifact.size} bytes`));
     }),
@@ -175,6 +181,59 @@ async function showReport() {
   document.getElementById("report-panel").hidden = false;
 }
 
+/**
+ * A sweep's matrix: models down, sets across, each cell its value of the metric the sweep
+ * ranks by (or its state), filled in as cells finish.
+ */
+function showMatrix(report) {
+  const panel = document.getElementById("matrix-panel");
+  const isSweep = report && Array.isArray(report.cells) && Array.isArray(report.models) && Array.isArray(report.sets);
+  panel.hidden = !isSweep;
+  if (!isSweep) return;
+  const cells = new Map(report.cells.map((cell) => [`${cell.model}/${cell.set}`, cell]));
+  const metric = report.rank_by;
+  const value = (cell) => {
+    const number = cell[metric];
+    if (cell.status !== "succeeded" || number === null || number === undefined) return cell.status;
+    return metric.endsWith("top1") || metric === "top1_gain" || metric === "prediction_change"
+      ? `${(100 * number).toFixed(1)}%` : Number(number).toPrecision(3);
+  };
+  const head = el("tr", {}, el("th", {}, "model"), ...report.sets.map((name) => el("th", {}, name)));
+  const rowsOf = report.models.map((model) => el("tr", {}, el("th", {}, model), ...report.sets.map((name) => {
+    const cell = cells.get(`${model}/${name}`);
+    if (!cell) return el("td", { className: "muted", "data-cell": `${model}/${name}` }, "·");
+    return el("td", {
+      className: `cell cell-${cell.status}`, "data-cell": `${model}/${name}`, title: cell.error || `${model} / ${name}`,
+    }, value(cell));
+  })));
+  document.getElementById("sweep-matrix").replaceChildren(head, ...rowsOf);
+  const done = report.cells.length;
+  document.getElementById("matrix-summary").textContent =
+    `${done} cell(s) done: ${report.succeeded} succeeded, ${report.failed} failed; ranked by ${metric}`;
+}
+
+let refreshing = false;
+let refreshAgain = false;
+
+/** A sweep's cell finished: its files and the matrix as the job now has them (one request at a time). */
+function refreshSweep() {
+  if (refreshing) {
+    refreshAgain = true;
+    return;
+  }
+  refreshing = true;
+  apiJson(jobPath).then((current) => {
+    showArtifacts(current.artifacts);
+    showMatrix(current.report);
+  }, () => {}).finally(() => {
+    refreshing = false;
+    if (refreshAgain) {
+      refreshAgain = false;
+      refreshSweep();
+    }
+  });
+}
+
 function showJob(current) {
   job = current;
   showState(current);
@@ -182,6 +241,7 @@ function showJob(current) {
   showSpec(current.spec);
   showTimes(current);
   showArtifacts(current.artifacts);
+  showMatrix(current.report);
   const statistics = document.getElementById("job-statistics");
   statistics.textContent = statisticsLine(current.report);
   statistics.hidden = !statistics.textContent;
@@ -205,7 +265,11 @@ async function load() {
   if (!isTerminal(current.status) && !following) {
     following = true;
     try {
-      await followJob(jobId, (state) => {
+      await followJob(jobId, (state, kind) => {
+        if (kind === "cell") {
+          refreshSweep();
+          return;
+        }
         const startedNow = state.status !== job.status;
         showState(state);
         if (startedNow) apiJson(jobPath).then(showTimes, () => {});

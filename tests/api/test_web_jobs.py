@@ -290,3 +290,30 @@ def test_at_phone_width_only_tables_scroll_sideways(live_server, phone, evaluate
     screenshot(page, "phone-job.png")
     page.locator("#report-frame").screenshot(path=str(ARTIFACTS / "phone-report.png"))
     assert phone.problems == []
+
+
+def test_a_sweeps_page_fills_its_matrix_in_as_cells_finish(live_server, tab, files, tmp_path):
+    page = tab.page
+    with live_server.client("weblist") as client:
+        checkpoint = named_upload(client, files["checkpoint"])
+        sets = {"a": named_upload(client, files["data"]), "b": upload(client, files["eval"].read_bytes())}
+        spec = {"arch": "tests.nets:mixed_net", "batch_size": 8, "rank_by": "worst_drift",
+                "models": [{"checkpoint": checkpoint, "name": f"m{i}"} for i in range(3)],
+                "datasets": {name: {"data": digest} for name, digest in sets.items()}}
+        job_id = submit(client, spec)["id"]
+        sign_in(page, f"{live_server.url}/jobs/{job_id}", key=KEY)
+        first = page.locator("#sweep-matrix td.cell").first
+        expect(first).to_be_visible(timeout=JOB_TIMEOUT_MS)
+        expect(page.locator("#job-status")).to_have_text("running")  # drawn while the sweep goes on
+        expect(page.locator("#job-spec")).to_contain_text("3 model(s) × 2 set(s)")
+        expect(page.locator("#job-status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
+        expect(page.locator("#sweep-matrix td.cell-succeeded")).to_have_count(6)
+        expect(page.locator("#matrix-summary")).to_contain_text("6 cell(s) done: 6 succeeded, 0 failed")
+        job = client.get(f"/v1/jobs/{job_id}").json()
+    drift = next(c for c in job["report"]["cells"] if c["model"] == "m2" and c["set"] == "b")["worst_drift"]
+    assert float(page.locator("#sweep-matrix td[data-cell='m2/b']").inner_text()) == pytest.approx(drift, rel=6e-3)
+    with page.expect_download() as download:
+        page.click("[data-artifact='m1/b/report']")
+    assert download.value.suggested_filename == f"{job_id[:12]}-m1-b-report.json"
+    screenshot(page, "sweep-job.png")
+    assert not tab.problems
