@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tarfile
 import tempfile
 import time
@@ -358,6 +359,7 @@ def run_remote_job(
     downloads: Callable[[JobView], Sequence[tuple[str, Path]]] = lambda job: (),
     on_submitted: Callable[[JobView], None] | None = None,
     on_interrupt: Callable[[str], NoReturn] | None = None,
+    keep_failed: bool = False,
 ) -> JobView:
     """One job on the server from local files, for ``bnrecal submit`` and
     ``bnrecal.recalibrate(server=...)`` alike; the finished job.
@@ -368,8 +370,10 @@ def run_remote_job(
     fails at once; then only the files the server lacks are uploaded (``follow`` shows each
     upload's bytes), the job is submitted and followed to its end (``follow("queued")``,
     ``on_submitted`` first), and a failed or cancelled job raises the error it ended with.
-    ``downloads`` says which artifacts of the succeeded job to save where (``downloading``).
-    Ctrl-C while it runs goes to ``on_interrupt`` with the job's id, else it propagates."""
+    ``downloads`` says which artifacts of the succeeded job to save where (``downloading``);
+    with ``keep_failed`` a failed job that left artifacts (a sweep some of whose cells failed)
+    is downloaded and returned too. Ctrl-C while it runs goes to ``on_interrupt`` with the
+    job's id, else it propagates."""
     digests: dict[str, Any] = {}
     for name, source in inputs.items():
         if isinstance(source, Path):
@@ -396,7 +400,8 @@ def run_remote_job(
             if on_interrupt is None:
                 raise
             on_interrupt(job.id)
-        _raise_unless_succeeded(job, client.server)
+        if not (keep_failed and job.status == "failed" and job.artifacts):
+            _raise_unless_succeeded(job, client.server)
         wanted = list(downloads(job))
         for done, (name, path) in enumerate(wanted):
             update(done, len(wanted), "downloading")
@@ -406,13 +411,34 @@ def run_remote_job(
     return job
 
 
+_SWEEP_FIELD = re.compile(r"^(?:models\[(\d+)\]\.(checkpoint|program)|datasets\.(.+)\.(data|eval\.data))$")
+"""A sweep's input fields: ``models[3].checkpoint``, ``datasets.<name>.data`` (a name may hold dots)."""
+
+
+def _spec_path(name: str) -> list[str | int]:
+    """Where a field lies in the spec: ``eval.data`` is ``["eval", "data"]``, ``models[3].checkpoint``
+    is ``["models", 3, "checkpoint"]``, ``datasets.cam.1.eval.data`` is ``["datasets", "cam.1", "eval", "data"]``."""
+    match = _SWEEP_FIELD.match(name)
+    if match is None:
+        return list(name.split("."))
+    if match.group(1) is not None:
+        return ["models", int(match.group(1)), match.group(2)]
+    return ["datasets", match.group(3), *match.group(4).split(".")]
+
+
+def is_blob_field(name: str | None) -> bool:
+    """Whether a spec field names an uploaded file by its digest (a single job's or a sweep's)."""
+    return name is not None and (name in BLOB_FIELDS or _SWEEP_FIELD.match(name) is not None)
+
+
 def _name_inputs(spec: dict[str, Any], digests: Mapping[str, Any]) -> None:
-    """Name the inputs in the spec by field (``eval.data`` is ``spec["eval"]["data"]``)."""
+    """Name the inputs in the spec by field (``eval.data`` is ``spec["eval"]["data"]``,
+    ``models[0].checkpoint`` is ``spec["models"][0]["checkpoint"]``)."""
     for name, value in digests.items():
-        *parents, leaf = name.split(".")
-        section = spec
+        *parents, leaf = _spec_path(name)
+        section: Any = spec
         for parent in parents:
-            section = section.setdefault(parent, {})
+            section = section[parent] if isinstance(parent, int) else section.setdefault(parent, {})
         section[leaf] = value
 
 
@@ -424,7 +450,7 @@ def _passes_dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
     try:
         client.check(spec)
     except SpecError as exc:
-        if exc.field not in BLOB_FIELDS:
+        if not is_blob_field(exc.field):
             raise
         return False
     return True

@@ -142,7 +142,7 @@ def submit(
 
         job = run_remote_job(
             client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
-            on_interrupt=lambda job_id: _cancel_on_interrupt(client, job_id),
+            on_interrupt=lambda job_id: cancel_on_interrupt(client, job_id),
         )
     int8_failed = _int8_failed(job)
     written_int8 = None if int8_failed else flags.onnx_int8
@@ -161,8 +161,8 @@ def _int8_failed(job: JobView) -> bool:
     return ((job.report or {}).get("int8") or {}).get("written") is False
 
 
-def _cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
-    """Ctrl-C while following a job: cancel it on the server, say so, and exit 130."""
+def cancel_on_interrupt(client: BnrecalClient, job_id: str) -> NoReturn:
+    """Ctrl-C while following a job (``submit``'s, a sweep's): cancel it on the server, say so, and exit 130."""
     try:
         status = cancel_and_wait(client, job_id)
         outcome = "cancelled" if status == "cancelled" else f"cancel requested ({status})"

@@ -6,16 +6,21 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from bnrecal.errors import SpecError
+from bnrecal.errors import InputError, SpecError
 
 from bnrecal.service.run.options import STARTING_PHASE
 
 from . import options as opt
 from .console import print_line
+
+if TYPE_CHECKING:
+    from bnrecal.service.settings import Settings
+    from bnrecal.service.sweep.cells import SweepModel
+    from bnrecal.service.sweep.matrix import SweepReport
 
 ModelsOpt = Annotated[
     Path, typer.Option(metavar="MANIFEST", help="Models manifest: one a line, a checkpoint path (with --arch), a .pt2 program path, or "
@@ -71,15 +76,23 @@ class SweepFlags(opt.RunOptionFlags):
     rank_by: RankByOpt = None
 
 
-@opt.run_command(SweepFlags, ray_address="transform")
+SweepServerOpt = Annotated[str | None, typer.Option(
+    metavar="URL", help="Run the sweep as one job on this bnrecal server (uploads what it lacks; the files land in "
+                        "--out-dir as they would here).")]
+
+
+@opt.run_command(SweepFlags, ray_address="transform", server="transform", api_key="transform")
 def sweep(
     flags: SweepFlags,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+    server: SweepServerOpt = None,
+    api_key: opt.ApiKeyOpt = None,
 ) -> None:
     """Recalibrate many models (--models MANIFEST) over many calibration sets (--data NAME=PATH,
     repeated) in one run: ranks start once, each set is decoded once, and every cell (a model
-    and a set) is the single calibrate of it. Exit 0 when every cell succeeded, 1 when some
-    failed (each named on stderr)."""
+    and a set) is the single calibrate of it; here, or with --server as one job on a server.
+    Exit 0 when every cell succeeded, 1 when some failed (each named on stderr)."""
+    from bnrecal.service.sweep.cells import SweepFiles
     from bnrecal.service.sweep.inputs import as_sets, calibration_sets, read_manifest, read_pairs
     from bnrecal.service.sweep.matrix import check_metric
 
@@ -109,18 +122,28 @@ def sweep(
     if int8 is not None and int8.max_top1_drop is not None and not labelled:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     options = flags.run_options()
+    sweep_files = SweepFiles(models, as_sets([(n, opt.data_source(d, "--data"), opt.data_source(e, "--eval-data"))
+                                              for n, d, e in sets]), pairs)
+    if server is not None:
+        if ray_address:
+            raise SpecError("--ray-address does not go with --server: the server picks its cluster", field="--ray-address")
+        from .sweep_remote import RemoteSweep, sweep_on_server
+
+        report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, flags.onnx, int8,
+                                             flags.onnx_opset, flags.onnx_dtype.value), server, api_key, flags.out_dir)
+        _finish(report, flags.out_dir)
+        return
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
+    _check_architectures(models, settings)
 
     from bnrecal.service.run.options import ExportOptions
     from bnrecal.service.run.progress import progress_bar
-    from bnrecal.service.sweep.running import SweepFiles, SweepRun, sweep_to_files  # the input is fine: now torch
+    from bnrecal.service.sweep.running import SweepRun, sweep_to_files  # the input is fine: now torch
 
     from .local import finish_ray, ray_connected
 
-    sweep_files = SweepFiles(models, as_sets([(n, opt.data_source(d, "--data"), opt.data_source(e, "--eval-data"))
-                                              for n, d, e in sets]), pairs)
     run = SweepRun(options=options, rank_by=rank_by, eval_max_samples=flags.eval_max_samples, onnx=flags.onnx,
                    int8=int8, export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value))
     cancel = threading.Event()
@@ -134,9 +157,28 @@ def sweep(
         finally:
             if not connected_before:
                 finish_ray(update)
+    _finish(report, flags.out_dir)
+
+
+def _check_architectures(models: list[SweepModel], settings: Settings) -> None:
+    """Refuse a sweep one of whose architectures cannot be built here (outside
+    ``BNRECAL_MODEL_MODULES``, an unknown name) before any work, naming the model: a whole
+    sweep's mistake, not one cell's (a server checks its own allowlist at submission)."""
+    from bnrecal.workers.models.architectures import check_architecture_exists
+
+    for arch in dict.fromkeys(model.arch for model in models if model.arch and not model.program):
+        try:
+            check_architecture_exists(arch, settings.model_modules)
+        except InputError as exc:
+            named = next(model.name for model in models if model.arch == arch)
+            raise SpecError(f"--models: model {named}: {exc.message}", field="--models") from None
+
+
+def _finish(report: SweepReport, out_dir: Path) -> None:
+    """Say what the sweep came to; exit 1 when some cells failed, each named on stderr."""
     print_line(
         f"swept {len(report.models)} models x {len(report.sets)} sets: {report.succeeded} cells succeeded, "
-        f"{report.failed} failed in {report.seconds:.1f} s; wrote {flags.out_dir}/sweep.json, sweep.csv, sweep.html"
+        f"{report.failed} failed in {report.seconds:.1f} s; wrote {out_dir}/sweep.json, sweep.csv, sweep.html"
     )
     for cell in report.cells:
         if cell.status.value != "succeeded":

@@ -1,0 +1,107 @@
+"""``bnrecal sweep --server URL``: the sweep as one job on a bnrecal server (docs/sweeps.md,
+"Over HTTP"), its files laid out in ``--out-dir`` as a sweep here lays them out."""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from bnrecal.errors import RunError
+
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.run.options import RunOptions
+from bnrecal.service.sweep.cells import SweepFiles
+from bnrecal.service.sweep.matrix import SweepReport
+
+from .console import connect, print_line
+
+ARCHIVE = ".bnrecal-sweep.zip"
+"""Where the job's archive is saved in ``--out-dir`` before it is unpacked there (then removed)."""
+
+
+@dataclass(frozen=True)
+class RemoteSweep:
+    """A sweep as the command line gave it, and the options of its cells."""
+
+    files: SweepFiles
+    options: RunOptions
+    rank_by: str
+    eval_max_samples: int | None
+    onnx: bool
+    int8: Int8Options | None
+    onnx_opset: int
+    onnx_dtype: str
+
+    def spec(self) -> tuple[dict[str, Any], dict[str, Path | str]]:
+        """The job spec (its inputs left out) and the inputs by spec field: local files, or URIs."""
+        models = self.files.models
+        kinds = ["program" if model.program else "checkpoint" for model in models]
+        spec: dict[str, Any] = {
+            **self.options.run_options(),
+            "models": [{"name": model.name} if model.program else
+                       {"name": model.name, "arch": model.arch, "model_kwargs": model.model_kwargs} for model in models],
+            "datasets": {s.name: ({"eval": {"max_samples": self.eval_max_samples}} if s.eval_data is not None else {})
+                         for s in self.files.sets},
+            "outputs": [kind for kind in ("checkpoint", "program") if kind in kinds]
+            + (["onnx"] if self.onnx else []) + (["onnx_int8"] if self.int8 is not None else []),
+            "onnx": {"opset": self.onnx_opset, "dtype": self.onnx_dtype},
+            "rank_by": self.rank_by,
+        }
+        if self.int8 is not None:
+            spec["int8"] = self.int8.model_dump(exclude_defaults=True)
+        if self.files.pairs is not None:
+            index = {model.name: i for i, model in enumerate(models)}
+            spec["pairs"] = sorted([index[model], set_name] for model, set_name in self.files.pairs)
+        inputs: dict[str, Path | str] = {}
+        for i, (model, kind) in enumerate(zip(models, kinds, strict=True)):
+            source = model.program or model.checkpoint
+            assert source is not None
+            inputs[f"models[{i}].{kind}"] = source
+        for calibration in self.files.sets:
+            inputs[f"datasets.{calibration.name}.data"] = calibration.data
+            if calibration.eval_data is not None:
+                inputs[f"datasets.{calibration.name}.eval.data"] = calibration.eval_data
+        return spec, inputs
+
+
+def sweep_on_server(sweep: RemoteSweep, server: str, api_key: str | None, out_dir: Path) -> SweepReport:
+    """Run the sweep as one job on ``server``: checked there first (a bad sweep is refused
+    before any upload), the files it lacks uploaded once each, the job followed to its end,
+    and its archive unpacked into ``out_dir``. The matrix report; a sweep some of whose cells
+    failed is returned as well (its good cells' files are written), one that failed whole raises."""
+    from bnrecal.service.run.progress import progress_bar
+
+    from ..client import run_remote_job
+    from .remote import cancel_on_interrupt
+
+    spec, inputs = sweep.spec()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    archive = out_dir / ARCHIVE
+    with connect(server, api_key) as client:
+        def submitted(job: Any) -> None:
+            print_line(f"job {job.id} queued on {client.server}")
+
+        job = run_remote_job(
+            client, spec, inputs,
+            follow=progress_bar, downloads=lambda job: [("archive", archive)], on_submitted=submitted,
+            on_interrupt=lambda job_id: cancel_on_interrupt(client, job_id), keep_failed=True,
+        )
+    try:
+        _unpack(archive, out_dir)
+    finally:
+        archive.unlink(missing_ok=True)
+    if job.report is None:
+        raise RunError(f"job {job.id} on {server} left no sweep report")
+    return SweepReport.model_validate(job.report)
+
+
+def _unpack(archive: Path, out_dir: Path) -> None:
+    """Unpack the job's archive into ``out_dir``, refusing any name that would land outside it."""
+    with zipfile.ZipFile(archive) as opened:
+        for name in opened.namelist():
+            path = PurePosixPath(name)
+            if path.is_absolute() or ".." in path.parts:
+                raise RunError(f"the server's archive names {name!r}, outside the sweep's folder")
+        opened.extractall(out_dir)
