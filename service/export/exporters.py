@@ -23,6 +23,7 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
+from bnrecal.workers.tracing import MODEL_TRACING
 from bnrecal.service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET, TORCHSCRIPT_MAX_OPSET, TORCHSCRIPT_MIN_OPSET
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def export_unfolded(
     errors: list[BaseException] = []
     for name, run in candidates:
         try:
-            with warnings.catch_warnings():
+            with MODEL_TRACING, warnings.catch_warnings():  # one export at a time (workers/tracing.py)
                 warnings.simplefilter("ignore")  # deprecation notices of the TorchScript path, tracer hints
                 return RawExport(run(model, example, opset, dynamic_batch, n_outputs), name)
         except Exception as exc:  # noqa: BLE001 - try the next exporter, report the first failure

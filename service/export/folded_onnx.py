@@ -37,6 +37,7 @@ from bnrecal.service.export.folding.in_torch import TorchFoldResult, fold_batchn
 from bnrecal.service.export.verification import (
     TOLERANCE, VerificationResult, flatten_outputs, reference_outputs, verify_onnx,
 )
+from bnrecal.workers.tracing import holds_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ def _traced_graph(
     return raw.model, torch_result, raw.exporter
 
 
+@holds_tracing
 def trace_ahead(model: torch.nn.Module, sample: torch.Tensor, reuse: GraphReuse, *, opset: int = DEFAULT_OPSET,
                 dynamic_batch: bool = True, input_shape: Sequence[int] | None = None) -> None:
     """Trace ``model``'s export graph into ``reuse``, writing and verifying nothing: the
@@ -184,6 +186,7 @@ def _export_graph(
     return graph, torch_result, onnx_result, used
 
 
+@holds_tracing
 def export_folded_onnx(
     model: torch.nn.Module,
     samples: torch.Tensor,

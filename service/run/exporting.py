@@ -20,6 +20,7 @@ from bnrecal.service.run.options import DEFAULT_OPSET
 from bnrecal.service.run.recalibration import Recalibration
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.settings import Settings
+from bnrecal.workers.tracing import holds_tracing
 
 
 
@@ -56,6 +57,7 @@ def export_recalibrated(
     )
 
 
+@holds_tracing
 def scores_output(model: torch.nn.Module, sample: torch.Tensor) -> int:
     """Which output of the exported graph holds the class scores: the one evaluation reads
     (``model_logits``: a tensor, a mapping's ``out`` or ``logits``, a tuple's first), among

@@ -60,6 +60,7 @@ from bnrecal.workers.engine.moments import (
 )
 from bnrecal.errors import BnrecalError, CallOrderError, DatasetError, ModelInputError, RunError, first_line
 from bnrecal.workers.suggestions import sample_shape_hint
+from bnrecal.workers.tracing import holds_tracing
 
 TAGS = 2
 """Packed slots ahead of a sync allreduce's moments: the layer tag and its square. With
@@ -334,6 +335,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@holds_tracing
 def probe_call_order(
     model: nn.Module,
     layers: Sequence[BatchNormLayer],

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from bnrecal.service.export.folding.arithmetic import WeightLayout, batchnorm_affine, fold_into_conv_input, fold_into_producer
+from bnrecal.workers.tracing import holds_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class _LeafTracer(torch.fx.Tracer):
         return _is_producer(m) or _is_batchnorm(m) or super().is_leaf_module(m, module_qualified_name)
 
 
+@holds_tracing
 def _trace(model: nn.Module, example: torch.Tensor) -> torch.fx.Graph | None:
     """The model's dataflow graph with output shapes, or None where torch.fx cannot trace it."""
     from torch.fx.passes.shape_prop import ShapeProp
