@@ -38,6 +38,8 @@ OutDirOpt = Annotated[Path, typer.Option(help="Folder for every cell's files (<m
 PairsOpt = Annotated[Path | None, typer.Option(metavar="FILE", help="Run only these cells: one 'MODEL SET' (names) a line.")]
 OnnxFlag = Annotated[bool, typer.Option("--onnx", help="Also export each cell's model folded to ONNX (model.onnx).")]
 Int8Flag = Annotated[bool, typer.Option("--onnx-int8", help="Also export each cell's model in INT8 QDQ (model.int8.onnx).")]
+CellsAtOnceOpt = Annotated[int, typer.Option(
+    min=1, max=64, metavar="N", help="Run N cells side by side, each on its own --workers ranks (N x --workers in all).")]
 RankByOpt = Annotated[str | None, typer.Option(
     metavar="METRIC", help="Rank the cells by: after_top1 (default with evaluation data), worst_drift (default without), "
          "top1_gain, before_top1, int8_top1, prediction_change, seconds.")]
@@ -74,6 +76,7 @@ class SweepFlags(opt.RunOptionFlags):
     onnx_int8: Int8Flag = False
     int8: opt.Int8Opt = None
     rank_by: RankByOpt = None
+    cells_at_once: CellsAtOnceOpt = 1
 
 
 SweepServerOpt = Annotated[str | None, typer.Option(
@@ -130,7 +133,8 @@ def sweep(
         from .sweep_remote import RemoteSweep, sweep_on_server
 
         report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, flags.onnx, int8,
-                                             flags.onnx_opset, flags.onnx_dtype.value), server, api_key, flags.out_dir)
+                                             flags.onnx_opset, flags.onnx_dtype.value, flags.cells_at_once),
+                                 server, api_key, flags.out_dir)
         _finish(report, flags.out_dir)
         return
     settings = Settings()
@@ -145,9 +149,10 @@ def sweep(
     from .local import finish_ray, ray_connected
 
     run = SweepRun(options=options, rank_by=rank_by, eval_max_samples=flags.eval_max_samples, onnx=flags.onnx,
-                   int8=int8, export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value))
+                   int8=int8, export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
+                   cells_at_once=flags.cells_at_once)
     cancel = threading.Event()
-    connected_before = (options.workers == 1 and not settings.ray_address) or ray_connected()
+    connected_before = (options.workers == 1 and flags.cells_at_once == 1 and not settings.ray_address) or ray_connected()
     with progress_bar(STARTING_PHASE) as update:
         try:
             report = sweep_to_files(sweep_files, run, settings, flags.out_dir, on_progress=update, cancel=cancel)

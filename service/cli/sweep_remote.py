@@ -33,6 +33,7 @@ class RemoteSweep:
     int8: Int8Options | None
     onnx_opset: int
     onnx_dtype: str
+    cells_at_once: int = 1
 
     def spec(self) -> tuple[dict[str, Any], dict[str, Path | str]]:
         """The job spec (its inputs left out) and the inputs by spec field: local files, or URIs."""
@@ -48,6 +49,7 @@ class RemoteSweep:
             + (["onnx"] if self.onnx else []) + (["onnx_int8"] if self.int8 is not None else []),
             "onnx": {"opset": self.onnx_opset, "dtype": self.onnx_dtype},
             "rank_by": self.rank_by,
+            "cells_at_once": self.cells_at_once,
         }
         if self.int8 is not None:
             spec["int8"] = self.int8.model_dump(exclude_defaults=True)

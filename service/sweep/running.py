@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bnrecal.errors import BnrecalError, CancelledError
+from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.export.int8.options import Int8Options
@@ -28,7 +29,7 @@ from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import ExportOptions, RunOptions
 from bnrecal.service.run.outputs import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, recalibrate_to_files
-from bnrecal.service.run.report import Report
+from bnrecal.service.run.report import DecodingReport, Report
 from bnrecal.service.run.shared import SharedRanks
 from bnrecal.service.settings import Settings
 
@@ -50,6 +51,8 @@ class SweepRun:
     onnx: bool = False
     int8: Int8Options | None = None
     export: ExportOptions = ExportOptions()
+    cells_at_once: int = 1
+    """Cells run side by side, each on its own ``options.workers`` ranks."""
 
 
 @dataclass
@@ -80,53 +83,123 @@ def sweep_to_files(
     """Run every cell of ``sweep`` into ``out_dir/<model>/<set>/`` (the model in its uploaded
     format, ``report.json``, ``report.html``, and the ONNX and INT8 files asked for), on
     ranks shared by all cells; ``on_cell`` hears each cell as it finishes. With a warm
-    ``pool`` (a server's) the cells run on its ranks, even with one worker. Returns the
-    matrix report, written as ``sweep.json``, ``sweep.csv`` and ``sweep.html``."""
+    ``pool`` (a server's) the cells run on its ranks, even with one worker. With
+    ``run.cells_at_once`` N, N cells run side by side, each lane on its own ranks (each lane
+    decodes a set once). Returns the matrix report, written as ``sweep.json``, ``sweep.csv``
+    and ``sweep.html``."""
     options = run.options
-    in_process = options.workers == 1 and not settings.ray_address and pool is None
-    inner = InProcess() if in_process else RayRanks(settings, address=settings.ray_address, placement=options.placement,
-                                                    pool=pool)
+    lanes = max(1, run.cells_at_once)
+    in_process = options.workers == 1 and not settings.ray_address and pool is None and lanes == 1
     keep = KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb)
-    shared = SharedRanks(inner, keep)
-    sets = {s.name: s for s in sweep.sets}
-    report = SweepReport(models=[m.name for m in sweep.models], sets=list(sets), cells=[], rank_by=run.rank_by,
-                         workers=options.workers)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    cells = list(sweep.cells())
-    cancelled: CancelledError | None = None
-    pages = _PageWriter()
+
+    def ranks() -> SharedRanks:
+        inner = InProcess() if in_process else RayRanks(settings, address=settings.ray_address,
+                                                        placement=options.placement, pool=pool)
+        return SharedRanks(inner, keep)
+
+    sweeping = _Sweeping(sweep, run, settings, out_dir, on_cell, on_progress, cancel)
+    shared = [ranks() for _ in range(lanes)]
+    counts = KeptCounts()
     try:
-        for number, cell in enumerate(cells, 1):
-            if cancelled is None and cancel is not None and cancel.is_set():
-                cancelled = CancelledError("the sweep was cancelled")
-            folder = out_dir / cell.model_name / cell.set_name
-            if cancelled is not None:
-                result = CellResult(cell, CellStatus.CANCELLED, None, cancelled, 0.0, folder)
-            else:
-                progress = _cell_progress(on_progress, f"[{number}/{len(cells)} {cell.key}]")
-                result = _run_cell(cell, sweep.models[cell.model_index], sets[cell.set_name], run, settings, folder,
-                                   shared, progress, cancel)
-                if isinstance(result.error, CancelledError):
-                    cancelled = result.error
-                if result.report is not None:
-                    pages.write(result.report, folder / "report.html")
-            report.cells.append(cell_summary(result, out_dir))
-            report.seconds = round(time.monotonic() - started, 3)
-            write_sweep_report(report, out_dir)
-            if on_cell is not None:
-                on_cell(result)
+        if lanes == 1:
+            sweeping.lane(shared[0])
+        else:
+            with ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="bnrecal-sweep-lane") as threads:
+                for lane in [threads.submit(sweeping.lane, ranks) for ranks in shared]:
+                    lane.result()
+        sweeping.cancel_the_rest()
     finally:
         try:
-            counts = shared.finish()
+            for ranks in shared:
+                counts = counts + ranks.finish()
         finally:
-            pages.close()
-    report.decoding = decoding_report(counts, keep)
-    report.seconds = round(time.monotonic() - started, 3)
-    write_sweep_report(report, out_dir)
-    if cancelled is not None:
-        raise cancelled
-    return report
+            sweeping.pages.close()
+    return sweeping.end(decoding_report(counts, keep))
+
+
+class _Sweeping:
+    """A sweep under way: the cells not yet taken, handed to the lanes one at a time, and the
+    matrix report, written again as each cell finishes (one lane at a time)."""
+
+    def __init__(
+        self, sweep: SweepFiles, run: SweepRun, settings: Settings, out_dir: Path,
+        on_cell: Callable[[CellResult], None] | None, on_progress: ProgressCallback | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.sweep, self.run, self.settings, self.out_dir = sweep, run, settings, out_dir
+        self.on_cell, self.on_progress, self.cancel = on_cell, on_progress, cancel
+        self.sets = {s.name: s for s in sweep.sets}
+        self.cells = list(sweep.cells())
+        self.report = SweepReport(models=[m.name for m in sweep.models], sets=list(self.sets), cells=[],
+                                  rank_by=run.rank_by, workers=run.options.workers)
+        self.pages = _PageWriter()
+        self.cancelled: CancelledError | None = None
+        self.started = time.monotonic()
+        self._next = 0
+        self._lock = threading.Lock()
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def lane(self, shared: SharedRanks) -> None:
+        """Run cells on ``shared`` until none is left (or the sweep is cancelled)."""
+        while (taken := self._take()) is not None:
+            number, cell = taken
+            progress = _cell_progress(self.on_progress, f"[{number}/{len(self.cells)} {cell.key}]")
+            folder = self.out_dir / cell.model_name / cell.set_name
+            try:
+                result = _run_cell(cell, self.sweep.models[cell.model_index], self.sets[cell.set_name], self.run,
+                                   self.settings, folder, shared, progress, self.cancel)
+            except BaseException:
+                with self._lock:  # a bug: the other lanes take no more cells
+                    self.cancelled = self.cancelled or CancelledError("the sweep stopped: another cell raised")
+                raise
+            self._finished(result)
+
+    def _take(self) -> tuple[int, Cell] | None:
+        with self._lock:
+            if self._next >= len(self.cells):
+                return None
+            if self.cancelled is None and self.cancel is not None and self.cancel.is_set():
+                self.cancelled = CancelledError("the sweep was cancelled")
+            if self.cancelled is not None:
+                return None
+            self._next += 1
+            return self._next, self.cells[self._next - 1]
+
+    def _finished(self, result: CellResult) -> None:
+        with self._lock:
+            if isinstance(result.error, CancelledError):
+                self.cancelled = self.cancelled or result.error
+            if result.report is not None:
+                self.pages.write(result.report, result.folder / "report.html")
+            self.report.cells.append(cell_summary(result, self.out_dir))
+            self.report.seconds = round(time.monotonic() - self.started, 3)
+            write_sweep_report(self.report, self.out_dir)
+            if self.on_cell is not None:
+                self.on_cell(result)
+
+    def cancel_the_rest(self) -> None:
+        """The cells no lane took, ``cancelled`` (none when the sweep ran to its end)."""
+        while self.cancelled is not None and (taken := self._take_any()) is not None:
+            cell = taken
+            folder = self.out_dir / cell.model_name / cell.set_name
+            self._finished(CellResult(cell, CellStatus.CANCELLED, None, self.cancelled, 0.0, folder))
+
+    def _take_any(self) -> Cell | None:
+        with self._lock:
+            if self._next >= len(self.cells):
+                return None
+            self._next += 1
+            return self.cells[self._next - 1]
+
+    def end(self, decoding: DecodingReport) -> SweepReport:
+        """Write the finished matrix (with what the ranks decoded and kept); raise the
+        cancellation that stopped the sweep, if one did."""
+        self.report.decoding = decoding
+        self.report.seconds = round(time.monotonic() - self.started, 3)
+        write_sweep_report(self.report, self.out_dir)
+        if self.cancelled is not None:
+            raise self.cancelled
+        return self.report
 
 
 def _run_cell(

@@ -205,3 +205,19 @@ def test_cancel_stops_a_sweep_and_keeps_the_cells_done(live_server, inputs):
             saved = client.download(job.id, f"{model}/{set_name}/checkpoint", live_server.settings.data_dir / "x.pt")
             assert saved.digest == job.artifacts[f"{model}/{set_name}/checkpoint"].digest
         assert not any(name.startswith(("m0-2/b/", "m1-2/")) for name in job.artifacts)
+
+
+def test_cells_side_by_side_are_each_their_single_job(live_server, inputs):
+    spec = sweep_spec(inputs) | {"workers": 1, "cells_at_once": 2}
+    with live_server.client(KEY) as client:
+        job = wait_for(client, submit(client, spec)["id"])
+        assert job["status"] == "succeeded", [c.get("error") for c in (job["report"] or {}).get("cells", [])]
+        assert sorted((c["model"], c["set"]) for c in job["report"]["cells"]) == [
+            ("m0", "a"), ("m0", "b"), ("m1", "a"), ("m1", "b")]
+        single = wait_for(client, submit(client, {"arch": ARCH, "checkpoint": inputs["m1.pt"], "data": inputs["b.npy"],
+                                                  "batch_size": 8, "outputs": ["checkpoint", "onnx"]})["id"])
+        for name in ("checkpoint", "onnx"):
+            assert job["artifacts"][f"m1/b/{name}"]["digest"] == single["artifacts"][name]["digest"], name
+        response = client.post("/v1/jobs", json={"arch": ARCH, "checkpoint": inputs["m1.pt"], "data": inputs["b.npy"],
+                                                 "cells_at_once": 2})
+        assert response.status_code == 422 and response.json()["field"] == "cells_at_once", response.text

@@ -202,9 +202,10 @@ class JobRunner:
         return written
 
     def job_resources(self, spec: JobSpec) -> tuple[float, float]:
-        """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask)."""
+        """CPUs and GPUs a job's ranks take on the cluster (as :func:`recalibrate` will ask; a
+        sweep's for every cell it runs at once)."""
         cpus, gpus = rank_resources(self.settings, spec)
-        return cpus * spec.workers, gpus * spec.workers
+        return cpus * spec.ranks, gpus * spec.ranks
 
     def _dispatch_loop(self) -> None:
         while not self._stopping.is_set():

@@ -190,11 +190,21 @@ class JobSpec(RunOptions):
         default=None, min_length=1, max_length=MAX_SWEEP_MODELS * MAX_SWEEP_SETS,
         description="A sweep's cells as [model index, set name] (default: every model over every set).",
     )
+    cells_at_once: StrictInt = Field(
+        default=1, ge=1, le=64,
+        description="A sweep's cells run side by side, each on its own `workers` ranks: the sweep holds "
+        "workers x cells_at_once ranks.",
+    )
     rank_by: str | None = Field(
         default=None, max_length=64,
         description="The metric a sweep's matrix ranks its cells by (default: after_top1 with evaluation data, "
         "else worst_drift).",
     )
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the job holds: a sweep's ``workers`` for each cell it runs at once."""
+        return self.workers * self.cells_at_once
 
     @property
     def is_sweep(self) -> bool:
@@ -350,12 +360,14 @@ def check_submission(
         for name in ("pairs", "rank_by"):
             if getattr(spec, name) is not None:
                 raise SpecError(f"{name} goes with a sweep (models or datasets)", field=name)
+        if spec.cells_at_once != 1:
+            raise SpecError("cells_at_once goes with a sweep (models or datasets)", field="cells_at_once")
         check_model_choice(spec.arch, spec.checkpoint, spec.program, spec.model_kwargs)
         check_model_kwargs(spec.model_kwargs)
         if spec.arch is not None:
             check_architecture(spec.arch, settings)
     _check_outputs(spec)
-    check_fits_cluster(spec, settings, nodes)
+    check_fits_cluster(spec.model_copy(update={"workers": spec.ranks}), settings, nodes)
     named = spec.input_sources()
     for name, source in named.items():
         if isinstance(source, str) and not blobs.exists(tenant, source):

@@ -134,6 +134,7 @@ def run_sweep_job(
     run = SweepRun(
         options=options, rank_by=sweep_rank_by(spec, labelled),
         onnx="onnx" in spec.outputs, int8=int8_options(spec.int8) if int8 else None, export=export_options(spec),
+        cells_at_once=spec.cells_at_once,
     )
     cells: list[str] = []
     archive = _Archive(workdir / "sweep.zip", workdir)
