@@ -133,6 +133,7 @@ LONGEST_FIRST = (
     "tests/service/run/test_recalibrate_variants.py",
     "tests/service/cli/test_cli_int8.py",
     "tests/service/cli/test_cli_sweep.py",
+    "tests/api/test_sweep_jobs.py",
     "tests/service/run/test_recalibrate_transformers.py",
     "tests/api/test_restart.py",
     "tests/test_docs.py",
