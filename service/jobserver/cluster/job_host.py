@@ -238,7 +238,11 @@ class JobHostClient:
                     host.cancel.remote(job_id)
                     cancelled = True
                 events, ended = ray.get(host.progress.remote(job_id, POLL_INTERVAL_S))  # returns at the first event
-                on_events(events)
+                try:
+                    on_events(events)  # a sweep's cells are stored here as they finish
+                except BaseException:
+                    host.cancel.remote(job_id)  # the job fails here: the host must not run on unheard
+                    raise
                 if ended or ray.wait([done], timeout=0)[0]:  # ended: the result is on its way
                     return ray.get(done)
         except RayTaskError as exc:
