@@ -196,6 +196,25 @@ def bench_pruned(work: Path, args: argparse.Namespace, results: dict) -> None:
     results["pruned"] = got
 
 
+def bench_lanes(work: Path, args: argparse.Namespace, results: dict) -> None:
+    """The same ranks used two ways: one lane of K ranks, or K lanes of one rank each
+    (``--cells-at-once K --workers 1``): the lanes overlap one cell's host work (loading,
+    export, writing) with another's pass."""
+    models = pruned_models(work, args.models)
+    photos = photo_folder(work / "photos", args.photos)
+    manifest = work / "models.txt"
+    manifest.write_text("".join(f"{path}\n" for path in models))
+    common = ["--models", str(manifest), *ARCH, "--data", str(photos), "--transform", TRANSFORM, "--batch-size",
+              str(BATCH)]
+    print(f"lanes: {len(models)} resnet18 checkpoints, {args.photos} photos, {args.workers} ranks; {load()}", flush=True)
+    one, _ = timed(cli("sweep", *common, "--workers", str(args.workers), "--out-dir", str(work / "one")))
+    print(f"  one lane of {args.workers} ranks: {one:.1f} s", flush=True)
+    lanes, _ = timed(cli("sweep", *common, "--workers", "1", "--cells-at-once", str(args.workers), "--out-dir",
+                         str(work / "lanes")))
+    print(f"  {args.workers} lanes of 1 rank: {lanes:.1f} s ({lanes / one:.2f}x)", flush=True)
+    results["lanes"] = {"one_lane": one, "lanes": lanes}
+
+
 def bench_sets(work: Path, args: argparse.Namespace, results: dict) -> None:
     model = pruned_models(work, 1)[0]
     sets = [photo_folder(work / f"set{i}", 128, seed=i) for i in range(8)]
@@ -225,7 +244,7 @@ def bench_memory(work: Path, args: argparse.Namespace, results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="pruned,sets,memory")
+    parser.add_argument("--parts", default="pruned,sets,memory", help="of pruned, sets, memory, lanes")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--models", type=int, default=16)
     parser.add_argument("--photos", type=int, default=256)
@@ -233,7 +252,7 @@ def main() -> None:
     parser.add_argument("--only", help="pruned: only these commands (comma-separated: sweep, separate, loop, floor)")
     args = parser.parse_args()
     results: dict = {}
-    parts = {"pruned": bench_pruned, "sets": bench_sets, "memory": bench_memory}
+    parts = {"pruned": bench_pruned, "sets": bench_sets, "memory": bench_memory, "lanes": bench_lanes}
     with tempfile.TemporaryDirectory(prefix="bnrecal-sweep-bench-") as folder:
         for name in args.parts.split(","):
             work = Path(folder) / name

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,14 @@ def ensure_ray(address: str | None = None, *, min_cpus: float = 0) -> bool:
     modules import there too; that instance listens on loopback only and requires a fresh
     token (see :func:`_embedded_auth`).
     """
+    with _STARTING:  # threads of one process (a sweep's lanes) start or join one Ray, once
+        return _ensure_ray(address, min_cpus)
+
+
+_STARTING = threading.Lock()
+
+
+def _ensure_ray(address: str | None, min_cpus: float) -> bool:
     if ray.is_initialized():
         return False
     _ray_messages_to_stderr()

@@ -97,6 +97,12 @@ def sweep_to_files(
                                                         placement=options.placement, pool=pool)
         return SharedRanks(inner, keep)
 
+    if lanes > 1 and pool is None:  # one Ray for every lane, with room for all their ranks
+        from bnrecal.service.run.cluster import ensure_ray
+        from bnrecal.service.run.executors import cpus_per_worker
+
+        # each rank keeps the CPUs (torch threads) of its single job, so its sums stay bit for bit
+        ensure_ray(settings.ray_address, min_cpus=cpus_per_worker(settings, options.workers) * options.workers * lanes)
     sweeping = _Sweeping(sweep, run, settings, out_dir, on_cell, on_progress, cancel)
     shared = [ranks() for _ in range(lanes)]
     counts = KeptCounts()
