@@ -38,7 +38,7 @@ from bnrecal.service.run.report_html import JobLabel
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.sweep.cells import SweepFiles
-from bnrecal.service.jobserver.jobs.work import Event, JobFiles, run_job, run_sweep_job
+from bnrecal.service.jobserver.jobs.work import Event, HostedWork, JobFiles, run_job, run_sweep_job
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 log = logging.getLogger("bnrecal.job_host")
@@ -121,9 +121,10 @@ class JobHost:
         """Run one job (or sweep) into ``workdir``; its errors are raised as they are (the server records them)."""
         job = self._job(job_id)
         try:
+            work = HostedWork(settings, spec, workdir, job.report, job.cancel, self.pool)
             if isinstance(request, SweepFiles):
-                return run_sweep_job(request, settings, spec, workdir, job.report, job.cancel, self.pool)
-            return run_job(request, settings, spec, workdir, job.report, job.cancel, self.pool, label)
+                return run_sweep_job(request, work)
+            return run_job(request, work, label)
         finally:
             job.end()
 

@@ -63,19 +63,25 @@ class JobFiles:
     failed: RunError | None = None
 
 
-def run_job(
-    request: RecalibrationRequest,
-    settings: Settings,
-    spec: JobSpec,
-    workdir: Path,
-    report: Callable[[Event], None],
-    cancel: threading.Event,
-    pool: WarmPool | None,
-    label: JobLabel | None = None,
-) -> JobFiles:
+@dataclass(frozen=True)
+class HostedWork:
+    """Where and how the job host runs a job (single or sweep): the server's settings, the
+    spec, the work folder, where its events go, its cancel switch and the host's warm pool."""
+
+    settings: Settings
+    spec: JobSpec
+    workdir: Path
+    report: Callable[[Event], None]
+    cancel: threading.Event
+    pool: WarmPool | None
+
+
+def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | None = None) -> JobFiles:
     """Recalibrate, export if asked, and write the model, ``report.json`` and ``report.html``
     into ``workdir`` (``recalibrate_to_files``, as ``bnrecal calibrate`` does): the
     artifacts' files and the report (which names its job, with a ``label``)."""
+    settings, spec, workdir, report, cancel, pool = (work.settings, work.spec, work.workdir, work.report,
+                                                     work.cancel, work.pool)
     check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
     if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
@@ -113,18 +119,12 @@ def export_options(spec: JobSpec) -> ExportOptions:
     )
 
 
-def run_sweep_job(
-    sweep: SweepFiles,
-    settings: Settings,
-    spec: JobSpec,
-    workdir: Path,
-    report: Callable[[Event], None],
-    cancel: threading.Event,
-    pool: WarmPool | None,
-) -> JobFiles:
+def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
     """Run a sweep job's cells into ``workdir/<model>/<set>/`` (``sweep_to_files``, as ``bnrecal
     sweep`` does), telling ``report`` of each cell as it finishes, with its files; then the
     matrix report and one zip archive of every file. ``failed`` says how many cells failed."""
+    settings, spec, workdir, report, cancel, pool = (work.settings, work.spec, work.workdir, work.report,
+                                                     work.cancel, work.pool)
     check_cancel(cancel)
     workdir.mkdir(parents=True, exist_ok=True)
     options = spec.model_copy(update={"max_retries": spec.max_retries if spec.max_retries is not None
