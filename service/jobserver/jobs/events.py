@@ -15,15 +15,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from bnrecal.errors import TooManyStreamsError
 
 from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import JobView
+from bnrecal.service.jobserver.jobs.views import JobStatus, JobView, Progress
 from bnrecal.service.jobserver.ledger import Ledger
+from bnrecal.service.jobserver.problems import Problem
 
 KEEPALIVE_S = 15.0
 DISCONNECT_CHECK_S = 1.0
@@ -153,37 +155,93 @@ def _wake(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> None:
         pass
 
 
-def event_payload(job: JobRecord) -> dict[str, Any]:
+class JobEvent(BaseModel):
+    """A ``status`` or ``progress`` event's data: the job's state as the ledger holds it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    status: JobStatus
+    progress: Progress
+    error: Problem | None
+
+
+class CellState(BaseModel):
+    """A sweep's finished cell as its ``cell`` event carries it: what the stored report says of
+    it (None where the report lacks it) and the names of its artifacts."""
+
+    model_config = ConfigDict(frozen=True, validate_by_name=True, serialize_by_alias=True)
+
+    model: str | None
+    model_index: int | None
+    set_name: str | None = Field(alias="set")
+    status: str | None
+    error: str | None
+    artifacts: list[str]
+
+
+class CellEvent(BaseModel):
+    """A ``cell`` event's data: the job, and the cell under ``cell`` (so a client that reads
+    every event's ``status`` sees only the job's)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    cell: CellState
+
+
+class ReadyEvent(BaseModel):
+    """A tenant stream's first event: how many such streams a tenant may hold open."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_streams: int
+
+
+class DeletedEvent(BaseModel):
+    """A tenant stream's event for a job deleted through the API."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+
+
+def event_payload(job: JobRecord) -> JobEvent:
     """What one event says about the job."""
-    return {
-        "id": job.id,
-        "status": job.status.value,
-        "progress": job.progress().model_dump(),
-        "error": job.error.body() if job.error is not None else None,
-    }
+    return JobEvent(id=job.id, status=job.status, progress=job.progress(), error=job.error)
 
 
-def cell_events(job: JobRecord) -> list[dict[str, Any]]:
-    """A sweep's finished cells, in the order they finished, as their ``cell`` events carry them
-    (under ``cell``, so a client that reads every event's ``status`` sees only the job's):
-    model, set, status, error and the names of its artifacts (none for a single job)."""
+def cell_events(job: JobRecord) -> list[CellState]:
+    """A sweep's finished cells, in the order they finished, as their ``cell`` events carry them:
+    model, set, status, error and the names of its artifacts (none for a single job). The report
+    is stored free-form JSON: a value of another type than the report writes reads as None."""
     cells = (job.report or {}).get("cells") if job.spec.get("models") is not None or job.spec.get("datasets") is not None \
         else None
     events = []
     for cell in cells if isinstance(cells, list) else []:
-        key = f"{cell.get('model')}/{cell.get('set')}/"
-        events.append({
-            "model": cell.get("model"), "model_index": cell.get("model_index"), "set": cell.get("set"),
-            "status": cell.get("status"), "error": cell.get("error"),
-            "artifacts": sorted(name for name in job.artifacts if name.startswith(key)),
-        })
+        model, set_name = _of(cell.get("model"), str), _of(cell.get("set"), str)
+        key = f"{model}/{set_name}/"
+        events.append(CellState(
+            model=model, model_index=_of(cell.get("model_index"), int), set_name=set_name,
+            status=_of(cell.get("status"), str), error=_of(cell.get("error"), str),
+            artifacts=sorted(name for name in job.artifacts if name.startswith(key)),
+        ))
     return events
 
 
-def format_event(event_id: int | None, kind: str, data: dict[str, Any]) -> str:
-    """One Server-Sent Event (without an ``id`` line when ``event_id`` is None)."""
+_T = TypeVar("_T")
+
+
+def _of(value: object, kind: type[_T]) -> _T | None:
+    """``value`` when it is exactly a ``kind`` (a JSON ``true`` is no ``int``), else None."""
+    return value if type(value) is kind else None
+
+
+def format_event(event_id: int | None, kind: str, data: BaseModel) -> str:
+    """One Server-Sent Event (without an ``id`` line when ``event_id`` is None): ``data`` as
+    compact JSON, its fields in their declared order."""
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"{head}event: {kind}\ndata: {json.dumps(data.model_dump(mode='json'), separators=(',', ':'))}\n\n"
 
 
 async def job_event_stream(
@@ -207,7 +265,7 @@ async def job_event_stream(
             job = await run_in_threadpool(ledger.get, tenant, job_id)
             cells = cell_events(job)
             for cell in cells[cells_sent:]:  # a sweep's finished cells, each once per stream
-                yield format_event(None, "cell", {"id": job.id, "cell": cell})
+                yield format_event(None, "cell", CellEvent(id=job.id, cell=cell))
             cells_sent = len(cells)
             if job.revision > sent:
                 kind = "progress" if last_status == job.status.value else "status"
@@ -237,7 +295,7 @@ async def tenant_event_stream(
     ``deleted`` event when one is deleted. Until the client goes or the server shuts down;
     the listener (opened by the caller, so a refusal is an HTTP error) is closed here."""
     try:
-        yield format_event(None, "ready", {"max_streams": MAX_TENANT_STREAMS})
+        yield format_event(None, "ready", ReadyEvent(max_streams=MAX_TENANT_STREAMS))
         quiet_since = time.monotonic()
         while not feed.closed:
             try:  # a closed connection is noticed within a second: it frees its place in the bound
@@ -252,9 +310,8 @@ async def tenant_event_stream(
             quiet_since = time.monotonic()
             changed, removed = feed.take(listener)
             for job in await run_in_threadpool(ledger.get_many, tenant, changed):
-                payload = (await run_in_threadpool(view, job)).model_dump(mode="json")
-                yield format_event(job.revision, "job", payload)
+                yield format_event(job.revision, "job", await run_in_threadpool(view, job))
             for job_id in sorted(removed):
-                yield format_event(None, "deleted", {"id": job_id})
+                yield format_event(None, "deleted", DeletedEvent(id=job_id))
     finally:
         feed.close_tenant(tenant, listener)
