@@ -55,7 +55,7 @@ def submit_job(
     429 when the key already has ``BNRECAL_TENANT_MAX_QUEUED_JOBS`` queued jobs. With
     ``dry_run=true`` only the checks run (200, or the 4xx a submission would get)."""
     if dry_run:
-        checked = DryRun(valid=True, spec=services.check(tenant, spec))
+        checked = DryRun(valid=True, spec=services.check(tenant, spec).model_dump(mode="json"))
         return JSONResponse(checked.model_dump(mode="json"), status_code=200)  # type: ignore[return-value]
     job, created = services.submit(tenant, spec, idempotency_key)
     if not created:

@@ -227,13 +227,13 @@ class Services:
         digests = job.input_digests().values()
         return job.view({digest: self.blobs.filename(job.tenant, digest) for digest in digests})
 
-    def check(self, tenant: str, spec: JobSpec) -> dict[str, Any]:
+    def check(self, tenant: str, spec: JobSpec) -> JobSpec:
         """A dry run of :meth:`submit`: every check a submission gets, nothing created or queued;
         the spec as it would be stored (every default filled in)."""
         self.check_accepting()
         spec = spec.with_outputs()
         self._check_submission(tenant, spec)
-        return spec.model_dump(mode="json")
+        return spec
 
     def _check_submission(self, tenant: str, spec: JobSpec) -> None:
         """:func:`check_submission`; when it refuses a blob the spec names (a checkpoint that

@@ -11,7 +11,7 @@ statistics, a reserve, or the running buffers a functional form hands back).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,21 @@ import torch
 import torch.nn.functional as F
 
 aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class BatchNormCall:
+    """A batch-norm call's arguments by name, whatever its form calls or orders them:
+    tensors in a forward, graph nodes and constants in a program's graph. ``training`` is
+    None where the form has no such argument (the ``no_training`` forms)."""
+
+    input: Any
+    running_mean: Any = None
+    running_var: Any = None
+    weight: Any = None
+    bias: Any = None
+    training: Any = None
+    eps: float = 1e-5
 
 
 @dataclass(frozen=True)
@@ -32,28 +47,30 @@ class BatchNormForm:
     functional: bool = False  # the last two results are the updated running buffers
     training_only: bool = False  # the form exists only in programs exported in training mode
 
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BatchNormCall:
         """The call's arguments by name (``eps`` whatever the form calls it)."""
-        call = dict(self.defaults)
-        call.update(zip(self.parameters, args))
-        call.update(kwargs)
-        if "epsilon" in call:
-            call["eps"] = call.pop("epsilon")
-        return call
+        named = dict(self.defaults)
+        named.update(zip(self.parameters, args))
+        named.update(kwargs)
+        return BatchNormCall(
+            input=named.get("input"), running_mean=named.get("running_mean"), running_var=named.get("running_var"),
+            weight=named.get("weight"), bias=named.get("bias"), training=named.get("training"),
+            eps=float(named.get("epsilon", named.get("eps", 1e-5))),
+        )
 
     def results(
-        self, out: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, call: dict[str, Any]
+        self, out: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, call: BatchNormCall
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What the call returns: ``out`` alone, or the form's tuple around it (the batch
         mean and inverse std it normalised with; the running buffers unchanged)."""
         if self.returns == 1:
             return out
-        invstd = torch.rsqrt(var.to(torch.float32) + float(call.get("eps", 1e-5)))
+        invstd = torch.rsqrt(var.to(torch.float32) + call.eps)
         values: list[torch.Tensor] = [out, mean.to(torch.float32), invstd]
         extra = self.returns - 3 - (2 if self.functional else 0)
         values += [torch.empty(0, dtype=torch.uint8, device=out.device)] * extra
         if self.functional:
-            values += [call["running_mean"].clone(), call["running_var"].clone()]
+            values += [call.running_mean.clone(), call.running_var.clone()]
         return tuple(values[: self.returns])
 
 

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from bnrecal.workers.data.formats.loader import move_to
 from bnrecal.workers.engine.batchnorm import MODES, BatchNormLayer, unsupported_layer
-from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormForm
+from bnrecal.workers.engine.bn_calls import BATCH_NORM_FORMS, BatchNormCall, BatchNormForm
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
 from bnrecal.workers.engine.moments import (
     BatchMoments,
@@ -164,12 +164,12 @@ class BatchNormCalibrator:
         """Calibrate a batch-norm call (of any form) made with a calibrated layer's buffers;
         ``None`` for any other call, which then runs as it is."""
         call = form.bind(args, kwargs)
-        if call.get("running_mean") is None and call.get("running_var") is None:
+        if call.running_mean is None and call.running_var is None:
             return self._batch_statistics_call(form, call)
-        index = self._by_buffer.get(id(call.get("running_mean")))
-        if index is None or self.layers[index].running_mean is not call["running_mean"]:
+        index = self._by_buffer.get(id(call.running_mean))
+        if index is None or self.layers[index].running_mean is not call.running_mean:
             return None
-        x = call["input"]
+        x = call.input
         layer = self.layers[index]
         if x.dim() < 2 or x.shape[1] != layer.channels:
             raise ModelInputError(
@@ -182,13 +182,14 @@ class BatchNormCalibrator:
         return form.results(out, stats.mean, stats.var, call)
 
     def _batch_statistics_call(
-        self, form: BatchNormForm, call: dict[str, Any]
+        self, form: BatchNormForm, call: BatchNormCall
     ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """A call without running statistics (``track_running_stats=False``): in ``sync``
         mode it normalises with the global batch's statistics, like every other call; in
         ``local`` mode (or where it would not use batch statistics) it runs as it is."""
-        x = call["input"]
-        if self.mode != "sync" or not call.get("training", True) or not isinstance(x, torch.Tensor) or x.dim() < 2:
+        x = call.input
+        evaluating = call.training is not None and not call.training  # a form without the argument trains
+        if self.mode != "sync" or evaluating or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None
         channels = int(x.shape[1])
         own = batch_moments(x)
@@ -398,7 +399,7 @@ class _Interceptor(TorchFunctionMode):
 
 
 def _normalise(
-    x: torch.Tensor, own: BatchMoments, stats: MomentStats, call: dict[str, Any], dtype: torch.dtype
+    x: torch.Tensor, own: BatchMoments, stats: MomentStats, call: BatchNormCall, dtype: torch.dtype
 ) -> torch.Tensor:
     """The layer's output: its own ``F.batch_norm`` in eval form, with the calibration
     statistics. An input re-centred for precision is normalised from ``x - base``."""
@@ -410,9 +411,9 @@ def _normalise(
         source,
         mean.to(dtype),
         stats.var.to(dtype),
-        call.get("weight"),
-        call.get("bias"),
+        call.weight,
+        call.bias,
         False,
         0.0,
-        float(call.get("eps", 1e-5)),
+        call.eps,
     )

@@ -78,12 +78,12 @@ def find_sites(program: Any, sources: dict[Any, tuple[str, str]], label: str) ->
                 )
             continue
         call = form.bind(node.args, node.kwargs)
-        mean, var = call.get("running_mean"), call.get("running_var")
+        mean, var = call.running_mean, call.running_var
         sites.batchwise.add(node)
         if mean is None and var is None:
             sites.skipped.append((_module_path(node), "track_running_stats=False: the layer keeps no running statistics"))
             continue
-        if form.training_only or call.get("training") is True:
+        if form.training_only or call.training is True:
             raise ProgramError(
                 f"program {label} was exported in training mode (node {node.name!r}: {form.name} updates its running "
                 "statistics); export the model after model.eval()"
@@ -97,7 +97,7 @@ def find_sites(program: Any, sources: dict[Any, tuple[str, str]], label: str) ->
             )
         statistics.update((mean, var))
         site = LayerSite(
-            name=mean_source[0], owner=mean_source[0], kind=_kind(node), eps=float(call.get("eps", 1e-5)),
+            name=mean_source[0], owner=mean_source[0], kind=_kind(node), eps=call.eps,
             mean_name=mean_source[1], var_name=var_source[1],
         )
         if site.name not in seen:
