@@ -164,7 +164,7 @@ def write_qdq(prepared: PreparedModel, data: Any, options: Int8Options, exclude:
         try:
             quantizer = QDQQuantizer(
                 model, options.per_channel, options.reduce_range, QuantType.QInt8, activation_quant_type(options),
-                data, [], list(exclude), where.op_types, dict(where.extra_options),
+                data, [], list(exclude), where.op_types, where.extra_options.onnxruntime(),
             )
             quantizer.quantize_model()
             out = Path(tmp) / "int8.onnx"

@@ -18,7 +18,7 @@ onnxruntime's ``QDQQuantizer`` writes every file; a target only chooses its argu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from bnrecal.service.export.int8.options import Int8Options
@@ -39,13 +39,37 @@ TENSORRT_QDQ_INPUT_TYPES = ("int8",)
 """The integer types TensorRT's ONNX parser reads in an INT8 file's Q/DQ (besides fp8/int4)."""
 
 
+def _option(onnxruntime_name: str) -> Any:
+    """A field of :class:`ExtraOptions`: None (onnxruntime's default) unless set, and the key
+    onnxruntime reads it under."""
+    return field(default=None, metadata={"onnxruntime": onnxruntime_name})
+
+
+@dataclass(frozen=True)
+class ExtraOptions:
+    """The ``extra_options`` of onnxruntime's quantizer that bnrecal sets; None leaves one to
+    onnxruntime's default."""
+
+    output_float_ops: tuple[str, ...] | None = _option("OpTypesToExcludeOutputQuantization")
+    quantize_bias: bool | None = _option("QuantizeBias")
+    weight_symmetric: bool | None = _option("WeightSymmetric")
+    activation_symmetric: bool | None = _option("ActivationSymmetric")
+    use_qdq_contrib_ops: bool | None = _option("UseQDQContribOps")
+
+    def onnxruntime(self) -> dict[str, Any]:
+        """The ``extra_options`` dict onnxruntime takes: every option set, under its name."""
+        options = {f.metadata["onnxruntime"]: getattr(self, f.name) for f in fields(self)}
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in options.items() if value is not None}
+
+
 @dataclass(frozen=True)
 class Placement:
     """The quantizer's arguments for a target: op types, which of them keep their output
     unquantized, and onnxruntime's ``extra_options``."""
 
     op_types: list[str]
-    extra_options: dict[str, Any]
+    extra_options: ExtraOptions
 
 
 def placement(options: Int8Options, quantizable: list[str], opset: int) -> Placement:
@@ -59,13 +83,13 @@ def placement(options: Int8Options, quantizable: list[str], opset: int) -> Place
         op_types = list(quantizable)
     if options.op_types is not None:
         op_types = [op for op in options.op_types]
-    extra: dict[str, Any] = {}
-    if options.target != "onnxruntime":
-        extra["OpTypesToExcludeOutputQuantization"] = list(op_types)
-        extra["QuantizeBias"] = False
-        extra["WeightSymmetric"] = True
-    if options.activations_symmetric():
-        extra["ActivationSymmetric"] = True
-    if options.activation() in ("uint16", "int16") and opset < 21:
-        extra["UseQDQContribOps"] = True  # 16-bit Q/DQ before opset 21 live in onnxruntime's domain
+    inputs_only = options.target != "onnxruntime"  # Q/DQ on inputs only, biases float, weights symmetric
+    extra = ExtraOptions(
+        output_float_ops=tuple(op_types) if inputs_only else None,
+        quantize_bias=False if inputs_only else None,
+        weight_symmetric=True if inputs_only else None,
+        activation_symmetric=True if options.activations_symmetric() else None,
+        # 16-bit Q/DQ before opset 21 live in onnxruntime's domain
+        use_qdq_contrib_ops=True if options.activation() in ("uint16", "int16") and opset < 21 else None,
+    )
     return Placement(op_types, extra)
