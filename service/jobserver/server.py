@@ -288,10 +288,10 @@ class Services:
         if artifact is None:
             raise NotFoundError(f"job {job_id} ({job.status.value}) has no {name} artifact")
         return ArtifactFile(
-            path=self.blobs.path(tenant, artifact["digest"]),
-            digest=artifact["digest"],
-            media_type=artifact["media_type"],
-            filename=f"{job_id[:12]}-{_cell_prefix(name)}{artifact['filename']}",
+            path=self.blobs.path(tenant, artifact.digest),
+            digest=artifact.digest,
+            media_type=artifact.media_type,
+            filename=f"{job_id[:12]}-{_cell_prefix(name)}{artifact.filename}",
         )
 
     def delete_job(self, tenant: str, job_id: str) -> int:

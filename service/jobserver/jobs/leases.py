@@ -31,7 +31,7 @@ from sqlalchemy import update as sql_update
 from bnrecal.errors import InsufficientStorageError
 
 from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import JobRow, Ledger, outcome_values, start_values
 from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.ledger.engines import is_postgres
@@ -93,7 +93,7 @@ class JobLeases:
 
     def finish(
         self, job_id: str, status: JobStatus, *, error: Problem | None = None,
-        artifacts: dict[str, Any] | None = None, report: dict[str, Any] | None = None,
+        artifacts: dict[str, Artifact] | None = None, report: dict[str, Any] | None = None,
     ) -> bool:
         """Write a job's outcome (``error``, ``artifacts``, ``report``) if this replica still holds its lease."""
         assert status.is_terminal

@@ -57,7 +57,7 @@ from bnrecal.service.jobserver.jobs.work import CellDone, sweep_rank_by
 from bnrecal.service.sweep.matrix import SweepReport
 from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.metrics import ServiceMetrics
 from bnrecal.service.jobserver.problems import problem_of
@@ -365,7 +365,7 @@ class JobRunner:
 
     def _run(
         self, job: JobRecord, spec: JobSpec, cancel: threading.Event, workdir: Path
-    ) -> tuple[dict[str, Any], dict[str, Any], BnrecalError | None]:
+    ) -> tuple[dict[str, Artifact], dict[str, Any], BnrecalError | None]:
         """Run the job on the job host (recalibrate, export, write the files), then store
         the files it wrote as the tenant's blobs; a sweep's cells are stored as each finishes.
         The artifacts, the report, and a sweep's error when some of its cells failed."""
@@ -398,10 +398,10 @@ class JobRunner:
             return None
         return disk_full_error(exc, "the job's work dir", workdir, "the job's results could not be written")
 
-    def store_artifact(self, job: JobRecord, file: Path, media_type: str) -> dict[str, Any]:
+    def store_artifact(self, job: JobRecord, file: Path, media_type: str) -> Artifact:
         """Move a file the job wrote into the tenant's blobs: the artifact entry the job resource shows."""
         info: BlobInfo = self.blobs.adopt(job.tenant, file)
-        return {"digest": info.digest, "size": info.size, "filename": file.name, "media_type": media_type}
+        return Artifact(digest=info.digest, size=info.size, filename=file.name, media_type=media_type)
 
 
 class _LiveSweep:
@@ -414,7 +414,7 @@ class _LiveSweep:
         labelled = any(s.eval_data is not None for s in sweep.sets)
         self.matrix = SweepReport(models=[m.name for m in sweep.models], sets=[s.name for s in sweep.sets], cells=[],
                                   rank_by=sweep_rank_by(spec, labelled), workers=spec.workers)
-        self.artifacts: dict[str, Any] = {}
+        self.artifacts: dict[str, Artifact] = {}
 
     def on_cell(self, done: CellDone) -> None:
         """Store a finished cell's files and show it in the job's matrix."""

@@ -39,7 +39,7 @@ from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_c
 from bnrecal.service.settings import Settings
 from bnrecal.service.sweep.cells import NAME, check_name
 from bnrecal.service.sweep.matrix import check_metric
-from bnrecal.service.jobserver.jobs.views import Artifact, InputFile, JobStatus, JobView, PhaseTime, Progress
+from bnrecal.service.jobserver.jobs.views import Artifact, InputFile, JobStatus, JobView, PhaseEntry, PhaseTime, Progress
 from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.storage.blobs import DIGEST_PATTERN, BlobStore
 from bnrecal.service.jobserver.cluster.capacity import Node, check_fits_cluster
@@ -263,13 +263,13 @@ class JobRecord:
     samples_total: int | None
     phase: str | None
     error: Problem | None
-    artifacts: dict[str, dict[str, Any]]
+    artifacts: dict[str, Artifact]
     report: dict[str, Any] | None
     revision: int
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[PhaseEntry] = field(default_factory=list)
 
     def progress(self) -> Progress:
         """The job's progress as the API shows it."""
@@ -284,12 +284,12 @@ class JobRecord:
         one until the job finished (null while the job is still in it)."""
         times: list[PhaseTime] = []
         for index, entry in enumerate(self.phases):
-            began = datetime.fromisoformat(entry["at"])
-            ended = datetime.fromisoformat(self.phases[index + 1]["at"]) if index + 1 < len(self.phases) else None
+            began = entry.at
+            ended = self.phases[index + 1].at if index + 1 < len(self.phases) else None
             if ended is None and self.status.is_terminal:
                 ended = self.finished_at
             seconds = round(max(0.0, (ended - began).total_seconds()), 3) if ended is not None else None
-            times.append(PhaseTime(phase=entry["phase"], started_at=began, seconds=seconds))
+            times.append(PhaseTime(phase=entry.phase, started_at=began, seconds=seconds))
         return times
 
     def view(self, filenames: dict[str, str | None] | None = None) -> JobView:
@@ -302,7 +302,7 @@ class JobRecord:
             spec=self.spec,
             progress=self.progress(),
             error=self.error,
-            artifacts={name: Artifact(**info) for name, info in self.artifacts.items()},
+            artifacts=dict(self.artifacts),
             report=self.report,
             attempts=self.attempts,
             created_at=self.created_at,

@@ -52,6 +52,14 @@ class Artifact(BaseModel):
     media_type: str
 
 
+class PhaseEntry(BaseModel):
+    """A phase a job's run entered, and when (as the ledger keeps them; the API shows each as
+    a :class:`PhaseTime`)."""
+
+    phase: str
+    at: datetime
+
+
 class InputFile(BaseModel):
     """A blob the spec names, with the file name it was uploaded with (null without one)."""
 

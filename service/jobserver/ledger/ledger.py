@@ -28,7 +28,7 @@ from bnrecal.service.run.options import STARTING_PHASE
 
 from bnrecal.service.jobserver.storage.disk import FREE_SPACE_HINT, is_disk_full
 from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus, PhaseEntry
 from bnrecal.service.jobserver.ledger.engines import lock_tenant, make_engine, prepare_schema
 from bnrecal.service.jobserver.ledger.table import Base, JobRow
 from bnrecal.service.jobserver.problems import Problem
@@ -47,11 +47,11 @@ def _now() -> datetime:
 
 
 def outcome_values(
-    error: Problem | None = None, artifacts: dict[str, Any] | None = None, report: dict[str, Any] | None = None
+    error: Problem | None = None, artifacts: dict[str, Artifact] | None = None, report: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The columns a job's outcome writes as it ends: when, its problem (stored as its JSON;
-    None clears an earlier one), and the artifacts and report where given."""
-    values: dict[str, Any] = {"finished_at": _now(), "error": error.body() if error is not None else None}
+    """The columns a job's outcome writes as it ends: when, its problem (None clears an
+    earlier one), and the artifacts and report where given."""
+    values: dict[str, Any] = {"finished_at": _now(), "error": error}
     if artifacts is not None:
         values["artifacts"] = artifacts
     if report is not None:
@@ -74,7 +74,7 @@ def start_values() -> dict[str, Any]:
     return {
         "status": JobStatus.running.value, "started_at": now, "attempts": JobRow.attempts + 1,
         "samples_done": 0, "samples_total": None, "phase": STARTING_PHASE,
-        "phases": [{"phase": STARTING_PHASE, "at": now.isoformat()}],
+        "phases": [PhaseEntry(phase=STARTING_PHASE, at=now)],
         "artifacts": {}, "report": None,  # a sweep's cells of an earlier attempt are done again
     }
 
@@ -247,7 +247,7 @@ class Ledger:
         """Record that a running job entered a phase that does not count samples (exporting, writing)."""
         return self._update(job_id, {JobStatus.running}, phase=phase, **self._phase_entered(job_id, phase))
 
-    def set_partial(self, job_id: str, artifacts: dict[str, Any], report: dict[str, Any]) -> bool:
+    def set_partial(self, job_id: str, artifacts: dict[str, Artifact], report: dict[str, Any]) -> bool:
         """Record what a running sweep has finished so far: its cells' artifacts, and its
         matrix report as it stands (docs/sweeps.md, "Over HTTP")."""
         return self._update(job_id, {JobStatus.running}, artifacts=artifacts, report=report)
@@ -260,7 +260,7 @@ class Ledger:
             row = session.execute(select(JobRow.phase, JobRow.phases).where(JobRow.id == job_id)).first()
         if row is None or row.phase is not None and _phase_key(row.phase) == _phase_key(phase):
             return {}
-        return {"phases": [*(row.phases or []), {"phase": _phase_key(phase), "at": _now().isoformat()}]}
+        return {"phases": [*(row.phases or []), PhaseEntry(phase=_phase_key(phase), at=_now())]}
 
     def finish(
         self,
@@ -268,7 +268,7 @@ class Ledger:
         status: JobStatus,
         *,
         error: Problem | None = None,
-        artifacts: dict[str, Any] | None = None,
+        artifacts: dict[str, Artifact] | None = None,
         report: dict[str, Any] | None = None,
     ) -> bool:
         """Move an unfinished job to a terminal status with its outcome."""

@@ -101,7 +101,7 @@ def job_digests(job: JobRecord, artifacts: bool = True) -> set[str]:
     """The blob digests a job references: those of its spec and (if asked) its artifacts."""
     found = {value for value in spec_digests(job.spec).values() if is_digest(value)}
     if artifacts:
-        found |= {artifact.get("digest") for artifact in job.artifacts.values() if is_digest(artifact.get("digest") or "")}
+        found |= {artifact.digest for artifact in job.artifacts.values() if is_digest(artifact.digest)}
     return found
 
 
@@ -164,7 +164,7 @@ class StorageCollector:
                 if dry_run or self._remove_job(job):
                     reason = "finished past BNRECAL_JOB_RETENTION_S"
                     report.removals.append(Removal("job", job.id, 0, reason, job.tenant))
-                    freed_artifacts.update((job.tenant, a["digest"]) for a in job.artifacts.values() if "digest" in a)
+                    freed_artifacts.update((job.tenant, a.digest) for a in job.artifacts.values())
             if not dry_run:
                 needs = self._needs(now)  # the rows are gone: their artifacts are unreferenced now
             report.removals += self._collect_blobs(needs, now, dry_run, freed_artifacts)
@@ -309,8 +309,8 @@ class StorageCollector:
             referenced = {(other.tenant, digest) for other in self.ledger.every_job() for digest in job_digests(other)}
             freed = 0
             for artifact in job.artifacts.values():
-                digest = artifact.get("digest")
-                if not isinstance(digest, str) or (tenant, digest) in referenced:
+                digest = artifact.digest
+                if (tenant, digest) in referenced:
                     continue
                 if not self._refreshed(tenant, digest, running_cutoff):  # not being stored again right now
                     freed += self.blobs.remove(tenant, digest)

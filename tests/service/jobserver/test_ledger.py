@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import normalise_url
 from bnrecal.errors import ConflictError, NotFoundError, SpecError, TooManyJobsError
@@ -109,8 +109,10 @@ def test_every_change_bumps_the_revision_and_terminal_is_final(ledger):
     revisions.append(ledger.get_any(job.id).revision)
     moved = ledger.get_any(job.id)
     assert (moved.phase, moved.samples_done, moved.samples_total) == ("writing", 5, 10)
-    assert ledger.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"samples": 10})
+    report = Artifact(digest="d", size=2, filename="report.json", media_type="application/json")
+    assert ledger.finish(job.id, JobStatus.succeeded, artifacts={"report": report}, report={"samples": 10})
     done = ledger.get_any(job.id)
+    assert done.artifacts == {"report": report}  # read back typed, as written
     revisions.append(done.revision)
     assert revisions == sorted(set(revisions)) and len(revisions) == 5
     assert done.status is JobStatus.succeeded and done.finished_at is not None and done.report == {"samples": 10}
@@ -230,3 +232,29 @@ def test_the_database_url_names_a_supported_database():
         normalise_url("mysql://db/x")
     with pytest.raises(SpecError, match="BNRECAL_DATABASE_URL.*psycopg 3"):
         normalise_url("postgresql+psycopg2://db/x")
+
+
+def test_an_outcome_is_stored_as_plain_json_and_read_back_typed(ledger):
+    """The problem, artifacts and phases columns hold the JSON the API shows (what an older
+    or newer release reads), and come back as the typed objects that were written."""
+    from sqlalchemy import text
+
+    from bnrecal.service.jobserver.problems import Problem
+
+    job, _ = ledger.create("alice", SPEC)
+    ledger.mark_running(job.id)
+    ledger.set_phase(job.id, "exporting")
+    onnx = Artifact(digest="sha256:" + "3" * 64, size=7, filename="model.onnx", media_type="application/octet-stream")
+    problem = Problem(type="https://bnrecal.dev/problems/export", title="Export failed", status=422, detail="no", field="onnx")
+    assert ledger.finish(job.id, JobStatus.failed, error=problem, artifacts={"onnx": onnx})
+    with ledger.engine.connect() as connection:
+        raw = connection.execute(text("SELECT error, artifacts, phases FROM jobs WHERE id = :id"), {"id": job.id}).one()
+    import json
+
+    error, artifacts, phases = (json.loads(value) if isinstance(value, str) else value for value in raw)
+    assert error == problem.body() and artifacts == {"onnx": onnx.model_dump(mode="json")}
+    assert [entry["phase"] for entry in phases] == ["starting workers", "exporting"] and all("at" in e for e in phases)
+    done = ledger.get_any(job.id)
+    assert done.error == problem and done.error.body() == problem.body() and done.artifacts == {"onnx": onnx}
+    assert [entry.phase for entry in done.phases] == ["starting workers", "exporting"]
+    assert [time.phase for time in done.phase_times()] == ["starting workers", "exporting"]

@@ -12,7 +12,7 @@ import pytest
 
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
 from bnrecal.service.jobserver.problems import Problem
@@ -79,11 +79,13 @@ def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas, tmp
     assert rerun is not None and rerun.attempts == 2
     assert b.take_over_expired(rerun=True) == {}  # claimed again: a live lease
     assert not a.renew(job.id).held  # replica a, if it only paused, learns it lost the job ...
-    assert not a.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "stale"}})  # ... and writes nothing
+    stale = Artifact(digest="stale", size=1, filename="report.json", media_type="application/json")
+    assert not a.finish(job.id, JobStatus.succeeded, artifacts={"report": stale})  # ... and writes nothing
     assert not a.finish_making_room(job.id, JobStatus.failed, tmp_path / "work", error=FAILED)  # told, not raised
-    assert b.finish(job.id, JobStatus.succeeded, artifacts={"report": {"digest": "d"}}, report={"ok": True})
+    written = stale.model_copy(update={"digest": "d"})
+    assert b.finish(job.id, JobStatus.succeeded, artifacts={"report": written}, report={"ok": True})
     done = b.ledger.get_any(job.id)
-    assert done.status is JobStatus.succeeded and done.artifacts == {"report": {"digest": "d"}}
+    assert done.status is JobStatus.succeeded and done.artifacts == {"report": written}
 
 
 def test_a_job_whose_replicas_keep_dying_fails_after_its_second_attempt(replicas):
