@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 stderr = Console(stderr=True)
@@ -59,7 +59,7 @@ def progress_bar(description: str) -> Iterator[Any]:
         return
     columns = (TextColumn("{task.description}"), BarColumn(), _CountColumn(), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=False) as bar:
-        tasks: dict[str, Any] = {}
+        tasks: dict[str, TaskID] = {}
 
         def start(phase: str) -> None:
             for task in bar.tasks:  # a new phase: the earlier ones are over

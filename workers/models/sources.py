@@ -7,9 +7,11 @@ archive bytes, or a caller's live module); each rank builds its model from the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from bnrecal.workers.models.architectures import build_model
@@ -23,7 +25,7 @@ class ArchitectureSource:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     allowed_modules: tuple[str, ...] = ()
 
-    def build(self, weights: dict[str, Any]) -> nn.Module:
+    def build(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
         """The architecture with the checkpoint's weights loaded."""
         model = build_model(self.arch, self.model_kwargs, allowed_modules=self.allowed_modules)
         model.load_state_dict(weights)
