@@ -44,6 +44,31 @@ class _Finished:
     evaluation: EvalMetrics | None
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What a job could leave behind in a rank's process (:meth:`CalibrationRank.state`): its
+    pid, the jobs it ran, torch's thread count and initial seed, the collective groups still
+    joined, the job scopes it keeps samples for, and its allocator's environment variables."""
+
+    pid: int
+    jobs: int
+    threads: int
+    initial_seed: int
+    groups: tuple[str, ...]
+    kept: tuple[str, ...]
+    allocator: dict[str, str | None]
+
+
+@dataclass(frozen=True)
+class RankNode:
+    """Where a rank runs (:meth:`CalibrationRank.node`)."""
+
+    rank: int
+    node_id: str
+    pid: int
+    host: str
+
+
 class CalibrationRank:
     """One rank: builds the model from the shared weights, reads its own shard, and
     streams progress events, then its result, back to the driver.
@@ -92,23 +117,23 @@ class CalibrationRank:
         release_free_memory()
         return not any(collective.is_group_initialized(name) for name in self._groups)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> RankState:
         """What a job could leave behind in this process, for tests and diagnostics."""
         from ray.util import collective
 
-        return {
-            "pid": os.getpid(),
-            "jobs": self.jobs,
-            "threads": torch.get_num_threads(),
-            "initial_seed": torch.initial_seed(),
-            "groups": [name for name in self._groups if collective.is_group_initialized(name)],
-            "kept": STORE.scopes(),
-            "allocator": {name: os.environ.get(name) for name in RANK_ENV_VARS},
-        }
+        return RankState(
+            pid=os.getpid(),
+            jobs=self.jobs,
+            threads=torch.get_num_threads(),
+            initial_seed=torch.initial_seed(),
+            groups=tuple(name for name in self._groups if collective.is_group_initialized(name)),
+            kept=tuple(STORE.scopes()),
+            allocator={name: os.environ.get(name) for name in RANK_ENV_VARS},
+        )
 
-    def node(self) -> dict[str, Any]:
+    def node(self) -> RankNode:
         """Where this rank runs: Ray node id, host and process id."""
-        return {"rank": self.rank, "node_id": self.node_id, "pid": os.getpid(), "host": os.uname().nodename}
+        return RankNode(rank=self.rank, node_id=self.node_id, pid=os.getpid(), host=os.uname().nodename)
 
     def run(
         self,

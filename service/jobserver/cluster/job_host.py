@@ -155,7 +155,7 @@ class JobHost:
         gangs = []
         for gang in self.pool.idle():
             try:
-                pids = tuple(state["pid"] for state in ray.get([a.state.remote() for a in gang.actors], timeout=10))
+                pids = tuple(state.pid for state in ray.get([a.state.remote() for a in gang.actors], timeout=10))
             except Exception:  # noqa: BLE001 - a rank that died idle: the next job's check kills its gang
                 pids = ()
             gangs.append(IdleGang(gang.key, id(gang), gang.jobs, pids))

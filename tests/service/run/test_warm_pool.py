@@ -13,6 +13,7 @@ import ray
 import torch
 
 from bnrecal.errors import CancelledError, RunError
+from bnrecal.workers.ranks.actor import RankState
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 from bnrecal.workers.ranks.pool import WarmPool
 
@@ -50,7 +51,7 @@ def request_for(entry: tuple[Path, Path, dict], **options) -> RecalibrationReque
     )
 
 
-def idle_states(pool: WarmPool) -> list[list[dict]]:
+def idle_states(pool: WarmPool) -> list[list[RankState]]:
     """What each rank of each idle gang reports about itself."""
     return [ray.get([actor.state.remote() for actor in gang.actors]) for gang in pool.idle()]
 
@@ -85,30 +86,30 @@ def test_a_second_job_reuses_the_ranks_and_matches_fresh_actors(two_models, sett
     try:
         recalibrate(request_for(two_models["six"]), settings, pool=pool)
         [first] = idle_states(pool)
-        assert [s["jobs"] for s in first] == [1, 1] and [s["groups"] for s in first] == [[], []]
-        assert all(s["allocator"] == RANK_ENV_VARS for s in first)  # ranks start with the malloc settings
+        assert [s.jobs for s in first] == [1, 1] and [s.groups for s in first] == [(), ()]
+        assert all(s.allocator == RANK_ENV_VARS for s in first)  # ranks start with the malloc settings
         warm = recalibrate(request_for(two_models["four"]), settings, pool=pool)  # another model, same shape
         [second] = idle_states(pool)
-        assert [s["pid"] for s in second] == [s["pid"] for s in first]  # the same processes
-        assert [s["jobs"] for s in second] == [2, 2]
-        assert all(s["threads"] == 1 and s["groups"] == [] for s in second)
-        assert [s["initial_seed"] for s in second] == [s["initial_seed"] for s in first]  # a fresh process's seed
+        assert [s.pid for s in second] == [s.pid for s in first]  # the same processes
+        assert [s.jobs for s in second] == [2, 2]
+        assert all(s.threads == 1 and s.groups == () for s in second)
+        assert [s.initial_seed for s in second] == [s.initial_seed for s in first]  # a fresh process's seed
         [gang] = pool.idle()
         ray.kill(gang.actors[1], no_restart=True)  # a warm rank dies while idle (say, the OOM killer)
-        assert process_gone(second[1]["pid"])
+        assert process_gone(second[1].pid)
         recalibrate(request_for(two_models["six"]), settings, pool=pool)  # not failed by it: a fresh gang
         [third] = idle_states(pool)
-        assert [s["jobs"] for s in third] == [1, 1] and {s["pid"] for s in third}.isdisjoint(
-            s["pid"] for s in second
+        assert [s.jobs for s in third] == [1, 1] and {s.pid for s in third}.isdisjoint(
+            s.pid for s in second
         )
-        assert process_gone(second[0]["pid"])  # the dead rank's peer was killed with its gang
+        assert process_gone(second[0].pid)  # the dead rank's peer was killed with its gang
     finally:
         pool.close()
     fresh = recalibrate(request_for(two_models["four"]), settings)  # its own actors, killed after
     assert warm.updates.keys() == fresh.updates.keys()
     for key, value in fresh.updates.items():
         assert torch.equal(warm.updates[key], value), key  # nothing of the first job leaked into the second
-    assert all(process_gone(s["pid"]) for s in third)  # close killed the idle gang
+    assert all(process_gone(s.pid) for s in third)  # close killed the idle gang
 
 
 def test_idle_ranks_give_their_cpus_back(two_models, settings):
@@ -122,7 +123,7 @@ def test_idle_ranks_give_their_cpus_back(two_models, settings):
         assert ray.available_resources().get("CPU", 0.0) <= free_before - 2.0 + 1e-9  # held while warm
         assert free_cpus_reach(free_before, timeout=20) >= free_before  # released after idle_s
         assert pool.idle() == []
-        assert all(process_gone(s["pid"]) for s in ranks)
+        assert all(process_gone(s.pid) for s in ranks)
     finally:
         pool.close()
 
@@ -141,7 +142,7 @@ def test_an_idle_gang_gives_way_to_a_job_that_needs_its_cpus(two_models, setting
         result = recalibrate(request_for(two_models["six"]), other, pool=pool)  # another shape: needs room
         assert time.monotonic() - started < 50  # evicted, not waited out
         assert result.report["samples"] == 17
-        assert all(process_gone(s["pid"]) for s in held)
+        assert all(process_gone(s.pid) for s in held)
         assert [gang.key.cpus_per_worker for gang in pool.idle()] == [1.0]
     finally:
         pool.close()
@@ -171,10 +172,10 @@ def test_ranks_of_a_failed_or_cancelled_job_are_killed_not_kept(settings, tmp_pa
         with pytest.raises(CancelledError if outcome == "cancelled" else RunError):
             recalibrate(request, settings, cancel=cancel, pool=pool)  # on the warm gang
         assert pool.idle() == []  # not handed back
-        assert all(process_gone(s["pid"]) for s in warm)  # killed, both ranks
+        assert all(process_gone(s.pid) for s in warm)  # killed, both ranks
         again = recalibrate(RecalibrationRequest(**base, data=clean), settings, pool=pool)
         assert again.report["samples"] == 16  # a fresh gang serves the next job
-        assert [s["jobs"] for s in idle_states(pool)[0]] == [1, 1]
+        assert [s.jobs for s in idle_states(pool)[0]] == [1, 1]
     finally:
         pool.close()
 
@@ -234,10 +235,10 @@ def test_a_job_holds_its_ranks_across_its_passes_and_leaves_them_holding_nothing
         # then read again from what the ranks kept by the FP32 models' pass and the INT8 models' pass
         assert (decoding.decoded, decoding.reused) == (16, 32)
         [ranks] = idle_states(pool)
-        assert [s["kept"] for s in ranks] == [[], []]
+        assert [s.kept for s in ranks] == [(), ()]
         assert not list(Path(tempfile.gettempdir()).glob("bnrecal-kept-*"))
         recalibrate(request, settings, pool=pool, outputs=outputs)
         [again] = idle_states(pool)
-        assert [s["pid"] for s in again] == [s["pid"] for s in ranks] and [s["kept"] for s in again] == [[], []]
+        assert [s.pid for s in again] == [s.pid for s in ranks] and [s.kept for s in again] == [(), ()]
     finally:
         pool.close()
