@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -130,19 +131,19 @@ class S3BlobStore:
         hex_digest = checked_hex(digest)
         key = self._key(tenant, hex_digest)
         try:
-            entry = self.fs.info(key, refresh=True)
+            entry = self._info(key, refresh=True)
         except FileNotFoundError:
             self._cache.drop(tenant, hex_digest)  # deleted elsewhere: not served here
             raise missing(digest) from None
         cached = self._cache.file(tenant, hex_digest)
-        if cached.is_file() and cached.stat().st_size == int(entry["size"]):
+        if cached.is_file() and cached.stat().st_size == entry.size:
             return cached
         handle, fetched = self._staging.new_file(prefix="fetch-")
         handle.close()
         try:
             self.fs.get_file(key, str(fetched))
             if file_digest(fetched) != digest:
-                raise self._bucket_corrupt(tenant, digest, where, field, entry.get("ETag"))
+                raise self._bucket_corrupt(tenant, digest, where, field, entry.etag)
             return self._cache.keep(tenant, hex_digest, fetched)
         finally:
             fetched.unlink(missing_ok=True)
@@ -198,7 +199,7 @@ class S3BlobStore:
         key = self._key(tenant, hex_digest)
         self._cache.drop(tenant, hex_digest)
         try:
-            if etag is None or self.fs.info(key, refresh=True).get("ETag") == etag:
+            if etag is None or self._info(key, refresh=True).etag == etag:
                 aside = f"{self._base}/{tenant}/quarantine/{hex_digest}.{time.time_ns()}"
                 self.fs.copy(key, aside)
                 self.fs.rm_file(key)
@@ -242,7 +243,7 @@ class S3BlobStore:
         """Digest, size and file name of a tenant's blob, from the bucket (``NotFoundError`` if absent)."""
         hex_digest = checked_hex(digest)
         try:
-            size = int(self.fs.info(self._key(tenant, hex_digest))["size"])
+            size = self._info(self._key(tenant, hex_digest)).size
         except FileNotFoundError:
             raise missing(digest) from None
         return BlobInfo(digest, size, self.filename(tenant, digest))
@@ -265,11 +266,11 @@ class S3BlobStore:
         """When the blob was stored or last used (epoch seconds); ``NotFoundError`` if absent."""
         hex_digest = digest.removeprefix("sha256:")
         try:
-            stored = _epoch(self.fs.info(self._key(tenant, hex_digest)))
+            stored = self._info(self._key(tenant, hex_digest)).modified
         except FileNotFoundError:
             raise missing(digest) from None
         try:
-            return max(stored, _epoch(self.fs.info(self._side(tenant, "used", hex_digest))))
+            return max(stored, self._info(self._side(tenant, "used", hex_digest)).modified)
         except FileNotFoundError:
             return stored
 
@@ -312,7 +313,7 @@ class S3BlobStore:
         hex_digest = digest.removeprefix("sha256:")
         key = self._key(tenant, hex_digest)
         try:
-            size = int(self.fs.info(key)["size"])
+            size = self._info(key).size
             self.fs.rm_file(key)
         except FileNotFoundError:
             return 0
@@ -340,13 +341,13 @@ class S3BlobStore:
         later of the object's time and its ``used`` marker's)."""
         tenant_folder(tenant)  # a malformed tenant id is a ValueError, before any listing
         used = {
-            key.rsplit("/", 1)[-1]: _epoch(entry) for key, entry in self._find(f"{self._base}/{tenant}/used").items()
+            key.rsplit("/", 1)[-1]: entry.modified for key, entry in self._find(f"{self._base}/{tenant}/used").items()
         }
         for key, entry in sorted(self._find(f"{self._base}/{tenant}/sha256").items()):
             hex_digest = blob_hex(key.rsplit("/", 1)[-1])
             if hex_digest is not None:
-                mtime = max(_epoch(entry), used.get(hex_digest, 0.0))
-                yield StoredBlob("sha256:" + hex_digest, int(entry["size"]), mtime)
+                mtime = max(entry.modified, used.get(hex_digest, 0.0))
+                yield StoredBlob("sha256:" + hex_digest, entry.size, mtime)
 
     def staging_files(self) -> list[Path]:
         """The files in the local staging folder: uploads and fetches in progress, or ones a crash left behind."""
@@ -376,11 +377,17 @@ class S3BlobStore:
         """The object of a record about a tenant's blob (``names``, ``used``)."""
         return f"{self._base}/{side_key(tenant, kind, hex_digest)}"
 
-    def _find(self, folder: str) -> dict[str, dict[str, Any]]:
+    def _info(self, key: str, refresh: bool = False) -> ObjectEntry:
+        """The object at ``key`` (``FileNotFoundError`` if absent)."""
+        return ObjectEntry.of(self.fs.info(key, refresh=refresh))
+
+    def _find(self, folder: str) -> dict[str, ObjectEntry]:
+        """Every object under ``folder``, by key (none when it is absent)."""
         try:
-            return self.fs.find(folder, detail=True)
+            found = self.fs.find(folder, detail=True)
         except FileNotFoundError:
             return {}
+        return {key: ObjectEntry.of(entry) for key, entry in found.items()}
 
 
 def _checksum_arguments(info: BlobInfo) -> dict[str, str]:
@@ -393,8 +400,18 @@ def _checksum_arguments(info: BlobInfo) -> dict[str, str]:
     return {"ChecksumSHA256": base64.b64encode(bytes.fromhex(info.hex)).decode("ascii")}
 
 
-def _epoch(entry: dict[str, Any]) -> float:
-    modified = entry.get("LastModified") or entry.get("last_modified")
-    if isinstance(modified, datetime):
-        return modified.timestamp()
-    return float(modified or 0.0)
+@dataclass(frozen=True)
+class ObjectEntry:
+    """What the bucket says of one object: its size, when it was last written (epoch seconds,
+    0 where the listing has no time) and its ``ETag`` (None where it has none)."""
+
+    size: int
+    modified: float
+    etag: str | None
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> ObjectEntry:
+        """The object as s3fs's ``info``/``find`` describes it (botocore's keys, or fsspec's)."""
+        modified = entry.get("LastModified") or entry.get("last_modified")
+        epoch = modified.timestamp() if isinstance(modified, datetime) else float(modified or 0.0)
+        return cls(size=int(entry["size"]), modified=epoch, etag=entry.get("ETag"))
