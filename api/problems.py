@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bnrecal.service.jobserver.problems import FieldProblem, Problem, http_status, problem_of
@@ -80,7 +81,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 _TYPE_ERRORS = frozenset({"int_type", "bool_type", "string_type", "float_type", "dict_type", "list_type"})
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: ErrorDetails) -> str:
     """Pydantic's message, with what was sent where the type was wrong: ``Input should be a
     valid integer, got the string "2"`` says why a value that looks right is refused."""
     message = str(error.get("msg", "invalid"))
@@ -101,7 +102,7 @@ def _json_kind(value: Any) -> str:
     return "an object" if isinstance(value, dict) else "an array" if isinstance(value, list) else type(value).__name__
 
 
-def _invalid_json_problem(error: dict[str, Any], body: Any) -> Problem:
+def _invalid_json_problem(error: ErrorDetails, body: Any) -> Problem:
     """A body that is not JSON at all: where it breaks, as line and column; no field to name.
 
     FastAPI puts the character offset of the decode error where a field path would be
