@@ -241,7 +241,7 @@ def run_live(
         shipped.write_back(updates)
     report = result.report
     report.model = shipped.describe()
-    report.data = DataSummary.model_validate(spec.summary())
+    report.data = DataSummary.of(spec.summary())
     return RecalibrationReport.of(report), updates
 
 

@@ -349,7 +349,7 @@ def _finish(
     report = build_report(plan.options, result, drifts, skipped, placement, plan.data, failures)
     if plan.evaluation is not None and result.evaluation is not None:
         report.evaluation = EvaluationSection.of(
-            DataSummary.model_validate(plan.evaluation.dataset.summary()), result.evaluation,
+            DataSummary.of(plan.evaluation.dataset.summary()), result.evaluation,
             result.evaluation.seconds or 0.0, PYTORCH_RUNTIME,
         )
     calibrated = [layer for layer in layers if layer.name not in unreached]

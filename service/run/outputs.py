@@ -134,7 +134,7 @@ def _make_int8(
 
     def evaluated(metrics: EvalMetrics, seconds: float) -> None:
         assert evaluation is not None
-        report.evaluation = EvaluationSection.of(DataSummary.model_validate(evaluation.dataset.summary()), metrics,
+        report.evaluation = EvaluationSection.of(DataSummary.of(evaluation.dataset.summary()), metrics,
                                                  seconds, ONNX_RUNTIME)
 
     try:

@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,6 +33,7 @@ from bnrecal.service.report_part import ReportPart
 from bnrecal.service.run.options import AUTO, RunOptions
 
 if TYPE_CHECKING:  # annotations only: writing a report (bnrecal export) needs neither Ray nor the data readers
+    from bnrecal.workers.data.summary import DatasetSummary
     from bnrecal.workers.engine.evaluation import EvalMetrics, ModelScores
     from bnrecal.workers.engine.moments import MomentStats
     from bnrecal.workers.ranks.plan import GroupResult
@@ -189,6 +190,14 @@ class DataSummary(ReportPart):
     format: str | None = None
     shards: int | None = None
     image_column: str | None = None
+
+    @classmethod
+    def of(cls, summary: DatasetSummary) -> DataSummary:
+        """The part for data as its description sums it up (``DatasetSpec.summary``,
+        ``LoaderSpec.summary``): the same fields, the transform in its job-spec form."""
+        values = {field.name: getattr(summary, field.name) for field in fields(summary)}
+        transform = summary.transform.to_dict() if summary.transform is not None else None
+        return cls(**values | {"sample_shape": list(summary.sample_shape), "transform": transform})
 
 
 class ModelSection(ReportPart):

@@ -24,6 +24,7 @@ from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
 from bnrecal.workers.data.formats.labels import read_labels
 from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
 from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format
+from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "CalibrationData",
     "DataAccess",
     "DatasetSpec",
+    "DatasetSummary",
     "ImageData",
     "ImageTransform",
     "ReadOptions",

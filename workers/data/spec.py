@@ -30,6 +30,7 @@ from bnrecal.workers.data.objectstore import (
 )
 from bnrecal.workers.data.reading.order import order_rows
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet
+from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
 from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
 from bnrecal.workers.data.formats.transform import ImageTransform, check_image_header, resolve_transform
@@ -116,25 +117,21 @@ class DatasetSpec:
             remote, str(listing.root), files, self.transform, classes=listing.classes, labels=labels,
         )
 
-    def summary(self) -> dict[str, Any]:
-        """A JSON-ready description for reports and logs."""
-        info: dict[str, Any] = {
-            "kind": self.kind,
-            "source": self.display_name,
-            "samples": self.num_samples,
-            "total_samples": self.total_samples,
-            "sample_shape": list(self.sample_shape),
-            "order": self.order,
-        }
-        if self.order == "shuffled":
-            info["seed"] = self.seed
+    def summary(self) -> DatasetSummary:
+        """What reports and logs say about the data: its kind, name, counts, shape and order,
+        and what its kind adds (an array's layout, images' transform, the shards)."""
+        summary = DatasetSummary(
+            kind=self.kind, source=self.display_name, samples=self.num_samples, total_samples=self.total_samples,
+            sample_shape=self.sample_shape, order=self.order, seed=self.seed if self.order == "shuffled" else None,
+        )
         if self.layout is not None:
-            info.update(storage=self.layout.storage, dtype=str(self.layout.dtype), array=self.layout.array_name)
+            layout = self.layout
+            summary = replace(summary, storage=layout.storage, dtype=layout.dtype, array=layout.array_name)
         if self.transform is not None:
-            info.update(transform=self.transform.to_dict(), classes=len(self.classes))
+            summary = replace(summary, transform=self.transform, classes=len(self.classes))
         if self.shards is not None:
-            info.update(self.shards.summary())
-        return info
+            summary = self.shards.summary(summary)
+        return summary
 
 
 def describe_dataset(

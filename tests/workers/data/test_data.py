@@ -252,7 +252,7 @@ def test_a_stored_blob_is_named_as_uploaded_but_read_by_its_content(tmp_path: Pa
     (tmp_path / "x.npy").replace(stored)
     # The name is only shown: .npy bytes are read as .npy.
     spec = describe_dataset(stored, ReadOptions(name="calib.txt"))
-    assert spec.kind == "array" and spec.summary()["source"] == "calib.txt"
+    assert spec.kind == "array" and spec.summary().source == "calib.txt"
     np.testing.assert_array_equal(spec.open().load(0, 2).numpy(), values)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_arrays_read_the_same_rows_as_the_local_file(
     remote_spec = describe_dataset(uri, ReadOptions(max_samples=40), DataAccess(endpoint_url=s3_server.endpoint))
     local_spec = describe_dataset(local, ReadOptions(max_samples=40))
     assert remote_spec.layout == local_spec.layout and remote_spec.num_samples == 40
-    assert remote_spec.summary() | {"source": "x"} == local_spec.summary() | {"source": "x"}
+    assert replace(remote_spec.summary(), source="x") == replace(local_spec.summary(), source="x")
     with remote_spec.open() as remote, local_spec.open() as here:
         for start, stop in [(0, 7), (7, 21), (33, 40), (5, 5)]:
             np.testing.assert_array_equal(remote.load(start, stop).numpy(), here.load(start, stop).numpy())

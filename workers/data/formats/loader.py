@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bnrecal.errors import DatasetError, ModelInputError
+from bnrecal.workers.data.summary import DatasetSummary
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,12 @@ class LoaderSpec:
         """What messages call the data."""
         return self.source
 
-    def summary(self) -> dict[str, Any]:
-        """A JSON-ready description for reports."""
-        return {
-            "kind": self.kind, "source": self.source, "samples": self.num_samples, "steps": len(self.sizes),
-            "total_samples": self.total_samples, "sample_shape": list(self.sample_shape),
-        }
+    def summary(self) -> DatasetSummary:
+        """What reports and logs say about the data: its kind, name, counts, steps and shape."""
+        return DatasetSummary(
+            kind=self.kind, source=self.source, samples=self.num_samples, steps=len(self.sizes),
+            total_samples=self.total_samples, sample_shape=self.sample_shape,
+        )
 
     def step_ranges(self) -> list[tuple[int, int]]:
         """Each global step's ``[start, stop)`` in the data's global sample order."""

@@ -18,7 +18,7 @@ per step. Samples decode exactly as image files do (:func:`workers.data.formats.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from bnrecal.workers.data.opened import DecodedData
 from bnrecal.workers.data.formats.columnar import ColumnarReader
 from bnrecal.workers.data.reading.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.shards.listing import ShardRef
+from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
 from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_index
 from bnrecal.errors import DatasetError
@@ -78,12 +79,11 @@ class ShardSet:
         shard = np.searchsorted(self.starts, rows, side="right") - 1
         return shard, rows - self.starts[shard]
 
-    def summary(self) -> dict[str, Any]:
-        """A JSON-ready description for reports."""
-        info: dict[str, Any] = {"format": self.format, "shards": len(self.shards)}
-        if self.format != "webdataset":
-            info["image_column"] = self.image_column
-        return info
+    def summary(self, data: DatasetSummary) -> DatasetSummary:
+        """``data``'s summary with the shards' format and count filled in, and the image
+        column of Parquet and Arrow shards (a tar's samples have no columns)."""
+        image_column = self.image_column if self.format != "webdataset" else None
+        return replace(data, format=self.format, shards=len(self.shards), image_column=image_column)
 
 
 def decode_sample(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_array_rows_come_in_the_seeded_order(tmp_path: Path, kind: str) -> None:
         steps = [data.load(start, min(start + 16, 60)).numpy() for start in range(0, 60, 16)]
         assert data.load(7, 7).shape == (0, 2, 3)
     np.testing.assert_array_equal(np.concatenate(steps), expected)
-    assert spec.summary()["order"] == "shuffled" and spec.summary()["seed"] == 5
+    assert (spec.summary().order, spec.summary().seed) == ("shuffled", 5)
     given = describe_dataset(path, ReadOptions(max_samples=60))
     assert given.order == "given"
     with given.open() as data:

@@ -62,7 +62,7 @@ def test_every_format_gives_the_folders_samples_in_its_order(formats, fmt, order
 def test_one_parquet_file_is_its_rows(formats, tmp_path):
     found, labels, spec = read_all(formats["parquet file"], tmp_path)
     everything, all_labels, _ = read_all(formats["parquet"], tmp_path)
-    assert spec.summary()["format"] == "parquet" and spec.num_samples == 70
+    assert spec.summary().format == "parquet" and spec.num_samples == 70
     assert torch.equal(found, everything[:70]) and np.array_equal(labels, all_labels[:70])
 
 
@@ -286,7 +286,7 @@ def test_a_tar_of_parquet_files_is_read_in_place(formats, tmp_path):
     blob = _tar(tmp_path / "blob", {p.name: p.read_bytes() for p in files})
     found, labels, spec = read_all(blob, tmp_path, order="shuffled", seed=9)
     expected, expected_labels, _ = read_all(formats["folder"], tmp_path, order="shuffled", seed=9)
-    assert spec.summary()["format"] == "parquet" and len(spec.shards.shards) == 3
+    assert spec.summary().format == "parquet" and len(spec.shards.shards) == 3
     assert torch.equal(found, expected) and np.array_equal(labels, expected_labels)
 
 
