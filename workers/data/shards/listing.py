@@ -28,7 +28,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,15 +304,36 @@ def _headed_refs(uris: Sequence[str], role: str, endpoint_url: str | None) -> li
             info = fs.info(source.key)
         except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
             raise remote_error(exc, source, role) from exc
-        return _remote_ref(uri, info, source.name)
+        return _remote_ref(uri, StoredObject.headed(source.key, info), source.name)
 
     with ThreadPoolExecutor(min(LIST_THREADS, len(uris))) as pool:
         return list(pool.map(head, uris))
 
 
-def _remote_ref(uri: str, info: dict[str, Any], name: str) -> ShardRef:
-    version = str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("size"))
-    return ShardRef(uri, int(info.get("size") or 0), version.strip('"'), name)
+def _remote_ref(uri: str, found: StoredObject, name: str) -> ShardRef:
+    return ShardRef(uri, found.size, found.version, name)
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object as object storage describes it (a ListObjectsV2 entry, fsspec's ``info`` of
+    a HEAD request): its key, its size and its version, what a shard's index is keyed by."""
+
+    key: str
+    size: int
+    version: str
+
+    @classmethod
+    def listed(cls, entry: Mapping[str, Any]) -> StoredObject:
+        """An entry of a ListObjectsV2 page: ``Key``, ``Size`` and ``ETag`` ("" when absent)."""
+        return cls(str(entry["Key"]), int(entry.get("Size") or 0), str(entry.get("ETag", "")).strip('"'))
+
+    @classmethod
+    def headed(cls, key: str, info: Mapping[str, Any]) -> StoredObject:
+        """fsspec's ``info`` of the object at ``key``: its ETag stands for its version, else
+        its modification time, else its size."""
+        version = str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("size"))
+        return cls(key, int(info.get("size") or 0), version.strip('"'))
 
 
 @dataclass(frozen=True)
@@ -353,9 +374,9 @@ def list_prefix(
         raise remote_error(exc, source, role) from exc
     within = base.partition("/")[2]  # ListObjectsV2 keys do not start with the bucket
     objects = {
-        entry["Key"][len(within):]: ListedObject(int(entry.get("Size") or 0), str(entry.get("ETag", "")).strip('"'))
+        entry.key[len(within):]: ListedObject(entry.size, entry.version)
         for entry in listed
-        if entry["Key"].startswith(within) and not entry["Key"].endswith("/")
+        if entry.key.startswith(within) and not entry.key.endswith("/")
     }
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -366,30 +387,31 @@ def list_prefix(
     return objects
 
 
-def list_keys(fs: Any, base: str) -> list[dict[str, Any]]:
+def list_keys(fs: Any, base: str) -> list[StoredObject]:
     """Every object whose key starts with ``base`` (``bucket/prefix/``), as ListObjectsV2 gives
-    them. The first page (1,000 keys) is read alone; when there are more, the rest of the key
-    space is cut into :data:`LIST_THREADS` ranges at keys that continue the last key's trailing
-    number by a page each (``part-000999`` -> ``part-001999``, ``part-002999``, ...), listed
-    concurrently, each paginated. Any key falls in exactly one range (``(after, until]``), so
-    the listing is complete whatever the names; the cuts only decide how evenly it is shared."""
+    them (:meth:`StoredObject.listed`). The first page (1,000 keys) is read alone; when there
+    are more, the rest of the key space is cut into :data:`LIST_THREADS` ranges at keys that
+    continue the last key's trailing number by a page each (``part-000999`` -> ``part-001999``,
+    ``part-002999``, ...), listed concurrently, each paginated. Any key falls in exactly one
+    range (``(after, until]``), so the listing is complete whatever the names; the cuts only
+    decide how evenly it is shared."""
     bucket, _, prefix = base.partition("/")
     first = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=_PAGE)
-    objects = list(first.get("Contents", []))
+    objects = [StoredObject.listed(entry) for entry in first.get("Contents", [])]
     if not first.get("IsTruncated") or not objects:
         return objects
-    last = objects[-1]["Key"]
+    last = objects[-1].key
     cuts = _cuts_after(last, LIST_THREADS - 1)
 
-    def walk(after: str, until: str | None) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = []
+    def walk(after: str, until: str | None) -> list[StoredObject]:
+        found: list[StoredObject] = []
         token = None
         while True:
-            options: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": _PAGE}
+            options: dict[str, str | int] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": _PAGE}
             options.update({"ContinuationToken": token} if token else {"StartAfter": after})
             page = fs.call_s3("list_objects_v2", **options)
-            for entry in page.get("Contents", []):
-                if until is not None and entry["Key"] > until:
+            for entry in map(StoredObject.listed, page.get("Contents", [])):
+                if until is not None and entry.key > until:
                     return found
                 found.append(entry)
             if not page.get("IsTruncated"):
