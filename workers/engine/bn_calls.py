@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +21,12 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class BatchNormCall:
+class BatchNormCall(NamedTuple):
     """A batch-norm call's arguments by name, whatever its form calls or orders them:
     tensors in a forward, graph nodes and constants in a program's graph. ``training`` is
-    None where the form has no such argument (the ``no_training`` forms)."""
+    None where the form has no such argument (the ``no_training`` forms). A named tuple:
+    one is made on every BN call of every step, so it must cost no more than the dict it
+    replaced."""
 
     input: Any
     running_mean: Any = None
@@ -52,10 +53,10 @@ class BatchNormForm:
         named = dict(self.defaults)
         named.update(zip(self.parameters, args))
         named.update(kwargs)
-        return BatchNormCall(
-            input=named.get("input"), running_mean=named.get("running_mean"), running_var=named.get("running_var"),
-            weight=named.get("weight"), bias=named.get("bias"), training=named.get("training"),
-            eps=float(named.get("epsilon", named.get("eps", 1e-5))),
+        get, epsilon = named.get, named.get("epsilon")
+        eps = get("eps", 1e-5) if epsilon is None else epsilon
+        return BatchNormCall(  # positional: made on every BN call
+            get("input"), get("running_mean"), get("running_var"), get("weight"), get("bias"), get("training"), float(eps)
         )
 
     def results(
