@@ -33,7 +33,7 @@ from bnrecal.workers.data.formats.columnar import (
 )
 from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
 from bnrecal.workers.data.shards.listing import (
-    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, ListedObject, ShardRef, has_brace_pattern, is_manifest_name,
+    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, StoredObject, ShardRef, has_brace_pattern, is_manifest_name,
     list_prefix,
     local_ref, prefix_shards, read_manifest, refs_of, shard_files_in,
 )
@@ -120,7 +120,7 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
 
 
-def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, ListedObject], role: str) -> list[ShardRef]:
+def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, StoredObject], role: str) -> list[ShardRef]:
     """The Arrow files of a ``save_to_disk`` folder under an ``s3://`` prefix (its listing
     ``objects``), in ``state.json``'s order, read as the same folder on disk is."""
     fs = remote.filesystem()

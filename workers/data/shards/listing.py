@@ -335,26 +335,21 @@ class StoredObject:
         version = str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("size"))
         return cls(key, int(info.get("size") or 0), version.strip('"'))
 
-
-@dataclass(frozen=True)
-class ListedObject:
-    """An object of a listed prefix: its size and ETag (the version a shard's index is keyed by)."""
-
-    size: int
-    etag: str
-
     def shard(self, base: str, name: str) -> ShardRef:
-        """The object ``name`` under ``base`` (a prefix URI) as a shard."""
-        return ShardRef(f"{base.rstrip('/')}/{name}", self.size, self.etag or str(self.size), name)
+        """The object ``name`` under ``base`` (a prefix URI) as a shard (its size stands for
+        its version where the listing gave no ETag)."""
+        return ShardRef(f"{base.rstrip('/')}/{name}", self.size, self.version or str(self.size), name)
 
 
 def list_prefix(
     source: RemoteSource, role: str, cache_root: Path | None, *, fresh: bool = False
-) -> dict[str, ListedObject]:
+) -> dict[str, StoredObject]:
     """Every object under a prefix (by relative key), listed once, paginated
     and in concurrent key ranges (:func:`list_keys`); cached on disk for :data:`LISTING_TTL_S`
     (``fresh`` lists again and replaces the cached listing)."""
     ttl = float(os.environ.get("BNRECAL_LISTING_TTL_S", LISTING_TTL_S))
+    base = source.key + "/"
+    within = base.partition("/")[2]  # ListObjectsV2 keys do not start with the bucket
     cache = None
     if cache_root is not None:
         digest = hashlib.sha256(f"{source.uri}\0{source.endpoint_url}".encode()).hexdigest()
@@ -364,24 +359,24 @@ def list_prefix(
                 raise OSError("listing again")
             cached = json.loads(cache.read_text())
             if time.time() - float(cached["listed_at"]) < ttl:
-                return {key: ListedObject(int(size), str(etag)) for key, (size, etag) in cached["objects"].items()}
+                return {
+                    key: StoredObject(within + key, int(size), str(etag)) for key, (size, etag) in cached["objects"].items()
+                }
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    base = source.key + "/"
     try:
         listed = list_keys(source.filesystem(), base)
     except Exception as exc:  # noqa: BLE001
         raise remote_error(exc, source, role) from exc
-    within = base.partition("/")[2]  # ListObjectsV2 keys do not start with the bucket
     objects = {
-        entry.key[len(within):]: ListedObject(entry.size, entry.version)
+        entry.key[len(within):]: entry
         for entry in listed
         if entry.key.startswith(within) and not entry.key.endswith("/")
     }
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         staging = cache.with_suffix(f".{os.getpid()}.tmp")
-        listing = {key: [found.size, found.etag] for key, found in objects.items()}
+        listing = {key: [found.size, found.version] for key, found in objects.items()}
         staging.write_text(json.dumps({"listed_at": time.time(), "objects": listing}))
         os.replace(staging, cache)
     return objects
@@ -445,7 +440,7 @@ def _cuts_after(last: str, count: int) -> list[str]:
     return cuts
 
 
-def prefix_shards(source: RemoteSource, objects: dict[str, ListedObject]) -> list[ShardRef] | None:
+def prefix_shards(source: RemoteSource, objects: dict[str, StoredObject]) -> list[ShardRef] | None:
     """The shards of a listed prefix, sorted by relative key, when it holds shards and no
     image or array objects; None otherwise (an image prefix, say)."""
     from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
