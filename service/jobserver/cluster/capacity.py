@@ -26,6 +26,7 @@ from bnrecal.service.settings import Settings
 log = logging.getLogger("bnrecal.capacity")
 
 _EPSILON = 1e-9
+ASK_TIMEOUT_S = 5.0  # a GCS that does not answer the node table in this long is unreachable
 _HINT = "checked against the cluster as it is now (BNRECAL_CAPACITY_CHECK)"
 
 
@@ -42,14 +43,23 @@ class Node:
         return min(fits) if fits else 1_000_000
 
 
-def cluster_nodes() -> list[Node]:
-    """The alive nodes of the connected Ray cluster and their CPUs and GPUs."""
-    nodes = []
-    for node in ray.nodes():
-        if node.get("Alive"):
-            resources = node.get("Resources") or {}
-            nodes.append(Node(float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0))))
-    return nodes
+def cluster_nodes(timeout_s: float = ASK_TIMEOUT_S) -> list[Node]:
+    """The alive nodes of the connected Ray cluster and their CPUs and GPUs.
+
+    Asked through the driver's GCS client, which raises when the call fails. ``ray.nodes()``
+    goes through Ray's global state accessor, which aborts the whole process when the GCS goes
+    away mid-call (a ``RpcError: CANCELLED`` check in its callback). The server's health probe
+    asks twice a second, and a signal to the server's process group ends the GCS while the server
+    drains, so one probe in that moment killed the server before it could queue its running
+    jobs again."""
+    from ray._private.worker import global_worker
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    infos = global_worker.gcs_client.get_all_node_info(timeout=timeout_s)
+    return [
+        Node(float(node.resources_total.get("CPU", 0.0)), float(node.resources_total.get("GPU", 0.0)))
+        for node in infos.values() if node.state == GcsNodeInfo.ALIVE
+    ]
 
 
 def check_fits_cluster(options: RunOptions, settings: Settings, nodes: list[Node] | None = None) -> None:
