@@ -40,7 +40,9 @@ class _TypedJSON(TypeDecorator[Any]):
     adapter: ClassVar[TypeAdapter[Any]]
 
     def process_bind_param(self, value: Any, dialect: Any) -> Any:
-        return None if value is None else self.adapter.dump_python(value, mode="json")
+        if value is None:
+            return None
+        return self.adapter.dump_python(self.adapter.validate_python(value), mode="json")  # what cannot be read back is not written
 
     def process_result_value(self, value: Any, dialect: Any) -> Any:
         return None if value is None else self.adapter.validate_python(value)

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
 from bnrecal.service.jobserver.storage.blobs import FileBlobStore
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage.collection import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings
@@ -63,7 +63,7 @@ class Store:
         if status is not JobStatus.queued:
             self.ledger.mark_running(job.id)
         if status.is_terminal:
-            stored = {name: {"digest": digest, "size": 1, "filename": name, "media_type": "x"}
+            stored = {name: Artifact(digest=digest, size=1, filename=name, media_type="x")
                       for name, digest in (artifacts or {}).items()}
             self.ledger.finish(job.id, status, artifacts=stored)
         return job.id
