@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -30,6 +30,8 @@ from bnrecal.service.run.onnx_passes import (
 )
 from bnrecal.service.run.report import Placement
 from bnrecal.service.settings import Settings
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
     from bnrecal.workers.ranks.job_gang import JobGang
@@ -216,6 +218,18 @@ class RankPasses(OnnxPasses):
             )
 
         retried = (lambda why: self.on_phase(f"running the {phase} pass again after: {why}")) if self.on_phase else None
+        return with_retries(attempt, self.policy, self.failures, retried)
+
+    def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
+        """``work(*args)`` for each of ``calls`` in the ranks' processes, spread over them, retried as
+        the policy allows when a rank is lost (``workers.ranks.offload``)."""
+        from bnrecal.workers.ranks.offload import run_on_ranks
+
+        def attempt() -> list[T]:
+            check_cancel(self.cancel)
+            return run_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, cancel=self.cancel)
+
+        retried = (lambda why: self.on_phase(f"running the INT8 work again after: {why}")) if self.on_phase else None
         return with_retries(attempt, self.policy, self.failures, retried)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bnrecal.errors import ExportError, Int8GuardError, Int8GuardUnreachableError
@@ -42,8 +43,10 @@ from bnrecal.service.export.int8.quantizer import (
     write_qdq,
 )
 from bnrecal.service.export.report_sections import (
+    GraphSummary,
     GuardReportPart,
     GuardSelection,
+    Int8Checks,
     Int8Evaluation,
     Int8Guard,
     Int8Section,
@@ -113,36 +116,70 @@ def quantize_export(
         raise ExportError(
             "int8.max_top1_drop needs labelled evaluation data (eval data with labels) to measure top-1 on"
         )
-    prepared = prepare(fp32_model)
-    reasons = resolve_keep_float(prepared, options.keep_float)  # before the range passes: a typo costs nothing
     check_op_types(options)
-    stale = prepare(stale_fp32_model) if stale_fp32_model is not None and (passes.labelled or compare) else None
+    with_stale = stale_fp32_model is not None and (passes.labelled or compare is not None)
+    phase("preparing the INT8 export")  # onnxruntime's pre-processing, on the ranks as the passes run
+    prepared, *stale_prepared = passes.map(prepare, [(fp32_model,), *([(stale_fp32_model,)] if with_stale else [])])
+    stale = stale_prepared[0] if stale_prepared else None
+    reasons = resolve_keep_float(prepared, options.keep_float)  # before the range passes: a typo costs nothing
     fp32 = _float32_pass(fp32_model, prepared, stale_fp32_model, stale, options, passes, compare, output, phase)
     if fp32.measured is not None and fp32.measured.evaluation is not None and on_evaluation is not None:
         on_evaluation(fp32.measured.evaluation, fp32.measured.seconds)
     found = fp32.ranges(MODEL)
-    data = tensors_data(found.ranges, found.histograms, found.edges, options)
     phase("writing and verifying INT8")
-    model = write_qdq(prepared, data, options, list(reasons))
+    alike = None
+    if passes.labelled and stale is not None:  # the stale model quantized alike, beside the model, on another rank
+        alike = _QuantizerAlike(stale, fp32.ranges(STALE), options, passes, phase)
+        (data, model), stale_file = passes.map(quantize, [(prepared, found, options, list(reasons)),
+                                                          alike.arguments(set(reasons))])
+        alike.keep(set(reasons), stale_file)
+    else:
+        data, model = passes.call(quantize, prepared, found, options, list(reasons))
     section = _section(options, prepared, fp32.gathered)
     if options.method != "minmax":
         section.ranges_as_minmax = ranges_as_minmax(data, found.ranges)
     if passes.labelled:
         assert fp32.measured is not None
-        alike = _quantizer_alike(stale, fp32.ranges(STALE), options, phase) if stale is not None else None
         phase("evaluating INT8")
         model = _evaluate(section, fp32.measured, model, prepared, data, options, reasons, passes, alike, output)
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
-    checked = check_int8(model, fp32_model, [samples[:1], samples])
-    summary = graph_summary(model, prepared, reasons, options)
-    one = samples[:1]  # batch 1, as a deployed model answers one request
+    checks = passes.call(check_file, model, fp32_model, samples, prepared, reasons, options)
     section = section.model_copy(update={
-        "max_abs_diff": checked.max_abs_diff, "fp32_max_abs": checked.fp32_max_abs, "runtimes": checked.runtimes,
-        "verified_batches": [1, len(samples)], **vars(summary), "bytes": len(model), "fp32_bytes": len(fp32_model),
-        "latency_ms": Latency(batch=1, fp32=latency_ms(fp32_model, one), int8=latency_ms(model, one)),
-        "written": True,
+        "max_abs_diff": checks.checked.max_abs_diff, "fp32_max_abs": checks.checked.fp32_max_abs,
+        "runtimes": checks.checked.runtimes, "verified_batches": [1, len(samples)], **vars(checks.summary),
+        "bytes": len(model), "fp32_bytes": len(fp32_model), "latency_ms": checks.latency, "written": True,
     })
     return Quantized(model, section)
+
+
+def quantize(prepared: PreparedModel, found: ModelResult, options: Int8Options,
+             exclude: Sequence[str]) -> tuple[Any, bytes]:
+    """The ranges ``found`` as onnxruntime's quantizer takes them (the entropy or percentile
+    search for the histogram methods) and the QDQ file it writes, ``exclude``d nodes in
+    float: the INT8 phase's heaviest computing, run where its passes run."""
+    data = tensors_data(found.ranges, found.histograms, found.edges, options)
+    return data, write_qdq(prepared, data, options, exclude)
+
+
+@dataclass(frozen=True)
+class FileChecks:
+    """An INT8 file's checks against its FP32 export (both runtimes), what its graph holds,
+    and both files' latency at batch 1."""
+
+    checked: Int8Checks
+    summary: GraphSummary
+    latency: Latency
+
+
+def check_file(model: bytes, fp32_model: bytes, samples: np.ndarray, prepared: PreparedModel,
+               reasons: dict[str, str], options: Int8Options) -> FileChecks:
+    """The INT8 file ``model`` checked on the first and all of ``samples`` against the FP32
+    export, its graph summed up, and both timed on one sample, as a deployed model answers
+    one request: run where the passes run, like the quantizer."""
+    checked = check_int8(model, fp32_model, [samples[:1], samples])
+    one = samples[:1]
+    return FileChecks(checked, graph_summary(model, prepared, reasons, options),
+                      Latency(batch=1, fp32=latency_ms(fp32_model, one), int8=latency_ms(model, one)))
 
 
 def _float32_pass(
@@ -167,16 +204,30 @@ def _float32_pass(
     return _Float32Pass(gathered, passes.over_evaluation(exported, compare=comparison, output=output).result)
 
 
-def _quantizer_alike(stale: PreparedModel, found: ModelResult, options: Int8Options,
-                     phase: Callable[[str], None]) -> Callable[[set[str]], bytes]:
-    """Writes the stale model's INT8 file alike: its own ranges, the same options and float ops."""
-    data = tensors_data(found.ranges, found.histograms, found.edges, options)
+class _QuantizerAlike:
+    """Writes the stale model's INT8 file alike: its own ranges, the same options and float
+    ops, where the passes run; each set of float ops once (``keep`` takes one written
+    elsewhere, beside the model's own file)."""
 
-    def alike(float_ops: set[str]) -> bytes:
-        phase("quantizing the stale model alike")
-        return write_qdq(stale, data, options, sorted(float_ops & set(stale.node_names)))
+    def __init__(self, stale: PreparedModel, found: ModelResult, options: Int8Options, passes: OnnxPasses,
+                 phase: Callable[[str], None]) -> None:
+        self.stale, self.found, self.options, self.passes, self.phase = stale, found, options, passes, phase
+        self.written: dict[frozenset[str], bytes] = {}
 
-    return alike
+    def arguments(self, float_ops: set[str]) -> tuple[Any, ...]:
+        """``quantize``'s arguments for the stale model with ``float_ops`` kept float."""
+        return self.stale, self.found, self.options, sorted(float_ops & set(self.stale.node_names))
+
+    def keep(self, float_ops: set[str], quantized: tuple[Any, bytes]) -> None:
+        """The file ``quantize`` wrote with ``arguments(float_ops)``."""
+        self.written[frozenset(float_ops)] = quantized[1]
+
+    def __call__(self, float_ops: set[str]) -> bytes:
+        key = frozenset(float_ops)
+        if key not in self.written:
+            self.phase("quantizing the stale model alike")
+            self.keep(float_ops, self.passes.call(quantize, *self.arguments(float_ops)))
+        return self.written[key]
 
 
 def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass) -> Int8Section:
@@ -244,7 +295,8 @@ def _evaluate(
         section.guard = guard
         try:
             guarded = enforce_top1_drop(
-                prepared, data, options, list(reasons), model, selection_fp32, selection_int8, selection_top1,
+                prepared, options, list(reasons), model, selection_fp32, selection_int8, selection_top1,
+                lambda excluded: passes.map(write_qdq, [(prepared, data, options, list(e)) for e in excluded]),
             )
         except Int8GuardUnreachableError as failed:
             fp32_top, int8_top = fp32.scores(MODEL, report_part), reported.scores(MODEL, report_part)

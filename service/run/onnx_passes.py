@@ -13,7 +13,9 @@ run's Ray ranks (``service.run.executors``). Both give the same file and figures
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,11 +37,15 @@ PassRecorder = Callable[[str, GroupPass], None]
 
 CALIBRATION, EVALUATION = "calibration", "evaluation"
 
+T = TypeVar("T")
+
 
 class OnnxPasses:
     """The passes of one INT8 export: over the calibration samples (``over_calibration``) or
     the evaluation data (``over_evaluation``), each one read of the samples (two for the
-    histogram methods' ranges) combined in one collective per read."""
+    histogram methods' ranges) combined in one collective per read; and the export's own
+    computing between them (``map``: the quantizer, the entropy search, the checks), run
+    where the passes run, so that a run on ranks leaves none of it to the job's host."""
 
     def __init__(self, labels: np.ndarray | None, evaluation_samples: int, shared: np.ndarray | None,
                  record: PassRecorder | None = None) -> None:
@@ -47,6 +53,7 @@ class OnnxPasses:
         self.evaluation_samples = evaluation_samples
         self.shared = shared
         self.record = record
+        self.work_seconds = 0.0
 
     @property
     def labelled(self) -> bool:
@@ -84,6 +91,25 @@ class OnnxPasses:
             return self._recorded(request, CALIBRATION)
         request = OnnxPassRequest(tuple(models), self.labels, None, compare, part, output)
         return self._recorded(request, EVALUATION)
+
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
+        """``work(*args)`` for each ``args`` of ``calls``, where the passes run: here for a
+        world of one, spread over the ranks for a run on Ray (``workers.ranks.offload``).
+        ``work`` is a module's function and its arguments picklable; the results come in
+        the order of ``calls``. Its seconds add to ``work_seconds`` (the report's timeline)."""
+        started = time.monotonic()
+        try:
+            return self._map(work, calls)
+        finally:
+            self.work_seconds += time.monotonic() - started
+
+    def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
+        """The calls, here, in order: a subclass on ranks spreads them."""
+        return [work(*args) for args in calls]
+
+    def call(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` where the passes run (one call of :meth:`map`)."""
+        return self.map(work, [args])[0]
 
     def _recorded(self, request: OnnxPassRequest, over: str) -> GroupPass:
         done = self._run(request, over)

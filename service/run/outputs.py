@@ -89,7 +89,7 @@ def make_outputs(
         progress(0, None, QUANTIZING_PHASE)
         started, read = time.monotonic(), result.read_here
         on_ranks = _make_int8(result, request, outputs, executor, policy, reuse, progress, cancel)
-        add_to_timeline(result.report, "INT8 quantizing and checks", time.monotonic() - started - on_ranks,
+        add_to_timeline(result.report, "INT8 FP32 exports", time.monotonic() - started - on_ranks,
                         result.read_here - read, 0, HOST)
 
 
@@ -137,6 +137,10 @@ def _make_int8(
         report.evaluation = EvaluationSection.of(DataSummary.of(evaluation.dataset.summary()), metrics,
                                                  seconds, ONNX_RUNTIME)
 
+    def worked() -> None:  # the quantizer's own work, where the passes ran
+        spent[0] += passes.work_seconds
+        add_to_timeline(report, "INT8 quantizer and checks", passes.work_seconds, 0, 0, where)
+
     try:
         quantized = quantize_export(
             fp32, outputs.int8_options, passes, result.calibration_samples(VERIFY_SAMPLES), stale_fp32_model=stale,
@@ -145,8 +149,10 @@ def _make_int8(
             on_phase=lambda phase: progress(0, None, phase),
         )
     except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
+        worked()
         result.report.int8, result.int8_failed = failed.section, failed
         return spent[0]
+    worked()
     check_cancel(cancel)
     quantized.write(outputs.int8)
     section = quantized.section

@@ -271,6 +271,13 @@ class CalibrationRank:
             passed = yield from self._streamed(work, collective, f"onnx-pass-rank-{self.rank}")
             yield OnnxPassDone(self.rank, self.node_id, passed)
 
+    def call(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in this rank's process (``workers.ranks.offload``): a later phase's
+        own computing (onnxruntime's quantizer, a file's checks) on the CPUs this rank holds,
+        off the job's host. An unexpected error names this rank, as a pass's does."""
+        with self._rank_named(" in a later phase's work"):
+            return work(*args)
+
     def _streamed(
         self, work: Callable[[Callable[[RankEvent], None]], T], collective: RayCollective, name: str
     ) -> Generator[RankEvent, None, T]:

@@ -26,7 +26,7 @@ from bnrecal.errors import BnrecalError, CallOrderError, RunError, first_line
 from bnrecal.workers.ranks.events import CalibrationDone, RankHeartbeat, RankProgress, RankStarted
 from bnrecal.workers.ranks.local import joined_head
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
-from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
 from bnrecal.workers.ranks.streams import follow_streams
 
 ProgressCallback = Callable[[str, int], None]
@@ -58,14 +58,8 @@ def run_rank_group(
     """
     world_size = plan.world_size
     plan = replace(plan, group_name=plan.group_name or f"bnrecal-{uuid.uuid4().hex[:12]}")
-    key = GangKey(
-        world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, plan.device
-    )
-    gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
-    if gang is None:
-        gang = Gang.start(key, options.placement_timeout_s, cancel, name=pool.group_name() if pool is not None else "")
-    succeeded = False
-    try:
+    key = GangKey.of(world_size, plan.device, options)
+    with held_gang(key, options, pool, cancel) as gang:
         state_ref = ray.put(weights)
         streams = [
             actor.run.remote(
@@ -76,16 +70,7 @@ def run_rank_group(
             )
             for rank, actor in enumerate(gang.actors)
         ]
-        result = _follow(streams, gang.group, plan, options, on_progress, cancel)
-        succeeded = True
-        return result
-    finally:
-        # Only a gang whose job succeeded may serve another; a cancelled or failed one is in
-        # an unknown state (a rank mid-step, a broken collective group) and is killed.
-        if succeeded and pool is not None:
-            pool.give_back(gang)
-        else:
-            gang.kill()
+        return _follow(streams, gang.group, plan, options, on_progress, cancel)
 
 
 def _bundle_nodes(group: Any) -> dict[int, str]:

@@ -28,8 +28,10 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -38,6 +40,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.actor import CalibrationActor
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+
+if TYPE_CHECKING:
+    from bnrecal.workers.ranks.plan import GroupOptions
 
 log = logging.getLogger("bnrecal.pool")
 
@@ -54,6 +59,11 @@ class GangKey:
     gpus_per_worker: float
     placement_strategy: str
     device: str
+
+    @classmethod
+    def of(cls, world_size: int, device: str, options: GroupOptions) -> GangKey:
+        """The key of ``world_size`` ranks on ``device``, placed by ``options``."""
+        return cls(world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, device)
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -144,6 +154,27 @@ class Gang:
         except Exception:  # noqa: BLE001 - a rank that cannot answer is not reusable
             log.warning("a warm rank failed its reset; its gang is killed", exc_info=True)
             return False
+
+
+@contextmanager
+def held_gang(key: GangKey, options: GroupOptions, pool: Any = None,
+              cancel: threading.Event | None = None) -> Iterator[Gang]:
+    """A gang for ``key`` while the block runs: the job's or a warm one from ``pool`` (a
+    ``WarmPool`` or a ``JobGang``), else one started now. It goes back to ``pool`` when the
+    block succeeds; a block that fails or is cancelled leaves it in an unknown state (a rank
+    mid-step, a broken collective group), so it is killed."""
+    gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
+    if gang is None:
+        gang = Gang.start(key, options.placement_timeout_s, cancel, name=pool.group_name() if pool is not None else "")
+    try:
+        yield gang
+    except BaseException:
+        gang.kill()
+        raise
+    if pool is not None:
+        pool.give_back(gang)
+    else:
+        gang.kill()
 
 
 _OPEN_POOLS: weakref.WeakSet[WarmPool] = weakref.WeakSet()

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
 
 from bnrecal.errors import Int8GuardUnreachableError
 
 from bnrecal.service.export.int8.options import Int8Options
-from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names, write_qdq
+from bnrecal.service.export.int8.quantizer import PreparedModel, quantized_node_names
 from bnrecal.service.export.report_sections import KeptFloat
 
 SELECTION_RULE = "evaluation samples at even positions (0, 2, 4, ...)"
@@ -46,21 +44,27 @@ class Guarded:
     measured: int = 0
 
 
+QdqWriter = Callable[[Sequence[Sequence[str]]], list[bytes]]
+"""The QDQ file onnxruntime's quantizer writes with the same ranges and options for each
+list of nodes kept float (``write_qdq``), several at once where they can be spread."""
+
+
 def enforce_top1_drop(
     prepared: PreparedModel,
-    data: Any,
     options: Int8Options,
     exclude: Sequence[str],
     model: bytes,
     fp32_top1: float,
     int8_top1: float,
     top1_of: Callable[[Sequence[bytes]], list[float]],
+    write: QdqWriter,
 ) -> Guarded:
     """The INT8 model within ``options.max_top1_drop`` points of ``fp32_top1`` as ``top1_of``
     measures it (on the selection part; it scores several models in one pass over the data:
     the sensitivity of each op alone in passes of ``CANDIDATES_PER_PASS``, then one pass per
     op kept), or ``Int8GuardUnreachableError`` when keeping up to ``max_float_ops`` ops in
-    float cannot make it hold."""
+    float cannot make it hold. ``write`` writes each candidate file (the candidates of a pass
+    side by side on the ranks)."""
     bound = options.max_top1_drop
 
     def drop(top1: float) -> float:
@@ -80,14 +84,14 @@ def enforce_top1_drop(
     gain: dict[str, float] = {}
     for first in range(0, len(candidates), CANDIDATES_PER_PASS):
         names = candidates[first : first + CANDIDATES_PER_PASS]
-        tops = top1_of([write_qdq(prepared, data, options, [*exclude, name]) for name in names])
+        tops = top1_of(write([[*exclude, name] for name in names]))
         gain.update({name: 100.0 * (top1 - int8_top1) for name, top1 in zip(names, tops, strict=True)})
     order = sorted(candidates, key=lambda name: (-gain[name], candidates.index(name)))
     kept: list[KeptFloat] = []
     top1 = int8_top1
     for name in order[:limit]:
         kept.append(KeptFloat(name=name, op_type=prepared.op_types.get(name, ""), top1_gain_alone_points=gain[name]))
-        model = write_qdq(prepared, data, options, [*exclude, *(k.name for k in kept)])
+        model = write([[*exclude, *(k.name for k in kept)]])[0]
         top1 = top1_of([model])[0]
         kept[-1].selection_top1_after = top1
         if drop(top1) <= bound:

@@ -229,6 +229,8 @@ def test_the_guard_measures_the_same_on_two_ranks_as_in_process(tmp_path, capsys
         sections[workers], timeline = report["int8"], {entry["phase"]: entry for entry in report["timeline"]}
         assert timeline["INT8 evaluations"]["where"] == ("in-process" if workers == 1 else "ranks")
         assert timeline["INT8 evaluations"]["passes"] >= 3  # the selection, the candidates, the report part
+        # the quantizer's own work (the candidates' files among it) where the passes ran, not on the host
+        assert timeline["INT8 quantizer and checks"]["where"] == timeline["INT8 evaluations"]["where"]
         files[workers] = Path(f"{out}.onnx").read_bytes() if code == 0 else None
     assert sections[1]["guard"] == sections[2]["guard"] and sections[1]["guard"]["kept_float"]
     assert sections[1]["evaluation"] == sections[2]["evaluation"]

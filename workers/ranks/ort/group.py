@@ -27,7 +27,7 @@ from bnrecal.workers.ranks.events import OnnxPassDone, RankHeartbeat, RankProgre
 from bnrecal.workers.ranks.group import GroupOptions
 from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import GroupPass
-from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
 from bnrecal.workers.ranks.streams import follow_streams
 
 
@@ -50,14 +50,10 @@ def run_onnx_pass_group(
     (one per rank) carry the data through the object store, else every rank opens
     ``dataset`` from its path."""
     what = f"the {pass_phase(request)} pass"
-    key = GangKey(world_size, options.cpus_per_worker, options.gpus_per_worker, options.placement_strategy, device)
-    gang = pool.take(key, cancel) if pool is not None and pool.enabled else None
-    if gang is None:
-        gang = Gang.start(key, options.placement_timeout_s, cancel, name=pool.group_name() if pool is not None else "")
+    key = GangKey.of(world_size, device, options)
     group_name = f"bnrecal-onnx-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
-    succeeded = False
-    try:
+    with held_gang(key, options, pool, cancel) as gang:
         request_ref = ray.put(request)
         streams = [
             actor.onnx_pass.remote(
@@ -67,12 +63,6 @@ def run_onnx_pass_group(
             for rank, actor in enumerate(gang.actors)
         ]
         answers = _follow(streams, options, cancel, what)
-        succeeded = True
-    finally:
-        if succeeded and pool is not None:
-            pool.give_back(gang)
-        else:
-            gang.kill()
     answers.sort(key=lambda answer: answer.rank)
     return GroupPass(
         result=answers[0].result,

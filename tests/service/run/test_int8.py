@@ -1,0 +1,57 @@
+"""The INT8 export's own computing on the ranks (``service.run.int8`` through
+``workers.ranks.offload``): onnxruntime's pre-processing, the entropy search, the quantizer
+and the file's checks run in the ranks' processes, none of it on the job's host, and the
+file and its section are byte for byte those of the same export in one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.run import int8
+from bnrecal.service.run.executors import on_ranks
+from bnrecal.service.run.onnx_passes import InProcessPasses
+from bnrecal.service.settings import Settings
+from tests.service.export.int8_helpers import array_dataset, fp32_export
+
+HOST_WORK = ("prepare", "tensors_data", "write_qdq", "check_int8", "latency_ms", "graph_summary")
+"""What the INT8 export computes between its passes: on the ranks, never on the host."""
+
+WHERE = {"latency_ms", "range_seconds", "world_size", "collectives"}  # timed, or where the passes ran
+
+
+def refused_here(original, host: int):
+    """``original``, except in the process ``host`` (the test's own, the job's host)."""
+    def guarded(*args, **kwargs):
+        if os.getpid() == host:
+            raise AssertionError(f"{original.__name__} ran on the job's host")
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+@pytest.mark.parametrize("method", ["entropy"])
+def test_the_quantizer_runs_on_the_ranks_and_writes_the_same_file(tmp_path, warm_pool, monkeypatch, method):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(  # small: onnxruntime's entropy search takes seconds a tensor
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2),
+        torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10),
+    ).eval()
+    samples = torch.randn(40, 3, 32, 32)
+    fp32 = fp32_export(model, samples, tmp_path / "fp32.onnx")
+    dataset = array_dataset(tmp_path / "x.npy", samples)
+    options = Int8Options(method=method)
+
+    here = int8.quantize_export(fp32, options, InProcessPasses(dataset, 16), samples[:8])
+
+    for name in HOST_WORK:
+        monkeypatch.setattr(int8, name, refused_here(getattr(int8, name), os.getpid()))
+    passes = on_ranks(dataset, 16, 2, "cpu", Settings(cpus_per_worker=1), pool=warm_pool)
+    there = int8.quantize_export(fp32, options, passes, samples[:8])
+
+    assert there.model == here.model
+    assert there.section.model_dump(exclude=WHERE) == here.section.model_dump(exclude=WHERE)
+    assert (there.section.world_size, there.section.collectives) == (2, [2, 2]) and passes.work_seconds > 0
