@@ -1,7 +1,7 @@
 """Work a job hands its ranks between passes: a later phase's own computing (onnxruntime's
 pre-processing and quantizer, the entropy search, a file's checks) in the ranks' processes,
 on the CPUs they hold, so that the job's host does none of it and a sweep's host work does
-not grow with its cells (docs/architecture.md, "The later phases on the ranks").
+not grow with its cells (docs/int8.md, "The quantizer's work on the ranks").
 
 A call is a function and its arguments, all picklable (the function travels by its
 module's name: the rank imports it). The calls of one :func:`run_on_ranks` are spread over
