@@ -21,9 +21,11 @@ target: the whole job within 1.15x of the statistics-only job plus that sum. The
 ``timeline`` (docs/report.md) from the last round shows where its time went.
 
 ``--bnrecal`` runs another checkout's command (its venv's ``bnrecal``), so the same bench
-measures an older commit beside this one:
+measures an older commit beside this one. ``--int8`` gives the whole job's INT8 options
+(``'{"method": "entropy"}'``: onnxruntime's entropy search, the INT8 phase's heaviest work);
+the last lines sum the timeline by where it ran, the job's host against its ranks:
 
-    .venv/bin/python bench/whole_job.py [--photos 256] [--rounds 2] [--bnrecal PATH]
+    .venv/bin/python bench/whole_job.py [--photos 256] [--rounds 2] [--bnrecal PATH] [--int8 JSON]
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--bnrecal", default=str(Path(sys.executable).with_name("bnrecal")),
                         help="the bnrecal command to time (another checkout's venv to compare)")
+    parser.add_argument("--int8", help="the whole job's --int8 options (JSON)")
     parser.add_argument("--baseline", choices=["eval-forward", "int8-pass", "quantizer"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -157,7 +160,8 @@ def main() -> None:
                 "--checkpoint", str(checkpoint), "--data", str(images), "--workers", "2", "--batch-size", str(BATCH),
                 "--transform", TRANSFORM, "--out", str(folder / "out.pt")]
         whole = [*base, "--eval-data", str(images), "--onnx", str(folder / "m.onnx"),
-                 "--onnx-int8", str(folder / "m-int8.onnx"), "--report", str(folder / "report.json")]
+                 "--onnx-int8", str(folder / "m-int8.onnx"), "--report", str(folder / "report.json"),
+                 *(["--int8", args.int8] if args.int8 else [])]
         times: dict[str, list[float]] = {"statistics": [], "whole job": []}
         for round_ in range(args.rounds):
             for name, command in (("statistics", base), ("whole job", whole)):
@@ -179,6 +183,10 @@ def main() -> None:
     for entry in report.get("timeline", []):
         print(f"  {entry['phase']:45s} {entry['seconds']:7.2f} s  {entry['samples']:6d} samples  "
               f"{entry['passes']} passes  {entry['where']}")
+    where: dict[str, float] = {}
+    for entry in report.get("timeline", []):
+        where[entry["where"]] = where.get(entry["where"], 0.0) + entry["seconds"]
+    print("  by where it ran: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in sorted(where.items())))
     decoding = report.get("decoding")
     if decoding is not None:  # an older checkout's report has none
         print(f"samples decoded by the ranks: {decoding['decoded']} for {report['samples']} distinct samples "

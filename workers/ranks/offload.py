@@ -10,12 +10,16 @@ by side. The gang is the job's (``workers.ranks.job_gang``), taken and given bac
 does. An object given to several calls travels to the object store once. A call that
 raises fails with its own error (a ``BnrecalError`` as it is, anything else as a
 ``RunError`` naming the rank); a rank that dies names itself; a cancel stops the wait at
-once. A failure kills the gang, as a failed pass does.
+once; a rank whose calls do not answer within the collective timeout each (``GroupOptions``,
+``BNRECAL_COLLECTIVE_TIMEOUT_S``) fails, so nothing waits on a stuck rank forever. A failure
+kills the gang, as a failed pass does.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -49,12 +53,34 @@ def run_on_ranks(
     if not calls:
         return []
     with held_gang(GangKey.of(world_size, device, options), options, pool, cancel) as gang:
+        _wait_until_up(gang.actors, options.placement_timeout_s, cancel)  # the timeout counts the calls, not a start
         shared = _shared_arguments(calls)
         refs = [
             gang.actors[i % len(gang.actors)].call.remote(work, *(shared.get(id(arg), arg) for arg in args))
             for i, args in enumerate(calls)
         ]
-        return _gathered(refs, len(gang.actors), cancel)
+        return _gathered(refs, len(gang.actors), options.collective_timeout_s, cancel)
+
+
+def _wait_until_up(actors: list[Any], timeout_s: float, cancel: threading.Event | None) -> None:
+    """Until every rank answers (a gang started for these calls is still starting its
+    processes), within the placement timeout."""
+    pings = [actor.node.remote() for actor in actors]
+    deadline = time.monotonic() + timeout_s
+    pending = pings
+    while pending:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("the job was cancelled")
+        if time.monotonic() > deadline:
+            late = pings.index(pending[0])
+            raise RunError(f"rank {late} did not start within {timeout_s:g} s; raise BNRECAL_PLACEMENT_TIMEOUT_S",
+                           rank=late)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_S)
+    for rank, ping in enumerate(pings):
+        try:
+            ray.get(ping)
+        except RayActorError as exc:
+            raise RunError(f"rank {rank} died before a later phase's work: {first_line(exc)}", rank=rank) from None
 
 
 def _shared_arguments(calls: Sequence[tuple[Any, ...]]) -> dict[int, Any]:
@@ -69,12 +95,21 @@ def _worth_sharing(arg: Any) -> bool:
     return not isinstance(arg, (int, float, str, bool, type(None)))
 
 
-def _gathered(refs: list[Any], ranks: int, cancel: threading.Event | None) -> list[Any]:
-    """Each call's result once all have answered; raises the first failure (by call order)."""
+def _gathered(refs: list[Any], ranks: int, timeout_s: float, cancel: threading.Event | None) -> list[Any]:
+    """Each call's result once all have answered (within ``timeout_s`` for each call a rank
+    runs); raises the first failure (by call order)."""
+    deadline = time.monotonic() + timeout_s * math.ceil(len(refs) / ranks)
     pending = list(refs)
     while pending:
         if cancel is not None and cancel.is_set():
             raise CancelledError("the job was cancelled")
+        if time.monotonic() > deadline:
+            waiting = set(pending)
+            late = next(i for i, ref in enumerate(refs) if ref in waiting) % ranks
+            raise RunError(
+                f"rank {late} did not finish a later phase's work within {timeout_s:g} s a call; raise "
+                "BNRECAL_COLLECTIVE_TIMEOUT_S if its work is legitimately this slow", rank=late,
+            )
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_S)
     results = []
     for i, ref in enumerate(refs):

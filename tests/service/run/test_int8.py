@@ -6,6 +6,7 @@ file and its section are byte for byte those of the same export in one process."
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -55,3 +56,28 @@ def test_the_quantizer_runs_on_the_ranks_and_writes_the_same_file(tmp_path, warm
     assert there.model == here.model
     assert there.section.model_dump(exclude=WHERE) == here.section.model_dump(exclude=WHERE)
     assert (there.section.world_size, there.section.collectives) == (2, [2, 2]) and passes.work_seconds > 0
+
+
+def dies_once(marker: str) -> int:
+    """Kills its own process the first time (``marker`` not yet there), else answers its pid."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.getpid()
+
+
+def test_a_rank_lost_in_the_quantizers_work_runs_that_work_again(tmp_path, warm_pool):
+    """A rank killed while it runs a piece of the INT8 export's work: the piece runs again on
+    a fresh gang under the run's failure policy (the passes before it are not redone), the
+    failure names the rank, and the progress says so."""
+    from bnrecal.service.run.core import FailurePolicy
+
+    dataset = array_dataset(tmp_path / "x.npy", torch.randn(8, 3, 8, 8))
+    failures: list[str] = []
+    phases: list[str] = []
+    passes = on_ranks(dataset, 4, 2, "cpu", Settings(cpus_per_worker=1), pool=warm_pool,
+                      policy=FailurePolicy(max_retries=1), failures=failures, on_phase=phases.append)
+    pids = passes.map(dies_once, [(str(tmp_path / "a"),), (str(tmp_path / "b"),)])
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert len(failures) == 1 and "rank 0 died in a later phase's work" in failures[0], failures
+    assert phases == [f"running the INT8 work again after: {failures[0]}"]

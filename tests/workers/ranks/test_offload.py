@@ -1,6 +1,7 @@
 """Work handed to real Ray ranks (``workers.ranks.offload``): spread over the gang in the
 ranks' own processes, results in the order of the calls; a call's own error as it is, any
-other naming its rank; a rank that dies mid-call named; a cancel stops the wait at once."""
+other naming its rank; a rank that dies mid-call named; a cancel stops the wait at once, and
+a stuck rank fails within the timeout."""
 
 from __future__ import annotations
 
@@ -71,3 +72,11 @@ def test_a_cancel_stops_the_wait_at_once(warm_pool):
     with pytest.raises(CancelledError):
         run_on_ranks(sleeps, [(60.0,), (60.0,)], 2, "cpu", OPTIONS, pool=warm_pool, cancel=cancel)
     assert time.monotonic() - started < 20
+
+
+def test_a_stuck_rank_fails_within_the_timeout(warm_pool):
+    started = time.monotonic()
+    quick = GroupOptions(cpus_per_worker=1, collective_timeout_s=2.0)
+    with pytest.raises(RunError, match=r"rank 1 did not finish a later phase's work within 2 s a call") as stuck:
+        run_on_ranks(sleeps, [(0.0,), (60.0,)], 2, "cpu", quick, pool=warm_pool)
+    assert stuck.value.rank == 1 and time.monotonic() - started < 20
