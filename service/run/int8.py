@@ -131,7 +131,7 @@ def quantize_export(
     if passes.labelled and stale is not None:  # the stale model quantized alike, beside the model, on another rank
         alike = _QuantizerAlike(stale, fp32.ranges(STALE), options, passes, phase)
         (data, model), stale_file = passes.map(quantize, [(prepared, found, options, list(reasons)),
-                                                          alike.arguments(set(reasons))])
+                                                          alike.first(set(reasons))])
         alike.keep(set(reasons), stale_file)
     else:
         data, model = passes.call(quantize, prepared, found, options, list(reasons))
@@ -206,28 +206,33 @@ def _float32_pass(
 
 class _QuantizerAlike:
     """Writes the stale model's INT8 file alike: its own ranges, the same options and float
-    ops, where the passes run; each set of float ops once (``keep`` takes one written
-    elsewhere, beside the model's own file)."""
+    ops, where the passes run; its ranges made onnxruntime's once (``first``: beside the
+    model's own file), each set of float ops written once."""
 
     def __init__(self, stale: PreparedModel, found: ModelResult, options: Int8Options, passes: OnnxPasses,
                  phase: Callable[[str], None]) -> None:
         self.stale, self.found, self.options, self.passes, self.phase = stale, found, options, passes, phase
+        self.data: Any = None
         self.written: dict[frozenset[str], bytes] = {}
 
-    def arguments(self, float_ops: set[str]) -> tuple[Any, ...]:
+    def first(self, float_ops: set[str]) -> tuple[Any, ...]:
         """``quantize``'s arguments for the stale model with ``float_ops`` kept float."""
-        return self.stale, self.found, self.options, sorted(float_ops & set(self.stale.node_names))
+        return self.stale, self.found, self.options, self._excluded(float_ops)
 
     def keep(self, float_ops: set[str], quantized: tuple[Any, bytes]) -> None:
-        """The file ``quantize`` wrote with ``arguments(float_ops)``."""
-        self.written[frozenset(float_ops)] = quantized[1]
+        """What ``quantize`` made of ``first(float_ops)``: the ranges as onnxruntime takes them, and the file."""
+        self.data, self.written[frozenset(float_ops)] = quantized
 
     def __call__(self, float_ops: set[str]) -> bytes:
         key = frozenset(float_ops)
         if key not in self.written:
             self.phase("quantizing the stale model alike")
-            self.keep(float_ops, self.passes.call(quantize, *self.arguments(float_ops)))
+            self.written[key] = self.passes.call(write_qdq, self.stale, self.data, self.options,
+                                                 self._excluded(float_ops))
         return self.written[key]
+
+    def _excluded(self, float_ops: set[str]) -> list[str]:
+        return sorted(float_ops & set(self.stale.node_names))
 
 
 def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass) -> Int8Section:
