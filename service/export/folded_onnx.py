@@ -156,21 +156,6 @@ def _traced_graph(
     return raw.model, torch_result, raw.exporter
 
 
-@holds_tracing
-def trace_ahead(model: torch.nn.Module, sample: torch.Tensor, reuse: GraphReuse, *, opset: int = DEFAULT_OPSET,
-                dynamic_batch: bool = True, input_shape: Sequence[int] | None = None) -> None:
-    """Trace ``model``'s export graph into ``reuse``, writing and verifying nothing: the
-    exporter's work that an export of a model of the same structure then skips (a run traces
-    the stale model while its ranks compute the statistics). ``sample`` gives the shape."""
-    shaped = _shaped_samples(sample[:1].repeat(2, *([1] * (sample.dim() - 1))), input_shape)
-    reference = export_copy(model)
-    example = shaped if dynamic_batch else shaped[:1]
-    with torch.no_grad():
-        n_outputs = len(flatten_outputs(reference(example)))
-    _traced_graph(reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
-                  exporter="auto", torch_fold=True, reuse=reuse)
-
-
 def _export_graph(
     model: torch.nn.Module, example: torch.Tensor, *, opset: int, dynamic_batch: bool, n_outputs: int,
     exporter: str, torch_fold: bool, reuse: GraphReuse | None = None,

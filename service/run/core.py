@@ -16,9 +16,7 @@ model) stays with the surface.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -89,14 +87,11 @@ class LaterPhases:
     they read them (an export's checks run on them, so the driver reads none); with
     ``evaluation_later`` the statistics' pass does not evaluate: a later phase measures the
     evaluation (the INT8 export's, on the folded FP32 models, in the pass that gathers their
-    ranges). ``meanwhile`` is work of a later phase this process does while the ranks
-    compute the statistics (the exporter's trace of the model), in a thread of its own; it
-    is best effort: what fails there is left to the phase."""
+    ranges)."""
 
     keep: KeepBudget | None = None
     head: int = 0
     evaluation_later: bool = False
-    meanwhile: Callable[[], None] | None = None
     shared: SharedScope | None = None
 
 
@@ -213,6 +208,11 @@ class Executor(Protocol):
         """Where the run's onnxruntime passes run, on its ranks: over the first ``samples`` of
         ``dataset`` with the calibration's sharding, and over the evaluation data."""
 
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
+            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+        """``work(*args)`` for each of ``calls`` where the ranks run, spread over them (a later
+        phase's own computing: the exports), retried under ``policy``; results in order."""
+
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""
 
@@ -259,11 +259,7 @@ def run(
                 feed=plan.feed, stop=StopRule(options.stop_tolerance) if options.auto_samples else None, head=plan.later.head,
             ))
             started = time.monotonic()
-            beside = _beside(plan.later.meanwhile)
-            try:
-                result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
-            finally:
-                beside.join()
+            result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
             wall = time.monotonic() - started
             placement = executor.placement(plan)
         finally:
@@ -283,26 +279,6 @@ def run(
             executor.release_decoded(scope)
         finally:
             executor.close()
-
-
-def _beside(work: Callable[[], None] | None) -> threading.Thread:
-    """``work`` running in a thread of this process (started; join it), its failure logged
-    and left to the phase that needs it. The thread takes only CPU the ranks leave: it runs
-    at the lowest priority (Ray starts rank processes at nice 15, so on a node they share
-    the work would otherwise come first and slow the pass it waits for)."""
-
-    def run() -> None:
-        try:
-            with contextlib.suppress(OSError, AttributeError):  # not Linux: an ordinary thread
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            if work is not None:
-                work()
-        except Exception:  # noqa: BLE001 - best effort: the later phase does the work again and reports
-            log.info("work beside the statistics failed; the later phase does it", exc_info=True)
-
-    thread = threading.Thread(target=run, name="bnrecal-beside-statistics", daemon=True)
-    thread.start()
-    return thread
 
 
 def _kept(plan: RunPlan, scope: str) -> RunPlan:

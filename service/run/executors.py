@@ -68,6 +68,11 @@ class InProcess:
         """The run's onnxruntime passes, here (a world of one, as the statistics were)."""
         return InProcessPasses(dataset, batch_size, samples, evaluation=evaluation, record=record)
 
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
+            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+        """A later phase's work, here, in order (the one rank is this process)."""
+        return [work(*args) for args in calls]
+
     def release_decoded(self, scope: str) -> KeptCounts:
         """Drop the samples this process kept for the run; what its passes decoded and reused."""
         return release_kept(scope)
@@ -162,6 +167,12 @@ class RayRanks:
             policy=policy, failures=failures, on_phase=on_phase, record=record,
         )
 
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
+            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+        """A later phase's work in the run's rank processes, spread over them (``map_on_ranks``)."""
+        return map_on_ranks(work, calls, self.options.workers, self.options.device, self.group, pool=self.gang,
+                            cancel=cancel, policy=policy, failures=failures, on_phase=on_phase)
+
     def release_decoded(self, scope: str) -> KeptCounts:
         """The run is over: its ranks drop the samples they kept and go back to the pool (or
         are killed); what their passes decoded and reused, summed."""
@@ -223,14 +234,26 @@ class RankPasses(OnnxPasses):
     def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
         """``work(*args)`` for each of ``calls`` in the ranks' processes, spread over them, retried as
         the policy allows when a rank is lost (``workers.ranks.offload``)."""
-        from bnrecal.workers.ranks.offload import run_on_ranks
+        return map_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, cancel=self.cancel,
+                            policy=self.policy, failures=self.failures, on_phase=self.on_phase)
 
-        def attempt() -> list[T]:
-            check_cancel(self.cancel)
-            return run_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, cancel=self.cancel)
 
-        retried = (lambda why: self.on_phase(f"running the INT8 work again after: {why}")) if self.on_phase else None
-        return with_retries(attempt, self.policy, self.failures, retried)
+def map_on_ranks(
+    work: Callable[..., T], calls: Sequence[tuple[Any, ...]], workers: int, device: str, group: Any, *,
+    pool: WarmPool | JobGang | None, cancel: threading.Event | None, policy: FailurePolicy, failures: list[str],
+    on_phase: Callable[[str], None] | None,
+) -> list[T]:
+    """``work(*args)`` for each of ``calls`` on a job's ``workers`` ranks (``workers.ranks.offload``),
+    under the run's failure policy: a lost rank runs the calls again on a fresh gang
+    (``failures`` and ``on_phase`` hear why)."""
+    from bnrecal.workers.ranks.offload import run_on_ranks
+
+    def attempt() -> list[T]:
+        check_cancel(cancel)
+        return run_on_ranks(work, calls, workers, device, group, pool=pool, cancel=cancel)
+
+    retried = (lambda why: on_phase(f"running the later phase's work again after: {why}")) if on_phase else None
+    return with_retries(attempt, policy, failures, retried)
 
 
 def on_ranks(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,11 +16,12 @@ from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.errors import EvaluationError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.models.sources import ModelSource
 
 from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection
 from bnrecal.service.export.verification import VERIFY_SAMPLES
-from bnrecal.service.run.options import DEFAULT_OPSET
+from bnrecal.service.run.options import DEFAULT_OPSET, ExportOptions
 from bnrecal.service.run.recalibration import Recalibration
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.settings import Settings
@@ -36,25 +41,101 @@ def export_recalibrated(
     reuse: GraphReuse | None = None,
     openvino: bool = True,
 ) -> OnnxSection:
-    """Fold and export the recalibrated model (or ``model``, e.g. the stale one), verified on
-    its own calibration samples (``reuse`` and ``openvino``: ``export_folded_onnx``'s).
+    """Fold and export the recalibrated model (or ``model``, e.g. the stale one) in this
+    process, verified on its own calibration samples (``reuse`` and ``openvino``:
+    ``export_folded_onnx``'s).
 
     Returns the report's ``onnx`` section; raises ``ExportError`` (and writes nothing)
-    when the export cannot be verified.
+    when the export cannot be verified. A run's own exports run where its ranks run
+    (``export_models``).
     """
-    from bnrecal.workers.programs import ProgramModule
-
     from bnrecal.service.export import export_folded_onnx
 
-    fixed = 1
-    if isinstance(result.model, ProgramModule) and result.model.batch.static:
-        # a program exported with a static batch exports at that batch, and only there
-        fixed, dynamic_batch = result.model.batch.low, False
+    fixed, dynamic_batch = export_batch(result.model, dynamic_batch)
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     return export_folded_onnx(
         result.model if model is None else model, samples, path, opset=opset, dtype=dtype, dynamic_batch=dynamic_batch,
         input_shape=input_shape, fixed_batch=fixed, reuse=reuse, openvino=openvino,
     )
+
+
+def export_batch(model: torch.nn.Module, dynamic_batch: bool) -> tuple[int, bool]:
+    """The batch an export is made and verified at, and whether its batch axis is dynamic: a
+    program exported with a static batch exports at that batch, and only there."""
+    from bnrecal.workers.programs import ProgramModule
+
+    if isinstance(model, ProgramModule) and model.batch.static:
+        return model.batch.low, False
+    return 1, dynamic_batch
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """How a process without the run's model (a rank) builds it: the run's model source and
+    weights (as the statistics' ranks build it), with the recalibrated BN buffers
+    (``updates``) or, for the stale model, the buffers it had (``stale_buffers``)."""
+
+    source: ModelSource
+    weights: Any
+    updates: dict[str, torch.Tensor]
+    stale_buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, result: Recalibration) -> ModelBuild:
+        """The recalibrated model of ``result``, to build elsewhere."""
+        return cls(result.loaded.source, result.loaded.weights, result.updates, result.stale_buffers)
+
+    def build(self, stale: bool = False) -> torch.nn.Module:
+        """The recalibrated model (or the stale one), in eval mode."""
+        model = self.source.build(self.weights)
+        state = model.state_dict()
+        with torch.no_grad():
+            for key, value in (self.stale_buffers if stale else self.updates).items():
+                state[key].copy_(value)
+        return model.eval()
+
+
+@dataclass(frozen=True)
+class ExportAsk:
+    """One folded export a run makes: of the recalibrated model or the stale one, in
+    ``dtype``, checked in OpenVINO too or not (a file nobody deploys, the stale model's)."""
+
+    stale: bool = False
+    dtype: str = "float32"
+    openvino: bool = True
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    """An export's bytes, its report section and the seconds it took."""
+
+    model: bytes
+    section: OnnxSection
+    seconds: float
+
+
+def export_models(
+    build: ModelBuild, samples: torch.Tensor, asks: Sequence[ExportAsk], export: ExportOptions, fixed: int,
+    dynamic_batch: bool,
+) -> list[ExportedFile]:
+    """Each export of ``asks`` of the model ``build`` makes, verified on ``samples``, at the
+    batch ``export_batch`` gave: a run's exports, run where its ranks run (one trace of
+    the exporter for all of them, ``GraphReuse``), so that the job's host does none."""
+    from bnrecal.service.export import export_folded_onnx
+
+    reuse = GraphReuse()
+    models = {stale: build.build(stale) for stale in {ask.stale for ask in asks}}
+    exported = []
+    with tempfile.TemporaryDirectory(prefix="bnrecal-export-") as tmp:
+        for number, ask in enumerate(asks):
+            started, path = time.monotonic(), Path(tmp) / f"{number}.onnx"
+            section = export_folded_onnx(
+                models[ask.stale], samples, path, opset=export.opset, dtype=ask.dtype,  # type: ignore[arg-type]
+                dynamic_batch=dynamic_batch, input_shape=export.input_shape, fixed_batch=fixed, reuse=reuse,
+                openvino=ask.openvino,
+            )
+            exported.append(ExportedFile(path.read_bytes(), section, time.monotonic() - started))
+    return exported
 
 
 @holds_tracing

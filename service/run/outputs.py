@@ -10,7 +10,6 @@ under the run's failure policy. Each surface only says where the files go.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +17,14 @@ from bnrecal.errors import Int8GuardError
 from bnrecal.workers.engine.evaluation import EvalMetrics
 from bnrecal.workers.ranks.plan import GroupPass
 
-from bnrecal.service.export.graph_reuse import GraphReuse
+from bnrecal.workers.files import atomic_write
+
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
-from bnrecal.service.run.exporting import export_recalibrated, scores_output
+from bnrecal.service.run.exporting import ExportAsk, ModelBuild, export_batch, export_models, scores_output
 from bnrecal.service.export.verification import VERIFY_SAMPLES
-from bnrecal.service.run.int8 import fp32_bytes_for, quantize_export
+from bnrecal.service.run.int8 import quantize_export
+from bnrecal.service.run.onnx_passes import OnnxPasses
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
 from bnrecal.service.run.report import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
@@ -63,74 +64,102 @@ def make_outputs(
     *,
     on_progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
-    reuse: GraphReuse | None = None,
 ) -> None:
     """Write ``outputs`` for a finished recalibration, setting the report's ``onnx`` and
     ``int8`` sections. An INT8 file that fails its guard is not written: the report says
     why and ``result.int8_failed`` holds the error, for the surface to raise once the other
     outputs are kept (docs/int8.md). Any other failure raises (``ExportError``, ``RunError``).
-    ``reuse`` holds the exporter's graph where the run traced it already (beside its statistics)."""
+
+    The exports run where the ranks run (docs/onnx.md, "Where the export runs"): every export
+    the outputs need (the ONNX file, the FP32 model an INT8 file is quantized from, the
+    stale model's) in one call to one rank, which builds the model from its source and
+    weights with the new statistics and traces it once."""
     progress = on_progress or (lambda done, total, phase: None)
-    if reuse is None and outputs.int8 is not None:
-        reuse = GraphReuse()  # one trace for the model and the stale one
-    if outputs.onnx is not None:
-        check_cancel(cancel)
-        progress(0, None, EXPORTING_PHASE)
-        export, started, read = outputs.export, time.monotonic(), result.read_here
-        result.report.onnx = export_recalibrated(
-            result, outputs.onnx, opset=export.opset, dtype=export.dtype, dynamic_batch=export.dynamic_batch,
-            input_shape=export.input_shape, reuse=reuse,
-        )
-        add_to_timeline(result.report, "ONNX export and its checks", time.monotonic() - started,
-                        result.read_here - read, 0, HOST)
+    report, where = result.report, where_ranks_ran(result.report)
+    failures: list[str] = []
+    passes = None
     if outputs.int8 is not None:
-        assert outputs.int8_options is not None and reuse is not None
+        passes = _int8_passes(result, request, executor, policy, failures, progress, cancel)
+    check_cancel(cancel)
+    progress(0, None, EXPORTING_PHASE)
+    read = result.read_here
+    asks = export_asks(outputs, passes is not None and _wants_stale(result, passes))  # INT8_BASE: the ONNX file when float32
+    fixed, dynamic_batch = export_batch(result.model, outputs.export.dynamic_batch)
+    samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
+    exported = dict(zip(asks, executor.map(
+        export_models, [(ModelBuild.of(result), samples, list(asks), outputs.export, fixed, dynamic_batch)],
+        policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
+    )[0], strict=True))
+    onnx_file = ExportAsk(dtype=outputs.export.dtype)
+    if outputs.onnx is not None:
+        onnx = exported[onnx_file]
+        atomic_write(outputs.onnx, lambda scratch: scratch.write_bytes(onnx.model))
+        report.onnx = onnx.section
+        add_to_timeline(report, "ONNX export and its checks", onnx.seconds, result.read_here - read, 0, where)
+    if outputs.int8 is not None:
+        assert passes is not None
+        others = [file for ask, file in exported.items() if outputs.onnx is None or ask != onnx_file]
+        if others:
+            add_to_timeline(report, "INT8 FP32 exports", sum(file.seconds for file in others), 0, 0, where)
+        stale = exported.get(STALE_BASE)
         check_cancel(cancel)
         progress(0, None, QUANTIZING_PHASE)
-        started, read = time.monotonic(), result.read_here
-        on_ranks = _make_int8(result, request, outputs, executor, policy, reuse, progress, cancel)
-        add_to_timeline(result.report, "INT8 FP32 exports", time.monotonic() - started - on_ranks,
-                        result.read_here - read, 0, HOST)
+        _make_int8(result, outputs, passes, failures, exported[INT8_BASE].model, stale.model if stale else None,
+                   progress, cancel)
 
 
-def _make_int8(
-    result: Recalibration, request: RecalibrationRequest, outputs: RunOutputs, executor: Executor,
-    policy: FailurePolicy, reuse: GraphReuse,
-    progress: ProgressCallback, cancel: threading.Event | None,
-) -> float:
-    """The INT8 phase: its passes on the run's ranks, the file, its report section (and the
-    evaluation before and after, when it was left to this phase); returns the seconds its
-    passes took (each in the report's timeline)."""
-    assert outputs.int8 is not None and outputs.int8_options is not None
-    failures: list[str] = []
+INT8_BASE = ExportAsk(stale=False, dtype="float32", openvino=True)
+"""The FP32 export an INT8 file is quantized from (the ONNX file itself, when that is float32)."""
+STALE_BASE = ExportAsk(stale=True, dtype="float32", openvino=False)
+"""The stale model's FP32 export, quantized alike to show what recalibrating bought; nobody deploys it."""
+
+
+def export_asks(outputs: RunOutputs, stale: bool) -> tuple[ExportAsk, ...]:
+    """The exports ``outputs`` need, each once: the ONNX file, the INT8 file's FP32 base (the
+    ONNX file when it is float32), and with ``stale`` the stale model's."""
+    asks: list[ExportAsk] = []
+    if outputs.onnx is not None:
+        asks.append(ExportAsk(dtype=outputs.export.dtype))
+    if outputs.int8 is not None:
+        asks.extend(ask for ask in (INT8_BASE, *([STALE_BASE] if stale else [])) if ask not in asks)
+    return tuple(asks)
+
+
+def _wants_stale(result: Recalibration, passes: OnnxPasses) -> bool:
+    """Whether the INT8 phase quantizes the stale model alike: to score it on labelled
+    evaluation data, or to measure the evaluation before and after (left to this phase)."""
+    return passes.labelled or (result.evaluation_later and result.evaluation is not None)
+
+
+def _int8_passes(
+    result: Recalibration, request: RecalibrationRequest, executor: Executor, policy: FailurePolicy,
+    failures: list[str], progress: ProgressCallback, cancel: threading.Event | None,
+) -> OnnxPasses:
+    """The INT8 phase's passes on the run's ranks, each recorded in the report's timeline."""
     report, where = result.report, where_ranks_ran(result.report)
-    spent = [0.0]
 
     def record(phase: str, done: GroupPass) -> None:
-        spent[0] += done.seconds
         reads = done.collectives[0] if done.collectives else 0  # each read of the samples ends in one collective
         add_to_timeline(report, phase, done.seconds, sum(done.samples) * reads, reads, where)
 
     # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
-    passes = executor.onnx_passes(
+    return executor.onnx_passes(
         result.dataset, request.batch_size, int(report["samples"]), result.evaluation, policy=policy,
         failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel, record=record,
     )
+
+
+def _make_int8(
+    result: Recalibration, outputs: RunOutputs, passes: OnnxPasses, failures: list[str], fp32: bytes,
+    stale: bytes | None, progress: ProgressCallback, cancel: threading.Event | None,
+) -> None:
+    """The INT8 phase: its passes and its work on the run's ranks, the file, its report
+    section (and the evaluation before and after, when it was left to this phase)."""
+    assert outputs.int8 is not None and outputs.int8_options is not None
+    report, where = result.report, where_ranks_ran(result.report)
     evaluation = result.evaluation if result.evaluation_later else None
-    export = outputs.export
-    kwargs = {"opset": export.opset, "dynamic_batch": export.dynamic_batch, "input_shape": export.input_shape,
-              "reuse": reuse}
-    if outputs.onnx is not None and export.dtype == "float32":
-        fp32 = outputs.onnx.read_bytes()
-    else:
-        fp32 = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, **kwargs))
-    stale = None
-    if passes.labelled or evaluation is not None:  # what recalibrating bought: the stale model, alike
-        stale_model = result.stale_model()
-        stale = fp32_bytes_for(lambda scratch: export_recalibrated(result, scratch, model=stale_model, openvino=False,
-                                                                   **kwargs))
 
     def evaluated(metrics: EvalMetrics, seconds: float) -> None:
         assert evaluation is not None
@@ -138,7 +167,6 @@ def _make_int8(
                                                  seconds, ONNX_RUNTIME)
 
     def worked() -> None:  # the quantizer's own work, where the passes ran
-        spent[0] += passes.work_seconds
         add_to_timeline(report, "INT8 quantizer and checks", passes.work_seconds, 0, 0, where)
 
     try:
@@ -151,7 +179,7 @@ def _make_int8(
     except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
         worked()
         result.report.int8, result.int8_failed = failed.section, failed
-        return spent[0]
+        return
     worked()
     check_cancel(cancel)
     quantized.write(outputs.int8)
@@ -159,4 +187,3 @@ def _make_int8(
     section.attempts = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
     section.retried_failures = failures
     result.report.int8 = section
-    return spent[0]

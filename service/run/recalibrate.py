@@ -12,7 +12,6 @@ the same program archive.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING
 from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
-from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunResult, RunPlan, check_cancel, run,
 )
@@ -38,7 +36,6 @@ from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and 
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
-    import torch
     from torch import nn
 
     from bnrecal.workers.ranks.pool import WarmPool
@@ -97,14 +94,12 @@ def recalibrate(
     evaluation = plan_evaluation(request, model, settings) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     later = evaluation is not None and evaluation_with_int8(outputs, model)
-    reuse = GraphReuse() if outputs is not None and outputs.int8 is not None else None
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
         later=LaterPhases(
             keep=kept_budget(settings, outputs) if shared is None else shared.keep, head=head_samples(outputs, model),
             evaluation_later=later,
-            meanwhile=None if in_process or reuse is None else trace_beside(model, probe, reuse, outputs),  # type: ignore[arg-type]
             shared=None if shared is None else shared.shared_scope(str(request.data)),
         ),
     )
@@ -129,8 +124,7 @@ def recalibrate(
         if loaded.is_program:
             result.report.program = ProgramSection(name=loaded.source.name, batch=model.batch.describe())  # type: ignore[union-attr]
         if outputs is not None and outputs.any:
-            make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel,
-                         reuse=reuse)
+            make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel)
         return recalibration
 
     return run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, then=with_files)
@@ -193,20 +187,6 @@ def recalibrate_to_files(
 
         write_html_report(result.report, files.report_html)
     return result
-
-def trace_beside(model: nn.Module, probe: torch.Tensor, reuse: GraphReuse, outputs: RunOutputs) -> Callable[[], None] | None:
-    """The exporter's trace of the model as uploaded, for a run with an INT8 file to do while
-    its ranks compute the statistics: the stale and the recalibrated exports then reuse the
-    graph (docs/onnx.md, "The file"). None for a program of a static batch (its export
-    runs at that batch, which the probe cannot show)."""
-    from bnrecal.service.export.folded_onnx import trace_ahead
-
-    if static_batch(model) is not None:
-        return None
-    export = outputs.export  # the model is copied there, before its statistics change after the pass
-    return lambda: trace_ahead(model, probe, reuse, opset=export.opset, dynamic_batch=export.dynamic_batch,
-                               input_shape=export.input_shape)
-
 
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
     """How many of the first samples the ranks hand back for the exports' checks: the

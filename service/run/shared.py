@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
@@ -22,6 +22,8 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, RunPlan, SharedScope
 from bnrecal.service.run.report import Placement
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from bnrecal.service.run.onnx_passes import OnnxPasses, PassRecorder
@@ -80,6 +82,11 @@ class SharedRanks:
         """A run's onnxruntime passes, on the shared ranks."""
         return self.inner.onnx_passes(dataset, batch_size, samples, evaluation, policy=policy, failures=failures,
                                       on_phase=on_phase, cancel=cancel, record=record)
+
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
+            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+        """A run's later-phase work, on the shared ranks."""
+        return self.inner.map(work, calls, policy=policy, failures=failures, on_phase=on_phase, cancel=cancel)
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """A run is over: what it decoded stays for the next (counted at :meth:`close`)."""

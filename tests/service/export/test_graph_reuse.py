@@ -67,24 +67,3 @@ def test_a_model_of_another_structure_is_traced_anew(tmp_path, traces):
     assert len(traces) == 2  # its weights do not fit the traced graph
     export_folded_onnx(other, samples, tmp_path / "alone.onnx", openvino=False)
     assert (tmp_path / "other.onnx").read_bytes() == (tmp_path / "alone.onnx").read_bytes()
-
-
-def test_a_graph_traced_ahead_from_one_sample_serves_both_exports(tmp_path, traces):
-    """The run traces the stale model from its probe sample while the ranks compute the
-    statistics; the recalibrated and the stale exports made from that trace are byte for
-    byte what exports of their own write."""
-    from bnrecal.service.export.folded_onnx import trace_ahead
-
-    torch.manual_seed(2)
-    stale = torchvision.models.resnet18(num_classes=10).eval()
-    recalibrated = with_other_statistics(stale)
-    samples = torch.randn(8, 3, 32, 32)
-    reuse = GraphReuse()
-    trace_ahead(stale, samples[:1], reuse)
-    assert reuse.traced is not None and len(traces) == 1
-    for name, model in (("recalibrated", recalibrated), ("stale", stale)):
-        before = len(traces)
-        export_folded_onnx(model, samples, tmp_path / f"{name}-reused.onnx", reuse=reuse, openvino=False)
-        assert len(traces) == before, name  # no trace of its own
-        export_folded_onnx(model, samples, tmp_path / f"{name}-alone.onnx", openvino=False)
-        assert (tmp_path / f"{name}-reused.onnx").read_bytes() == (tmp_path / f"{name}-alone.onnx").read_bytes()

@@ -6,7 +6,6 @@ differs and a cancellation never do, and the error after the last retry says how
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import threading
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import LiveModuleSource
 
-from bnrecal.service.run.core import FailureDecision, FailurePolicy, LaterPhases, RunPlan, run
+from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunPlan, run
 from bnrecal.service.run.executors import InProcess
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.report import Report
@@ -183,47 +182,3 @@ def test_a_run_cancelled_after_its_statistics_runs_no_later_phase(stale):
     with pytest.raises(CancelledError):
         run(plan_for(model, samples), CancelledAfterThePass(cancel), cancel=cancel, then=lambda *_: ran.append(True))
     assert ran == []
-
-
-class Timed(InProcess):
-    """The real in-process executor, noting when its pass ran."""
-
-    def __init__(self) -> None:
-        self.pass_started = self.pass_ended = 0.0
-
-    def execute(self, plan, run_plan, on_progress, cancel):
-        import time
-
-        self.pass_started = time.monotonic()
-        try:
-            return super().execute(plan, run_plan, on_progress, cancel)
-        finally:
-            self.pass_ended = time.monotonic()
-
-
-def test_work_beside_the_statistics_runs_during_the_pass_and_ends_before_the_later_phases(stale):
-    """``LaterPhases.meanwhile`` (an INT8 run's exporter trace) runs in a thread while the pass runs
-    and is finished before any later phase; its failure fails nothing (the phase that needs
-    the work does it again)."""
-    import time
-
-    model, samples = stale
-    executor, seen = Timed(), {}
-
-    def meanwhile():
-        seen["started"] = time.monotonic()
-        seen["thread"] = threading.current_thread().name
-        time.sleep(0.3)
-        seen["ended"] = time.monotonic()
-
-    plan = replace(plan_for(model, samples), later=LaterPhases(meanwhile=meanwhile))
-    run(plan, executor, then=lambda result, running: seen.update(phase=time.monotonic()))
-    assert seen["thread"] != threading.current_thread().name
-    assert seen["started"] < executor.pass_ended  # beside the pass, not after it
-    assert seen["ended"] <= seen["phase"]  # finished before the later phases
-
-    def fails():
-        raise RuntimeError("the trace failed")
-
-    result = run(replace(plan_for(model, samples), later=LaterPhases(meanwhile=fails)), InProcess())
-    assert result.report.samples == 29
