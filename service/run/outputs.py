@@ -29,7 +29,6 @@ from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
 from bnrecal.service.run.report import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
 
-HOST = "host"
 EXPORTING_PHASE = "exporting"
 QUANTIZING_PHASE = "quantizing to INT8"
 
