@@ -121,6 +121,35 @@ def test_a_failing_cell_fails_alone(capsys, tmp_path, sweep_inputs):
     assert (tmp_path / "out" / "m1" / "data" / "m1.pt").is_file() and not (tmp_path / "out" / "plain" / "data" / "plain.pt").exists()
 
 
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_cell_whose_export_fails_fails_alone_on_the_ranks(capsys, tmp_path, sweep_inputs):
+    """The export runs on a rank (docs/onnx.md, "Where the export runs"): a cell whose folded
+    weights overflow float16 fails there with the exporter's own error, and the cells before
+    and after it keep their files."""
+    torch.manual_seed(0)
+    loud = perturbed(mixed_net(), 0)
+    with torch.no_grad():
+        loud.bn.weight.fill_(1e6)  # folded into the conv: far beyond float16's 65504
+    save_state(tmp_path / "loud.pt", loud)
+    manifest = tmp_path / "models.txt"
+    manifest.write_text(f"{sweep_inputs / 'm0.pt'}\n{tmp_path / 'loud.pt'}\n{sweep_inputs / 'm1.pt'}\n")
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(manifest), "--arch", "tests.nets:mixed_net",
+        "--data", str(sweep_inputs / "a.npy"), "--batch-size", "8", "--workers", "2",
+        "--onnx", "--onnx-dtype", "float16", "--out-dir", str(tmp_path / "out"),
+    )
+    assert code == 1, err
+    assert "cell loud/data failed:" in err and "float16" in err and "'conv.weight'" in err
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [(c["model"], c["status"]) for c in matrix["cells"]] == [
+        ("m0", "succeeded"), ("loud", "failed"), ("m1", "succeeded")]
+    assert "float16" in matrix["cells"][1]["error"]
+    for good in ("m0", "m1"):
+        cell = tmp_path / "out" / good / "data"
+        assert (cell / f"{good}.pt").is_file() and (cell / "model.onnx").stat().st_size > 0
+    assert not any((tmp_path / "out" / "loud" / "data").glob("*.onnx"))  # nothing half written
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--data", "A=missing.npy"), "--data A missing.npy: no such file"),
     (("--data", "A=a.npy", "--data", "b.npy"), "--data b.npy: name each set as NAME=PATH"),
