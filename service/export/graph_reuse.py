@@ -1,10 +1,12 @@
 """One exporter trace for models that differ only in their weights: the stale model beside
-the recalibrated one (docs/onnx.md, "The file").
+the recalibrated one (docs/onnx.md, "The file"), and a sweep's cells of one architecture
+(docs/onnx.md, "One trace for a sweep").
 
 Tracing a model through torch's dynamo exporter is most of an export's time, and the stale
 model (the checkpoint as uploaded, exported to measure what recalibrating bought) has the
 recalibrated model's structure exactly: only BN statistics differ, and folds depend on the
-structure, not the statistics. So the first export keeps its graph as the exporter wrote it
+structure, not the statistics; a sweep's pruned or averaged checkpoints of one architecture
+differ in their weights only. So an export keeps its graph as the exporter wrote it
 (before the graph passes) with the weights it was traced with, and the next export of a
 model of the same structure puts that model's weights into it instead of tracing again.
 
@@ -63,18 +65,21 @@ class TracedGraph:
 
 
 class GraphReuse:
-    """Keeps the first export's graph for the next export of the same structure."""
+    """Keeps the latest traced graph for the next export of the same structure (within one
+    run: the stale model after the recalibrated one; within a sweep's scope on a rank, its
+    next cell: ``workers.ranks.scoped``)."""
 
     def __init__(self) -> None:
         self.traced: TracedGraph | None = None
 
     def keep(self, graph: ir.Model, exporter: str, key: tuple[Any, ...], model: torch.nn.Module) -> None:
-        """Keep ``graph`` (before the graph passes, which change it in place) as traced from ``model``."""
+        """Keep ``graph`` (before the graph passes, which change it in place) as traced from
+        ``model``, in place of the one kept before (a model of another structure: the models
+        after it are more likely of its structure than of the older one's)."""
         import onnx_ir as ir
 
-        if self.traced is None:
-            raw = ir.serde.serialize_model(graph).SerializeToString()
-            self.traced = TracedGraph(raw, exporter, key, {k: v.detach().clone() for k, v in model_weights(model).items()})
+        raw = ir.serde.serialize_model(graph).SerializeToString()
+        self.traced = TracedGraph(raw, exporter, key, {k: v.detach().clone() for k, v in model_weights(model).items()})
 
     def graph_for(self, model: torch.nn.Module, key: tuple[Any, ...]) -> ir.Model | None:
         """The kept graph with ``model``'s weights, or None (trace it)."""

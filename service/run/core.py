@@ -151,6 +151,9 @@ class RunResult:
     ranks): what a later phase reads again."""
     head: torch.Tensor | None = None
     """The first samples of the order as the ranks read them (``LaterPhases.head``)."""
+    scope: str | None = None
+    """The run's scope on its ranks (a sweep's, when shared): what its later phases keep
+    there between calls lives under it (``workers.ranks.scoped``)."""
 
     @property
     def updates(self) -> dict[str, torch.Tensor]:
@@ -266,6 +269,7 @@ def run(
             if plan.release is not None:
                 plan.release()
         finished = _finish(plan, layers, skipped, old, stale, result, placement, failures)
+        finished.scope = scope
         _time_the_pass(finished.report, plan, result, wall, len(failures) + 1)
         made: Any = finished
         if then is not None:  # on the same executor, while its world is up

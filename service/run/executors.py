@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from bnrecal.workers.data import DatasetSpec
-from bnrecal.workers.data.reading.kept import KeptCounts, release_kept
+from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
 from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
+from bnrecal.workers.ranks.scoped import release_scope
 
 from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
 from bnrecal.service.run.onnx_passes import (
@@ -74,8 +75,8 @@ class InProcess:
         return [work(*args) for args in calls]
 
     def release_decoded(self, scope: str) -> KeptCounts:
-        """Drop the samples this process kept for the run; what its passes decoded and reused."""
-        return release_kept(scope)
+        """Drop what this process kept for the run (samples, objects); what its passes decoded and reused."""
+        return release_scope(scope)
 
     def close(self) -> None:
         """Nothing was started."""

@@ -17,6 +17,7 @@ from bnrecal.errors import EvaluationError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 from bnrecal.workers.models.sources import ModelSource
+from bnrecal.workers.ranks.scoped import scope_object
 
 from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection
@@ -95,6 +96,10 @@ class ModelBuild:
         return model.eval()
 
 
+GRAPHS = "export graphs"
+"""What a scope keeps of its exports: the latest exporter trace (``GraphReuse``)."""
+
+
 @dataclass(frozen=True)
 class ExportAsk:
     """One folded export a run makes: of the recalibrated model or the stale one, in
@@ -116,14 +121,16 @@ class ExportedFile:
 
 def export_models(
     build: ModelBuild, samples: torch.Tensor, asks: Sequence[ExportAsk], export: ExportOptions, fixed: int,
-    dynamic_batch: bool,
+    dynamic_batch: bool, scope: str | None = None,
 ) -> list[ExportedFile]:
     """Each export of ``asks`` of the model ``build`` makes, verified on ``samples``, at the
     batch ``export_batch`` gave: a run's exports, run where its ranks run (one trace of
-    the exporter for all of them, ``GraphReuse``), so that the job's host does none."""
+    the exporter for all of them, ``GraphReuse``), so that the job's host does none. With
+    the run's ``scope`` the trace stays in this process for the scope's next export (a
+    sweep's next cell of the same architecture: ``workers.ranks.scoped``)."""
     from bnrecal.service.export import export_folded_onnx
 
-    reuse = GraphReuse()
+    reuse = scope_object(scope, GRAPHS, GraphReuse) if scope is not None else GraphReuse()
     models = {stale: build.build(stale) for stale in {ask.stale for ask in asks}}
     exported = []
     with tempfile.TemporaryDirectory(prefix="bnrecal-export-") as tmp:

@@ -86,7 +86,8 @@ def make_outputs(
     fixed, dynamic_batch = export_batch(result.model, outputs.export.dynamic_batch)
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     exported = dict(zip(asks, executor.map(
-        export_models, [(ModelBuild.of(result), samples, list(asks), outputs.export, fixed, dynamic_batch)],
+        export_models, [(ModelBuild.of(result), samples, list(asks), outputs.export, fixed, dynamic_batch,
+                         result.scope)],
         policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
     )[0], strict=True))
     onnx_file = ExportAsk(dtype=outputs.export.dtype)

@@ -119,7 +119,7 @@ def recalibrate(
         """The statistics as the files keep them; then the later phases, on the run's executor."""
         recalibration = Recalibration(
             model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
-            head=result.head, evaluation_later=later,
+            head=result.head, evaluation_later=later, scope=result.scope,
         )
         if loaded.is_program:
             result.report.program = ProgramSection(name=loaded.source.name, batch=model.batch.describe())  # type: ignore[union-attr]

@@ -83,6 +83,8 @@ class Recalibration:
     """Calibration samples this process read itself (an export the run did not plan for)."""
     evaluation_later: bool = False
     """The evaluation before and after is left to the INT8 export's passes (``LaterPhases.evaluation_later``)."""
+    scope: str | None = None
+    """The run's scope on its ranks (``RunResult.scope``): its exports keep their trace there."""
 
     @property
     def checkpoint(self) -> Checkpoint | None:

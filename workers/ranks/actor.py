@@ -16,7 +16,7 @@ import ray
 import torch
 
 from bnrecal.workers.data import CalibrationData
-from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope, release_kept
+from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.evaluation import EvalMetrics
@@ -28,6 +28,7 @@ from bnrecal.workers.ranks.events import (
 )
 from bnrecal.workers.ranks.local import evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
+from bnrecal.workers.ranks.scoped import object_scopes, release_scope
 
 T = TypeVar("T")
 
@@ -48,7 +49,7 @@ class _Finished:
 class RankState:
     """What a job could leave behind in a rank's process (:meth:`CalibrationRank.state`): its
     pid, the jobs it ran, torch's thread count and initial seed, the collective groups still
-    joined, the job scopes it keeps samples for, and its allocator's environment variables."""
+    joined, the job scopes it keeps samples or objects for, and its allocator's environment variables."""
 
     pid: int
     jobs: int
@@ -91,9 +92,9 @@ class CalibrationRank:
         keep_one_scope()  # what it keeps of a job's samples, it keeps for that job only
 
     def release_kept(self, scope: str) -> KeptCounts:
-        """Drop the samples this rank kept for the job ``scope`` (``workers.data.reading.kept``) and
-        give their memory back; what the job's passes decoded and reused here."""
-        counts = release_kept(scope)
+        """Drop the samples and objects this rank kept for the job ``scope`` (``workers.ranks.scoped``)
+        and give their memory back; what the job's passes decoded and reused here."""
+        counts = release_scope(scope)
         gc.collect()
         release_free_memory()
         return counts
@@ -127,7 +128,7 @@ class CalibrationRank:
             threads=torch.get_num_threads(),
             initial_seed=torch.initial_seed(),
             groups=tuple(name for name in self._groups if collective.is_group_initialized(name)),
-            kept=tuple(STORE.scopes()),
+            kept=tuple(dict.fromkeys([*STORE.scopes(), *object_scopes()])),
             allocator={name: os.environ.get(name) for name in RANK_ENV_VARS},
         )
 

@@ -34,3 +34,37 @@ def test_a_second_run_reads_what_the_first_decoded_and_finish_ends_it_once(tmp_p
     assert (counts.decoded, counts.reused) == (12, 12)  # the second run decoded nothing
     assert counts.memory_bytes == 12 * 3 * 16 * 16
     assert shared.finish() == counts and shared.release_decoded(shared.scope) == KeptCounts()
+
+
+def test_the_next_models_export_reuses_the_trace_kept_for_the_scope_and_finish_drops_it(tmp_path, settings, monkeypatch):
+    """A sweep's exports keep their trace under its scope (``workers.ranks.scoped``): the
+    second checkpoint of the same architecture is not traced again, its file is byte for byte
+    the file of its own single run, and ``finish`` drops the trace."""
+    import bnrecal.service.export.folded_onnx as folded_onnx
+    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.workers.ranks.scoped import object_scopes
+
+    traces: list[str] = []
+    real = folded_onnx.export_unfolded
+    monkeypatch.setattr(folded_onnx, "export_unfolded", lambda *a, **k: traces.append("trace") or real(*a, **k))
+    folder = write_folder(tmp_path / "photos", photos(12, size=40))
+    requests = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        requests.append(RecalibrationRequest(
+            arch="tests.nets:classifier_net", model_kwargs={"classes": 3}, batch_size=4, data=folder,
+            transform={"resize": 20, "crop": 16},
+            checkpoint=save_state(tmp_path / f"m{seed}.pt", perturbed(classifier_net(3), seed)),
+        ))
+    shared = SharedRanks(InProcess(), KeepBudget(2**26, 0))
+    for number, request in enumerate(requests):
+        recalibrate(request, settings, in_process=True, shared=shared,
+                    outputs=RunOutputs(onnx=tmp_path / f"cell{number}.onnx"))
+    assert len(traces) == 1 and shared.scope in object_scopes()
+    shared.finish()
+    assert shared.scope not in object_scopes()
+    recalibrate(requests[1], settings, in_process=True, outputs=RunOutputs(onnx=tmp_path / "alone.onnx"))
+    assert len(traces) == 2  # a run of its own traces its model, and keeps nothing after it
+    assert (tmp_path / "cell1.onnx").read_bytes() == (tmp_path / "alone.onnx").read_bytes()
+    assert (tmp_path / "cell1.onnx").read_bytes() != (tmp_path / "cell0.onnx").read_bytes()
+    assert object_scopes() == []
