@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.models.skip_init import build_for_weights
 from bnrecal.workers.models.checkpoints import Checkpoint, load_checkpoint, load_into_model, save_checkpoint
 from bnrecal.workers.models.model_check import check_checkpoint_fits
 from bnrecal.workers.models.sources import ArchitectureSource, ModelSource, ProgramSource
@@ -93,7 +93,7 @@ def load_model(
         arch, model_kwargs or {}, checkpoint, allowed_modules=allowed, max_bytes=settings.max_model_bytes,
         name=checkpoint_name,
     )
-    model = build_model(arch, model_kwargs or {}, allowed_modules=allowed)
+    model = build_for_weights(arch, model_kwargs or {}, allowed_modules=allowed)  # the load fills every weight
     loaded = load_checkpoint(checkpoint, checkpoint_name)
     load_into_model(model, loaded)
     model.eval()

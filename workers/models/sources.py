@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.workers.models.architectures import build_model
+from bnrecal.workers.models.skip_init import build_for_weights
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class ArchitectureSource:
     allowed_modules: tuple[str, ...] = ()
 
     def build(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
-        """The architecture with the checkpoint's weights loaded."""
-        model = build_model(self.arch, self.model_kwargs, allowed_modules=self.allowed_modules)
+        """The architecture with the checkpoint's weights loaded (every one of them: its random
+        initialization is skipped, ``workers.models.skip_init``)."""
+        model = build_for_weights(self.arch, self.model_kwargs, allowed_modules=self.allowed_modules)
         model.load_state_dict(weights)
         return model
 
