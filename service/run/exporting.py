@@ -112,11 +112,13 @@ class ExportAsk:
 
 @dataclass(frozen=True)
 class ExportedFile:
-    """An export's bytes, its report section and the seconds it took."""
+    """An export's bytes, its report section, the seconds it took, and which of its outputs
+    holds the class scores (``scores_output``: the output an INT8 file's passes score)."""
 
     model: bytes
     section: OnnxSection
     seconds: float
+    scores: int = 0
 
 
 def export_models(
@@ -132,6 +134,7 @@ def export_models(
 
     reuse = scope_object(scope, GRAPHS, GraphReuse) if scope is not None else GraphReuse()
     models = {stale: build.build(stale) for stale in {ask.stale for ask in asks}}
+    scores = {stale: scores_output(model, samples[:fixed]) for stale, model in models.items()}
     exported = []
     with tempfile.TemporaryDirectory(prefix="bnrecal-export-") as tmp:
         for number, ask in enumerate(asks):
@@ -141,7 +144,7 @@ def export_models(
                 dynamic_batch=dynamic_batch, input_shape=export.input_shape, fixed_batch=fixed, reuse=reuse,
                 openvino=ask.openvino,
             )
-            exported.append(ExportedFile(path.read_bytes(), section, time.monotonic() - started))
+            exported.append(ExportedFile(path.read_bytes(), section, time.monotonic() - started, scores[ask.stale]))
     return exported
 
 

@@ -21,7 +21,7 @@ from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
-from bnrecal.service.run.exporting import ExportAsk, ModelBuild, export_batch, export_models, scores_output
+from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.int8 import quantize_export
 from bnrecal.service.run.onnx_passes import OnnxPasses
@@ -104,7 +104,7 @@ def make_outputs(
         stale = exported.get(STALE_BASE)
         check_cancel(cancel)
         progress(0, None, QUANTIZING_PHASE)
-        _make_int8(result, outputs, passes, failures, exported[INT8_BASE].model, stale.model if stale else None,
+        _make_int8(result, outputs, passes, failures, exported[INT8_BASE], stale.model if stale else None,
                    progress, cancel)
 
 
@@ -152,7 +152,7 @@ def _int8_passes(
 
 
 def _make_int8(
-    result: Recalibration, outputs: RunOutputs, passes: OnnxPasses, failures: list[str], fp32: bytes,
+    result: Recalibration, outputs: RunOutputs, passes: OnnxPasses, failures: list[str], fp32: ExportedFile,
     stale: bytes | None, progress: ProgressCallback, cancel: threading.Event | None,
 ) -> None:
     """The INT8 phase: its passes and its work on the run's ranks, the file, its report
@@ -171,9 +171,9 @@ def _make_int8(
 
     try:
         quantized = quantize_export(
-            fp32, outputs.int8_options, passes, result.calibration_samples(VERIFY_SAMPLES), stale_fp32_model=stale,
+            fp32.model, outputs.int8_options, passes, result.calibration_samples(VERIFY_SAMPLES), stale_fp32_model=stale,
             compare=evaluation.target if evaluation is not None else None, on_evaluation=evaluated,
-            output=scores_output(result.model, result.calibration_samples(1)),
+            output=fp32.scores,
             on_phase=lambda phase: progress(0, None, phase),
         )
     except Int8GuardError as failed:  # the other outputs are still written (docs/int8.md)
