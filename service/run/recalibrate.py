@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
@@ -84,14 +84,15 @@ def recalibrate(
         columns_elsewhere="ignore",
     )
 
-    def describe() -> DatasetSpec:
-        return describe_dataset(request.data, read, settings.data_access())
+    def describe() -> tuple[DatasetSpec, Any]:
+        dataset = describe_dataset(request.data, read, settings.data_access())
+        with dataset.open() as data:
+            return dataset, data.load(0, 1)
 
-    # a sweep's cells over one set share its description: a prefix of shards is listed once
-    dataset = describe() if shared is None else shared.described(f"{request.data}|{read!r}", describe)
-    with dataset.open() as data:
-        probe = data.load(0, 1)
-    evaluation = plan_evaluation(request, model, settings) if request.eval_data is not None else None
+    # a sweep's cells over one set share its description and probe: a prefix of shards is listed once
+    dataset, probe = describe() if shared is None else shared.described(f"calibration|{request.data}|{read!r}", describe)
+    probe = probe.clone()  # the model may write into its input
+    evaluation = plan_evaluation(request, model, settings, shared) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     later = evaluation is not None and evaluation_with_int8(outputs, model)
     plan = RunPlan(

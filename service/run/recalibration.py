@@ -10,6 +10,9 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
@@ -26,6 +29,9 @@ from bnrecal.service.run.model_source import LoadedModel
 from bnrecal.service.run.options import RunOptions, check_model_choice
 from bnrecal.service.run.report import Report, write_report
 from bnrecal.service.settings import Settings
+
+if TYPE_CHECKING:
+    from bnrecal.service.run.shared import SharedRanks
 
 
 class RecalibrationRequest(RunOptions):
@@ -142,9 +148,12 @@ def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: Datas
         )
 
 
-def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: Settings) -> EvalPlan:
+def plan_evaluation(
+    request: RecalibrationRequest, model: nn.Module, settings: Settings, shared: SharedRanks | None = None,
+) -> EvalPlan:
     """Describe the evaluation data, read its labels and check on one sample, on the driver,
-    that the model's output can be evaluated: a problem fails here, before any actor starts."""
+    that the model's output can be evaluated: a problem fails here, before any actor starts.
+    A sweep's cells (``shared``) describe the data and read its labels and sample once."""
     assert request.eval_data is not None
     source = request.eval_data
     # The transform is for images: evaluation arrays beside calibration images are fed as they are.
@@ -152,20 +161,21 @@ def plan_evaluation(request: RecalibrationRequest, model: nn.Module, settings: S
         arrays = source.lower().endswith((".npy", ".npz"))
     else:
         arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
-    dataset = describe_dataset(
-        source,
-        ReadOptions(
-            transform=None if arrays else request.transform,
-            max_samples=request.eval_max_samples,
-            role="evaluation data",
-            name=request.eval_data_name,
-            image_column=request.image_column,
-            label_column=request.label_column,
-            columns_elsewhere="ignore",
-        ),
-        settings.data_access(),
+    read = ReadOptions(
+        transform=None if arrays else request.transform,
+        max_samples=request.eval_max_samples,
+        role="evaluation data",
+        name=request.eval_data_name,
+        image_column=request.image_column,
+        label_column=request.label_column,
+        columns_elsewhere="ignore",
     )
-    labels = read_labels(dataset)
-    with dataset.open() as data:
-        target = check_eval_output(model, data.load(0, 1), labels)
+
+    def describe() -> tuple[DatasetSpec, np.ndarray | None, torch.Tensor]:
+        dataset = describe_dataset(source, read, settings.data_access())
+        with dataset.open() as data:
+            return dataset, read_labels(dataset), data.load(0, 1)
+
+    dataset, labels, sample = describe() if shared is None else shared.described(f"evaluation|{source}|{read!r}", describe)
+    target = check_eval_output(model, sample.clone(), labels)
     return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)

@@ -6,7 +6,8 @@ is an executor that hands every run the same executor underneath (the same Ray r
 started once, or this process), whose per-run ``release_decoded`` and ``close`` keep the
 ranks and what they decoded; every run keeps its samples under the sweep's scope, named
 by its calibration set (``SharedScope``), so the next model over the same set reads them
-decoded, bit for bit the floats a decode gives; and a set is described (listed) once. :meth:`SharedRanks.close` ends it all.
+decoded, bit for bit the floats a decode gives; and a set is described (listed, its labels
+and first sample read) once. :meth:`SharedRanks.close` ends it all.
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ class SharedRanks:
         self.scope = uuid.uuid4().hex
         self.counts: KeptCounts | None = None
         self._lock = threading.Lock()
-        self._described: dict[str, DatasetSpec] = {}
+        self._described: dict[str, Any] = {}
 
     def shared_scope(self, set_name: str) -> SharedScope:
         """Where a run over the calibration set ``set_name`` keeps its samples."""
         return SharedScope(self.scope, set_name)
 
-    def described(self, key: str, describe: Callable[[], DatasetSpec]) -> DatasetSpec:
-        """The description of the data ``key`` names (its source and read options), made by
-        ``describe`` for the first run over it and the same for every later one: listing a
-        prefix of shards, or a folder of photos, once per sweep."""
+    def described(self, key: str, describe: Callable[[], T]) -> T:
+        """What ``describe`` makes of the data ``key`` names (its source and read options), made
+        for the first run over it and the same for every later one: listing a prefix of
+        shards or a folder of photos, reading the evaluation labels and each set's first
+        sample (the runs' probes), once per sweep."""
         with self._lock:
             found = self._described.get(key)
         if found is None:

@@ -68,3 +68,36 @@ def test_the_next_models_export_reuses_the_trace_kept_for_the_scope_and_finish_d
     assert (tmp_path / "cell1.onnx").read_bytes() == (tmp_path / "alone.onnx").read_bytes()
     assert (tmp_path / "cell1.onnx").read_bytes() != (tmp_path / "cell0.onnx").read_bytes()
     assert object_scopes() == []
+
+
+def test_a_set_is_described_and_its_labels_and_probes_read_once_for_every_run(tmp_path, settings, monkeypatch):
+    """The host's reading of a set (listing it, its evaluation labels, the first sample each
+    run probes with) is the sweep's once, not each cell's; each run's evaluation is the same."""
+    import bnrecal.service.run.recalibrate as recalibrate_module
+    import bnrecal.service.run.recalibration as recalibration_module
+
+    calls: list[str] = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+
+    counted(recalibrate_module, "describe_dataset")
+    counted(recalibration_module, "describe_dataset")
+    counted(recalibration_module, "read_labels")
+    folder = write_folder(tmp_path / "photos", photos(12, size=40))
+    requests = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        requests.append(RecalibrationRequest(
+            arch="tests.nets:classifier_net", model_kwargs={"classes": 3}, batch_size=4, data=folder, eval_data=folder,
+            transform={"resize": 20, "crop": 16},
+            checkpoint=save_state(tmp_path / f"m{seed}.pt", perturbed(classifier_net(3), seed)),
+        ))
+    shared = SharedRanks(InProcess(), KeepBudget(2**26, 0))
+    cells = [recalibrate(request, settings, in_process=True, shared=shared) for request in requests]
+    shared.finish()
+    assert sorted(calls) == ["describe_dataset", "describe_dataset", "read_labels"]
+    alone = recalibrate(requests[1], settings, in_process=True)
+    mine, theirs = (result.report.evaluation.model_dump(exclude={"seconds"}) for result in (cells[1], alone))
+    assert mine == theirs and mine["labelled"] and mine["samples"] == 12
