@@ -20,7 +20,12 @@ at 16 sparsities (the smallest-magnitude conv weights zeroed, 0 to 75 %), batche
 - ``memory``: ``bnrecal.recalibrate_many`` over a generator of small models (50, then 200):
   the peak resident memory of the process. Target: flat (200 within 1.1x of 50).
 
-    .venv/bin/python bench/sweep.py [--parts pruned,sets,memory] [--workers 2] [--models 16] [--photos 256]
+With ``--files`` every cell of ``pruned`` (its sweep and its separate runs) and of ``lanes``
+also writes its folded ONNX and INT8 files, with the photos as evaluation data: a sweep with
+files, the export and INT8 phases on the ranks (``--only sweep,separate``: the loop and the
+floor make no files).
+
+    .venv/bin/python bench/sweep.py [--parts pruned,sets,memory] [--workers 2] [--models 16] [--photos 256] [--files]
 """
 
 from __future__ import annotations
@@ -147,6 +152,16 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "bnrecal.service.cli", *args]
 
 
+def file_flags(args: argparse.Namespace, photos: Path, out: Path | None = None) -> list[str]:
+    """With ``--files``: evaluation data and the ONNX and INT8 files, as a sweep asks for them
+    (flags) or, given ``out``, as ``calibrate`` writes them there."""
+    if not args.files:
+        return []
+    if out is None:
+        return ["--eval-data", str(photos), "--onnx", "--onnx-int8"]
+    return ["--eval-data", str(photos), "--onnx", str(out / "model.onnx"), "--onnx-int8", str(out / "model.int8.onnx")]
+
+
 def verdict(ratio: float, target: float) -> str:
     return f"{ratio:.2f}x (target {target}x: {'met' if ratio <= target else 'NOT met'})"
 
@@ -162,21 +177,23 @@ def bench_pruned(work: Path, args: argparse.Namespace, results: dict) -> None:
     got: dict = {}
     if "sweep" in only:
         got["sweep"], _ = timed(cli("sweep", "--models", str(manifest), *ARCH, "--data", str(photos), "--out-dir",
-                                    str(work / "swept"), *common))
+                                    str(work / "swept"), *common, *file_flags(args, photos)))
         report = json.loads((work / "swept" / "sweep.json").read_text())
         assert report["succeeded"] == len(models), report
         cells = [json.loads((work / "swept" / cell["report"]).with_name("report.json").read_text())
                  for cell in report["cells"]]
         phases = {phase: sum(entry["seconds"] for cell in cells for entry in cell["timeline"] if entry["phase"] == phase)
-                  for phase in ("starting workers", "statistics")}
+                  for phase in ("starting workers", "statistics", "ONNX export and its checks")}
         got["cells"] = sum(cell["seconds"] for cell in report["cells"])
         print(f"  sweep: {got['sweep']:.1f} s (its cells {got['cells']:.1f} s: starting workers "
-              f"{phases['starting workers']:.1f} s, statistics {phases['statistics']:.1f} s; decoded "
+              f"{phases['starting workers']:.1f} s, statistics {phases['statistics']:.1f} s, ONNX export "
+              f"{phases['ONNX export and its checks']:.1f} s; decoded "
               f"{report['decoding']['decoded']}, reused {report['decoding']['reused']})", flush=True)
         got["phases"] = phases
     if "separate" in only:
         got["separate"] = sum(timed(cli("calibrate", *ARCH, "--checkpoint", str(path), "--data", str(photos), "--out",
-                                        str(work / "single.pt"), *common))[0] for path in models)
+                                        str(work / "single.pt"), *common, *file_flags(args, photos, work)))[0]
+                              for path in models)
         print(f"  {len(models)} separate calibrate runs: {got['separate']:.1f} s", flush=True)
     if "loop" in only:
         got["loop"], out = timed([sys.executable, "-c", USER_LOOP, str(photos), *map(str, models)])
@@ -207,6 +224,7 @@ def bench_lanes(work: Path, args: argparse.Namespace, results: dict) -> None:
     common = ["--models", str(manifest), *ARCH, "--data", str(photos), "--transform", TRANSFORM, "--batch-size",
               str(BATCH)]
     print(f"lanes: {len(models)} resnet18 checkpoints, {args.photos} photos, {args.workers} ranks; {load()}", flush=True)
+    common += file_flags(args, photos)
     one, _ = timed(cli("sweep", *common, "--workers", str(args.workers), "--out-dir", str(work / "one")))
     print(f"  one lane of {args.workers} ranks: {one:.1f} s", flush=True)
     lanes, _ = timed(cli("sweep", *common, "--workers", "1", "--cells-at-once", str(args.workers), "--out-dir",
@@ -250,6 +268,7 @@ def main() -> None:
     parser.add_argument("--photos", type=int, default=256)
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--only", help="pruned: only these commands (comma-separated: sweep, separate, loop, floor)")
+    parser.add_argument("--files", action="store_true", help="pruned and lanes: each cell also writes its ONNX and INT8 files")
     args = parser.parse_args()
     results: dict = {}
     parts = {"pruned": bench_pruned, "sets": bench_sets, "memory": bench_memory, "lanes": bench_lanes}
