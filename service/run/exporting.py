@@ -96,10 +96,6 @@ class ModelBuild:
         return model.eval()
 
 
-GRAPHS = "export graphs"
-"""What a scope keeps of its exports: the latest exporter trace (``GraphReuse``)."""
-
-
 @dataclass(frozen=True)
 class ExportAsk:
     """One folded export a run makes: of the recalibrated model or the stale one, in
@@ -132,7 +128,7 @@ def export_models(
     sweep's next cell of the same architecture: ``workers.ranks.scoped``)."""
     from bnrecal.service.export import export_folded_onnx
 
-    reuse = scope_object(scope, GRAPHS, GraphReuse) if scope is not None else GraphReuse()
+    reuse = scope_object(scope, GraphReuse) if scope is not None else GraphReuse()
     models = {stale: build.build(stale) for stale in {ask.stale for ask in asks}}
     scores = {stale: scores_output(model, samples[:fixed]) for stale, model in models.items()}
     exported = []

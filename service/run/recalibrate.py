@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
+from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 
 from bnrecal.service.run.core import (
@@ -27,6 +27,7 @@ from bnrecal.service.run.model_source import load_model
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
 from bnrecal.service.run.report import ProgramSection
+from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
     RecalibrationRequest,
@@ -84,14 +85,14 @@ def recalibrate(
         columns_elsewhere="ignore",
     )
 
-    def describe() -> tuple[DatasetSpec, Any]:
+    def describe() -> DescribedSet:
         dataset = describe_dataset(request.data, read, settings.data_access())
         with dataset.open() as data:
-            return dataset, data.load(0, 1)
+            return DescribedSet(dataset, data.load(0, 1))
 
     # a sweep's cells over one set share its description and probe: a prefix of shards is listed once
-    dataset, probe = describe() if shared is None else shared.described(f"calibration|{request.data}|{read!r}", describe)
-    probe = probe.clone()  # the model may write into its input
+    described = describe() if shared is None else shared.described(f"calibration|{request.data}|{read!r}", describe)
+    dataset, probe = described.dataset, described.first.clone()  # the model may write into its input
     evaluation = plan_evaluation(request, model, settings, shared) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     later = evaluation is not None and evaluation_with_int8(outputs, model)

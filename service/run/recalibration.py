@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 import torch
 from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
@@ -28,6 +26,7 @@ from bnrecal.workers.ranks.plan import EvalPlan
 from bnrecal.service.run.model_source import LoadedModel
 from bnrecal.service.run.options import RunOptions, check_model_choice
 from bnrecal.service.run.report import Report, write_report
+from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:
@@ -171,11 +170,11 @@ def plan_evaluation(
         columns_elsewhere="ignore",
     )
 
-    def describe() -> tuple[DatasetSpec, np.ndarray | None, torch.Tensor]:
+    def describe() -> DescribedSet:
         dataset = describe_dataset(source, read, settings.data_access())
         with dataset.open() as data:
-            return dataset, read_labels(dataset), data.load(0, 1)
+            return DescribedSet(dataset, data.load(0, 1), read_labels(dataset))
 
-    dataset, labels, sample = describe() if shared is None else shared.described(f"evaluation|{source}|{read!r}", describe)
-    target = check_eval_output(model, sample.clone(), labels)
-    return EvalPlan(dataset=dataset, labels=labels, target=target, batch_size=request.batch_size)
+    described = describe() if shared is None else shared.described(f"evaluation|{source}|{read!r}", describe)
+    target = check_eval_output(model, described.first.clone(), described.labels)
+    return EvalPlan(dataset=described.dataset, labels=described.labels, target=target, batch_size=request.batch_size)

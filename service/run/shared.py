@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
@@ -30,6 +34,16 @@ if TYPE_CHECKING:
     from bnrecal.service.run.onnx_passes import OnnxPasses, PassRecorder
 
 
+@dataclass(frozen=True)
+class DescribedSet:
+    """What a run reads of a data set before its ranks start, read once per sweep: its
+    description, its ``first`` sample (the probe), and for evaluation data its labels."""
+
+    dataset: DatasetSpec
+    first: torch.Tensor
+    labels: np.ndarray | None = None
+
+
 class SharedRanks:
     """An executor for many runs over the same ranks: ``inner`` (``InProcess`` or
     ``RayRanks``) starts once, keeps its ranks from run to run, and keeps what they decode
@@ -41,13 +55,13 @@ class SharedRanks:
         self.scope = uuid.uuid4().hex
         self.counts: KeptCounts | None = None
         self._lock = threading.Lock()
-        self._described: dict[str, Any] = {}
+        self._described: dict[str, DescribedSet] = {}
 
     def shared_scope(self, set_name: str) -> SharedScope:
         """Where a run over the calibration set ``set_name`` keeps its samples."""
         return SharedScope(self.scope, set_name)
 
-    def described(self, key: str, describe: Callable[[], T]) -> T:
+    def described(self, key: str, describe: Callable[[], DescribedSet]) -> DescribedSet:
         """What ``describe`` makes of the data ``key`` names (its source and read options), made
         for the first run over it and the same for every later one: listing a prefix of
         shards or a folder of photos, reading the evaluation labels and each set's first

@@ -12,27 +12,27 @@ what an older one left, so a warm rank never hands one job's objects to another 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 from bnrecal.workers.data.reading.kept import STORE, KeptCounts, release_kept
 
 T = TypeVar("T")
 
 _LOCK = threading.Lock()
-_OBJECTS: dict[str, dict[str, Any]] = {}
+_OBJECTS: dict[str, dict[type, object]] = {}
+"""Per scope, one object of each kind, keyed by its type."""
 
 
-def scope_object(scope: str, name: str, make: Callable[[], T]) -> T:
-    """The object ``name`` this process keeps for ``scope``, made by ``make`` on first use."""
+def scope_object(scope: str, kind: type[T]) -> T:
+    """The ``kind`` this process keeps for ``scope``, made (``kind()``) on first use."""
     with _LOCK:
         if STORE.one_scope:  # a rank actor: one job's scope at a time
             for other in [kept for kept in _OBJECTS if kept != scope]:
                 del _OBJECTS[other]
         objects = _OBJECTS.setdefault(scope, {})
-        if name not in objects:
-            objects[name] = make()
-        return objects[name]
+        if kind not in objects:
+            objects[kind] = kind()
+        return cast(T, objects[kind])
 
 
 def object_scopes() -> list[str]:

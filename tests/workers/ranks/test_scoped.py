@@ -16,29 +16,33 @@ def one_scope(monkeypatch):
     monkeypatch.setattr(STORE, "one_scope", True)
 
 
+class Graphs:
+    """A kind of object a scope keeps, counted as it is made."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        Graphs.made += 1
+
+
 def test_an_object_is_made_once_per_scope_and_dropped_with_it():
-    made: list[str] = []
-
-    def make() -> dict:
-        made.append("made")
-        return {}
-
-    first = scope_object("job-a", "graphs", make)
-    assert scope_object("job-a", "graphs", make) is first and len(made) == 1
-    assert scope_object("job-b", "graphs", make) is not first  # another job's scope: its own
+    Graphs.made = 0
+    first = scope_object("job-a", Graphs)
+    assert scope_object("job-a", Graphs) is first and Graphs.made == 1
+    assert scope_object("job-b", Graphs) is not first  # another job's scope: its own
     assert set(object_scopes()) >= {"job-a", "job-b"}
     release_scope("job-a")
     release_scope("job-b")
     assert "job-a" not in object_scopes() and "job-b" not in object_scopes()
-    assert scope_object("job-a", "graphs", make) is not first and len(made) == 3
+    assert scope_object("job-a", Graphs) is not first and Graphs.made == 3
     release_scope("job-a")
 
 
 @pytest.mark.usefixtures("one_scope")
 def test_a_rank_keeps_one_scope_and_drops_the_older_one_when_a_new_one_arrives():
-    first = scope_object("job-a", "graphs", dict)
-    scope_object("job-b", "graphs", dict)
+    first = scope_object("job-a", Graphs)
+    scope_object("job-b", Graphs)
     assert object_scopes() == ["job-b"]
-    assert scope_object("job-a", "graphs", dict) is not first  # job-a's object was dropped, not handed back
+    assert scope_object("job-a", Graphs) is not first  # job-a's object was dropped, not handed back
     release_scope("job-a")
     assert object_scopes() == []
