@@ -117,28 +117,41 @@ class ExportedFile:
     scores: int = 0
 
 
-def export_models(
-    build: ModelBuild, samples: torch.Tensor, asks: Sequence[ExportAsk], export: ExportOptions, fixed: int,
-    dynamic_batch: bool, scope: str | None = None,
-) -> list[ExportedFile]:
-    """Each export of ``asks`` of the model ``build`` makes, verified on ``samples``, at the
-    batch ``export_batch`` gave: a run's exports, run where its ranks run (one trace of
-    the exporter for all of them, ``GraphReuse``), so that the job's host does none. With
-    the run's ``scope`` the trace stays in this process for the scope's next export (a
-    sweep's next cell of the same architecture: ``workers.ranks.scoped``)."""
+@dataclass(frozen=True)
+class ExportWork:
+    """A run's exports, as the rank that makes them gets them: the model to build, the
+    samples that verify each file, the exports asked for, the export options, the batch
+    ``export_batch`` gave (``fixed``, ``dynamic_batch``), and the run's ``scope`` on its ranks."""
+
+    build: ModelBuild
+    samples: torch.Tensor
+    asks: tuple[ExportAsk, ...]
+    export: ExportOptions
+    fixed: int
+    dynamic_batch: bool
+    scope: str | None = None
+
+
+def export_models(work: ExportWork) -> list[ExportedFile]:
+    """Each export of ``work.asks`` of the model ``work.build`` makes, verified on its samples:
+    a run's exports, run where its ranks run (one trace of the exporter for all of them,
+    ``GraphReuse``), so that the job's host does none. With the run's ``scope`` the trace
+    stays in this process for the scope's next export (a sweep's next cell of the same
+    architecture: ``workers.ranks.scoped``)."""
     from bnrecal.service.export import export_folded_onnx
 
-    reuse = scope_object(scope, GraphReuse) if scope is not None else GraphReuse()
-    models = {stale: build.build(stale) for stale in {ask.stale for ask in asks}}
-    scores = scores_output(next(iter(models.values())), samples[:fixed])  # the stale model's structure is the same
+    reuse = scope_object(work.scope, GraphReuse) if work.scope is not None else GraphReuse()
+    models = {stale: work.build.build(stale) for stale in {ask.stale for ask in work.asks}}
+    # the stale model's structure is the same: one forward finds the scores for both
+    scores = scores_output(next(iter(models.values())), work.samples[:work.fixed])
     exported = []
     with tempfile.TemporaryDirectory(prefix="bnrecal-export-") as tmp:
-        for number, ask in enumerate(asks):
+        for number, ask in enumerate(work.asks):
             started, path = time.monotonic(), Path(tmp) / f"{number}.onnx"
             section = export_folded_onnx(
-                models[ask.stale], samples, path, opset=export.opset, dtype=ask.dtype,  # type: ignore[arg-type]
-                dynamic_batch=dynamic_batch, input_shape=export.input_shape, fixed_batch=fixed, reuse=reuse,
-                openvino=ask.openvino,
+                models[ask.stale], work.samples, path, opset=work.export.opset, dtype=ask.dtype,  # type: ignore[arg-type]
+                dynamic_batch=work.dynamic_batch, input_shape=work.export.input_shape, fixed_batch=work.fixed,
+                reuse=reuse, openvino=ask.openvino,
             )
             exported.append(ExportedFile(path.read_bytes(), section, time.monotonic() - started, scores))
     return exported

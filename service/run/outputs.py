@@ -21,7 +21,7 @@ from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
-from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ModelBuild, export_batch, export_models
+from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.int8 import quantize_export
 from bnrecal.service.run.onnx_passes import OnnxPasses
@@ -86,8 +86,8 @@ def make_outputs(
     fixed, dynamic_batch = export_batch(result.model, outputs.export.dynamic_batch)
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     exported = dict(zip(asks, executor.map(
-        export_models, [(ModelBuild.of(result), samples, list(asks), outputs.export, fixed, dynamic_batch,
-                         result.scope)],
+        export_models, [(ExportWork(ModelBuild.of(result), samples, tuple(asks), outputs.export, fixed, dynamic_batch,
+                                    result.scope),)],
         policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
     )[0], strict=True))
     onnx_file = ExportAsk(dtype=outputs.export.dtype)
