@@ -1,14 +1,15 @@
 """The one run core: ``run(plan, executor)``, for the command line, the job server and the
 Python API alike.
 
-A :class:`RunPlan` says what a surface has prepared: the driver's model (probed here; its
-BN buffers receive the statistics), how the ranks build it (a model source and the weights
+A :class:`RunPlan` says what a surface has prepared: the driver's model (its BN buffers
+receive the statistics), how the ranks build it (a model source and the weights
 that travel), the data, the evaluation, and the run options. An executor says where the
 ranks run (``service.run.executors``): ``InProcess`` (one rank in the calling process, no
 Ray) or ``RayRanks`` (a rank group on Ray, warm from a pool when there is one). A
 :class:`FailurePolicy` decides whether a failed pass runs again. The core finds the BN
-layers, probes the call order on the first batch, runs the pass (statistics, and the
-evaluation after them, fused on the ranks), writes the statistics into the driver's model
+layers, checks the model on the first batch (its call order, what the evaluation can
+measure: here, or on a sweep's ranks), runs the pass (statistics, and the evaluation after
+them, fused on the ranks), writes the statistics into the driver's model
 and builds the typed report (docs/report.md). What each surface does before (load a
 checkpoint, ship a live model) and after (save, export, write back into a caller's
 model) stays with the surface.
@@ -34,10 +35,11 @@ from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
 from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.evaluation import check_eval_output
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.local import IN_PROCESS
-from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
+from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, ModelChecks, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
 from bnrecal.service.run.report import (
@@ -110,7 +112,7 @@ class SharedScope:
 class RunPlan:
     """A recalibration as a surface prepared it.
 
-    ``model`` is the driver's model: the core probes its call order and writes the new
+    ``model`` is the driver's model: the core checks it (``_check_model``) and writes the new
     statistics into its BN buffers. ``source`` and ``weights`` are how the ranks build it
     (a Ray run puts ``weights`` in the object store once). ``probe`` is a batch of the
     first samples as the ranks feed it (through ``feed`` when given). ``label`` names the
@@ -250,20 +252,25 @@ def run(
     try:
         try:
             layers, skipped = require_batchnorm_layers(plan.model, plan.label)
-            call_order = probe_call_order(plan.model, layers, plan.probe, plan.feed)
+            plan, call_order, checks = _check_model(plan, layers)
             old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
             stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
             executor.start(plan)
             rank_plan = executor.rank_plan(RankPlan(
                 model=plan.source, dataset=plan.data, batch_size=options.batch_size, mode=options.mode,
                 world_size=options.workers, device=options.device, backend=IN_PROCESS, group_name="",
-                layer_names=tuple(layer.name for layer in layers), call_order=tuple(call_order),
+                layer_names=tuple(layer.name for layer in layers), call_order=call_order,
                 memory_format=plan.memory_format, evaluation=None if plan.later.evaluation_later else plan.evaluation,
                 feed=plan.feed, stop=StopRule(options.stop_tolerance) if options.auto_samples else None, head=plan.later.head,
+                checks=checks,
             ))
             started = time.monotonic()
             result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
             wall = time.monotonic() - started
+            if plan.evaluation is not None and plan.evaluation.target is None:  # the ranks decided it
+                if result.eval_target is None:
+                    raise RunError("the ranks did not say what the evaluation measures")
+                plan = replace(plan, evaluation=replace(plan.evaluation, target=result.eval_target, probe=None))
             placement = executor.placement(plan)
         finally:
             if plan.release is not None:
@@ -283,6 +290,27 @@ def run(
             executor.release_decoded(scope)
         finally:
             executor.close()
+
+
+def _check_model(plan: RunPlan, layers: list[BatchNormLayer]) -> tuple[RunPlan, tuple[int, ...], ModelChecks | None]:
+    """Check that the model runs on the data, find its BN layers' call order on the probe
+    and what its evaluation can measure (the evaluation's ``target``), where it costs least
+    (docs/sweeps.md, "What is shared"): here, before any rank starts, so a problem fails in
+    seconds; or, where the ranks are up already and shared by many runs (a sweep's cells),
+    on every rank before its pass (``ModelChecks``), so the job's host does no forward per
+    cell. The same checks either way, with the same errors. Returns the plan (its
+    evaluation's target decided here), the call order, and the checks left to the ranks."""
+    evaluation = plan.evaluation
+    undecided = evaluation is not None and evaluation.target is None
+    if plan.later.shared is not None:
+        eval_probe = evaluation.probe if evaluation is not None and undecided else None
+        return plan, (), ModelChecks(plan.probe, eval_probe, evaluation.labels if evaluation is not None else None)
+    call_order = tuple(probe_call_order(plan.model, layers, plan.probe, plan.feed))
+    if evaluation is not None and undecided:
+        assert evaluation.probe is not None, "an evaluation without a target has its probe"
+        target = check_eval_output(plan.model, evaluation.probe, evaluation.labels)
+        plan = replace(plan, evaluation=replace(evaluation, target=target, probe=None))
+    return plan, call_order, None
 
 
 def _kept(plan: RunPlan, scope: str) -> RunPlan:

@@ -93,7 +93,7 @@ def recalibrate(
     # a sweep's cells over one set share its description and probe: a prefix of shards is listed once
     described = describe() if shared is None else shared.described(f"calibration|{request.data}|{read!r}", describe)
     dataset, probe = described.dataset, described.first.clone()  # the model may write into its input
-    evaluation = plan_evaluation(request, model, settings, shared) if request.eval_data is not None else None
+    evaluation = plan_evaluation(request, settings, shared) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     later = evaluation is not None and evaluation_with_int8(outputs, model)
     plan = RunPlan(
@@ -166,8 +166,11 @@ def recalibrate_to_files(
     (docs/int8.md; a ``SpecError`` names ``int8_field``), recalibrate with the ``outputs``
     as later phases of the run, then write the ``files``. An INT8 file that failed its
     guard leaves ``int8_failed`` set on the result, for the surface to raise. ``shared``: a
-    sweep's cell, on the sweep's ranks (``recalibrate``)."""
-    if outputs.int8 is not None and outputs.int8_options is not None:
+    sweep's cell, on the sweep's ranks (``recalibrate``); the INT8 options are the sweep's, so
+    they are checked against the first cell's graph only (a typo fails the sweep's first cell
+    in seconds; every cell's INT8 phase still resolves them against its own graph)."""
+    checked = shared is not None and not shared.first("int8 names")
+    if outputs.int8 is not None and outputs.int8_options is not None and not checked:
         from bnrecal.service.run.int8_names import check_int8_names  # the quantizer's imports: only for INT8
 
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)

@@ -19,7 +19,6 @@ from torch import nn
 from bnrecal.errors import DatasetOptionError, Int8GuardError
 from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, read_labels
 from bnrecal.workers.data.objectstore import is_data_uri
-from bnrecal.workers.engine.evaluation import check_eval_output
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
 
@@ -148,11 +147,12 @@ def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: Datas
 
 
 def plan_evaluation(
-    request: RecalibrationRequest, model: nn.Module, settings: Settings, shared: SharedRanks | None = None,
+    request: RecalibrationRequest, settings: Settings, shared: SharedRanks | None = None,
 ) -> EvalPlan:
-    """Describe the evaluation data, read its labels and check on one sample, on the driver,
-    that the model's output can be evaluated: a problem fails here, before any actor starts.
-    A sweep's cells (``shared``) describe the data and read its labels and sample once."""
+    """Describe the evaluation data, read its labels and its first sample: the probe on which
+    the run checks that the model's output can be evaluated (``service.run.core``: on the
+    driver before any rank starts, or a sweep's cell on its ranks). A sweep's cells
+    (``shared``) describe the data and read its labels and sample once."""
     assert request.eval_data is not None
     source = request.eval_data
     # The transform is for images: evaluation arrays beside calibration images are fed as they are.
@@ -176,5 +176,5 @@ def plan_evaluation(
             return DescribedSet(dataset, data.load(0, 1), read_labels(dataset))
 
     described = describe() if shared is None else shared.described(f"evaluation|{source}|{read!r}", describe)
-    target = check_eval_output(model, described.first.clone(), described.labels)
-    return EvalPlan(dataset=described.dataset, labels=described.labels, target=target, batch_size=request.batch_size)
+    return EvalPlan(dataset=described.dataset, labels=described.labels, target=None, batch_size=request.batch_size,
+                    probe=described.first.clone())  # the model may write into its input

@@ -56,6 +56,7 @@ class SharedRanks:
         self.counts: KeptCounts | None = None
         self._lock = threading.Lock()
         self._described: dict[str, DescribedSet] = {}
+        self._firsts: set[str] = set()
 
     def shared_scope(self, set_name: str) -> SharedScope:
         """Where a run over the calibration set ``set_name`` keeps its samples."""
@@ -73,6 +74,16 @@ class SharedRanks:
             with self._lock:
                 found = self._described.setdefault(key, found)
         return found
+
+    def first(self, key: str) -> bool:
+        """True for the first run that asks about ``key``, False for every later one: a check
+        whose answer a sweep's options decide, made for its first cell (the INT8 file's
+        ``keep_float`` names against the exported graph, ``recalibrate_to_files``)."""
+        with self._lock:
+            if key in self._firsts:
+                return False
+            self._firsts.add(key)
+            return True
 
     def start(self, plan: RunPlan) -> None:
         """Start the ranks (the first run), or point them at this run's data."""

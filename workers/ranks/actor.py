@@ -19,14 +19,14 @@ from bnrecal.workers.data import CalibrationData
 from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
-from bnrecal.workers.engine.evaluation import EvalMetrics
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
 from bnrecal.workers.ranks.collectives import RayCollective
 from bnrecal.workers.ranks.events import (
     CalibrationDone, OnnxPassDone, RankEvent, RankHeartbeat, RankProgress, RankStarted,
 )
-from bnrecal.workers.ranks.local import evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
+from bnrecal.workers.ranks.local import checked_plan, evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
 from bnrecal.workers.ranks.scoped import object_scopes, release_scope
 
@@ -39,10 +39,12 @@ stuck in its own work (fewer collectives entered) from one waiting for its peers
 
 @dataclass
 class _Finished:
-    """The work thread's last message: the calibration pass and the evaluation, if any."""
+    """The work thread's last message: the calibration pass, the evaluation, and what the
+    plan's checks found the evaluation measures, if any."""
 
     calibration: PassResult
     evaluation: EvalMetrics | None
+    eval_target: EvalTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -179,13 +181,14 @@ class CalibrationRank:
             def on_step(step: int, samples: int) -> None:
                 emit(RankProgress(self.rank, samples, collective.calls, "calibrating", step))
 
+            checked, eval_target = checked_plan(plan, model, layers)  # the host's checks, where it left them here
             result = calibration_pass(
                 model,
                 layers,
                 batches,
                 mode=plan.mode,
                 collective=collective,
-                call_order=plan.call_order,
+                call_order=checked.call_order,
                 device=device,
                 on_step=on_step,
                 memory_format=plan.memory_format,
@@ -196,9 +199,9 @@ class CalibrationRank:
                 row_of=row_of(plan),
             )
             evaluation = None
-            if plan.evaluation is not None:
-                evaluation = self._evaluate(plan, model, result, eval_shard, collective, emit)
-            return _Finished(result, evaluation)
+            if checked.evaluation is not None:
+                evaluation = self._evaluate(checked, model, result, eval_shard, collective, emit)
+            return _Finished(result, evaluation, eval_target)
 
         event = yield from self._streamed(work, collective, f"calibration-rank-{self.rank}")
         passed = event.calibration
@@ -208,7 +211,7 @@ class CalibrationRank:
             seconds=passed.seconds, memory_format=passed.memory_format,
             stats=stats_payload(passed) if self.rank == 0 else None,
             convergence=passed.convergence,
-            evaluation=event.evaluation, head=head,
+            evaluation=event.evaluation, head=head, eval_target=event.eval_target if self.rank == 0 else None,
         )
 
     def _evaluate(

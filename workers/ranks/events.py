@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.engine.calibration import Convergence
-from bnrecal.workers.engine.evaluation import EvalMetrics
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.workers.engine.moments import MomentStats
 
 
@@ -65,6 +65,7 @@ class CalibrationDone:
     convergence: Convergence | None
     evaluation: EvalMetrics | None
     head: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    eval_target: EvalTarget | None = None  # rank 0: what the plan's checks found the evaluation measures
 
 
 @dataclass(frozen=True)

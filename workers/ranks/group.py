@@ -155,6 +155,7 @@ def _follow(
         evaluation=first.evaluation,
         convergence=first.convergence,
         head=joined_head(part for r in results.values() for part in r.head),
+        eval_target=first.eval_target,
     )
 
 

@@ -24,10 +24,11 @@ from bnrecal.workers.data import CalibrationData, iter_batches
 from bnrecal.workers.data.formats.device_decode import on_device
 from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.data.formats.loader import LoaderSpec
-from bnrecal.workers.engine.batchnorm import layers_named
+from bnrecal.workers.engine.batchnorm import BatchNormLayer, layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
-from bnrecal.workers.engine.evaluation import EvalMetrics, evaluation_pass, with_statistics
+from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget, check_eval_output, evaluation_pass, with_statistics
 from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.errors import CancelledError
 from bnrecal.workers.ranks.plan import GroupResult, RankPlan
@@ -74,6 +75,26 @@ def joined_head(parts: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor | Non
     """The head pieces of every rank, in position order, as one batch (None without any)."""
     ordered = [samples for _, samples in sorted(parts, key=lambda part: part[0])]
     return torch.cat(ordered) if ordered else None
+
+
+def checked_plan(
+    plan: RankPlan, model: torch.nn.Module, layers: list[BatchNormLayer]
+) -> tuple[RankPlan, EvalTarget | None]:
+    """The plan as this rank runs it, with what its ``checks`` find on the rank's ``model``
+    (where a job's host left them to the ranks, ``ModelChecks``): the BN call order, and
+    the evaluation's target, which comes back too (the later phases measure by it). Raises
+    what the host's checks would: the same functions run here. Without checks, as it is."""
+    checks = plan.checks
+    if checks is None:
+        return plan, None
+    call_order = probe_call_order(model, layers, checks.probe, plan.feed)
+    target = None
+    if checks.eval_probe is not None:
+        target = check_eval_output(model, checks.eval_probe.to(plan.device), checks.labels)
+    evaluation = plan.evaluation
+    if evaluation is not None and evaluation.target is None:
+        evaluation = replace(evaluation, target=target)
+    return replace(plan, call_order=tuple(call_order), evaluation=evaluation, checks=None), target
 
 
 def evaluate_rank(
@@ -125,6 +146,7 @@ def run_in_process(
     device = torch.device(plan.device)
     model.to(device).eval()
     layers = layers_named(model, plan.layer_names)
+    plan, eval_target = checked_plan(plan, model, layers)
     batches, ranges, steps = rank_batches(plan, 0)
     head: list[tuple[int, torch.Tensor]] = []
     batches = keeping_head(batches, ranges, plan.head, head)
@@ -158,6 +180,7 @@ def run_in_process(
         evaluation=evaluation,
         convergence=result.convergence,
         head=joined_head(head),
+        eval_target=eval_target,
     )
 
 

@@ -23,12 +23,37 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """The evaluation after calibration: its data, labels (or None) and what to measure."""
+    """The evaluation after calibration: its data, labels (or None) and what to measure.
+
+    ``target`` None: not decided yet; the model's output on ``probe`` (the first sample)
+    decides it, on the job's host before the ranks start, or on the ranks (``ModelChecks``)."""
 
     dataset: DatasetSpec
     labels: np.ndarray | None
-    target: EvalTarget
+    target: EvalTarget | None
     batch_size: int
+    probe: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ModelChecks:
+    """The checks a job's host makes on its model before any rank starts, made by every rank
+    on its own copy instead where the ranks are up already (a sweep's cells, docs/sweeps.md,
+    "What is shared"): the BN layers' call order on ``probe`` (the first calibration batch,
+    as the ranks feed it), and with ``eval_probe`` what the evaluation can measure on the
+    model's output (with ``labels``). The same functions, so the same errors."""
+
+    probe: Any
+    eval_probe: torch.Tensor | None = None
+    labels: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    """What ``ModelChecks`` found: the call order, and the evaluation's target (None without one)."""
+
+    call_order: tuple[int, ...]
+    eval_target: EvalTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +80,7 @@ class RankPlan:
     feed: Callable[[Any, Any], Any] | None = None  # forward(model, batch), for a LoaderSpec's batches
     stop: StopRule | None = None  # max_samples "auto": stop once the statistics have converged
     head: int = 0  # the first samples of the order, as read, handed back (an export's checks run on them)
+    checks: ModelChecks | None = None  # made on the rank before its pass (``call_order`` is then empty)
 
 
 @dataclass
@@ -73,6 +99,7 @@ class GroupResult:
     evaluation: EvalMetrics | None = None
     convergence: Convergence | None = None  # with a stop rule: where it ended
     head: torch.Tensor | None = None  # the first ``RankPlan.head`` samples the ranks read, in order
+    eval_target: EvalTarget | None = None  # what ``RankPlan.checks`` found the evaluation measures
 
 
 @dataclass(frozen=True)

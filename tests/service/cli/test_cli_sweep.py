@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, save_array, save_state
-from tests.nets import classifier_net, mixed_net, no_norm_net, perturbed
+from tests.nets import classifier_net, mixed_net, no_norm_net, perturbed, volume_net
 from tests.shards import photos, write_folder
 
 pytestmark = pytest.mark.usefixtures("cli_environment")
@@ -80,25 +80,35 @@ def photo_inputs(tmp_path_factory):
     return folder
 
 
-def test_photos_are_decoded_once_for_every_model_and_int8_matches(capsys, tmp_path, photo_inputs):
+def test_photos_are_decoded_once_for_every_model_and_int8_matches(capsys, tmp_path, photo_inputs, monkeypatch):
+    """Each set's photos are decoded once for both models and their INT8 passes; a cell's INT8
+    file is its single job's; the sweep's ``keep_float`` is checked against an exported graph
+    on the host once (the first cell), not once per cell."""
+    import bnrecal.service.run.int8_names as int8_names
+
+    preflights: list[str] = []
+    real = int8_names.check_int8_names
+    monkeypatch.setattr(int8_names, "check_int8_names", lambda *a, **k: preflights.append("check") or real(*a, **k))
     options = ("--transform", '{"resize": 20, "crop": 16}', "--batch-size", "8")
+    int8 = ("--int8", '{"method": "minmax", "keep_float": ["Gemm"]}')
     code, _, err = run_cli(
         capsys, "sweep", "--models", str(photo_inputs / "models.txt"), "--arch", "tests.nets:classifier_net",
         "--model-kwargs", '{"classes": 3}', "--data", f"day={photo_inputs / 'day'}",
-        "--data", f"night={photo_inputs / 'night'}", "--onnx-int8", "--int8", '{"method": "minmax"}',
+        "--data", f"night={photo_inputs / 'night'}", "--onnx-int8", *int8,
         "--out-dir", str(tmp_path / "out"), *options,
     )
     assert code == 0, err
+    assert preflights == ["check"]
     matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert matrix["decoding"]["decoded"] == 32  # 16 photos of each set, once for both models and the INT8 passes
     assert matrix["decoding"]["reused"] > 32
     code, _, err = run_cli(
         capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--model-kwargs", '{"classes": 3}',
         "--checkpoint", str(photo_inputs / "c1.pt"), "--data", str(photo_inputs / "night"),
-        "--onnx-int8", str(tmp_path / "single.int8.onnx"), "--int8", '{"method": "minmax"}',
-        "--out", str(tmp_path / "single.pt"), *options,
+        "--onnx-int8", str(tmp_path / "single.int8.onnx"), *int8, "--out", str(tmp_path / "single.pt"), *options,
     )
     assert code == 0, err
+    assert preflights == ["check", "check"]  # a single job checks before its calibration
     cell = tmp_path / "out" / "second" / "night"
     assert (cell / "c1.pt").read_bytes() == (tmp_path / "single.pt").read_bytes()
     assert (cell / "model.int8.onnx").read_bytes() == (tmp_path / "single.int8.onnx").read_bytes()
@@ -148,6 +158,75 @@ def test_a_cell_whose_export_fails_fails_alone_on_the_ranks(capsys, tmp_path, sw
         cell = tmp_path / "out" / good / "data"
         assert (cell / f"{good}.pt").is_file() and (cell / "model.onnx").stat().st_size > 0
     assert not any((tmp_path / "out" / "loud" / "data").glob("*.onnx"))  # nothing half written
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_checks_of_a_single_job_run_on_the_sweeps_ranks_with_its_errors_and_figures(
+    capsys, tmp_path, photo_inputs, monkeypatch,
+):
+    """A single job checks its model on its host before any rank starts: the BN call order on
+    the first sample (the model runs on the data) and what the evaluation can measure. A
+    sweep's ranks are up already, so its cells make those checks there (docs/sweeps.md, "What
+    is shared"): the host runs no forward per cell. A cell that fails a check fails alone
+    with its single job's error, and a good cell's evaluation, measured by the INT8 export's
+    passes by the target the ranks found, and its INT8 file are its single job's."""
+    import bnrecal.service.run.core as core
+
+    host_forwards: list[str] = []
+    for name in ("probe_call_order", "check_eval_output"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda *a, _name=name, _real=real, **k: host_forwards.append(_name) or _real(*a, **k))
+    torch.manual_seed(0)
+    save_state(tmp_path / "two.pt", perturbed(classifier_net(2)))  # 2 classes: the photos' labels go up to 2
+    torch.manual_seed(0)
+    save_state(tmp_path / "volume.pt", perturbed(volume_net()))  # Conv3d: rejects photos
+    kwargs = '"model_kwargs": {"classes": 3}'
+    manifest = tmp_path / "models.txt"
+    manifest.write_text(
+        f'{{"checkpoint": "{photo_inputs / "c0.pt"}", {kwargs}}}\n'
+        f'{{"checkpoint": "two.pt", "model_kwargs": {{"classes": 2}}}}\n'
+        f'{{"checkpoint": "volume.pt", "arch": "tests.nets:volume_net"}}\n'
+        f'{{"checkpoint": "{photo_inputs / "c1.pt"}", {kwargs}}}\n'
+    )
+    options = ("--transform", '{"resize": 20, "crop": 16}', "--batch-size", "8", "--workers", "2")
+    files = ("--int8", '{"method": "minmax"}')
+    code, _, err = run_cli(
+        capsys, "sweep", "--models", str(manifest), "--arch", "tests.nets:classifier_net",
+        "--data", f"day={photo_inputs / 'day'}", "--eval-data", f"day={photo_inputs / 'night'}",
+        "--onnx-int8", *files, "--out-dir", str(tmp_path / "out"), *options,
+    )
+    assert code == 1, err
+    assert host_forwards == []
+    matrix = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [(c["model"], c["status"]) for c in matrix["cells"]] == [
+        ("c0", "succeeded"), ("two", "failed"), ("volume", "failed"), ("c1", "succeeded")]
+    (tmp_path / "single").mkdir()
+
+    def single(checkpoint: Path, arch: str, kwargs: str, *extra: str) -> tuple[int, str]:
+        code, _, err = run_cli(
+            capsys, "calibrate", "--arch", arch, "--model-kwargs", kwargs, "--checkpoint", str(checkpoint),
+            "--data", str(photo_inputs / "day"), "--eval-data", str(photo_inputs / "night"),
+            "--out", str(tmp_path / "single" / checkpoint.name), *options, *extra,
+        )
+        return code, err
+
+    for cell, checkpoint, arch, kwargs in [(1, tmp_path / "two.pt", "tests.nets:classifier_net", '{"classes": 2}'),
+                                           (2, tmp_path / "volume.pt", "tests.nets:volume_net", "{}")]:
+        code, err = single(checkpoint, arch, kwargs)
+        assert code == 2 and matrix["cells"][cell]["error"] in err, (code, matrix["cells"][cell]["error"], err)
+    assert "labels go up to 2 but the model outputs 2 classes" in matrix["cells"][1]["error"]
+    assert "rejects samples of shape (3, 16, 16)" in matrix["cells"][2]["error"]
+    assert host_forwards == ["probe_call_order", "check_eval_output", "probe_call_order"]  # single jobs: on their host
+    code, err = single(photo_inputs / "c1.pt", "tests.nets:classifier_net", '{"classes": 3}', "--onnx-int8",
+                       str(tmp_path / "single.int8.onnx"), "--report", str(tmp_path / "single.json"), *files)
+    assert code == 0, err
+    cell = tmp_path / "out" / "c1" / "day"
+    assert (cell / "model.int8.onnx").read_bytes() == (tmp_path / "single.int8.onnx").read_bytes()
+    mine, theirs = json.loads((cell / "report.json").read_text()), json.loads((tmp_path / "single.json").read_text())
+    for report in (mine, theirs):
+        report["evaluation"].pop("seconds")
+    assert mine["evaluation"] == theirs["evaluation"] and mine["evaluation"]["labelled"]
+    assert mine["int8"]["evaluation"] == theirs["int8"]["evaluation"]
 
 
 @pytest.mark.parametrize(("args", "message"), [
