@@ -49,14 +49,6 @@ class ModelChecks:
 
 
 @dataclass(frozen=True)
-class CheckedModel:
-    """What ``ModelChecks`` found: the call order, and the evaluation's target (None without one)."""
-
-    call_order: tuple[int, ...]
-    eval_target: EvalTarget | None = None
-
-
-@dataclass(frozen=True)
 class RankPlan:
     """The job as one rank sees it (identical for every rank but ``rank``-specific fields).
 
