@@ -34,11 +34,9 @@ from bnrecal.workers.data.reading.kept import KeepDecoded, KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
 from bnrecal.workers.engine.calibration import StopRule, apply_statistics
-from bnrecal.workers.engine.calibrator import probe_call_order
-from bnrecal.workers.engine.evaluation import check_eval_output
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
-from bnrecal.workers.ranks.local import IN_PROCESS
+from bnrecal.workers.ranks.local import IN_PROCESS, check_model
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, ModelChecks, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
@@ -302,13 +300,12 @@ def _check_model(plan: RunPlan, layers: list[BatchNormLayer]) -> tuple[RunPlan, 
     evaluation's target decided here), the call order, and the checks left to the ranks."""
     evaluation = plan.evaluation
     undecided = evaluation is not None and evaluation.target is None
+    checks = ModelChecks(plan.probe, evaluation.probe if evaluation is not None and undecided else None,
+                         evaluation.labels if evaluation is not None else None)
     if plan.later.shared is not None:
-        eval_probe = evaluation.probe if evaluation is not None and undecided else None
-        return plan, (), ModelChecks(plan.probe, eval_probe, evaluation.labels if evaluation is not None else None)
-    call_order = tuple(probe_call_order(plan.model, layers, plan.probe, plan.feed))
+        return plan, (), checks
+    call_order, target = check_model(plan.model, layers, checks, plan.feed)
     if evaluation is not None and undecided:
-        assert evaluation.probe is not None, "an evaluation without a target has its probe"
-        target = check_eval_output(plan.model, evaluation.probe, evaluation.labels)
         plan = replace(plan, evaluation=replace(evaluation, target=target, probe=None))
     return plan, call_order, None
 

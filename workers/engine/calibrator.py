@@ -329,7 +329,7 @@ class BatchNormCalibrator:
         return stats
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
     """Where the model's tensors live (its first parameter's or buffer's device; the CPU if none)."""
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         return tensor.device
@@ -352,7 +352,7 @@ def probe_call_order(
     """
     was_training = model.training
     model.eval()
-    sample = move_to(sample, _device_of(model))  # the calibration pass moves its batches alike
+    sample = move_to(sample, device_of(model))  # the calibration pass moves its batches alike
     calibrator = BatchNormCalibrator(layers, "sync", SingleProcessCollective(), record_order=True)
     try:
         with torch.inference_mode(), calibrator:

@@ -26,12 +26,12 @@ from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
-from bnrecal.workers.engine.calibrator import probe_call_order
+from bnrecal.workers.engine.calibrator import device_of, probe_call_order
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget, check_eval_output, evaluation_pass, with_statistics
 from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.errors import CancelledError
-from bnrecal.workers.ranks.plan import GroupResult, RankPlan
+from bnrecal.workers.ranks.plan import GroupResult, ModelChecks, RankPlan
 from bnrecal.workers.ranks.sharding import rank_ranges, step_ranges
 
 IN_PROCESS = "in-process"
@@ -77,24 +77,34 @@ def joined_head(parts: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor | Non
     return torch.cat(ordered) if ordered else None
 
 
+def check_model(
+    model: torch.nn.Module, layers: list[BatchNormLayer], checks: ModelChecks, feed: Callable[[Any, Any], Any] | None,
+) -> tuple[tuple[int, ...], EvalTarget | None]:
+    """The checks a run makes on its model before its pass, wherever they run (the job's host
+    before any rank starts, or every rank of a sweep's cell): the BN call order on the probe,
+    which catches data the model rejects and layers that cannot be calibrated, and with an
+    evaluation sample what the evaluation can measure (``check_eval_output``)."""
+    call_order = tuple(probe_call_order(model, layers, checks.probe, feed))
+    target = None
+    if checks.eval_probe is not None:
+        target = check_eval_output(model, checks.eval_probe.to(device_of(model)), checks.labels)
+    return call_order, target
+
+
 def checked_plan(
     plan: RankPlan, model: torch.nn.Module, layers: list[BatchNormLayer]
 ) -> tuple[RankPlan, EvalTarget | None]:
     """The plan as this rank runs it, with what its ``checks`` find on the rank's ``model``
     (where a job's host left them to the ranks, ``ModelChecks``): the BN call order, and
-    the evaluation's target, which comes back too (the later phases measure by it). Raises
-    what the host's checks would: the same functions run here. Without checks, as it is."""
-    checks = plan.checks
-    if checks is None:
+    the evaluation's target, which comes back too (the later phases measure by it). Without
+    checks, as it is."""
+    if plan.checks is None:
         return plan, None
-    call_order = probe_call_order(model, layers, checks.probe, plan.feed)
-    target = None
-    if checks.eval_probe is not None:
-        target = check_eval_output(model, checks.eval_probe.to(plan.device), checks.labels)
+    call_order, target = check_model(model, layers, plan.checks, plan.feed)
     evaluation = plan.evaluation
     if evaluation is not None and evaluation.target is None:
         evaluation = replace(evaluation, target=target)
-    return replace(plan, call_order=tuple(call_order), evaluation=evaluation, checks=None), target
+    return replace(plan, call_order=call_order, evaluation=evaluation, checks=None), target
 
 
 def evaluate_rank(

@@ -170,12 +170,12 @@ def test_the_checks_of_a_single_job_run_on_the_sweeps_ranks_with_its_errors_and_
     is shared"): the host runs no forward per cell. A cell that fails a check fails alone
     with its single job's error, and a good cell's evaluation, measured by the INT8 export's
     passes by the target the ranks found, and its INT8 file are its single job's."""
-    import bnrecal.service.run.core as core
+    import bnrecal.workers.ranks.local as checks  # where the host's checks run (the ranks are other processes)
 
     host_forwards: list[str] = []
     for name in ("probe_call_order", "check_eval_output"):
-        real = getattr(core, name)
-        monkeypatch.setattr(core, name, lambda *a, _name=name, _real=real, **k: host_forwards.append(_name) or _real(*a, **k))
+        real = getattr(checks, name)
+        monkeypatch.setattr(checks, name, lambda *a, _name=name, _real=real, **k: host_forwards.append(_name) or _real(*a, **k))
     torch.manual_seed(0)
     save_state(tmp_path / "two.pt", perturbed(classifier_net(2)))  # 2 classes: the photos' labels go up to 2
     torch.manual_seed(0)
