@@ -80,8 +80,9 @@ def int8_line(section: Int8Section, path: Path | None = None) -> str:
     where = f" {path}" if path is not None else ""
     if section.get("written") is False:
         return f"INT8{where}: not written: {section.get('failure', 'the INT8 output failed')}"
+    weights = "7-bit" if section.get("reduce_range") else "8-bit"
     line = (
-        f"INT8{where}: {section.get('target', 'onnxruntime')} {section['method']}, "
+        f"INT8{where}: {section.get('target', 'onnxruntime')} {section['method']}, {weights} weights, "
         f"{sum(section['ops_quantized'].values())} ops quantized, "
         f"{len(section['ops_float'])} float, {section['bytes'] / 2**20:.1f} MiB "
         f"(FP32 {section['fp32_bytes'] / 2**20:.1f} MiB)"
@@ -100,6 +101,13 @@ def int8_line(section: Int8Section, path: Path | None = None) -> str:
     if guard and guard.get("kept_float"):
         names = ", ".join(f"{op['name']} ({op['op_type']})" for op in guard["kept_float"])
         line += f"; kept in float by max_top1_drop: {names}"
+    cpu = section.get("cpu")
+    if cpu:
+        from bnrecal.service.export.cpu import CpuFeatures
+
+        line += f"; measured on {CpuFeatures.model_validate(cpu).describe()}"
+    if section.get("saturates"):
+        line += f"; SATURATES in {' and '.join(section['saturates'])}, whose INT8 kernels lack VNNI here: see int8.runtimes"
     return line
 
 

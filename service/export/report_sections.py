@@ -9,22 +9,26 @@ from typing import Literal
 
 from pydantic import Field
 
+from bnrecal.service.export.cpu import CpuFeatures
 from bnrecal.service.report_part import ReportPart
 
 
 class RuntimeEntry(ReportPart):
     """One runtime's run of an exported file (``runtimes.onnxruntime``, ``runtimes.openvino``):
     whether it ran, its version and its largest difference from the section's reference, or
-    why it did not run; OpenVINO's INT8 entry also says how far it is from onnxruntime's
-    outputs, and (``judged`` false) when a CPU without VNNI, not the file, set its figure."""
+    why it did not run. An INT8 file's entries also say how far each runtime is from the
+    file's own arithmetic (``max_abs_diff_to_qdq``), OpenVINO's from onnxruntime's outputs, and
+    whether the runtime ``saturates`` on this CPU (``reason`` says how it was found)."""
 
-    OMIT_WHEN_NONE = frozenset({"version", "max_abs_diff", "max_abs_diff_to_onnxruntime", "judged", "reason"})
+    OMIT_WHEN_NONE = frozenset({"version", "max_abs_diff", "max_abs_diff_to_qdq", "max_abs_diff_to_onnxruntime",
+                                "saturates", "reason"})
 
     ran: bool
     version: str | None = None
     max_abs_diff: float | None = None
+    max_abs_diff_to_qdq: float | None = None
     max_abs_diff_to_onnxruntime: float | None = None
-    judged: bool | None = None
+    saturates: bool | None = None
     reason: str | None = None
 
 
@@ -159,11 +163,16 @@ class RangesAsMinmax(ReportPart):
 @dataclass(frozen=True)
 class Int8Checks:
     """The INT8 file against the FP32 export on the verified batches: the largest difference,
-    the FP32 outputs' scale, and each runtime's agreement (fields of :class:`Int8Section`)."""
+    the FP32 outputs' scale, the file's own arithmetic's difference (``qdq_max_abs_diff``),
+    each runtime's agreement, the CPU they ran on and the runtimes that saturate there (fields
+    of :class:`Int8Section`)."""
 
     max_abs_diff: float
     fp32_max_abs: float
+    qdq_max_abs_diff: float
     runtimes: RuntimeChecks
+    cpu: CpuFeatures
+    saturates: list[str]
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,7 @@ class Int8Section(ReportPart):
         "op_types", "bins", "percentile", "quantized_bins", "ranges_as_minmax", "guard", "evaluation", "failure",
         "max_abs_diff", "fp32_max_abs", "runtimes", "verified_batches", "ops_quantized", "ops_float", "ops_merged",
         "ops_on_shapes", "quantize_linear_nodes", "dequantize_linear_nodes", "bytes", "fp32_bytes", "latency_ms",
-        "written", "attempts", "retried_failures",
+        "written", "attempts", "retried_failures", "weights_why", "qdq_max_abs_diff", "cpu", "saturates",
     })
 
     target: str
@@ -200,6 +209,7 @@ class Int8Section(ReportPart):
     symmetric_activations: bool
     per_channel: bool
     reduce_range: bool
+    weights_why: str | None = None
     format: str
     writer: str
     tensors_calibrated: int
@@ -217,7 +227,10 @@ class Int8Section(ReportPart):
     failure: str | None = None
     max_abs_diff: float | None = None
     fp32_max_abs: float | None = None
+    qdq_max_abs_diff: float | None = None
     runtimes: RuntimeChecks | None = None
+    cpu: CpuFeatures | None = None
+    saturates: list[str] | None = None
     verified_batches: list[int] | None = None
     ops_quantized: dict[str, int] | None = None
     ops_float: list[FloatOp] | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,34 +126,13 @@ def largest_difference(got: Sequence[Sequence[np.ndarray]], expected: Sequence[S
     return worst, scale
 
 
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-"""The CPU flags (Linux's names) of the 8-bit dot-product instructions that accumulate in 32
-bits: without one of them OpenVINO's INT8 kernels add u8 x s8 pairs in 16 bits, which
-saturate (OpenVINO's documented "saturation issue" of SSE, AVX2 and AVX-512 without VNNI)."""
-
-
-def cpu_saturates_int8(cpuinfo: str | None = None) -> bool:
-    """Whether this machine's CPU lacks VNNI, so that OpenVINO's INT8 outputs here may stray by
-    saturation, not because of the file. ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when
-    not given); where it cannot be read the CPU is taken to have VNNI (the check stays strict)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[-1].split()}
-    return bool(flags) and not flags.intersection(VNNI_FLAGS)
-
-
-def runtime_entry(run: RuntimeRun, max_abs_diff: float | None = None, *,
-                  max_abs_diff_to_onnxruntime: float | None = None, judged: bool | None = None,
-                  reason: str | None = None) -> RuntimeEntry:
+def runtime_entry(run: RuntimeRun, max_abs_diff: float | None = None, **judgement: Any) -> RuntimeEntry:
     """The report's entry for one runtime: whether it ran the file, its version, its
-    agreement (``max_abs_diff`` against the reference named by the section)."""
+    agreement (``max_abs_diff`` against the reference named by the section), and for an INT8
+    file the ``judgement`` of its arithmetic (``RuntimeEntry``'s other fields)."""
     if run.outputs is None:
         return RuntimeEntry(ran=False, reason=run.reason)
-    return RuntimeEntry(ran=True, version=run.version, max_abs_diff=max_abs_diff,
-                        max_abs_diff_to_onnxruntime=max_abs_diff_to_onnxruntime, judged=judged, reason=reason)
+    return RuntimeEntry(ran=True, version=run.version, max_abs_diff=max_abs_diff, **judgement)
 
 
 def onnxruntime_version() -> str:

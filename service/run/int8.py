@@ -145,10 +145,15 @@ def quantize_export(
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
     checks = passes.call(check_file, model, fp32_model, samples, prepared, reasons, options)
     section = section.model_copy(update={
-        "max_abs_diff": checks.checked.max_abs_diff, "fp32_max_abs": checks.checked.fp32_max_abs,
-        "runtimes": checks.checked.runtimes, "verified_batches": [1, len(samples)], **vars(checks.summary),
+        **vars(checks.checked), "verified_batches": [1, len(samples)], **vars(checks.summary),
         "bytes": len(model), "fp32_bytes": len(fp32_model), "latency_ms": checks.latency, "written": True,
     })
+    if section.saturates and options.max_top1_drop is not None:
+        failure = (f"int8.max_top1_drop: the INT8 file saturates in {' and '.join(section.saturates)} on this CPU "
+                   f"without VNNI ({section.cpu.describe()}), so its accuracy here is not the file's: write 7-bit "
+                   "weights (int8.reduce_range true, the default for CPU targets) or build on a CPU with VNNI")
+        section.written, section.failure = False, failure
+        raise Int8GuardError(failure, section)
     return Quantized(model, section)
 
 
@@ -243,11 +248,12 @@ def _section(options: Int8Options, prepared: PreparedModel, gathered: GroupPass)
         method=options.method,
         weight_type="int8",
         weights=("symmetric, per output channel" if options.per_channel else "symmetric, per tensor")
-        + (", 7-bit (reduce_range)" if options.reduce_range else ""),
+        + (", 7-bit (reduce_range)" if options.weights_reduced() else ", 8-bit"),
         activation_type=options.activation(),
         symmetric_activations=options.activations_symmetric(),
         per_channel=options.per_channel,
-        reduce_range=options.reduce_range,
+        reduce_range=options.weights_reduced(),
+        weights_why=options.weights_why(),
         format="QDQ",
         writer=_writer(),
         tensors_calibrated=len(prepared.tensors),

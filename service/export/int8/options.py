@@ -18,6 +18,9 @@ quantized bins, TensorRT's entropy calibrator's and the literature's choice (Mig
 Inference with TensorRT", 2017); onnxruntime's own default of 128 bins leaves the KL search
 one candidate, the whole range, so it writes exactly the minmax file (docs/int8.md)."""
 
+CPU_TARGETS = ("onnxruntime", "openvino")
+"""The targets deployed on CPUs, whose files keep 7-bit weights by default (docs/int8.md, "Every x86 CPU")."""
+
 DEFAULT_ACTIVATION = {"onnxruntime": "uint8", "tensorrt": "int8", "openvino": "uint8"}
 """Activation type by target: TensorRT takes int8 with zero point 0 only."""
 
@@ -50,8 +53,11 @@ class Int8Options(BaseModel):
         description="Activation ranges made symmetric around 0 (zero point 0 for int8); default: true for "
         "tensorrt, which requires it, false otherwise.",
     )
-    reduce_range: StrictBool = Field(
-        default=False, description="Weights in 7 bits, -64..64 (onnxruntime's reduce_range: for CPUs without VNNI)."
+    reduce_range: StrictBool | None = Field(
+        default=None,
+        description="Weights in 7 bits, -64..64 (onnxruntime's reduce_range), which no x86 CPU's 8-bit kernels can "
+        "saturate; default: true for the CPU targets (onnxruntime, openvino), false for tensorrt. false writes full "
+        "8-bit weights, for deployments known to have VNNI (avx512_vnni, avx_vnni, amx_int8).",
     )
     op_types: list[str] | None = Field(
         default=None, max_length=1000,
@@ -103,6 +109,25 @@ class Int8Options(BaseModel):
     def activation(self) -> str:
         """The activation type, resolved for the target."""
         return self.activation_type or DEFAULT_ACTIVATION[self.target]
+
+    def weights_reduced(self) -> bool:
+        """Whether the weights are written in 7 bits (``reduce_range``), resolved for the target."""
+        if self.reduce_range is not None:
+            return self.reduce_range
+        return self.target in CPU_TARGETS
+
+    def weights_why(self) -> str:
+        """Why the weights have the bits they have, for the report (docs/int8.md, "Every x86 CPU")."""
+        if self.reduce_range is None:
+            if self.target in CPU_TARGETS:
+                return (f"7-bit weights, the default for target {self.target}: x86 CPUs without VNNI add u8 x s8 "
+                        "products in pairs in 16 bits (VPMADDUBSW), which 8-bit weights can saturate and 7-bit "
+                        "weights cannot")
+            return f"8-bit weights, the default for target {self.target}: its GPUs' INT8 kernels accumulate in 32 bits"
+        if self.reduce_range:
+            return "7-bit weights, as asked (int8.reduce_range true): no x86 CPU's 8-bit kernels can saturate them"
+        return ("8-bit weights, as asked (int8.reduce_range false): for CPUs with VNNI; on x86 CPUs without it "
+                "onnxruntime's and OpenVINO's 8-bit kernels may saturate")
 
     def activations_symmetric(self) -> bool:
         """Whether activation ranges are made symmetric (zero point 0 for signed types)."""

@@ -163,7 +163,7 @@ def write_qdq(prepared: PreparedModel, data: Any, options: Int8Options, exclude:
     with tempfile.TemporaryDirectory(prefix="bnrecal-int8-") as tmp, _quiet():
         try:
             quantizer = QDQQuantizer(
-                model, options.per_channel, options.reduce_range, QuantType.QInt8, activation_quant_type(options),
+                model, options.per_channel, options.weights_reduced(), QuantType.QInt8, activation_quant_type(options),
                 data, [], list(exclude), where.op_types, where.extra_options.onnxruntime(),
             )
             quantizer.quantize_model()
