@@ -146,12 +146,17 @@ A module missing here only runs in collection order; one listed and gone is igno
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where no CUDA device is present; start the longest modules first."""
+    """Skip `gpu` tests where no CUDA device is present, `vnni` and `no_vnni` tests on the
+    other kind of CPU; start the longest modules first."""
+    from bnrecal.service.export.cpu import cpu_features
+
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    vnni = cpu_features(environ={}).vnni
+    skips = {"gpu": None if torch.cuda.is_available() else "needs a CUDA device",
+             "vnni": None if vnni else "needs a CPU with VNNI",
+             "no_vnni": "needs a CPU without VNNI" if vnni else None}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if reason is not None and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))

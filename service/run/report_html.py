@@ -143,12 +143,13 @@ median channel to the worst; about 95% of true errors lie within two of them.</p
 <table>
 {% if q.target %}<tr><th>target runtime</th><td>{{ q.target }}</td></tr>{% endif %}
 <tr><th>method</th><td>{{ q.method }}{% if q.ranges_as_minmax and q.ranges_as_minmax.note %} ({{ q.ranges_as_minmax.note }}){% endif %}</td></tr>
-<tr><th>weights / activations</th><td>{{ q.weight_type }} {{ q.weights }} / {{ q.activation_type }}</td></tr>
+<tr><th>weights / activations</th><td>{{ q.weight_type }} {{ q.weights }} / {{ q.activation_type }}{% if q.weights_why %} ({{ q.weights_why }}){% endif %}</td></tr>
 <tr><th>ranges</th><td>{{ q.samples }} samples on {{ q.world_size }} ranks, collectives {{ q.collectives|join(", ") }}</td></tr>
 <tr><th>ops quantized</th><td>{% for op, n in (q.ops_quantized or {}).items() %}{{ op }} {{ n }}{% if not loop.last %}, {% endif %}{% endfor %}</td></tr>
 {% if q.bytes %}<tr><th>size</th><td>{{ (q.bytes / 1048576)|round(2) }} MiB (FP32 {{ (q.fp32_bytes / 1048576)|round(2) }} MiB)</td></tr>
 <tr><th>max abs diff vs FP32</th><td>{{ fmt(q.max_abs_diff) }} (FP32 outputs up to {{ fmt(q.fp32_max_abs) }})</td></tr>{% endif %}
-{% if q.runtimes %}<tr><th>runtimes that ran the file</th><td>{% for name in ("onnxruntime", "openvino") %}{% set rt = q.runtimes[name] %}{% if rt %}{{ name }} {% if rt.ran %}{{ rt.version }}: max abs diff vs FP32 {{ fmt(rt.max_abs_diff) }}{% else %}not run ({{ rt.reason }}){% endif %}{% if not loop.last %}; {% endif %}{% endif %}{% endfor %}</td></tr>{% endif %}
+{% if q.runtimes %}<tr><th>runtimes that ran the file</th><td>{% for name in ("onnxruntime", "openvino") %}{% set rt = q.runtimes[name] %}{% if rt %}{{ name }} {% if rt.ran %}{{ rt.version }}: max abs diff vs FP32 {{ fmt(rt.max_abs_diff) }}{% if rt.max_abs_diff_to_qdq is not none %}, vs its own Q/DQ arithmetic {{ fmt(rt.max_abs_diff_to_qdq) }}{% endif %}{% if rt.saturates %} <strong class="int8-saturates">SATURATES</strong>: {{ rt.reason }}{% endif %}{% else %}not run ({{ rt.reason }}){% endif %}{% if not loop.last %}; {% endif %}{% endif %}{% endfor %}</td></tr>{% endif %}
+{% if q.cpu %}<tr><th>checked on</th><td>{{ q.cpu.describe() }}</td></tr>{% endif %}
 {% if q.guard %}<tr><th>accuracy guard</th><td>max_top1_drop {{ q.guard.max_top1_drop }} points; float ops chosen on {{ q.guard.selection.samples }} {{ q.guard.selection.which }}, accuracies below on {{ q.guard.report.samples }} {{ q.guard.report.which }}{% if q.guard.kept_float %}; kept in float: {% for op in q.guard.kept_float %}{{ op.name }} ({{ op.op_type }}, {{ fmt(op.top1_gain_alone_points) }} points alone){% if not loop.last %}, {% endif %}{% endfor %}{% endif %}</td></tr>{% endif %}
 {% if q.latency_ms %}<tr><th>onnxruntime latency, batch 1</th><td>{{ fmt(q.latency_ms.int8) }} ms (FP32 {{ fmt(q.latency_ms.fp32) }} ms)</td></tr>{% endif %}
 </table>

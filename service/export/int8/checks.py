@@ -32,12 +32,14 @@ def session(model: bytes, threads: int | None = None):
 
 DEPARTURE_SHARE = 0.05
 """A runtime's INT8 outputs may depart from the file's own arithmetic (its Q/DQ ops run as
-written, in float: ``qdq_arithmetic``) by at most this share of the FP32 outputs' scale.
-The runtimes' fused kernels round requantized values their own way; measured on the digits
-resnet18 (scale 27-32): onnxruntime 0-0.21 (0-0.7%), OpenVINO 0.42-0.64 (1.3-2%); the same
-8-bit files saturating in OpenVINO without VNNI 2.1-7.5 (7.6-23%). Beyond it a runtime
-whose kernels lack VNNI saturates; one with VNNI reads the graph otherwise."""
-
+written, in float: ``qdq_arithmetic``) by this share of the FP32 outputs' scale, or by twice
+the file's own rounding (its arithmetic against the FP32 export), whichever is larger: the
+runtimes' fused kernels round requantized values their own way. Measured (docs/int8.md,
+"Every x86 CPU"): on the digits resnet18 (outputs up to 27-32) onnxruntime departs by 0-0.7%
+of the scale and OpenVINO by 1.3-2%, the same 8-bit file saturating in OpenVINO without VNNI
+by 13-23%; on small random-weight models (outputs up to 0.03-0.5), whose scale is mostly
+rounding, OpenVINO departs by up to 1.24x the file's rounding, saturating by 3-11x. Beyond
+the bound a runtime whose kernels lack VNNI saturates; one with VNNI reads the graph otherwise."""
 
 def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> Int8Checks:
     """Full checker, then the INT8 and FP32 files on ``batches``: the largest absolute
@@ -75,7 +77,7 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
         own, _ = largest_difference(own_all, expected_all)
     except ValueError as exc:
         raise ExportError(f"INT8 {exc}; no file written") from exc
-    judge = _Judge(own_all, expected_all, scale, cpu_features())
+    judge = _Judge(own_all, expected_all, max(DEPARTURE_SHARE * scale, 2 * own), cpu_features())
     onnxruntime = RuntimeEntry(ran=True, version=onnxruntime_version(), max_abs_diff=worst,
                                **judge("onnxruntime", got_all))
     openvino = _openvino(int8_model, batches, got_all, judge)
@@ -107,18 +109,18 @@ class _Judge:
 
     own: list
     fp32: list
-    scale: float
+    allowed: float
     cpu: CpuFeatures
 
     def __call__(self, runtime: str, outputs: list) -> dict:
         """``RuntimeEntry``'s judgement fields for ``runtime``'s ``outputs``; raises
         ``ExportError`` where a runtime with VNNI departs from the file's arithmetic."""
         departure, _ = largest_difference(outputs, self.own)
-        allowed = DEPARTURE_SHARE * max(1.0, self.scale)
-        if departure <= allowed:
+        if departure <= self.allowed:
             return {"max_abs_diff_to_qdq": departure, "saturates": False}
         said = (f"the INT8 model's outputs in {RUNTIME_NAMES[runtime]} depart from its own Q/DQ arithmetic by "
-                f"{departure:.3g} (allowed {allowed:.3g}, {DEPARTURE_SHARE:.0%} of the outputs' scale)")
+                f"{departure:.3g} (allowed {self.allowed:.3g}: {DEPARTURE_SHARE:.0%} of the outputs' scale or twice "
+                "the file's own rounding)")
         if self.cpu.has_vnni(runtime):
             raise ExportError(f"{said} on a CPU with VNNI: {RUNTIME_NAMES[runtime]} reads the graph otherwise; "
                               "no file written")

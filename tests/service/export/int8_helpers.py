@@ -42,9 +42,10 @@ def batch_reader(samples: torch.Tensor, batch: int):
     return Reader()
 
 
-def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path) -> bytes:
+def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, method: str, tmp: Path, *,
+                        reduce_range: bool) -> bytes:
     """onnxruntime's own single-process ``quantize_static`` (QDQ, per-channel int8 weights,
-    uint8 activations) over ``samples`` in batches of ``batch``."""
+    7-bit with ``reduce_range``, uint8 activations) over ``samples`` in batches of ``batch``."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     source, target = tmp / "prepared.onnx", tmp / "ort-int8.onnx"
@@ -56,6 +57,7 @@ def ort_quantize_static(prepared: bytes, samples: torch.Tensor, batch: int, meth
         quantize_static(
             str(source), str(target), batch_reader(samples, batch), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
+            reduce_range=reduce_range,
         )
     return without_unused_domains(target.read_bytes())
 

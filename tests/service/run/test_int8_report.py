@@ -56,3 +56,32 @@ def test_int8_section_shows_target_runtimes_guard_and_why_no_file():
     assert "No INT8 file: INT8 top-1 stays 3.00 points" in page and "tensorrt" in page
     assert "float ops chosen on 180 evaluation samples at even positions" in page
     assert_offline(page)
+
+
+def test_int8_section_says_the_weights_bits_the_cpu_and_a_runtime_that_saturates():
+    saturating = ("the INT8 model's outputs in OpenVINO depart from its own Q/DQ arithmetic by 3.6 (allowed 1.36, 5% "
+                  "of the outputs' scale): its 8-bit kernels saturate on this CPU without VNNI")
+    report = {
+        "arch": "torchvision:resnet18", "mode": "sync", "world_size": 1, "samples": 64, "steps": 1, "seconds": 0.5,
+        "layers": [], "nodes": ["n1"],
+        "int8": {
+            **RANGES, "method": "minmax", "weight_type": "int8", "weights": "symmetric, per output channel, 8-bit",
+            "weights_why": "8-bit weights, as asked (int8.reduce_range false): for CPUs with VNNI",
+            "activation_type": "uint8", "samples": 64, "world_size": 1, "collectives": [1],
+            "ops_quantized": {"Conv": 20}, "bytes": 11 * 2**20, "fp32_bytes": 44 * 2**20,
+            "max_abs_diff": 0.23, "fp32_max_abs": 27.3, "qdq_max_abs_diff": 0.23,
+            "runtimes": {"reference": "the FP32 export in onnxruntime, on the verified batches",
+                         "onnxruntime": {"ran": True, "version": "1.32.0", "max_abs_diff": 0.23,
+                                         "max_abs_diff_to_qdq": 0.0, "saturates": False},
+                         "openvino": {"ran": True, "version": "2026.4.1", "max_abs_diff": 3.37,
+                                      "max_abs_diff_to_qdq": 3.6, "saturates": True, "reason": saturating}},
+            "cpu": {"model": "AMD EPYC 7B12", "flags": ["sse4_2", "avx2"], "vnni": False},
+            "saturates": ["openvino"],
+        },
+    }
+    page = render_html_report(typed(report))
+    assert "8-bit weights, as asked (int8.reduce_range false)" in page
+    assert "SATURATES</strong>: the INT8 model&#39;s outputs in OpenVINO depart" in page
+    assert "vs its own Q/DQ arithmetic 0" in page
+    assert "AMD EPYC 7B12 (sse4_2, avx2, no VNNI)" in page
+    assert_offline(page)
