@@ -97,7 +97,8 @@ function showSpec(spec) {
   }
   if (outputs.includes("onnx_int8")) {
     const int8 = spec.int8 || {};
-    entries.push(["INT8", `for ${int8.target || "onnxruntime"}, ${int8.method || "minmax"} ranges, weights int8 ${int8.per_channel === false ? "per tensor" : "per channel"}`
+    entries.push(["INT8", `for ${int8.target || "onnxruntime"}, ${int8.method || "minmax"} ranges, weights int8 ${int8.per_channel === false ? "per tensor" : "per channel"}, `
+      + `${int8.reduce_range === false || (int8.reduce_range == null && int8.target === "tensorrt") ? "8-bit" : "7-bit"}`
       + (int8.max_top1_drop != null ? `, top-1 drop at most ${int8.max_top1_drop} points` : "")]);
   }
   if (spec.transform) entries.push(["transform", JSON.stringify(spec.transform)]);

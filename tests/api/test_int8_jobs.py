@@ -77,6 +77,22 @@ def test_submit_downloads_the_int8_model(live_server, team, tmp_path, capsys):  
     onnx.checker.check_model(onnx.load(tmp_path / "int8.onnx"), full_check=True)
 
 
+def test_the_servers_int8_file_is_the_command_lines(live_server, team, tmp_path, capsys):  # noqa: F811
+    """The same job over HTTP and on the command line writes the same INT8 file, byte for
+    byte: the options' defaults (7-bit weights for the CPU targets) are one object's."""
+    _, _, program, data = team
+    common = ["--program", str(program), "--data", str(data), "--workers", "1", "--batch-size", "8",
+              "--int8", json.dumps({"method": "percentile"})]
+    main(["submit", "--server", live_server.url, "--api-key", KEYS[KEY], *common, "--out", str(tmp_path / "remote.pt2"),
+          "--onnx-int8", str(tmp_path / "remote.onnx"), "--report", str(tmp_path / "remote.json")])
+    main(["calibrate", *common, "--out", str(tmp_path / "local.pt2"), "--onnx-int8", str(tmp_path / "local.onnx"),
+          "--report", str(tmp_path / "local.json")])
+    capsys.readouterr()
+    assert (tmp_path / "remote.onnx").read_bytes() == (tmp_path / "local.onnx").read_bytes()
+    remote, local = (json.loads((tmp_path / f"{side}.json").read_text())["int8"] for side in ("remote", "local"))
+    assert remote["reduce_range"] is local["reduce_range"] is True and remote["weights_why"] == local["weights_why"]
+
+
 def test_a_guard_that_cannot_hold_leaves_the_checkpoint_fp32_export_and_report(live_server, tmp_path, capsys):
     """The INT8 output alone fails: the job succeeds without the onnx_int8 artifact, its report
     says why, and ``bnrecal submit`` downloads the rest, then exits 1 naming the guard."""
