@@ -9,6 +9,7 @@ of them run in turn) measures it the way a user meets it:
     .venv/bin/python bench/int8.py ort DIR                # quantize_static on the same model and data, top-1
     .venv/bin/python bench/int8.py latency DIR            # FP32 vs INT8 in onnxruntime, batch 1 and 8
     .venv/bin/python bench/int8.py compare DIR            # bnrecal's targets vs quantize_static vs NNCF
+    .venv/bin/python bench/int8.py weights DIR            # 7-bit vs 8-bit weights (and U8U8), with and without VNNI
 
 ``prepare`` recalibrates the demo's stale resnet18 (``service.demo``) with torch's ``update_bn``, exports it
 folded (``DIR/fp32.onnx``) and also exports a torchvision resnet18 at 3x224x224 (random
@@ -293,9 +294,157 @@ def compare(folder: Path, repeats: int) -> None:
     print("\n".join(rows))
 
 
+_OPENVINO_CHILD = """
+import json, statistics, sys, time
+import numpy as np
+import openvino as ov
+data, repeats, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+x = np.load(data)["x"].astype(np.float32)
+core = ov.Core()
+config = {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"}
+runs = []
+for model in models:
+    compiled = core.compile_model(core.read_model(model), "CPU", config)
+    request = compiled.create_infer_request()
+    runs.append(lambda batch, r=request, c=compiled: np.array(r.infer({0: batch})[c.outputs[0]]))
+found = []
+for run in runs:
+    scores = np.concatenate([run(x[i : i + 8]) for i in range(0, len(x), 8)])
+    found.append({"predicted": scores.argmax(axis=1).tolist() if len(scores) == len(x) else None,
+                  "shape": list(scores.shape)})
+    for _ in range(5):
+        run(x[:1])
+times = [[] for _ in runs]
+for _ in range(repeats):  # the files in turn, so that each meets the same machine
+    for run, spent in zip(runs, times):
+        begun = time.perf_counter()
+        run(x[:1])
+        spent.append(1000 * (time.perf_counter() - begun))
+for entry, spent in zip(found, times):
+    entry["ms"] = statistics.median(spent)
+print(json.dumps(found))
+"""
+"""OpenVINO in a process of its own, so that oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``) can
+make it run as on a CPU without VNNI; every file compiled, then timed in turn."""
+
+
+def _openvino_measure(models: list[Path], data: Path, repeats: int, without_vnni: bool) -> list[dict]:
+    import os
+    import subprocess
+
+    env = {name: value for name, value in os.environ.items() if name != "ONEDNN_MAX_CPU_ISA"}
+    if without_vnni:
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    done = subprocess.run([sys.executable, "-c", _OPENVINO_CHILD, str(data), str(repeats), *map(str, models)],
+                          capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _photo_crops(count: int, size: int, seed: int) -> np.ndarray:
+    """``count`` random ``size`` crops of scikit-learn's two sample photos, normalised as
+    torchvision's ImageNet models expect."""
+    from sklearn.datasets import load_sample_images
+
+    photos = [np.asarray(image, dtype=np.float32) / 255.0 for image in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    mean, std = np.array([0.485, 0.456, 0.406], np.float32), np.array([0.229, 0.224, 0.225], np.float32)
+    crops = []
+    for _ in range(count):
+        photo = photos[rng.integers(len(photos))]
+        top, left = rng.integers(photo.shape[0] - size), rng.integers(photo.shape[1] - size)
+        crops.append(((photo[top : top + size, left : left + size] - mean) / std).transpose(2, 0, 1))
+    return np.stack(crops).astype(np.float32)
+
+
+def weights(folder: Path, repeats: int) -> None:
+    """7-bit against 8-bit weights (and onnxruntime's other documented remedy, U8U8: uint8
+    weights), against the folded FP32 file, in onnxruntime and OpenVINO, and in OpenVINO as on
+    a CPU without VNNI: top-1 and median batch-1 latency (one thread), one table per model.
+    The digits model is scored on its held-out labels; the 224x224 resnet18 (random weights)
+    on agreement with the FP32 file's top-1 over photo crops."""
+    import onnxruntime
+    import torch
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    from bnrecal.service.export.cpu import cpu_features
+    from bnrecal.service.export.int8.options import int8_options
+    from bnrecal.service.export.int8.quantizer import prepare
+    from bnrecal.service.run.int8 import quantize_export
+    from bnrecal.service.run.onnx_passes import InProcessPasses
+    from bnrecal.workers.data import describe_dataset
+
+    print(f"CPU: {cpu_features().describe()}; onnxruntime {onnxruntime.__version__}, 1 thread, median of "
+          f"{repeats} at batch 1\n")
+    cases = [("digits resnet18, 3x16x16, top-1 on 360 held-out scans", "fp32.onnx", None),
+             ("torchvision resnet18, 3x224x224, top-1 agreement with FP32 on 64 photo crops", "fp32-224.onnx", 224)]
+    for title, name, size in cases:
+        fp32 = (folder / name).read_bytes()
+        if size is None:
+            calib_path, held_path = folder / "calib.npy", folder / "eval.npz"
+            labels = np.load(held_path)["y"]
+        else:
+            calib_path, held_path = folder / "weights-calib.npy", folder / "weights-held.npz"
+            np.save(calib_path, _photo_crops(64, size, seed=0))
+            held = _photo_crops(64, size, seed=1)
+            session = onnxruntime.InferenceSession(fp32, providers=["CPUExecutionProvider"])
+            labels = np.concatenate([session.run(None, {"input": held[i : i + 8]})[0].argmax(1)
+                                     for i in range(0, len(held), 8)])
+            np.savez(held_path, x=held, y=labels)
+        calib = np.load(calib_path).astype(np.float32)
+        dataset, verify = describe_dataset(calib_path), torch.from_numpy(calib[:8])
+        files = {"FP32 (folded)": fp32}
+        for label, options in (("bnrecal default: 7-bit weights (reduce_range)", {}),
+                               ("bnrecal reduce_range false: 8-bit weights", {"reduce_range": False})):
+            files[label] = quantize_export(fp32, int8_options(options), InProcessPasses(dataset, BATCH), verify).model
+        pre, out = folder / "weights-pre.onnx", folder / "weights-u8u8.onnx"
+        pre.write_bytes(prepare(fp32).model)
+
+        class Reader:
+            def __init__(self) -> None:
+                self.batches = iter([{"input": calib[i : i + BATCH]} for i in range(0, len(calib), BATCH)])
+
+            def get_next(self) -> dict | None:
+                return next(self.batches, None)
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8,
+                            calibrate_method=CalibrationMethod.MinMax)
+        files["quantize_static U8U8 (uint8 weights)"] = out.read_bytes()
+        print(f"{title}\n")
+        print("| file | ORT top-1 | ORT ms | OpenVINO top-1 | OpenVINO ms | OpenVINO without VNNI top-1 | ms | MiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        held_x = np.load(held_path)["x"].astype(np.float32)
+        paths = []
+        for index, model in enumerate(files.values()):
+            paths.append(folder / f"weights-model-{index}.onnx")
+            paths[-1].write_bytes(model)
+        runs = [_onnxruntime_runner(model) for model in files.values()]
+        predicted = [np.concatenate([run(held_x[i : i + 8]).argmax(1) for i in range(0, len(held_x), 8)]) for run in runs]
+        times: list[list[float]] = [[] for _ in runs]
+        for run in runs:
+            for _ in range(5):
+                run(held_x[:1])
+        for _ in range(repeats):  # the files in turn, so that each meets the same machine
+            for run, spent in zip(runs, times):
+                begun = time.perf_counter()
+                run(held_x[:1])
+                spent.append(1000 * (time.perf_counter() - begun))
+        openvino = [_openvino_measure(paths, held_path, repeats, capped) for capped in (False, True)]
+        for index, (label, model) in enumerate(files.items()):
+            cells = [f"{np.mean(predicted[index] == labels):.4f} | {statistics.median(times[index]):.3f}"]
+            for measured in openvino:
+                got = measured[index]
+                top1 = (f"{np.mean(np.array(got['predicted']) == labels):.4f}" if got["predicted"] is not None
+                        else f"outputs of shape {got['shape']}")
+                cells.append(f"{top1} | {got['ms']:.3f}")
+            print(f"| {label} | {' | '.join(cells)} | {len(model) / 2**20:.2f} |")
+        print()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("prepare", "ranks", "ort", "latency", "compare"))
+    parser.add_argument("mode", choices=("prepare", "ranks", "ort", "latency", "compare", "weights"))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
@@ -309,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         ort(args.folder)
     elif args.mode == "compare":
         compare(args.folder, args.repeats)
+    elif args.mode == "weights":
+        weights(args.folder, args.repeats)
     else:
         latency(args.folder, args.repeats, args.threads)
     return 0

@@ -226,6 +226,7 @@ def test_github_anchors_of_known_headings() -> None:
 
 DEMO_BLOCK = re.compile(r"^## What it does for a model$.*?^```text\n(.*?)^```", re.M | re.S)
 TIMES = re.compile(r"\b\d+(?:\.\d+)? (?:s|ms)\b")  # the machine's, not the demo's
+CPU = re.compile(r"measured on .*$")  # the machine's CPU and its INT8 flags, not the demo's
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
@@ -250,7 +251,7 @@ STALE = [
 
 def comparable(line: str) -> str:
     """A summary line with its times and the stale model's figures masked."""
-    line = TIMES.sub("<time>", line)
+    line = CPU.sub("measured on <cpu>", TIMES.sub("<time>", line))
     for pattern, mask in STALE:
         line = pattern.sub(mask, line)
     return line

@@ -48,46 +48,14 @@ def openvino_version() -> str | None:
         return None
 
 
-_CHILD = """
-import io, os, sys
-import numpy as np
-import openvino as ov
-folder = sys.argv[1]
-def said(exc):
-    # OpenVINO's messages open with "Exception from src/...cpp:N:" lines; the cause follows
-    lines = [l.strip() for l in str(exc).splitlines() if l.strip() and not l.strip().startswith("Exception from ")]
-    return " ".join(lines)[:400] or type(exc).__name__
-batches = np.load(os.path.join(folder, "batches.npz"))
-core = ov.Core()
-config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": min(4, os.cpu_count() or 1)}
-try:
-    compiled = core.compile_model(core.read_model(os.path.join(folder, "model.onnx")), "CPU", config)
-except Exception as exc:
-    sys.exit("OpenVINO cannot compile the model: " + said(exc))
-request = compiled.create_infer_request()
-outputs = {}
-for b in range(len(batches.files)):
-    batch = batches[f"b{b}"]
-    try:
-        result = request.infer({0: batch})
-    except Exception as exc:
-        sys.exit(f"OpenVINO fails on a batch of {len(batch)}: " + said(exc))
-    for i, port in enumerate(compiled.outputs):
-        outputs[f"b{b}_o{i}"] = np.array(result[port])
-np.savez(os.path.join(folder, "outputs.npz"), **outputs)
-"""
-"""The OpenVINO run, in a process of its own: OpenVINO loaded into a process that also runs
-torch and Ray (the driver, a job host) corrupted that process's memory later on (a segfault
-in a later test, reproduced with four command-line test files; none without OpenVINO)."""
-
-
 def run_openvino(model: Path | bytes, batches: Sequence[np.ndarray]) -> RuntimeRun:
     """Compile ``model`` (a file or serialized bytes) for OpenVINO's CPU plugin as written
-    (dynamic batch kept dynamic) and run it on each batch, in a child process. Raises
-    ``RuntimeError`` with one line when OpenVINO cannot read, compile or run it."""
-    import subprocess
-    import sys
+    (dynamic batch kept dynamic) and run it on each batch, in this process's OpenVINO process
+    (``openvino_process``: one per process, reused). Raises ``RuntimeError`` with one line
+    when OpenVINO cannot read, compile or run it."""
     import tempfile
+
+    from bnrecal.service.export.openvino_process import PROCESS
 
     version = openvino_version()
     if version is None:
@@ -96,10 +64,7 @@ def run_openvino(model: Path | bytes, batches: Sequence[np.ndarray]) -> RuntimeR
         target = Path(folder, "model.onnx")
         target.write_bytes(model.read_bytes() if isinstance(model, Path) else model)
         np.savez(Path(folder, "batches.npz"), **{f"b{b}": batch for b, batch in enumerate(batches)})
-        done = subprocess.run([sys.executable, "-c", _CHILD, folder], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            raise RuntimeError(lines[-1] if lines else f"OpenVINO's process ended with code {done.returncode}")
+        PROCESS.run(Path(folder))
         with np.load(Path(folder, "outputs.npz")) as saved:
             count = len({name.split("_")[1] for name in saved.files}) if saved.files else 0
             outputs = [[saved[f"b{b}_o{i}"] for i in range(count)] for b in range(len(batches))]

@@ -5,7 +5,8 @@ and the labelled evaluation data the Python API holds in memory (scored by the p
 ``workers.ranks.ort.rank_pass``, as the ranks score theirs).
 
 Sessions here run with onnxruntime's default graph optimizations, as a deployment runs
-the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels.
+the file: that is where QuantizeLinear/DequantizeLinear pairs become INT8 kernels; the
+file's own arithmetic (``qdq_arithmetic``) runs with them off, as written.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ by 13-23%; on small random-weight models (outputs up to 0.03-0.5), whose scale i
 rounding, OpenVINO departs by up to 1.24x the file's rounding, saturating by 3-11x. Beyond
 the bound a runtime whose kernels lack VNNI saturates; one with VNNI reads the graph otherwise."""
 
+
 def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarray]) -> Int8Checks:
     """Full checker, then the INT8 and FP32 files on ``batches``: the largest absolute
     difference of their outputs and the FP32 outputs' scale, in onnxruntime and in OpenVINO,
     each also against the file's own arithmetic (``runtimes``; docs/int8.md, "Every x86
-    CPU"). A runtime that departs from that arithmetic by more than ``DEPARTURE_SHARE`` of the
-    scale is named as saturating where its kernels lack VNNI (``saturates``). Raises
+    CPU"). A runtime that departs from that arithmetic beyond its bound (``DEPARTURE_SHARE``)
+    is named as saturating where its kernels lack VNNI (``saturates``). Raises
     ``ExportError`` when the file fails the checker, does not run, gives non-finite or
     misshapen outputs, or a runtime with VNNI departs from its arithmetic."""
     import onnx
