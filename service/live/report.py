@@ -45,6 +45,11 @@ class RecalibrationReport(Report):
     def __repr__(self) -> str:
         return f"<RecalibrationReport\n{self.summary()}\n>"
 
+    def __str__(self) -> str:
+        """What ``print(report)`` shows: the short summary (docs/python.md), not pydantic's
+        every field (several thousand characters for a resnet)."""
+        return repr(self)
+
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython / Jupyter
         printer.text(self.summary())
 

@@ -122,6 +122,7 @@ def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settin
     assert [layer["name"] for layer in report["layers"]] == [layer["name"] for layer in cli.report["layers"]]
     assert report["collectives"] == cli.report["collectives"]
     assert "recalibrated 5 BN layers on 24 samples" in repr(report)
+    assert str(report) == repr(report) and len(str(report)) < 1000  # print(report): the short summary
 
 
 def test_a_model_defined_here_from_dict_batches_with_forward(warm_live):
