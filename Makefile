@@ -15,7 +15,7 @@ CHROMIUM := /usr/bin/chromium
 POSTGRES := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) /usr/lib/postgresql/15/bin/initdb)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser postgres serve demo test bench clean
+.PHONY: install browser postgres serve demo test check durations bench clean
 
 # What serving needs (`make serve`: the service, and OpenVINO to check its exports), then the
 # demo's scikit-learn (`make demo`), then the test extra (`make test`: nncf, Playwright,
@@ -63,6 +63,15 @@ demo: $(DEMO)
 
 test: $(TESTING) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest
+
+# The quick tier for the edit-and-test loop: every test module's cheapest test, chosen by the
+# kept durations of a whole run (docs/development.md). `make test` stays the whole suite.
+check: $(TESTING) $(CHROMIUM) $(POSTGRES)
+	$(BIN)/python -m pytest --quick
+
+# The whole suite, then its durations kept as the quick tier's measure (tests/durations.json).
+durations: test
+	cp test-artifacts/durations.json tests/durations.json
 
 bench: $(TESTING)
 	$(BIN)/python bench/throughput.py

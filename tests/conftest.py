@@ -15,6 +15,7 @@ from bnrecal.service.cli.main import main
 from bnrecal.service.settings import Settings
 
 from tests.postgres import PostgresServer, postgres_server
+from tests.timings import pytest_addoption, pytest_configure, select_quick  # noqa: F401 - hooks: the suite's clock and the quick tier
 from tests.s3 import FAKE_CREDENTIALS, S3Server, start_s3_server
 
 os.environ.update(FAKE_CREDENTIALS)  # before Ray starts: its workers inherit them (see tests/s3.py)
@@ -146,10 +147,11 @@ A module missing here only runs in collection order; one listed and gone is igno
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where no CUDA device is present, `vnni` and `no_vnni` tests on the
-    other kind of CPU; start the longest modules first."""
+    """Keep the quick tier with ``--quick``; skip `gpu` tests where no CUDA device is present,
+    `vnni` and `no_vnni` tests on the other kind of CPU; start the longest modules first."""
     from bnrecal.service.export.cpu import cpu_features
 
+    select_quick(config, items)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
     vnni = cpu_features(environ={}).vnni
