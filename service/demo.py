@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -104,8 +104,11 @@ def load_digits_split(seed: int = 0) -> Digits:
     return Digits(old[train], labels[train], old[held_out], labels[held_out], new[train], new[held_out])
 
 
-def train(x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> torch.nn.Module:
-    """A resnet18 trained on (x, y) with SGD and a one-cycle schedule, returned in eval mode."""
+def train(x: torch.Tensor, y: torch.Tensor, seed: int = 0,
+          on_epoch: Callable[[int, int], None] | None = None) -> torch.nn.Module:
+    """A resnet18 trained on (x, y) with SGD and a one-cycle schedule, returned in eval mode;
+    ``on_epoch(done, of)`` hears of the start (0) and of each epoch as it ends (training is most
+    of a first demo's time)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     model = torchvision.models.resnet18(weights=None, num_classes=10)
@@ -115,7 +118,9 @@ def train(x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> torch.nn.Module:
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=LEARNING_RATE,
                                                    total_steps=TRAIN_EPOCHS * steps, pct_start=0.25)
     model.train()
-    for _ in range(TRAIN_EPOCHS):
+    if on_epoch is not None:
+        on_epoch(0, TRAIN_EPOCHS)
+    for epoch in range(TRAIN_EPOCHS):
         order = torch.randperm(len(x), generator=generator)
         for start in range(0, len(x), BATCH_SIZE):
             batch = order[start:start + BATCH_SIZE]
@@ -123,6 +128,8 @@ def train(x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> torch.nn.Module:
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             optimizer.step()
             schedule.step()
+        if on_epoch is not None:
+            on_epoch(epoch + 1, TRAIN_EPOCHS)
     return model.eval()
 
 
@@ -138,15 +145,16 @@ def _cpu_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def write_demo_inputs(folder: Path, seed: int = 0) -> DemoInputs:
-    """Train and write the demo checkpoint, calibration and held-out data into ``folder``.
+def write_demo_inputs(folder: Path, seed: int = 0, on_epoch: Callable[[int, int], None] | None = None) -> DemoInputs:
+    """Train and write the demo checkpoint, calibration and held-out data into ``folder``
+    (``on_epoch`` as for ``train``).
 
     Deterministic for a given seed on a given machine and thread count; the global torch
     RNG and thread setting are left as they were.
     """
     digits = load_digits_split(seed)
     with _cpu_threads(), torch.random.fork_rng(devices=[]):
-        model = train(digits.train_x, digits.train_y, seed)
+        model = train(digits.train_x, digits.train_y, seed, on_epoch)
     folder.mkdir(parents=True, exist_ok=True)
     paths = demo_paths(folder)
     np.save(paths.calib, digits.new_train_x.numpy())
@@ -177,8 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"reusing the stale model trained earlier in {target}/ (--retrain to train it again)", file=sys.stderr)
         return 0
     start = time.perf_counter()
+
+    def said(done: int, of: int) -> None:
+        if done == 0:
+            said_first = f"training the demo's stale resnet18 on scikit-learn's digits, {of} epochs (once: later runs reuse it)"
+            print(said_first, file=sys.stderr, flush=True)
+        else:
+            print(f"  epoch {done}/{of}, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
     try:
-        paths = write_demo_inputs(target)
+        paths = write_demo_inputs(target, on_epoch=said)
     except MissingDemoExtra as exc:
         print(f"bnrecal.service.demo: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,17 @@ def load_model(checkpoint: Path) -> torch.nn.Module:
     return model
 
 
+def test_training_says_so_and_shows_each_epoch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    """A first ``make demo`` trains for minutes on a busy machine: it says so before it starts
+    and at each epoch, never silent (one epoch here, to keep the test short)."""
+    monkeypatch.setattr(demo, "TRAIN_EPOCHS", 1)
+    assert demo.main([str(tmp_path / "demo")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("training the demo's stale resnet18") and "1 epochs" in err[0]
+    assert err[1].startswith("  epoch 1/1, ") and err[-1].startswith("trained a resnet18 in")
+
+
 @pytest.mark.slow
 def test_inputs_have_the_promised_shapes(inputs: demo.DemoInputs) -> None:
     assert [path.name for path in inputs] == ["resnet18-stale.pt", "calib.npy", "eval.npz"]
