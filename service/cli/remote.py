@@ -4,6 +4,7 @@ server: upload, submit, follow, download)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -49,13 +50,29 @@ def serve(
         os.environ["BNRECAL_RAY_ADDRESS"] = ray_address
     get_settings.cache_clear()
     data = Path(Settings().data_dir).absolute()
-    print_line(f"bnrecal serving on http://{host}:{port} (data in {data})")
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         APP_FACTORY, factory=True, http=HTTP_PROTOCOL, host=host, port=port, log_level=log_level,
         timeout_graceful_shutdown=10,
-    )
+    ))
+    url = f"http://{host}:{port}"
+    print_line(f"bnrecal starting on {url} (data in {data}): opening the ledger and joining Ray")
+    threading.Thread(target=_say_when_serving, args=(server, f"bnrecal serving on {url}"), daemon=True).start()
+    server.run()
     _leave_ray()
     _end_process()
+
+
+def _say_when_serving(server: Any, line: str) -> None:
+    """Print ``line`` once the server answers: its app has started (the ledger open, Ray
+    joined) and its socket listens, which takes seconds after the process starts (an
+    embedded Ray, most of it); said earlier, a user's first request would find nothing."""
+    import time
+
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    print_line(line)
 
 
 def _end_process() -> None:

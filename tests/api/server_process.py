@@ -35,6 +35,7 @@ class ServerProcess:
         command = [str(Path(sys.executable).parent / "bnrecal"), "serve", "--data-dir", str(data_dir),
                    "--port", str(self.port), "--log-level", "warning"]
         self.log = log.open("ab")
+        said_before = self.log.tell()  # a restarted server appends to its predecessor's log
         self.process = subprocess.Popen(command, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -42,11 +43,13 @@ class ServerProcess:
         while True:
             if self.process.poll() is not None:
                 raise AssertionError(f"server exited {self.process.returncode}: {log.read_text()[-3000:]}")
+            said_serving = b"bnrecal serving on" in log.read_bytes()[said_before:]
             try:
                 if self.client.get("/readyz").status_code == 200:
                     return
             except httpx.TransportError:
-                pass
+                # the console's "serving on" line comes once the server answers, never before it
+                assert not said_serving, f"said it was serving before it answered: {log.read_text()[-3000:]}"
             if time.monotonic() > deadline:
                 self.close()  # not left running when it never got ready (no fixture knows it yet)
                 raise AssertionError(f"server did not get ready: {log.read_text()[-3000:]}")
