@@ -172,8 +172,8 @@ _PAGE = """<!doctype html>
 <h1>BatchNorm recalibration sweep</h1>
 <p class="muted">{{ r.models|length }} models x {{ r.sets|length }} sets: {{ r.succeeded }} cells succeeded,
 {{ r.failed }} failed{% if r.cancelled %}, {{ r.cancelled }} cancelled{% endif %}; {{ r.workers }} worker(s),
-{{ "%.1f"|format(r.seconds) }} s.{% if r.decoding %} Samples decoded {{ r.decoding.decoded }}, read again from
-what was kept {{ r.decoding.reused }}.{% endif %}</p>
+{{ "%.1f"|format(r.seconds) }} s.{% if r.decoding and r.decoding.decoded %} Samples decoded {{ r.decoding.decoded }}, read again from
+what was kept {{ r.decoding.reused }}.{% elif r.decoding %} No set needed decoding (arrays are read as they are).{% endif %}</p>
 
 <h2 id="heatmap">{{ metric_label }}: models x sets</h2>
 <p class="muted">Colour: {{ "higher" if best == "high" else "lower" }} is better (green). Each cell links to its own report.</p>
@@ -188,13 +188,11 @@ what was kept {{ r.decoding.reused }}.{% endif %}</p>
 
 <h2 id="ranking">Ranking by {{ metric_label }}</h2>
 <table id="ranking-table">
-<tr><th>#</th><th>model</th><th>set</th><th>{{ metric_label }}</th><th>samples</th><th>worst drift</th>
-<th>top-1 before</th><th>top-1 after</th><th>INT8 top-1</th><th>seconds</th></tr>
+<tr><th>#</th><th>model</th><th>set</th><th>{{ metric_label }}</th><th>samples</th>{% for key, label in columns %}<th>{{ label }}</th>{% endfor %}</tr>
 {% for key in r.ranking %}{% set c = by_key[key] %}<tr><td class="num">{{ loop.index }}</td><td>{{ c.model }}</td><td>{{ c.set_name }}</td>
-<td class="num">{{ fmt(c.value(r.rank_by)) }}</td><td class="num">{{ c.samples }}</td><td class="num">{{ fmt(c.worst_drift) }}</td>
-<td class="num">{{ fmt(c.before_top1) }}</td><td class="num">{{ fmt(c.after_top1) }}</td><td class="num">{{ fmt(c.int8_top1) }}</td>
-<td class="num">{{ fmt(c.seconds) }}</td></tr>
+<td class="num">{{ fmt(c.value(r.rank_by)) }}</td><td class="num">{{ c.samples }}</td>{% for key, label in columns %}<td class="num">{{ fmt(c.value(key)) }}</td>{% endfor %}</tr>
 {% endfor %}</table>
+{% if left_out %}<p class="muted" id="no-evaluation">No {{ left_out|join(" or ") }} column: no cell measured it (top-1 needs evaluation data, <code>--eval-data</code>; INT8 top-1 an INT8 file too, <code>--onnx-int8</code>).</p>{% endif %}
 {% if failed %}
 <h2 id="failed">Failed cells</h2>
 <table id="failed-table">
@@ -226,13 +224,29 @@ def sweep_html(report: SweepReport) -> str:
         goodness = share if best == "high" else 1.0 - share  # 0 worst .. 1 best: red to green
         return f"hsl({round(120 * goodness)}, 70%, 80%)"
 
+    columns, left_out = _ranking_columns(report)
     environment = Environment(autoescape=select_autoescape(default=True, default_for_string=True))
     return environment.from_string(_PAGE).render(
-        r=report, grid={(c.model, c.set_name): c for c in report.cells},
+        r=report, grid={(c.model, c.set_name): c for c in report.cells}, columns=columns, left_out=left_out,
         by_key={f"{c.model}/{c.set_name}": c for c in report.cells},
         failed=[c for c in report.cells if c.status is not CellStatus.SUCCEEDED],
         metric_label=_LABELS[report.rank_by], best=best, colour=colour, fmt=_fmt,
     )
+
+
+def _ranking_columns(report: SweepReport) -> tuple[list[tuple[str, str]], list[str]]:
+    """The ranking table's columns after the ranking metric's own (not shown twice), and the
+    top-1 columns left out because no cell has a value for them."""
+    columns, left_out = [], []
+    for key in ("worst_drift", "before_top1", "after_top1", "int8_top1", "seconds"):
+        label = _LABELS[key].replace(" (std)", "")
+        if key == report.rank_by:
+            continue
+        if key.endswith("top1") and all(cell.value(key) is None for cell in report.cells):
+            left_out.append(label)
+            continue
+        columns.append((key, label))
+    return columns, left_out
 
 
 def _fmt(value: float | None) -> str:

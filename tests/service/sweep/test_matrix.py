@@ -59,6 +59,34 @@ def test_html_heatmap_links_each_cell_and_colours_best_green(tmp_path):
     assert "<script" not in page and "http" not in page
 
 
+def _ranking_header(page: str) -> list[str]:
+    table = page[page.index('id="ranking-table"'):]
+    header = table[:table.index("</tr>")]
+    return [cell.split("</th>")[0] for cell in header.split("<th>")[1:]]
+
+
+def test_the_ranking_shows_its_metric_once_and_says_why_top1_columns_are_missing(tmp_path):
+    """Ranked by drift, the drift column is the metric's, not repeated; without evaluation
+    data the top-1 columns would be blank, so they are left out and the page says why; a
+    sweep of arrays decoded nothing and says so instead of 'samples decoded 0'."""
+    report = SweepReport(models=["m0"], sets=["cam1", "cam2"], rank_by="worst_drift", workers=1,
+                         decoding={"decoded": 0, "reused": 0, "kept_bytes": 0, "spilled_bytes": 0, "not_kept": 0,
+                                   "memory_budget_bytes": 0, "disk_budget_bytes": 0}, cells=[
+                             _cell("m0", 0, "cam1", None), _cell("m0", 0, "cam2", None)])
+    for cell, drift in zip(report.cells, (0.3, 0.1)):
+        cell.worst_drift, cell.link = drift, f"{cell.model}/{cell.set_name}/report.html"
+    write_sweep_report(report, tmp_path)
+    page = (tmp_path / "sweep.html").read_text()
+    assert _ranking_header(page) == ["#", "model", "set", "worst drift (std)", "samples", "seconds"]
+    assert "No top-1 before or top-1 after or INT8 top-1 column: no cell measured it" in page
+    assert "Samples decoded 0" not in page and "No set needed decoding" in page
+    with_top1 = _report()
+    write_sweep_report(with_top1, tmp_path)
+    page = (tmp_path / "sweep.html").read_text()
+    assert _ranking_header(page) == ["#", "model", "set", "top-1 after", "samples", "worst drift", "seconds"]
+    assert "No top-1 before or INT8 top-1 column" in page  # these cells measured after only
+
+
 def test_lower_is_better_metrics_rank_ascending():
     report = _report()
     report.rank_by = "seconds"
