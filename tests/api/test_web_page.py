@@ -299,6 +299,17 @@ def test_the_key_lives_in_session_storage_only(live_server, tab):
     assert tab.problems == []
 
 
+def test_a_key_with_no_jobs_is_told_how_to_run_one(live_server, tab):
+    """An empty list says what to do: the form (opened), what it needs, and the demo's files to try."""
+    page = tab.page
+    sign_in(page, f"{live_server.url}/", key=KEYS["empty"])
+    expect(page.locator("#jobs-empty")).to_be_visible()
+    hint = page.locator("#jobs-empty").inner_text()
+    assert "No jobs yet for this API key" in hint and "give the form above" in hint and "make demo" in hint
+    assert page.evaluate("document.getElementById('new-job').open")
+    assert tab.problems == []
+
+
 def test_a_wrong_key_shows_the_401_detail_and_is_not_kept(live_server, tab):
     page = tab.page
     sign_in(page, f"{live_server.url}/", key="not-a-key", accepted=False)
