@@ -12,6 +12,7 @@ the same program archive.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
-from bnrecal.service.run.report import ProgramSection
+from bnrecal.service.run.report import ProgramSection, Report
 from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
@@ -55,8 +56,10 @@ def recalibrate(
     in_process: bool = False,
     outputs: RunOutputs | None = None,
     shared: SharedRanks | None = None,
+    on_statistics: Callable[[Report], None] | None = None,
 ) -> Recalibration:
     """Recompute every BN layer's running statistics of a checkpoint (or program) on Ray actors.
+    ``on_statistics`` hears of the report once the statistics are in, before the later phases.
 
     The files' side of the one run core (``service.run.core``): load the model, describe
     and probe the data, plan the evaluation, then ``run`` it. With a ``pool`` (the
@@ -125,6 +128,8 @@ def recalibrate(
         )
         if loaded.is_program:
             result.report.program = ProgramSection(name=loaded.source.name, batch=model.batch.describe())  # type: ignore[union-attr]
+        if on_statistics is not None:
+            on_statistics(result.report)
         if outputs is not None and outputs.any:
             make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel)
         return recalibration
@@ -175,7 +180,8 @@ def recalibrate_to_files(
 
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
     result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool, in_process=in_process,
-                         outputs=outputs, shared=shared)
+                         outputs=outputs, shared=shared,
+                         on_statistics=predraw_charts if files.report_html is not None else None)
     check_cancel(cancel)
     if on_progress is not None:
         on_progress(0, None, WRITING_PHASE)
@@ -190,8 +196,16 @@ def recalibrate_to_files(
     if files.report_html is not None:
         from bnrecal.service.run.report_html import write_html_report  # jinja2: only for the page
 
-        write_html_report(result.report, files.report_html)
+        write_html_report(result.report, files.report_html)  # its charts drawn after the statistics (predraw_charts)
     return result
+
+
+def predraw_charts(report: Report) -> None:
+    """Start drawing the report page's charts while the run's later phases keep its ranks busy
+    (``report_html.ChartMemo``): the page at the end takes them, the same bytes."""
+    from bnrecal.service.run.report_html import CHARTS  # jinja2 and matplotlib: only for the page
+
+    CHARTS.predraw(report)
 
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
     """How many of the first samples the ranks hand back for the exports' checks: the

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -203,13 +204,13 @@ def render_html_report(report: Report) -> str:
         ("attempts", report.attempts),
     ]
     evaluation = report.evaluation
-    accuracy_chart = accuracy_chart_svg(evaluation) if evaluation is not None and evaluation.before else ""
+    charts = CHARTS.charts(report)
     template = _ENVIRONMENT.from_string(_TEMPLATE)
     precision = precision_sentence(report)
     return template.render(
-        r=report, model=model, job=job, ranks=ranks, chart=drift_chart_svg(report.layers), fmt=_format, pct=_percent,
-        precision=precision, precision_chart=precision_chart_svg(report) if precision else "",
-        ev=evaluation, metrics=_METRICS, accuracy_chart=accuracy_chart,
+        r=report, model=model, job=job, ranks=ranks, chart=charts.drift, fmt=_format, pct=_percent,
+        precision=precision, precision_chart=charts.precision if precision else "",
+        ev=evaluation, metrics=_METRICS, accuracy_chart=charts.accuracy,
         context=report.job or {}, versions=report.job.versions.to_dict() if report.job else software_versions(),
     )
 
@@ -275,9 +276,77 @@ def write_html_report(report: Report, path: str | os.PathLike[str]) -> None:
     atomic_write(target, lambda temp: temp.write_text(text, encoding="utf-8"))
 
 
+@dataclass(frozen=True)
+class Charts:
+    """A report page's charts as inline SVG ("" where the report has none)."""
+
+    drift: str
+    precision: str
+    accuracy: str
+
+
+class ChartMemo:
+    """The charts of a page, drawn once for their inputs (docs/report.md, "The HTML report").
+
+    Drawing them (matplotlib: its import, fonts, three figures) is most of what writing
+    ``report.html`` costs, 2-4 s on this project's machines, and each chart depends only on
+    parts of the report that are known when the statistics are: ``predraw`` draws them then,
+    in a thread of its own, while the run's later phases (exports, INT8) keep its ranks busy,
+    and the page written at the end takes them from here. A chart whose inputs changed since
+    (an evaluation measured later) is drawn again; the SVG of the same inputs is the same
+    bytes (``_inline_svg``), so the page is the one drawn at the end."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._drawn: dict[tuple[str, str], str] = {}
+
+    def predraw(self, report: Report) -> threading.Thread:
+        """Draw ``report``'s charts in a daemon thread; the thread is returned, started."""
+        import threading
+
+        thread = threading.Thread(target=self.charts, args=(report.model_copy(deep=True),), daemon=True,
+                                  name="bnrecal-report-charts")
+        thread.start()
+        return thread
+
+    def charts(self, report: Report) -> Charts:
+        """``report``'s charts, drawn now unless drawn already for the same inputs."""
+        evaluation = report.evaluation
+        layers = [layer.to_dict() for layer in report.layers]
+        convergence = report.convergence.to_dict() if report.convergence is not None else None
+        return Charts(
+            drift=self._chart("drift", layers, lambda: drift_chart_svg(report.layers)),
+            precision=self._chart("precision", [layers, convergence], lambda: precision_chart_svg(report))
+            if precision_sentence(report) else "",
+            accuracy=self._chart("accuracy", [evaluation.before, evaluation.after],
+                                 lambda: accuracy_chart_svg(evaluation))
+            if evaluation is not None and evaluation.before else "",
+        )
+
+    def _chart(self, name: str, inputs: Any, draw: Any) -> str:
+        import json
+
+        key = (name, json.dumps(inputs, sort_keys=True, default=str))
+        with self._lock:
+            if key in self._drawn:
+                return self._drawn[key]
+        svg = draw()
+        with self._lock:
+            if len(self._drawn) > 64:  # a server's jobs: keep the newest few
+                self._drawn.clear()
+            self._drawn[key] = svg
+        return svg
+
+
+CHARTS = ChartMemo()
+"""This process's charts, drawn once for their inputs."""
+
+
 def drift_chart_svg(layers: Sequence[LayerReport]) -> str:
     """Mean shift and variance ratio of each layer against its depth, as inline SVG."""
-    return _inline_svg(drift_figure(layers))
+    return _inline_svg(drift_figure(layers), "drift")
 
 
 def drift_figure(layers: Sequence[LayerReport]) -> Any:
@@ -333,7 +402,7 @@ def precision_sentence(report: Report) -> str:
 
 def precision_chart_svg(report: Report) -> str:
     """Each layer's standard errors (median to worst channel) against its depth, as inline SVG."""
-    return _inline_svg(precision_figure(report))
+    return _inline_svg(precision_figure(report), "precision")
 
 
 def precision_figure(report: Report) -> Any:
@@ -367,7 +436,7 @@ def precision_figure(report: Report) -> Any:
 
 def accuracy_chart_svg(evaluation: EvaluationSection) -> str:
     """Accuracy before and after recalibration, side by side per metric, as inline SVG."""
-    return _inline_svg(accuracy_figure(evaluation))
+    return _inline_svg(accuracy_figure(evaluation), "accuracy")
 
 
 def accuracy_figure(evaluation: EvaluationSection) -> Any:
@@ -392,17 +461,26 @@ def accuracy_figure(evaluation: EvaluationSection) -> Any:
     return figure
 
 
-def _inline_svg(figure: Any) -> str:
+def _inline_svg(figure: Any, name: str) -> str:
     """A matplotlib figure as an SVG made fit to sit inside HTML: no XML prologue, doctype,
-    metadata or namespace declarations (an inline <svg> needs none, and they spell out URLs)."""
+    metadata or namespace declarations (an inline <svg> needs none, and they spell out URLs).
+    Its ids are salted with the chart's ``name``: the same figure gives the same bytes, and two
+    charts of one page share no id."""
+    import matplotlib
+
     buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    with _SVG_LOCK, matplotlib.rc_context({"svg.hashsalt": f"bnrecal-{name}"}):
+        figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     svg = buffer.getvalue()
     svg = re.sub(r"<\?xml[^>]*\?>", "", svg)
     svg = re.sub(r"<!DOCTYPE[^>]*>", "", svg, flags=re.S)
     svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
     svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
     return svg.replace("xlink:href", "href").strip()
+
+
+_SVG_LOCK = threading.Lock()
+"""matplotlib's settings are the process's: one SVG is written at a time under the salt."""
 
 
 def _number(value: Any) -> float:

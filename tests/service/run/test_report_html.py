@@ -74,6 +74,36 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     assert "ONNX export" in page and f"<td>{summary['onnx']['folded']}</td>" in page
     assert all(node in page for node in summary["nodes"])
     assert_offline(page)
+    # Its charts were drawn after the statistics, beside the export (ChartMemo.predraw): the page
+    # is byte for byte the one its report.json draws anew, the charts included.
+    from bnrecal.service.run import report_html
+
+    fresh = report_html.ChartMemo()
+    drawn = fresh.charts(Report.model_validate(summary))
+    assert drawn.drift in page and drawn.precision in page
+    assert render_html_report(Report.model_validate(summary)) == page
+
+
+def test_the_same_report_draws_the_same_page_and_predrawn_charts_are_its_charts(monkeypatch):
+    """The charts' SVG ids are salted by chart, not random: the same report is the same page,
+    byte for byte, whether its charts were drawn at the end or earlier in a thread of their own."""
+    from bnrecal.service.run import report_html
+
+    report = typed({"layers": [
+        {"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5, "var_ratio_min": 0.5,
+         "var_ratio_max": 2.0},
+        {"name": "bn2", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.1, "var_ratio_min": 0.9,
+         "var_ratio_max": 1.1},
+    ]})
+    monkeypatch.setattr(report_html, "CHARTS", report_html.ChartMemo())
+    first = render_html_report(report)
+    monkeypatch.setattr(report_html, "CHARTS", report_html.ChartMemo())
+    report_html.CHARTS.predraw(report).join()
+    drawn = []
+    monkeypatch.setattr(report_html, "drift_chart_svg", lambda layers: drawn.append(layers) or "")
+    assert render_html_report(report) == first and drawn == []  # taken from the memo, not drawn again
+    ids = re.findall(r'id="([^"]+)"', first)
+    assert len(ids) == len(set(ids))  # no id twice on the page
 
 
 def test_names_are_escaped_and_missing_values_shown():
