@@ -48,8 +48,9 @@ class ServerProcess:
                 if self.client.get("/readyz").status_code == 200:
                     return
             except httpx.TransportError:
-                # the console's "serving on" line comes once the server answers, never before it
-                assert not said_serving, f"said it was serving before it answered: {log.read_text()[-3000:]}"
+                if said_serving:  # the console's "serving on" line comes once the server answers, never before it
+                    self.close()
+                    raise AssertionError(f"said it was serving before it answered: {log.read_text()[-3000:]}") from None
             if time.monotonic() > deadline:
                 self.close()  # not left running when it never got ready (no fixture knows it yet)
                 raise AssertionError(f"server did not get ready: {log.read_text()[-3000:]}")
