@@ -202,10 +202,10 @@ def recalibrate_to_files(
 
 def predraw_charts(report: Report) -> None:
     """Start drawing the report page's charts while the run's later phases keep its ranks busy
-    (``report_html.ChartMemo``): the page at the end takes them, the same bytes."""
-    from bnrecal.service.run.report_html import CHARTS  # jinja2 and matplotlib: only for the page
+    (``report_charts.ChartMemo``): the page at the end takes them, the same bytes."""
+    from bnrecal.service.run.report_html import predraw_charts as predraw  # jinja2 and matplotlib: only for the page
 
-    CHARTS.predraw(report)
+    predraw(report)
 
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
     """How many of the first samples the ranks hand back for the exports' checks: the

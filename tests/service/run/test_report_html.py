@@ -76,10 +76,10 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     assert_offline(page)
     # Its charts were drawn after the statistics, beside the export (ChartMemo.predraw): the page
     # is byte for byte the one its report.json draws anew, the charts included.
-    from bnrecal.service.run import report_html
+    from bnrecal.service.run import report_charts
 
-    fresh = report_html.ChartMemo()
-    drawn = fresh.charts(Report.model_validate(summary))
+    fresh = report_charts.ChartMemo()
+    drawn = fresh.charts(Report.model_validate(summary), precision=True)
     assert drawn.drift in page and drawn.precision in page
     assert render_html_report(Report.model_validate(summary)) == page
 
@@ -87,7 +87,7 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
 def test_the_same_report_draws_the_same_page_and_predrawn_charts_are_its_charts(monkeypatch):
     """The charts' SVG ids are salted by chart, not random: the same report is the same page,
     byte for byte, whether its charts were drawn at the end or earlier in a thread of their own."""
-    from bnrecal.service.run import report_html
+    from bnrecal.service.run import report_charts, report_html
 
     report = typed({"layers": [
         {"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5, "var_ratio_min": 0.5,
@@ -95,12 +95,12 @@ def test_the_same_report_draws_the_same_page_and_predrawn_charts_are_its_charts(
         {"name": "bn2", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.1, "var_ratio_min": 0.9,
          "var_ratio_max": 1.1},
     ]})
-    monkeypatch.setattr(report_html, "CHARTS", report_html.ChartMemo())
+    monkeypatch.setattr(report_charts, "CHARTS", report_charts.ChartMemo())
     first = render_html_report(report)
-    monkeypatch.setattr(report_html, "CHARTS", report_html.ChartMemo())
-    report_html.CHARTS.predraw(report).join()
+    monkeypatch.setattr(report_charts, "CHARTS", report_charts.ChartMemo())
+    report_charts.CHARTS.predraw(report, precision=bool(report_html.precision_sentence(report))).join()
     drawn = []
-    monkeypatch.setattr(report_html, "drift_chart_svg", lambda layers: drawn.append(layers) or "")
+    monkeypatch.setattr(report_charts, "drift_chart_svg", lambda layers: drawn.append(layers) or "")
     assert render_html_report(report) == first and drawn == []  # taken from the memo, not drawn again
     ids = re.findall(r'id="([^"]+)"', first)
     assert len(ids) == len(set(ids))  # no id twice on the page
@@ -122,7 +122,8 @@ def test_names_are_escaped_and_missing_values_shown():
 def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
     from datetime import UTC, datetime
 
-    from bnrecal.service.run.report_html import JobLabel, accuracy_figure, drift_figure, job_section
+    from bnrecal.service.run.report_charts import accuracy_figure, drift_figure
+    from bnrecal.service.run.report_html import JobLabel, job_section
 
     digest = "sha256:" + "ab" * 32
     report = {
