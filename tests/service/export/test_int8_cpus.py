@@ -4,7 +4,8 @@ real trained model: the digits demo's resnet18, recalibrated, scored on its 360 
 A CPU without VNNI is had on any x86 CPU for OpenVINO: its CPU plugin dispatches through
 oneDNN, which honours ``ONEDNN_MAX_CPU_ISA``, so ``AVX2`` runs OpenVINO's INT8 kernels as an
 AVX2-only CPU does (``VPMADDUBSW``, 16-bit pair sums), saturation included. onnxruntime has
-no such cap: its saturation is tested where the CPU itself lacks VNNI (``no_vnni``).
+no such cap: its saturation is tested where the CPU itself lacks VNNI (``no_vnni``), and what
+8-bit weights are for where it has VNNI (``vnni``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from bnrecal.errors import Int8GuardError
 from bnrecal.workers.data import describe_dataset
 
 from bnrecal.service.cli.console import int8_line
-from bnrecal.service.export.cpu import cpu_features
 from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.export.runtimes import run_openvino
@@ -85,10 +85,6 @@ def test_8_bit_weights_saturate_in_openvino_without_vnni_and_the_file_says_so(di
     same options on the default 7-bit weights do not saturate."""
     options = int8_options({"reduce_range": False})
     passes = InProcessPasses(digits.dataset, BATCH, evaluation=digits.evaluation)
-    on_vnni = cpu_features().vnni
-    if on_vnni:
-        vnni_file = quantize_export(digits.fp32, options, passes, digits.verify)
-        assert vnni_file.section["saturates"] == [] and vnni_file.section["weights"].endswith("8-bit")
     for name, value in WITHOUT_VNNI.items():
         monkeypatch.setenv(name, value)
     quantized = quantize_export(digits.fp32, options, passes, digits.verify)
@@ -108,6 +104,19 @@ def test_8_bit_weights_saturate_in_openvino_without_vnni_and_the_file_says_so(di
         monkeypatch.setenv(name, value)
     seven = quantize_export(digits.fp32, int8_options({}), passes, digits.verify).section
     assert seven["saturates"] == [] and seven["runtimes"]["openvino"]["saturates"] is False
+
+
+@pytest.mark.vnni
+def test_on_a_cpu_with_vnni_8_bit_weights_keep_their_accuracy_in_both_runtimes(digits):
+    """What full 8-bit weights are for: with VNNI neither runtime's kernels saturate, and the
+    file keeps FP32's top-1 within a point in onnxruntime and OpenVINO."""
+    quantized = quantize_export(digits.fp32, int8_options({"reduce_range": False}),
+                                InProcessPasses(digits.dataset, BATCH, evaluation=digits.evaluation), digits.verify)
+    section = quantized.section
+    assert section["weights"].endswith("8-bit") and section["saturates"] == [] and section["cpu"]["vnni"] is True
+    fp32 = section["evaluation"]["fp32"]["top1"]
+    scores = top1_in_runtimes(quantized.model, digits.evaluation)
+    assert fp32 - scores["onnxruntime"] <= 0.01 and fp32 - scores["openvino"] <= 0.01, scores
 
 
 def test_a_guard_refuses_a_file_that_saturates(digits, monkeypatch):
