@@ -88,6 +88,20 @@ def _record(folder: Path, entry: dict) -> None:
     print(json.dumps(entry))
 
 
+def _reader(calib: np.ndarray, batch: int):
+    """onnxruntime's calibration data reader over ``calib`` in batches of ``batch``."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"input": calib[i : i + batch]} for i in range(0, len(calib), batch)])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    return Reader()
+
+
 def ranks(folder: Path, workers: int) -> None:
     """bnrecal's path: pre-process, ranges on ``workers`` Ray ranks (embedded Ray), QDQ, top-1."""
     started = time.perf_counter()
@@ -118,7 +132,6 @@ def ort(folder: Path) -> None:
     channel int8 weights, uint8 activations) over the same batches, top-1."""
     started = time.perf_counter()
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         CalibrationMethod,
         QuantFormat,
         QuantType,
@@ -128,17 +141,10 @@ def ort(folder: Path) -> None:
 
     calib = np.load(folder / "calib.npy").astype(np.float32)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.batches = iter([{"input": calib[i : i + BATCH]} for i in range(0, len(calib), BATCH)])
-
-        def get_next(self) -> dict | None:
-            return next(self.batches, None)
-
     pre, out = folder / "ort-pre.onnx", folder / "int8-ort.onnx"
     with contextlib.redirect_stdout(io.StringIO()):
         quant_pre_process(str(folder / "fp32.onnx"), str(pre))
-        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+        quantize_static(str(pre), str(out), _reader(calib, BATCH), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         calibrate_method=CalibrationMethod.MinMax)
     top1 = accuracy(out.read_bytes(), _evaluation(folder))["top1"]
@@ -213,15 +219,8 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
                            ("bnrecal minmax, target openvino", {"target": "openvino"}),
                            ("bnrecal minmax, target tensorrt", {"target": "tensorrt"})):
         files[label] = quantize_export(fp32, int8_options(options), InProcessPasses(dataset, BATCH), verify).model
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
     from onnxruntime.quantization import quant_pre_process, quantize_static
-
-    class Reader(CalibrationDataReader):  # one batch: onnxruntime's entropy collector fails on a short last batch
-        def __init__(self) -> None:
-            self.batches = iter([{"input": calib}])
-
-        def get_next(self) -> dict | None:
-            return next(self.batches, None)
 
     pre = folder / "ort-pre.onnx"
     with contextlib.redirect_stdout(io.StringIO()):
@@ -229,7 +228,8 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
         for label, method in (("quantize_static MinMax", CalibrationMethod.MinMax),
                               ("quantize_static Entropy (its defaults)", CalibrationMethod.Entropy)):
             out = folder / "int8-compare.onnx"
-            quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+            # one batch: onnxruntime's entropy collector fails on a short last batch
+            quantize_static(str(pre), str(out), _reader(calib, len(calib)), quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=method)
             files[label] = out.read_bytes()
     try:
@@ -399,15 +399,8 @@ def weights(folder: Path, repeats: int) -> None:
         pre, out = folder / "weights-pre.onnx", folder / "weights-u8u8.onnx"
         pre.write_bytes(prepare(fp32).model)
 
-        class Reader:
-            def __init__(self) -> None:
-                self.batches = iter([{"input": calib[i : i + BATCH]} for i in range(0, len(calib), BATCH)])
-
-            def get_next(self) -> dict | None:
-                return next(self.batches, None)
-
         with contextlib.redirect_stdout(io.StringIO()):
-            quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+            quantize_static(str(pre), str(out), _reader(calib, BATCH), quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8,
                             calibrate_method=CalibrationMethod.MinMax)
         files["quantize_static U8U8 (uint8 weights)"] = out.read_bytes()
