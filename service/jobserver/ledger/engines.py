@@ -9,6 +9,8 @@ turns; Postgres takes a transaction-scoped advisory lock).
 
 from __future__ import annotations
 
+import sqlite3
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from bnrecal.errors import SpecError
 
 SCHEMA_LOCK = 0x626E7263  # "bnrc": the advisory lock held while one process creates or upgrades the schema
 POSTGRES_DRIVER = "postgresql+psycopg"
+SQLITE_BUSY_S = 30  # how long a SQLite connection waits for another writer before giving up
 
 
 def normalise_url(url: str) -> str:
@@ -66,17 +69,34 @@ def make_engine(url: str) -> Engine:
     database = url.split("///", 1)[-1]
     if database and database != ":memory:":
         Path(database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S})
 
     @event.listens_for(engine, "connect")
     def _configure(connection: Any, _record: Any) -> None:
         cursor = connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_S * 1000}")
+        _use_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
         cursor.close()
 
     return engine
+
+
+def _use_wal(cursor: Any) -> None:
+    """Switch a new database file to the WAL journal. The switch needs the file to itself and
+    SQLite answers "database is locked" at once, without waiting out the busy timeout, while
+    another process or thread opening the same new file holds it: so take turns here, within
+    the busy timeout, and leave a file that is already WAL alone."""
+    deadline = time.monotonic() + SQLITE_BUSY_S
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def prepare_schema(engine: Engine, metadata: MetaData) -> None:
