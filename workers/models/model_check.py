@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from bnrecal.errors import ArchitectureError, CheckpointError, ModelInputError, SpecError
-from bnrecal.workers.models.architectures import build_model, check_architecture
+from bnrecal.workers.models.architectures import build_model, check_architecture_exists
 from bnrecal.workers.models.checkpoint_prefix import ModelKeys, choose_prefix, model_keys
 from bnrecal.workers.models.checkpoints import STATE_DICT_KEYS, _looks_like_safetensors, _read_torch
 from bnrecal.workers.suggestions import sample_shape_hint
@@ -71,7 +71,7 @@ def model_layout(
 ) -> tuple[ModelKeys, dict[str, tuple[int, ...]]]:
     """The architecture's state dict keys and shapes, built on the meta device (or, where
     that cannot work, in a bounded child process); refuses a model over ``max_bytes``."""
-    check_architecture(arch, allowed_modules)  # an unknown or disallowed name needs no build
+    check_architecture_exists(arch, allowed_modules)  # an unknown or disallowed name needs no build, nor a child
     try:
         with torch.device("meta"):
             model = build_model(arch, model_kwargs, allowed_modules=allowed_modules, device="meta")

@@ -90,3 +90,18 @@ def test_an_architecture_the_meta_device_cannot_build_is_checked_in_a_bounded_ch
 def test_unknown_kwargs_are_refused_on_the_meta_device(resnet18_files):
     with pytest.raises(SpecError, match="model_kwargs do not fit"):
         check_checkpoint_fits("torchvision:resnet18", {"classes": 10}, resnet18_files / "r18.pt", max_bytes=GIB)
+
+
+@pytest.mark.parametrize("arch", ["torchvision:resnet81", "timm:resnet81"])
+def test_a_misspelt_architecture_is_refused_without_a_child_build(resnet18_files, monkeypatch, arch):
+    """A name no source knows is not a model the meta device cannot build: it is refused at
+    once with close names, never handed to a child process that builds it (6 s each)."""
+    from bnrecal.errors import ArchitectureError
+    from bnrecal.workers.models import model_check
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child process was started for an unknown architecture")
+
+    monkeypatch.setattr(model_check.subprocess, "Popen", no_child)
+    with pytest.raises(ArchitectureError, match="unknown .* model 'resnet81' .*did you mean resnet18"):
+        check_checkpoint_fits(arch, {}, resnet18_files / "r18.pt", max_bytes=GIB)
