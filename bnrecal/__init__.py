@@ -32,6 +32,7 @@ _HOMES = {
     "service.live": ("CellResult", "RecalibrationReport", "export_onnx", "quantize", "recalibrate", "recalibrate_many"),
     "service.export.report_sections": ("Int8Section", "OnnxSection"),  # what export_onnx and quantize return
     "service.export.int8.options": ("Int8Options",),  # quantize's options, typed
+    "service.run.options": ("RecalibrationOptions",),  # recalibrate's options, typed
     "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name l
     from bnrecal.service.jobserver.jobs.views import JobStatus, JobView
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.export.report_sections import Int8Section, OnnxSection
+    from bnrecal.service.run.options import RecalibrationOptions
     from bnrecal.service.live import (
         CellResult, RecalibrationReport, export_onnx, quantize, recalibrate, recalibrate_many,
     )

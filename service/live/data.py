@@ -45,14 +45,15 @@ def is_path_data(data: Any) -> bool:
 
 def describe_python_data(
     data: Any, *, batch_size: int | None, max_samples: int | str | None, select_input: bool, settings: Settings,
-    order: str = "shuffled", seed: int = 0, image_column: str | None = None,
+    order: str = "shuffled", seed: int = 0, image_column: str | None = None, transform: dict[str, Any] | None = None,
 ) -> DatasetSpec | LoaderSpec:
     """Describe ``data`` for the ranks (see the module's docstring), refusing what cannot be.
 
     A path or URI is read in ``order`` (seeded ``shuffled`` by default, as ``--data``);
     data in memory keeps its own order. ``max_samples="auto"`` keeps every sample: the
     ranks stop once the statistics converge. ``image_column`` names the image column of
-    Parquet or Arrow data (refused for any other)."""
+    Parquet or Arrow data, ``transform`` how images given as a path are read (each refused
+    for any other data)."""
     if max_samples == "auto":
         max_samples = None
     if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
@@ -64,11 +65,14 @@ def describe_python_data(
     if is_path_data(data):
         return describe_dataset(
             data if is_data_uri(data) or is_shard_list(data) else Path(data),
-            ReadOptions(max_samples=max_samples, order=order, seed=seed, image_column=image_column),
+            ReadOptions(max_samples=max_samples, order=order, seed=seed, image_column=image_column, transform=transform),
             settings.data_access(),
         )
     if image_column is not None:
         raise SpecError("image_column names a column of Parquet or Arrow data given as a path or URI", field="image_column")
+    if transform is not None:
+        raise SpecError("transform says how images given as a path or URI are read; data in memory is already "
+                        "tensors (transform it in its Dataset)", field="transform")
     if isinstance(data, (torch.Tensor, np.ndarray)):
         data = TensorDataset(torch.as_tensor(data))
     if isinstance(data, DataLoader):

@@ -21,12 +21,15 @@ from bnrecal.errors import BnrecalError, CancelledError, SpecError
 
 from bnrecal.service.run.core import KeepBudget
 from bnrecal.service.run.executors import InProcess, RayRanks
+from bnrecal.service.run.options import RecalibrationOptions
 from bnrecal.service.run.shared import SharedRanks
 from bnrecal.service.sweep.cells import CellStatus, check_name
 
-from ..settings import Settings
 from .report import RecalibrationReport
-from .run import Forward, LiveRun, live_options, prepare_data, progress_display, run_live, runs_here, warm_pool
+from .run import (
+    Forward, LiveRun, call_settings, live_options, prepare_data, progress_display, run_live, run_options, runs_here,
+    warm_pool,
+)
 
 if TYPE_CHECKING:
     from .run import PreparedData
@@ -55,25 +58,18 @@ class CellResult:
 def recalibrate_many(
     models: Iterable[nn.Module | torch.export.ExportedProgram],
     data: Any,
+    options: RecalibrationOptions | None = None,
     *,
-    workers: int = 1,
-    mode: str = "sync",
-    batch_size: int | None = None,
-    max_samples: int | str | None = None,
-    device: str = "cpu",
     forward: Forward | None = None,
     ray_address: str | None = None,
     progress: bool = False,
-    tolerance: float | None = None,
-    order: str = "shuffled",
-    seed: int = 0,
-    image_column: str | None = None,
+    **overrides: Any,
 ) -> Iterator[CellResult]:
     """Recalibrate every model of ``models`` in place on ``data`` (one dataset, or a dict of
     named datasets: the cells are every model over every set, model by model), yielding one
     :class:`CellResult` per cell as it finishes.
 
-    Each cell is exactly ``bnrecal.recalibrate(model, set, **options)`` (the same options,
+    Each cell is exactly ``bnrecal.recalibrate(model, set, options, **overrides)`` (the same options,
     the same statistics); with several sets a model's statistics are its last set's, and
     each cell's ``statistics`` hold its own. ``models`` is read one model at a time. A
     cell that fails (a model without BatchNorm, one the data does not fit) is yielded with
@@ -83,15 +79,16 @@ def recalibrate_many(
     Bad options and data are refused at the call; nothing runs until the first cell is
     asked for. Stop early by leaving the loop: the ranks are let go.
     """
-    settings, pool = Settings(), warm_pool()
-    options = live_options(workers, mode, batch_size, max_samples, device, tolerance, order, seed, image_column)
+    pool, asked = warm_pool(), live_options(options, overrides, "recalibrate_many")
+    settings, run = call_settings(asked), run_options(asked)
     named = _named_sets(data)
     prepared: dict[str, PreparedData] = {
-        name: prepare_data(value, options, forward, settings, batch_size=batch_size, max_samples=max_samples)
-        for name, value in named.items()
+        name: prepare_data(value, asked, run, forward, settings) for name, value in named.items()
     }
-    here = runs_here(options, pool, ray_address)
-    inner = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
+    here = runs_here(run, pool, ray_address)
+    inner = InProcess() if here else RayRanks(
+        settings, address=ray_address, pool=pool, stop_embedded=True, placement=run.placement,
+    )
     shared = SharedRanks(inner, KeepBudget.from_megabytes(settings.kept_memory_mb, settings.kept_disk_mb))
     return _cells(models, prepared, LiveRun(forward, settings, shared, here, ray_address, keep=shared.keep), progress)
 

@@ -27,7 +27,7 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.errors import SpecError
 
-from bnrecal.service.run.options import RunOptions
+from bnrecal.service.run.options import RecalibrationOptions, RunOptions
 
 from ..client import BnrecalClient, run_remote_job
 from ..settings import Settings
@@ -80,18 +80,20 @@ def recalibrate_on_server(
     server: str,
     api_key: str | None,
     options: RunOptions,
-    max_samples: int | str | None,
-    batch_size: int | None,
+    asked: RecalibrationOptions,
     forward: Callable[..., Any] | None,
     progress: Callable[[str], Any],
 ) -> RecalibrationReport:
     """Run the recalibration as a job of the server at ``server`` and write the result into
-    ``model`` in place (see the module's docstring)."""
+    ``model`` in place (see the module's docstring): ``options`` as the run takes them,
+    ``asked`` as the call gave them (its batch size and count of samples)."""
     if not isinstance(model, nn.Module):
         raise SpecError("with server=, model must be a torch.nn.Module", field="model")
+    max_samples = asked.max_samples
     spec = describe_python_data(
-        data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=Settings(),
-        order=options.order, seed=options.seed, image_column=options.image_column,
+        data, batch_size=asked.batch_size if "batch_size" in asked.model_fields_set else None, max_samples=max_samples,
+        select_input=forward is None, settings=Settings(), order=options.order, seed=options.seed,
+        image_column=options.image_column, transform=options.transform,
     )
     if isinstance(spec, DatasetSpec) and spec.remote is not None:
         raise SpecError("with server=, data in object storage is not sent: give a local path", field="data")
@@ -114,6 +116,8 @@ def recalibrate_on_server(
             "workers": options.workers, "mode": options.mode, "batch_size": step, "device": options.device,
             "outputs": ["program"],
         }
+        job_spec.update({name: value for name, value in options.explicit().items()
+                         if name in ("placement", "max_retries", "transform") and value is not None})
         if isinstance(spec, DatasetSpec) and max_samples is not None and not options.auto_samples:
             job_spec["max_samples"] = int(max_samples)
         if options.auto_samples:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,7 @@ from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunPlan, SharedScope, run,
 )
 from bnrecal.service.run.executors import InProcess, RayRanks
-from bnrecal.service.run.options import STARTING_PHASE, RunOptions, default
+from bnrecal.service.run.options import AUTO, STARTING_PHASE, RecalibrationOptions, RunOptions
 from bnrecal.service.run.progress import progress_bar
 from bnrecal.service.run.report import DataSummary
 
@@ -66,21 +66,14 @@ def warm_ranks(pool: WarmPool) -> Iterator[None]:
 def recalibrate(
     model: nn.Module | torch.export.ExportedProgram,
     data: Any,
+    options: RecalibrationOptions | None = None,
     *,
-    workers: int = 1,
-    mode: str = "sync",
-    batch_size: int | None = None,
-    max_samples: int | str | None = None,
-    device: str = "cpu",
     forward: Forward | None = None,
     ray_address: str | None = None,
     server: str | None = None,
     api_key: str | None = None,
     progress: bool = True,
-    tolerance: float | None = None,
-    order: str = "shuffled",
-    seed: int = 0,
-    image_column: str | None = None,
+    **overrides: Any,
 ) -> RecalibrationReport:
     """Recompute every BatchNorm layer's running statistics of ``model`` in place, like
     ``torch.optim.swa_utils.update_bn(loader, model)``, and return the report.
@@ -99,6 +92,8 @@ def recalibrate(
         A batch is a tensor, or a tuple or list whose first element is the input (a
         tensor, or a list of per-sample tensors: detection-style batches are split by
         sample); anything else (a dict...) needs ``forward``. Shapes may vary between steps.
+    options: a ``bnrecal.RecalibrationOptions``, every option below in one object; keywords
+        given beside it (``workers=2``) override its fields (docs/python.md, "Options").
     workers: ranks K; each takes its ``numpy.array_split`` part of every step. With 1 and
         no ``ray_address``, ``RAY_ADDRESS`` or ``server`` the call runs in this process,
         without Ray.
@@ -110,6 +105,10 @@ def recalibrate(
         ``given``); data in memory keeps its own order, as with ``update_bn``.
     image_column: Parquet or Arrow data (a path, a URI or a list of shard URLs): the column
         of encoded images (default ``image``, or the one column holding image bytes).
+    transform: image data given as a path: the transform its images are read with
+        (``{"resize": 256, "crop": 224}``, as ``--transform``).
+    placement, max_retries: where Ray places the ranks (``spread`` or ``pack``) and how
+        often a failed pass is run again (default: the settings, ``BNRECAL_MAX_RETRIES``).
     device: where the ranks compute (``cpu`` or ``cuda``).
     forward: ``forward(model, batch)`` feeds the model a batch (e.g. ``model(**batch)``);
         with it the model travels pickled (see below), never as a program. A model that
@@ -131,36 +130,61 @@ def recalibrate(
     else pickled with its class by reference (see ``docs/python.md``). Errors are
     ``bnrecal.BnrecalError`` subclasses with one-line messages.
     """
-    settings, pool = Settings(), _warm_pool.get()
-    options = live_options(workers, mode, batch_size, max_samples, device, tolerance, order, seed, image_column)
+    pool, asked = _warm_pool.get(), live_options(options, overrides, "recalibrate")
+    settings, options = call_settings(asked), run_options(asked)
     if isinstance(model, nn.Module):  # before any export
         require_batchnorm_layers(model, f"model {type(model).__name__}")
     if server is not None:
         from .remote import recalibrate_on_server
 
         return recalibrate_on_server(
-            model, data, server=server, api_key=api_key, options=options, max_samples=max_samples,
-            batch_size=batch_size, forward=forward, progress=lambda label: progress_display(progress, label),
+            model, data, server=server, api_key=api_key, options=options, asked=asked, forward=forward,
+            progress=lambda label: progress_display(progress, label),
         )
-    prepared = prepare_data(data, options, forward, settings, batch_size=batch_size, max_samples=max_samples)
+    prepared = prepare_data(data, asked, options, forward, settings)
     here = runs_here(options, pool, ray_address)
-    executor: Executor = InProcess() if here else RayRanks(settings, address=ray_address, pool=pool, stop_embedded=True)
+    executor: Executor = InProcess() if here else RayRanks(
+        settings, address=ray_address, pool=pool, stop_embedded=True, placement=options.placement,
+    )
     with progress_display(progress) as update:
         report, _ = run_live(model, prepared, LiveRun(forward, settings, executor, here, ray_address), update)
     return report
 
 
-def live_options(
-    workers: Any, mode: str, batch_size: Any, max_samples: int | str | None, device: str, tolerance: float | None,
-    order: str, seed: int, image_column: str | None,
-) -> RunOptions:
-    """``recalibrate``'s keywords as run options, checked (a bad value names its keyword)."""
-    return RunOptions.checked(
-        workers=_count(workers, "workers"), mode=mode, device=device,
-        batch_size=_count(batch_size, "batch_size") if batch_size is not None else default("batch_size"),
-        max_samples="auto" if max_samples == "auto" else None, tolerance=tolerance, order=order, seed=seed,
-        image_column=image_column,
-    )
+def live_options(options: RecalibrationOptions | None, overrides: Mapping[str, Any], call: str) -> RecalibrationOptions:
+    """A call's options: ``options`` with the keywords given beside it in place of its
+    fields, checked (a bad value names its keyword; an unknown keyword is a ``TypeError``,
+    as Python's own)."""
+    if options is not None and not isinstance(options, RecalibrationOptions):
+        raise TypeError(f"{call}() options must be a bnrecal.RecalibrationOptions, not {type(options).__name__}")
+    unknown = sorted(set(overrides) - set(RecalibrationOptions.model_fields))
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r} (its options are "
+                        f"bnrecal.RecalibrationOptions' fields: {', '.join(RecalibrationOptions.model_fields)})")
+    given = {**(options.explicit() if options is not None else {}), **overrides}
+    for name in ("workers", "batch_size", "seed", "max_retries"):  # numpy integers are counts too
+        if given.get(name) is not None:
+            given[name] = _count(given[name], name)
+    if given.get("max_samples") not in (None, AUTO):
+        given["max_samples"] = _count(given["max_samples"], "max_samples")
+    if given.get("label_column") is not None:
+        raise SpecError(f"label_column names the labels of evaluation data, which {call} does not take",
+                        field="label_column")
+    return RecalibrationOptions.checked(**given)
+
+
+def run_options(asked: RecalibrationOptions) -> RunOptions:
+    """The options as the run core takes them: a count of samples is applied where the data
+    is described (``prepare_data``), so the run itself reads all of what it is given."""
+    return RunOptions.checked(**{**asked.explicit(), "max_samples": AUTO if asked.auto_samples else None})
+
+
+def call_settings(asked: RecalibrationOptions) -> Settings:
+    """The service's settings (from the environment), with a call's ``max_retries`` in place."""
+    settings = Settings()
+    if asked.max_retries is not None:
+        settings = settings.model_copy(update={"max_retries": asked.max_retries})
+    return settings
 
 
 @dataclass(frozen=True)
@@ -174,13 +198,14 @@ class PreparedData:
 
 
 def prepare_data(
-    data: Any, options: RunOptions, forward: Forward | None, settings: Settings, *, batch_size: int | None,
-    max_samples: int | str | None,
+    data: Any, asked: RecalibrationOptions, options: RunOptions, forward: Forward | None, settings: Settings,
 ) -> PreparedData:
-    """Describe the caller's data and read its probe batch (docs/python.md, "Data")."""
+    """Describe the caller's data as ``asked`` (its batch size where one was given, its count
+    of samples, its order and columns) and read its probe batch (docs/python.md, "Data")."""
     spec = describe_python_data(
-        data, batch_size=batch_size, max_samples=max_samples, select_input=forward is None, settings=settings,
-        order=options.order, seed=options.seed, image_column=options.image_column,
+        data, batch_size=asked.batch_size if "batch_size" in asked.model_fields_set else None,
+        max_samples=asked.max_samples, select_input=forward is None, settings=settings, order=asked.order,
+        seed=asked.seed, image_column=asked.image_column, transform=asked.transform,
     )
     sample = _probe_batch(spec, forward)
     if isinstance(spec, LoaderSpec):

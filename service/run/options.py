@@ -1,9 +1,11 @@
 """The run options: how to recalibrate, declared once.
 
-``RunOptions`` is the one declaration of every option a recalibration takes. The HTTP job
-spec (``JobSpec``) and the engine's request (``RecalibrationRequest``) extend it, and the
-command line takes its choices, defaults and help from it, so adding an option touches
-this model and the code that uses it, nothing else.
+``RecalibrationOptions`` is the one declaration of every option a recalibration takes,
+whatever the model and data (``bnrecal.RecalibrationOptions``, what ``bnrecal.recalibrate``
+takes); ``RunOptions`` adds the model as a job names it (an architecture and its kwargs).
+The HTTP job spec (``JobSpec``) and the engine's request (``RecalibrationRequest``) extend
+``RunOptions``, and the command line takes its choices, defaults and help from it, so adding
+an option touches this model and the code that uses it, nothing else.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ STARTING_PHASE = "starting workers"
 """The progress phase of a job whose rank actors are starting, before any sample is processed:
 the ledger's first phase of a running job, and one the CLI shows without a count."""
 
-OptionsT = TypeVar("OptionsT", bound="RunOptions")
+OptionsT = TypeVar("OptionsT", bound="RecalibrationOptions")
 
 
-class RunOptions(BaseModel):
-    """What to recalibrate and how, whatever the checkpoint and data are.
+class RecalibrationOptions(BaseModel):
+    """How to recalibrate, whatever the model and data are: every option of a recalibration,
+    once (docs/python.md, "Options"). ``bnrecal.recalibrate(model, data, options)`` takes it;
+    keywords given beside it override its fields.
 
     Counts are strict integers: ``true`` or ``"2"`` for ``workers`` is refused, naming the
     field, rather than read as 1 or 2 (a JSON spec with a quoted number is a client bug).
@@ -52,17 +56,6 @@ class RunOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: str | None = Field(
-        default=None,
-        min_length=3,
-        max_length=256,
-        description=(
-            "torchvision:<name>, timm:<name>, transformers:<ModelClass> (model_kwargs: its config.json) "
-            "or <module.path>:<callable> (allowlisted); not with a program, which carries its own architecture."
-        ),
-        examples=["torchvision:resnet18"],
-    )
-    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")
     mode: Mode = Field(default="sync", description="sync: SyncBN statistics across ranks; local: per-rank statistics.")
     workers: StrictInt = Field(default=1, ge=1, le=MAX_WORKERS, description="Ray actors (ranks).")
     batch_size: StrictInt = Field(default=32, ge=1, le=1_000_000, description="Global batch size B.")
@@ -155,6 +148,28 @@ class RunOptions(BaseModel):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise spec_error(exc) from None
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields given when it was made (not their defaults): what a caller asked for."""
+        return self.model_dump(include=self.model_fields_set)
+
+
+class RunOptions(RecalibrationOptions):
+    """What to recalibrate and how, whatever the checkpoint and data are: the recalibration
+    options and the model as a job names it (an architecture and its kwargs; a job may give
+    a program instead)."""
+
+    arch: str | None = Field(
+        default=None,
+        min_length=3,
+        max_length=256,
+        description=(
+            "torchvision:<name>, timm:<name>, transformers:<ModelClass> (model_kwargs: its config.json) "
+            "or <module.path>:<callable> (allowlisted); not with a program, which carries its own architecture."
+        ),
+        examples=["torchvision:resnet18"],
+    )
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the model factory.")
 
     def run_options(self) -> dict[str, Any]:
         """Just the run options, e.g. to build the engine's request from a job spec."""
