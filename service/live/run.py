@@ -35,6 +35,7 @@ from bnrecal.service.run.report import DataSummary
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
 from .model import ShippedModel, run_here, ship_model
+from .process_group import GroupRanks, agreed_report, fail_together, job_group, unwrapped
 from .report import RecalibrationReport
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def recalibrate(
     server: str | None = None,
     api_key: str | None = None,
     progress: bool = True,
+    process_group: Any = None,
     **overrides: Any,
 ) -> RecalibrationReport:
     """Recompute every BatchNorm layer's running statistics of ``model`` in place, like
@@ -117,6 +119,11 @@ def recalibrate(
         instance, shut down again after the call; a cluster the caller joined stays).
     server, api_key: run as a job of the bnrecal server at this URL instead: the model
         goes as a program (it must export), the data as ``.npy`` (see ``docs/python.md``).
+    process_group: inside a ``torch.distributed`` job (DDP, torchrun), the group whose ranks
+        all make this call, each with its data (its DataLoader over its shard; a path or a
+        map-style Dataset every rank gives alike is split between them): each BN call's
+        moments are combined over the group, and every rank ends with the same statistics
+        and report. Nothing is started (docs/training.md).
     progress: a progress bar on a terminal; ``False`` for none.
 
     The service's settings (``BNRECAL_MAX_RETRIES``, ``BNRECAL_DATA_DIR``, ...) come from
@@ -132,6 +139,13 @@ def recalibrate(
     """
     pool, asked = _warm_pool.get(), live_options(options, overrides, "recalibrate")
     settings, options = call_settings(asked), run_options(asked)
+    group = job_group(process_group, data, asked, ray_address=ray_address, server=server)
+    if group is not None:
+        try:
+            return _in_group(unwrapped(model), data, asked, options, forward, progress, group)
+        except BaseException as error:
+            fail_together(group, error)
+            raise
     if isinstance(model, nn.Module):  # before any export
         require_batchnorm_layers(model, f"model {type(model).__name__}")
     if server is not None:
@@ -149,6 +163,22 @@ def recalibrate(
     with progress_display(progress) as update:
         report, _ = run_live(model, prepared, LiveRun(forward, settings, executor, here, ray_address), update)
     return report
+
+
+def _in_group(
+    model: Any, data: Any, asked: RecalibrationOptions, options: RunOptions, forward: Forward | None,
+    progress: bool, group: GroupRanks,
+) -> RecalibrationReport:
+    """``recalibrate`` as one rank of the caller's group: here, its moments combined over
+    the group, no retries (a rank cannot re-run a pass the others have left)."""
+    if isinstance(model, nn.Module):
+        require_batchnorm_layers(model, f"model {type(model).__name__}")
+    settings = call_settings(asked).model_copy(update={"max_retries": 0})
+    prepared = prepare_data(data, asked, options, forward, settings)
+    shown = progress and group.collective.rank == 0
+    with progress_display(shown) as update:
+        report, _ = run_live(model, prepared, LiveRun(forward, settings, group, True), update)
+    return agreed_report(report, group, own_data=not group.split)
 
 
 def live_options(options: RecalibrationOptions | None, overrides: Mapping[str, Any], call: str) -> RecalibrationOptions:

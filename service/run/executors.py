@@ -82,6 +82,35 @@ class InProcess:
         """Nothing was started."""
 
 
+class ProcessGroupRanks(InProcess):
+    """This process as one rank of the caller's own ``torch.distributed`` group (docs/training.md):
+    every rank of the group runs the same call in its own process, and each BN call's moments
+    are combined over the group (``ProcessGroupCollective``); no Ray, no process of ours.
+    ``split``: the data is the same on every rank and each takes its part of every global step
+    (a path, a map-style Dataset); else each rank's data is its own (its DataLoader)."""
+
+    def __init__(self, collective: Any, split: bool) -> None:
+        self.collective = collective
+        self.split = split
+
+    def rank_plan(self, plan: RankPlan) -> RankPlan:
+        """The plan of the group's world where the data is split between its ranks."""
+        plan = super().rank_plan(plan)
+        return replace(plan, world_size=self.collective.world_size) if self.split else plan
+
+    def execute(
+        self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
+    ) -> GroupResult:
+        """This rank's pass, its moments combined over the group."""
+        return run_in_process(plan, run.model, on_progress=on_progress, cancel=cancel, collective=self.collective,
+                              rank=self.collective.rank)
+
+    def placement(self, run: RunPlan) -> Placement:
+        """The group's backend; each rank in its own process, reading its own data."""
+        return Placement(f"torch.distributed:{self.collective.backend}", "process group", IN_PROCESS,
+                         float(torch.get_num_threads()), False)
+
+
 class RayRanks:
     """A rank group on Ray (``workers.ranks.group``): the cluster at ``address`` (else
     ``RAY_ADDRESS``, else an embedded local instance, shut down again after the run with

@@ -23,7 +23,7 @@ import torch
 from bnrecal.workers.data import CalibrationData, iter_batches
 from bnrecal.workers.data.formats.device_decode import on_device
 from bnrecal.workers.data.reading.kept import open_kept
-from bnrecal.workers.data.formats.loader import LoaderSpec
+from bnrecal.workers.data.formats.loader import LoaderSpec, Step
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, layers_named
 from bnrecal.workers.engine.calibration import PassResult, calibration_pass
 from bnrecal.workers.engine.calibrator import device_of, probe_call_order
@@ -144,23 +144,37 @@ def run_in_process(
     *,
     on_progress: Callable[[str, int], None] | None = None,
     cancel: threading.Event | None = None,
+    collective: Collective | None = None,
+    rank: int = 0,
 ) -> GroupResult:
-    """Run a one-rank job on ``model`` in this process, as a rank actor would in a world of one.
+    """Run a job's rank on ``model`` in this process, as a rank actor would: a world of one,
+    or, with ``collective`` (a caller's ``torch.distributed`` group), rank ``rank`` of that
+    group's world, every other rank running the same call in its own process.
+
+    With a group, a plan of the group's world size is split as the Ray ranks split theirs
+    (rank ``rank`` reads its part of every global step); a plan of one is this rank's own
+    data (its DataLoader over its shard), whose steps the ranks agree on step by step, a
+    rank whose data ran out taking part in every collective with an empty step. The counts
+    that come back are the group's.
 
     ``model`` is run as it is (the caller gives a model of its own: a copy or a view of a
     user's module, a checkpoint's model). ``on_progress`` gets the phase and the samples
     done so far, like ``run_rank_group``'s; ``cancel`` stops it between steps.
     """
-    if plan.world_size != 1:
-        raise ValueError(f"a run in the calling process is a world of one, not {plan.world_size}")
+    collective = collective if collective is not None else SingleProcessCollective()
+    if plan.world_size not in (1, collective.world_size):
+        raise ValueError(f"a run in the calling process has a world of 1 or the group's, not {plan.world_size}")
+    own_data = collective.world_size > 1 and plan.world_size == 1
+    rank = 0 if own_data else rank  # the rank's place in the plan's world: its own data is a world of one
     device = torch.device(plan.device)
     model.to(device).eval()
     layers = layers_named(model, plan.layer_names)
     plan, eval_target = checked_plan(plan, model, layers)
-    batches, ranges, steps = rank_batches(plan, 0)
+    batches, ranges, steps = rank_batches(plan, rank)
     head: list[tuple[int, torch.Tensor]] = []
     batches = keeping_head(batches, ranges, plan.head, head)
-    collective = SingleProcessCollective()
+    if own_data:
+        batches = agreed_steps(batches, collective)
     done = {"calibrating": 0, "evaluating": 0}
 
     def report(phase: str, samples: int) -> None:
@@ -173,15 +187,16 @@ def run_in_process(
     result = calibration_pass(
         model, layers, batches, mode=plan.mode, collective=collective, call_order=plan.call_order, device=device,
         on_step=lambda step, samples: report("calibrating", samples), memory_format=plan.memory_format,
-        sample_ranges=ranges, step_ranges=steps, feed=plan.feed, stop=plan.stop, row_of=row_of(plan),
+        sample_ranges=None if own_data else ranges, step_ranges=None if own_data else steps, feed=plan.feed,
+        stop=plan.stop, row_of=None if own_data else row_of(plan),
     )
     evaluation = None
     if plan.evaluation is not None:
-        evaluation = evaluate_rank(plan, 0, model, result, None, collective, lambda n: report("evaluating", n))
+        evaluation = evaluate_rank(plan, rank, model, result, None, collective, lambda n: report("evaluating", n))
     return GroupResult(
         stats=stats_payload(result),
         steps=result.steps,
-        samples=result.samples,
+        samples=group_samples(result.samples, collective),
         collectives=[result.collectives],
         seconds=result.seconds,
         nodes=[f"{IN_PROCESS}:{os.uname().nodename}"],
@@ -192,6 +207,29 @@ def run_in_process(
         head=joined_head(head),
         eval_target=eval_target,
     )
+
+
+def agreed_steps(batches: Iterable[Any], collective: Collective) -> Iterator[Any]:
+    """This rank's own batches, one step at a time while any rank of the group has one left:
+    an empty step once its own ran out, so that it takes part in every collective of the
+    others' steps (one allreduce a step says who has a batch)."""
+    mine = iter(batches)
+    while True:
+        batch = next(mine, None)
+        left = torch.tensor([0.0 if batch is None else 1.0], dtype=torch.float64)
+        collective.allreduce(left)
+        if left.item() == 0:
+            return
+        yield batch if batch is not None else Step(torch.empty(0), 0)
+
+
+def group_samples(samples: int, collective: Collective) -> int:
+    """The samples every rank of the group calibrated on, together (this rank's, alone)."""
+    if collective.world_size == 1:
+        return samples
+    total = torch.tensor([float(samples)], dtype=torch.float64)
+    collective.allreduce(total)
+    return int(total.item())
 
 
 def stats_payload(result: PassResult) -> list[MomentStats]:
