@@ -227,3 +227,26 @@ def _layer_inputs(batch: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def _nccl_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    live = copy.deepcopy(model()).cuda()
+    loader = DataLoader(TensorDataset(shard(0, 1, (40,))), batch_size=BATCH)
+    report = bnrecal.recalibrate(live, loader, device="cuda", process_group=dist.group.WORLD, progress=False)
+    torch.save({"buffers": {k: v.cpu() for k, v in buffers(live).items()}, "report": report.to_dict()},
+               Path(out) / "nccl.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_an_nccl_group_combines_on_the_ranks_cuda_device(tmp_path):
+    """The NCCL path (moments cross on the rank's CUDA device), in a world of one: a GPU
+    machine here has one device, and NCCL takes one rank per device."""
+    mp.spawn(_nccl_rank, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    got = torch.load(tmp_path / "nccl.pt", weights_only=False)
+    assert got["report"]["backend"] == "torch.distributed:nccl" and got["report"]["samples"] == 40
+    steps = [shard(0, 1, (40,))[start:start + BATCH] for start in range(0, 40, BATCH)]
+    assert_close(got["buffers"], _as_buffers(_pooled_reference(steps)), rel=1e-4)
