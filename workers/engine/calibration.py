@@ -117,6 +117,7 @@ def calibration_pass(
     feed: Feed | None = None,
     stop: StopRule | None = None,
     row_of: Callable[[int], int] | None = None,
+    shifts: Sequence[torch.Tensor] | None = None,
 ) -> PassResult:
     """Run ``model`` over this rank's batches with its BN layers calibrating.
 
@@ -134,7 +135,9 @@ def calibration_pass(
     global sample indices (default: counted from this rank's batches, right for a world of one).
 
     ``row_of`` maps a sample position to its row in the user's file (a shuffled order), so an
-    error names the row the user can find. With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
+    error names the row the user can find. ``shifts`` are what each layer's moments are summed
+    about where the ranks' models may hold different buffers (a caller's own training ranks):
+    the same on every rank (default: the layers' ``running_mean``). With a ``stop`` rule (``sync`` mode only) the pass ends at the first step where every
     layer's standard errors are within its tolerance; ``convergence`` says where it ended.
     """
     if stop is not None and mode != "sync":
@@ -145,7 +148,7 @@ def calibration_pass(
     steps = samples = 0
     layout: str | None = None
     dims = 0
-    calibrator = BatchNormCalibrator(layers, mode, collective, call_order)
+    calibrator = BatchNormCalibrator(layers, mode, collective, call_order, shifts=shifts)
     with full_float32(device), torch.inference_mode(), calibrator:
         for item in batches:
             batch, size = _unpack(item)

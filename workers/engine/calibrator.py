@@ -82,6 +82,7 @@ class BatchNormCalibrator:
         collective: Collective,
         call_order: Sequence[int] = (),
         record_order: bool = False,
+        shifts: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -89,7 +90,10 @@ class BatchNormCalibrator:
         self.mode = mode
         self.collective = collective
         self.call_order = list(call_order)
-        self.shifts = [layer.running_mean.detach().double() for layer in self.layers]
+        # The moments are summed about a shift per layer, the same on every rank: the buffers the
+        # model came with (every rank's are the same, or ``shifts``, the ranks' agreed ones).
+        self.shifts = ([layer.running_mean.detach().double() for layer in self.layers] if shifts is None
+                       else [shift.double() for shift in shifts])
         self.totals = [
             torch.zeros(packed_size(layer.channels), dtype=torch.float64, device=shift.device)
             for layer, shift in zip(self.layers, self.shifts)

@@ -188,7 +188,7 @@ def run_in_process(
         model, layers, batches, mode=plan.mode, collective=collective, call_order=plan.call_order, device=device,
         on_step=lambda step, samples: report("calibrating", samples), memory_format=plan.memory_format,
         sample_ranges=None if own_data else ranges, step_ranges=None if own_data else steps, feed=plan.feed,
-        stop=plan.stop, row_of=None if own_data else row_of(plan),
+        stop=plan.stop, row_of=None if own_data else row_of(plan), shifts=agreed_shifts(layers, collective),
     )
     evaluation = None
     if plan.evaluation is not None:
@@ -221,6 +221,19 @@ def agreed_steps(batches: Iterable[Any], collective: Collective) -> Iterator[Any
         if left.item() == 0:
             return
         yield batch if batch is not None else Step(torch.empty(0), 0)
+
+
+def agreed_shifts(layers: list[BatchNormLayer], collective: Collective) -> list[torch.Tensor] | None:
+    """The shifts every rank of a caller's group sums its moments about: the mean of the ranks'
+    ``running_mean`` buffers (training ranks' buffers differ: DDP keeps each rank's own), one
+    allreduce; None in a world of one, where the layer's own buffer is the shift."""
+    if collective.world_size == 1 or not layers:
+        return None
+    means = [layer.running_mean.detach().double() for layer in layers]
+    joined = torch.cat(means)
+    collective.allreduce(joined)
+    joined /= collective.world_size
+    return list(torch.split(joined, [mean.numel() for mean in means]))
 
 
 def group_samples(samples: int, collective: Collective) -> int:
