@@ -20,7 +20,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, field, fields, make_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
@@ -212,40 +212,41 @@ class RunOptionFlags:
         )
 
 
-@dataclass(frozen=True)
-class RunFlags(RunOptionFlags):
-    """The flags ``calibrate`` and ``submit`` share, declared once: a field's annotation is
-    its option (spelling, type, help), its default the flag's default, and the field order
-    the order ``--help`` lists them in. :func:`run_command` makes them the command's flags."""
+FlagField = tuple[str, Any, Any]
+"""A flag as a field of a flags class: its name, its option (``Annotated`` type: spelling,
+type, help) and its default (``MISSING``: the flag is required)."""
 
-    data: DataOpt
-    out: OutOpt
-    arch: ArchOpt = None
-    checkpoint: CheckpointOpt = None
-    program: ProgramOpt = None
-    model_kwargs: ModelKwargsOpt = None
-    workers: WorkersOpt = WORKERS
-    batch_size: BatchOpt = BATCH_SIZE
-    mode: ModeOpt = MODE
-    max_samples: MaxSamplesOpt = None
-    order: OrderOpt = ORDER
-    seed: SeedOpt = SEED
-    tolerance: ToleranceOpt = None
-    device: DeviceOpt = DEVICE
-    transform: TransformOpt = None
-    image_column: ImageColumnOpt = None
-    label_column: LabelColumnOpt = None
-    placement: PlacementOpt = None
-    max_retries: MaxRetriesOpt = None
-    onnx: OnnxOpt = None
-    onnx_opset: OnnxOpsetOpt = OPSET
-    onnx_dtype: OnnxDtypeOpt = OnnxDtype.float32
-    report: ReportOpt = None
-    report_html: ReportHtmlOpt = None
-    eval_data: EvalDataOpt = None
-    eval_max_samples: EvalMaxSamplesOpt = None
-    onnx_int8: OnnxInt8Opt = None
-    int8: Int8Opt = None
+RECALIBRATION_FLAGS: list[FlagField] = [
+    ("workers", WorkersOpt, WORKERS),
+    ("batch_size", BatchOpt, BATCH_SIZE),
+    ("mode", ModeOpt, MODE),
+    ("max_samples", MaxSamplesOpt, None),
+    ("order", OrderOpt, ORDER),
+    ("seed", SeedOpt, SEED),
+    ("tolerance", ToleranceOpt, None),
+    ("device", DeviceOpt, DEVICE),
+    ("transform", TransformOpt, None),
+    ("image_column", ImageColumnOpt, None),
+    ("label_column", LabelColumnOpt, None),
+    ("placement", PlacementOpt, None),
+    ("max_retries", MaxRetriesOpt, None),
+]
+"""The flags of ``bnrecal.RecalibrationOptions``' fields, one each, in ``--help``'s order: every
+command that runs a recalibration (``calibrate``, ``submit``, ``sweep``) takes these
+(tests/service/cli/test_options.py checks they are the options' fields)."""
+
+
+def flags_class(name: str, doc: str, flags: list[FlagField], base: type, module: str = __name__) -> Any:
+    """A frozen dataclass of ``module`` whose fields are ``flags`` in order (what
+    :func:`run_command` makes a command's flags of), with ``base``'s methods."""
+    return make_dataclass(
+        name, [(flag, kind, field(default=default)) for flag, kind, default in flags], bases=(base,), frozen=True,
+        namespace={"__doc__": doc, "__module__": module},
+    )
+
+
+class _RunFlagsMethods(RunOptionFlags):
+    """What ``calibrate`` and ``submit`` make of their flags beyond the run options."""
 
     def check_model(self) -> None:
         """Refuse a model choice that cannot run (both or neither of --program and --arch, ...),
@@ -256,7 +257,35 @@ class RunFlags(RunOptionFlags):
 
     def int8_options(self) -> Any:
         """The ``--int8`` options checked (see :func:`int8_options`), or None without ``--onnx-int8``."""
-        return int8_options(self.onnx_int8, self.int8)
+        flags: Any = self
+        return int8_options(flags.onnx_int8, flags.int8)
+
+
+RunFlags = flags_class(
+    "RunFlags",
+    """The flags ``calibrate`` and ``submit`` share, declared once: a field's annotation is
+    its option (spelling, type, help), its default the flag's default, and the field order
+    the order ``--help`` lists them in. :func:`run_command` makes them the command's flags.""",
+    [
+        ("data", DataOpt, MISSING),
+        ("out", OutOpt, MISSING),
+        ("arch", ArchOpt, None),
+        ("checkpoint", CheckpointOpt, None),
+        ("program", ProgramOpt, None),
+        ("model_kwargs", ModelKwargsOpt, None),
+        *RECALIBRATION_FLAGS,
+        ("onnx", OnnxOpt, None),
+        ("onnx_opset", OnnxOpsetOpt, OPSET),
+        ("onnx_dtype", OnnxDtypeOpt, OnnxDtype.float32),
+        ("report", ReportOpt, None),
+        ("report_html", ReportHtmlOpt, None),
+        ("eval_data", EvalDataOpt, None),
+        ("eval_max_samples", EvalMaxSamplesOpt, None),
+        ("onnx_int8", OnnxInt8Opt, None),
+        ("int8", Int8Opt, None),
+    ],
+    _RunFlagsMethods,
+)
 
 
 def flag_message(error: BnrecalError) -> str:

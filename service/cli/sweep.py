@@ -4,7 +4,7 @@ single ``calibrate`` of its model and set (docs/sweeps.md)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import MISSING
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -45,38 +45,30 @@ RankByOpt = Annotated[str | None, typer.Option(
          "top1_gain, before_top1, int8_top1, prediction_change, seconds.")]
 
 
-@dataclass(frozen=True)
-class SweepFlags(opt.RunOptionFlags):
-    """The flags of ``bnrecal sweep``: the models and sets, then ``calibrate``'s run options."""
-
-    models: ModelsOpt
-    data: SetsOpt
-    out_dir: OutDirOpt
-    eval_data: EvalSetsOpt = None
-    pairs: PairsOpt = None
-    arch: opt.ArchOpt = None
-    model_kwargs: opt.ModelKwargsOpt = None
-    workers: opt.WorkersOpt = opt.WORKERS
-    batch_size: opt.BatchOpt = opt.BATCH_SIZE
-    mode: opt.ModeOpt = opt.MODE
-    max_samples: opt.MaxSamplesOpt = None
-    order: opt.OrderOpt = opt.ORDER
-    seed: opt.SeedOpt = opt.SEED
-    tolerance: opt.ToleranceOpt = None
-    device: opt.DeviceOpt = opt.DEVICE
-    transform: opt.TransformOpt = None
-    image_column: opt.ImageColumnOpt = None
-    label_column: opt.LabelColumnOpt = None
-    placement: opt.PlacementOpt = None
-    max_retries: opt.MaxRetriesOpt = None
-    eval_max_samples: opt.EvalMaxSamplesOpt = None
-    onnx: OnnxFlag = False
-    onnx_opset: opt.OnnxOpsetOpt = opt.OPSET
-    onnx_dtype: opt.OnnxDtypeOpt = opt.OnnxDtype.float32
-    onnx_int8: Int8Flag = False
-    int8: opt.Int8Opt = None
-    rank_by: RankByOpt = None
-    cells_at_once: CellsAtOnceOpt = 1
+SweepFlags = opt.flags_class(
+    "SweepFlags",
+    """The flags of ``bnrecal sweep``: the models and sets, then ``calibrate``'s run options.""",
+    [
+        ("models", ModelsOpt, MISSING),
+        ("data", SetsOpt, MISSING),
+        ("out_dir", OutDirOpt, MISSING),
+        ("eval_data", EvalSetsOpt, None),
+        ("pairs", PairsOpt, None),
+        ("arch", opt.ArchOpt, None),
+        ("model_kwargs", opt.ModelKwargsOpt, None),
+        *opt.RECALIBRATION_FLAGS,
+        ("eval_max_samples", opt.EvalMaxSamplesOpt, None),
+        ("onnx", OnnxFlag, False),
+        ("onnx_opset", opt.OnnxOpsetOpt, opt.OPSET),
+        ("onnx_dtype", opt.OnnxDtypeOpt, opt.OnnxDtype.float32),
+        ("onnx_int8", Int8Flag, False),
+        ("int8", opt.Int8Opt, None),
+        ("rank_by", RankByOpt, None),
+        ("cells_at_once", CellsAtOnceOpt, 1),
+    ],
+    opt.RunOptionFlags,
+    __name__,
+)
 
 
 SweepServerOpt = Annotated[str | None, typer.Option(

@@ -63,3 +63,19 @@ def test_the_flags_arrive_as_one_object(tmp_path):
     )
     flags, extra = seen[0]
     assert (flags.data, flags.workers, flags.mode.value, extra) == ("x.npy", 3, "sync", 7)
+
+
+def test_every_recalibration_option_has_one_flag_declared_once_for_every_command():
+    """``bnrecal.RecalibrationOptions``' fields are the run option flags, declared once
+    (``RECALIBRATION_FLAGS``) and taken by calibrate, submit and sweep alike, in one order."""
+    import bnrecal
+    from bnrecal.service.cli.sweep import SweepFlags
+
+    declared = [name for name, _, _ in opt.RECALIBRATION_FLAGS]
+    assert sorted(declared) == sorted(bnrecal.RecalibrationOptions.model_fields)
+    seen = {}
+    for command, kind in (("calibrate", opt.RunFlags), ("submit", opt.RunFlags), ("sweep", SweepFlags)):
+        assert [field.name for field in fields(kind) if field.name in declared] == declared, command
+        options = {option[0]: option[1:] for option in command_options(command) if option[0] in declared}
+        seen.setdefault("calibrate", options)
+        assert options == seen["calibrate"], command  # the same spellings, help, defaults everywhere
