@@ -196,7 +196,10 @@ def _top1(module: nn.Module, data: Any, group: Any, forward: Forward | None) -> 
     if group is not None:
         import torch.distributed as dist
 
+        if dist.get_backend(group) == "nccl":  # NCCL combines CUDA tensors only
+            counts = counts.to(device)
         dist.all_reduce(counts, group=group)
+        counts = counts.cpu()
     if counts[1] == 0:
         raise SpecError("eval_data holds no samples", field="eval_data")
     return float(counts[0] / counts[1])
