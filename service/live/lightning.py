@@ -32,6 +32,7 @@ from bnrecal.workers.data.formats.loader import model_input
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.run.options import RecalibrationOptions
 
+from .many import statistics_buffers
 from .report import RecalibrationReport
 from .run import Forward, live_options, recalibrate
 
@@ -102,7 +103,7 @@ class _Recalibration:
         asked = self.options
         if "device" not in asked.model_fields_set and next(pl_module.parameters()).is_cuda:
             asked = asked.model_copy(update={"device": "cuda"})
-        kept = {key: value.detach().clone() for key, value in _bn_buffers(pl_module).items()}
+        kept = {key: value.detach().clone() for key, value in statistics_buffers(pl_module).items()}
         before = _top1(pl_module, self.eval_data, group, self.forward) if self.eval_data is not None else None
         report = recalibrate(pl_module, data, asked, forward=self.forward, progress=False, process_group=group)
         if before is not None:
@@ -110,7 +111,7 @@ class _Recalibration:
             keep = after >= before
             if not keep:
                 with torch.no_grad():
-                    for key, value in _bn_buffers(pl_module).items():
+                    for key, value in statistics_buffers(pl_module).items():
                         value.copy_(kept[key])
             reason = (f"top-1 {after:.4f} after against {before:.4f} before: "
                       + ("kept the new statistics" if keep else "it dropped, so the old statistics were put back"))
@@ -166,12 +167,6 @@ def _train_loader(trainer: Any) -> Any:
         raise SpecError("the Trainer's train dataloader is not one DataLoader: give BNRecalibration(data=...)",
                         field="data")
     return loader
-
-
-def _bn_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"{name}.{buffer}": getattr(layer, buffer) for name, layer in module.named_modules()
-            if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats
-            for buffer in ("running_mean", "running_var", "num_batches_tracked") if getattr(layer, buffer) is not None}
 
 
 @torch.no_grad()

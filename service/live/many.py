@@ -100,7 +100,7 @@ def _cells(models: Iterable[Any], prepared: dict[str, PreparedData], where: Live
     assert isinstance(shared, SharedRanks)
     try:
         for index, model in enumerate(models):
-            first = _statistics_buffers(model)
+            first = statistics_buffers(model)
             before = {key: value.detach().clone() for key, value in first.items()}
             for number, (name, ready) in enumerate(prepared.items()):
                 if number:  # each cell from the model as given: num_batches_tracked counts one set's steps
@@ -132,7 +132,7 @@ def _cell(index: int, name: str, model: Any, data: PreparedData, where: LiveRun,
 STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _statistics_buffers(model: Any) -> dict[str, torch.Tensor]:
+def statistics_buffers(model: Any) -> dict[str, torch.Tensor]:
     """The model's BN statistics buffers, by state-dict key (the tensors themselves)."""
     if isinstance(model, torch.export.ExportedProgram):
         buffers = dict(model.state_dict)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bnrecal.errors import BnrecalError, RunError, SpecError, first_line
+from bnrecal.errors import BnrecalError, SpecError, first_line
 from bnrecal.workers.engine.collective import ProcessGroupCollective
 
 from bnrecal.service.run.executors import ProcessGroupRanks
@@ -35,35 +35,9 @@ from .data import is_path_data
 from .report import RecalibrationReport
 
 
-class GroupRanks(ProcessGroupRanks):
-    """The caller's group as the run's executor, with the word its ranks give each other
-    before the pass (``gate``): a rank that failed to get there fails them all."""
-
-    def __init__(self, collective: ProcessGroupCollective, split: bool) -> None:
-        super().__init__(collective, split)
-        self.gated = False
-
-    def gate(self, error: BaseException | None = None) -> None:
-        """Every rank's word before its pass, ``error`` this rank's failure: raises on every
-        rank whose own word was good when another rank's was not (its pass would wait for
-        that rank's collectives forever)."""
-        self.gated = True
-        word = None if error is None else f"{type(error).__name__}: {first_line(error)}"
-        words = self.collective.gather(word)
-        failed = [(rank, said) for rank, said in enumerate(words) if said is not None]
-        if failed and error is None:
-            rank, said = failed[0]
-            raise RunError(f"rank {rank} of the process group failed before the pass: {said}")
-
-    def execute(self, plan: Any, run: Any, on_progress: Any, cancel: Any) -> Any:
-        """This rank's pass, once every rank has said it got there."""
-        self.gate()
-        return super().execute(plan, run, on_progress, cancel)
-
-
 def job_group(
     process_group: Any, data: Any, asked: RecalibrationOptions, *, ray_address: str | None, server: str | None,
-) -> GroupRanks | None:
+) -> ProcessGroupRanks | None:
     """The executor of a call inside the caller's group, or None without one (with a warning
     where ``torch.distributed`` runs several ranks: each recalibrates alone then). What does
     not go with a group is refused before any work."""
@@ -78,7 +52,7 @@ def job_group(
         collective = ProcessGroupCollective(process_group)
     except (RuntimeError, ValueError) as error:
         raise SpecError(f"process_group: {first_line(error)}", field="process_group") from None
-    return GroupRanks(collective, split=splits_between_ranks(data))
+    return ProcessGroupRanks(collective, split=splits_between_ranks(data))
 
 
 def splits_between_ranks(data: Any) -> bool:
@@ -101,7 +75,7 @@ def unwrapped(model: Any) -> Any:
     return model
 
 
-def agreed_report(report: RecalibrationReport, ranks: GroupRanks, own_data: bool) -> RecalibrationReport:
+def agreed_report(report: RecalibrationReport, ranks: ProcessGroupRanks, own_data: bool) -> RecalibrationReport:
     """Rank 0's report on every rank (bit-identical), its data section the group's where each
     rank read its own data."""
     report.world_size = ranks.collective.world_size
@@ -112,7 +86,7 @@ def agreed_report(report: RecalibrationReport, ranks: GroupRanks, own_data: bool
     return RecalibrationReport.from_dict(first)
 
 
-def fail_together(ranks: GroupRanks | None, error: BaseException) -> None:
+def fail_together(ranks: ProcessGroupRanks | None, error: BaseException) -> None:
     """Where this rank failed before its pass, tell the others (they fail too, not wait)."""
     if ranks is not None and not ranks.gated and isinstance(error, (BnrecalError, ValueError, TypeError, RuntimeError)):
         ranks.gate(error)

@@ -27,7 +27,7 @@ from bnrecal.errors import ModelInputError, SpecError, first_line
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunPlan, SharedScope, run,
 )
-from bnrecal.service.run.executors import InProcess, RayRanks
+from bnrecal.service.run.executors import InProcess, ProcessGroupRanks, RayRanks
 from bnrecal.service.run.options import AUTO, STARTING_PHASE, RecalibrationOptions, RunOptions
 from bnrecal.service.run.progress import progress_bar
 from bnrecal.service.run.report import DataSummary
@@ -35,7 +35,7 @@ from bnrecal.service.run.report import DataSummary
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
 from .model import ShippedModel, run_here, ship_model
-from .process_group import GroupRanks, agreed_report, fail_together, job_group, unwrapped
+from .process_group import agreed_report, fail_together, job_group, unwrapped
 from .report import RecalibrationReport
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def recalibrate(
 
 def _in_group(
     model: Any, data: Any, asked: RecalibrationOptions, options: RunOptions, forward: Forward | None,
-    progress: bool, group: GroupRanks,
+    progress: bool, group: ProcessGroupRanks,
 ) -> RecalibrationReport:
     """``recalibrate`` as one rank of the caller's group: here, its moments combined over
     the group, no retries (a rank cannot re-run a pass the others have left)."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from bnrecal.errors import RunError, first_line
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
@@ -92,6 +93,18 @@ class ProcessGroupRanks(InProcess):
     def __init__(self, collective: Any, split: bool) -> None:
         self.collective = collective
         self.split = split
+        self.gated = False
+
+    def gate(self, error: BaseException | None = None) -> None:
+        """Every rank's word before its pass, ``error`` this rank's failure: raises on every
+        rank whose own word was good when another rank's was not (its pass would wait for
+        that rank's collectives forever)."""
+        self.gated = True
+        word = None if error is None else f"{type(error).__name__}: {first_line(error)}"
+        failed = [(rank, said) for rank, said in enumerate(self.collective.gather(word)) if said is not None]
+        if failed and error is None:
+            rank, said = failed[0]
+            raise RunError(f"rank {rank} of the process group failed before the pass: {said}")
 
     def rank_plan(self, plan: RankPlan) -> RankPlan:
         """The plan of the group's world where the data is split between its ranks."""
@@ -101,7 +114,8 @@ class ProcessGroupRanks(InProcess):
     def execute(
         self, plan: RankPlan, run: RunPlan, on_progress: Callable[[str, int], None], cancel: threading.Event | None
     ) -> GroupResult:
-        """This rank's pass, its moments combined over the group."""
+        """This rank's pass, its moments combined over the group, once every rank has said it got there."""
+        self.gate()
         return run_in_process(plan, run.model, on_progress=on_progress, cancel=cancel, collective=self.collective,
                               rank=self.collective.rank)
 
