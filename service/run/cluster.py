@@ -151,8 +151,11 @@ def shutdown_embedded() -> None:
     from ray._raylet import AuthenticationTokenLoader, Config
 
     global _caller_auth_env
+    token = os.environ.get("RAY_AUTH_TOKEN") if _caller_auth_env is not None else None
+    instance = _instance_processes()
     _stop_monitor()
     ray.shutdown()
+    _reap(instance, token)
     if _caller_auth_env is None:
         return
     for name, value in _caller_auth_env.items():
@@ -182,6 +185,55 @@ def _stop_monitor() -> None:
             info.process.wait(timeout=5)
 
 
+def _instance_processes() -> list[Any]:
+    """The processes of the embedded instance this process started (none when it joined a
+    cluster by address): its descendants that are Ray's."""
+    import psutil
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return []
+    return [child for child in psutil.Process().children(recursive=True) if _is_ray_process(child)]
+
+
+def _reap(processes: list[Any], token: str | None, grace_s: float = 5.0) -> None:
+    """Wait for the instance's processes to be gone after ``ray.shutdown``, then kill what is
+    left: those seen before it, and any process still holding the instance's own token (one
+    started while it stopped). The raylet stops its workers and agents as it exits, but on
+    a loaded machine one can still be running when ``shutdown`` returns; nothing of the
+    instance may outlive it with the token in its environment."""
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(process) for process in processes):
+        time.sleep(0.05)
+    left = [process for process in processes if _alive(process)]
+    if token is not None:
+        seen = {process.pid for process in left}
+        left += [process for process in _token_holders(token) if process.pid not in seen]
+    for process in left:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+
+
+def _token_holders(token: str) -> list[Any]:
+    """This user's other processes whose environment carries ``RAY_AUTH_TOKEN=token``: an
+    embedded instance's token is fresh and its own (see :func:`_embedded_auth`)."""
+    import psutil
+
+    holders = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get("RAY_AUTH_TOKEN") == token:
+                holders.append(process)
+        except psutil.Error:
+            pass
+    return holders
+
+
 def embedded_gcs_process() -> Any:
     """The GCS process (a ``subprocess.Popen``) of the embedded instance this process started,
     or None (a cluster joined by address): watched to tell at once that the instance died."""
@@ -205,7 +257,7 @@ def kill_embedded_processes(timeout_s: float = 1.0) -> None:
     node = getattr(ray._private.worker, "_global_node", None)
     if node is None or not node.is_head():
         return
-    doomed = [child for child in psutil.Process().children(recursive=True) if _is_ray_process(child)]
+    doomed = _instance_processes()
     for child in doomed:
         try:
             child.kill()
