@@ -179,9 +179,16 @@ def recalibrate_to_files(
         from bnrecal.service.run.int8_names import check_int8_names  # the quantizer's imports: only for INT8
 
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
-    result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool, in_process=in_process,
-                         outputs=outputs, shared=shared,
-                         on_statistics=predraw_charts if files.report_html is not None else None)
+    try:
+        result = recalibrate(request, settings, on_progress=on_progress, cancel=cancel, pool=pool,
+                             in_process=in_process, outputs=outputs, shared=shared,
+                             on_statistics=predraw_charts if files.report_html is not None else None)
+    except BaseException:
+        if files.report_html is not None:  # a run that fails after its statistics: its charts' thread ends first
+            from bnrecal.service.run.report_charts import CHARTS
+
+            CHARTS.settle()
+        raise
     check_cancel(cancel)
     if on_progress is not None:
         on_progress(0, None, WRITING_PHASE)

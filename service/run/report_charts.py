@@ -41,13 +41,26 @@ class ChartMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._drawn: dict[tuple[str, str], str] = {}
+        self._drawing: list[threading.Thread] = []
 
     def predraw(self, report: Report, *, precision: bool) -> threading.Thread:
         """Draw ``report``'s charts in a daemon thread; the thread is returned, started."""
         thread = threading.Thread(target=self.charts, args=(report.model_copy(deep=True),),
                                   kwargs={"precision": precision}, daemon=True, name="bnrecal-report-charts")
+        with self._lock:
+            self._drawing = [drawing for drawing in self._drawing if drawing.is_alive()] + [thread]
         thread.start()
         return thread
+
+    def settle(self) -> None:
+        """Wait for the charts being drawn ahead. The page takes them from here rather than
+        drawing them a second time beside the thread, and a process must not exit while
+        matplotlib draws in a thread of it: the interpreter's exit under a drawing thread
+        aborts the process (``terminate called without an active exception``, exit 134)."""
+        with self._lock:
+            drawing = list(self._drawing)
+        for thread in drawing:
+            thread.join()
 
     def charts(self, report: Report, *, precision: bool) -> Charts:
         """``report``'s charts (its standard errors' with ``precision``), drawn now unless drawn

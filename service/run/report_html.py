@@ -275,6 +275,7 @@ def write_html_report(report: Report, path: str | os.PathLike[str]) -> None:
     """Write the HTML report, atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    report_charts.CHARTS.settle()  # the charts drawn ahead (predraw_charts) are finished, not drawn twice
     text = render_html_report(report)
     atomic_write(target, lambda temp: temp.write_text(text, encoding="utf-8"))
 

@@ -106,6 +106,32 @@ def test_the_same_report_draws_the_same_page_and_predrawn_charts_are_its_charts(
     assert len(ids) == len(set(ids))  # no id twice on the page
 
 
+def test_the_page_waits_for_the_charts_drawn_ahead_and_leaves_no_thread_drawing(monkeypatch, tmp_path):
+    """A page written while its charts are still being drawn ahead waits for them rather than
+    drawing them again beside the thread; no drawing thread outlives the page (a process that
+    exited under one aborted: exit 134 after a successful ``calibrate --report-html``)."""
+    import threading
+    import time
+
+    from bnrecal.service.run import report_charts, report_html
+
+    report = typed({"layers": [{"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5,
+                                "var_ratio_min": 0.5, "var_ratio_max": 2.0}]})
+    monkeypatch.setattr(report_charts, "CHARTS", report_charts.ChartMemo())
+    drawn = []
+
+    def slow_drift_chart(layers):
+        drawn.append(threading.current_thread().name)
+        time.sleep(1.0)
+        return "<svg></svg>"
+
+    monkeypatch.setattr(report_charts, "drift_chart_svg", slow_drift_chart)
+    report_html.predraw_charts(report)
+    report_html.write_html_report(report, tmp_path / "report.html")
+    assert drawn == ["bnrecal-report-charts"]  # drawn once, ahead, and taken from there
+    assert not [thread for thread in threading.enumerate() if thread.name == "bnrecal-report-charts"]
+
+
 def test_names_are_escaped_and_missing_values_shown():
     report = {
         "arch": "tests.nets:<b>net</b>", "mode": "local", "world_size": 1, "samples": 4, "steps": 1, "seconds": 0.1,
