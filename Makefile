@@ -14,8 +14,13 @@ CHROMIUM := /usr/bin/chromium
 # The ledger tests and the replicated-service tests start a throwaway cluster of Debian's PostgreSQL.
 POSTGRES := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb) /usr/lib/postgresql/15/bin/initdb)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The MLflow tests log to a real tracking server (`mlflow server`, SQLite backend). The full `mlflow`
+# package pins pyarrow below the project's, so the server lives in a venv of its own; the
+# project's venv has MLflow's client (the `mlflow` extra), as users have.
+MLFLOW_VENV := .venv-mlflow
+MLFLOW_SERVER := $(MLFLOW_VENV)/.installed
 
-.PHONY: install browser postgres serve demo test check durations bench clean
+.PHONY: install browser postgres mlflow-server serve demo test check durations bench clean
 
 # What serving needs (`make serve`: the service, and OpenVINO to check its exports), then the
 # demo's scikit-learn (`make demo`), then the test extra (`make test`: nncf, Playwright,
@@ -50,6 +55,13 @@ $(POSTGRES):
 
 postgres: $(POSTGRES)
 
+$(MLFLOW_SERVER):
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet mlflow==3.17.2
+	touch $@
+
+mlflow-server: $(MLFLOW_SERVER)
+
 serve: $(BASE)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
@@ -61,12 +73,12 @@ demo: $(DEMO)
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
 		--onnx-int8 demo/resnet18-int8.onnx --report demo/report.json --report-html demo/report.html
 
-test: $(TESTING) $(CHROMIUM) $(POSTGRES)
+test: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER)
 	$(BIN)/python -m pytest
 
 # The quick tier for the edit-and-test loop: every test module's cheapest test, chosen by the
 # kept durations of a whole run (docs/development.md). `make test` stays the whole suite.
-check: $(TESTING) $(CHROMIUM) $(POSTGRES)
+check: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER)
 	$(BIN)/python -m pytest --quick
 
 # The whole suite, then its durations kept as the quick tier's measure (tests/durations.json).
@@ -77,4 +89,4 @@ bench: $(TESTING)
 	$(BIN)/python bench/throughput.py
 
 clean:
-	rm -rf $(VENV) demo .bnrecal
+	rm -rf $(VENV) $(MLFLOW_VENV) demo .bnrecal

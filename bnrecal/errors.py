@@ -45,7 +45,9 @@ HTTP status, problem title and problem ``type`` in ``bnrecal.service.jobserver.p
     │   ├── Int8GuardError         the INT8 file failed its accuracy guard (the
     │   │                          other outputs are still written)
     │   └── Int8GuardUnreachableError  the guard cannot hold within max_float_ops
-    └── InsufficientStorageError   the server's disk is full
+    ├── InsufficientStorageError   the server's disk is full
+    └── TrackingError              the job's files are written, but its MLflow run
+                                   could not be logged
 
 :func:`first_line` and :func:`one_line` quote a wrapped cause inside such a message.
 """
@@ -81,6 +83,7 @@ __all__ = [
     "SpecError",
     "TooManyJobsError",
     "TooManyStreamsError",
+    "TrackingError",
     "UnsupportedLayerError",
 ]
 
@@ -250,6 +253,12 @@ class Int8GuardUnreachableError(ExportError):
 
 class InsufficientStorageError(BnrecalError):
     """The server ran out of disk space while writing; nothing partial was kept."""
+
+
+class TrackingError(BnrecalError):
+    """The job ran and wrote its files, but its run could not be logged to MLflow (the
+    tracking store went away meanwhile): the files stand; the run says ``FAILED`` where
+    the store can still be told."""
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -41,6 +41,16 @@ def test_the_error_names_load_without_torch_in_a_fresh_interpreter():
     assert done.stdout.strip() == "[]"
 
 
+def test_import_bnrecal_never_loads_an_integration():
+    """Lightning and MLflow are extras: the Python API's names load neither (bnrecal.lightning
+    and bnrecal.mlflow do)."""
+    probe = ("import sys, bnrecal; bnrecal.recalibrate; bnrecal.RecalibrationOptions; bnrecal.recalibrate_many; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'mlflow')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_help_works_in_a_fresh_interpreter():
     done = subprocess.run(
         [sys.executable, "-c", "import bnrecal; help(bnrecal.recalibrate)"], capture_output=True, text=True,

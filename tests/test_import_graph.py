@@ -48,6 +48,7 @@ TOP_MAY_IMPORT = {
     "service.settings": set(),
     "service.client": {"jobserver"},  # the blob store's file-name limit
     "service.demo": set(),
+    "service.tracking": {"run", "sweep"},  # MLflow runs of a run's and a sweep's reports
 }
 NO_RAY_ROOMS = ("workers.engine",)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,15 +14,22 @@ from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.progress import progress_bar
+from bnrecal.service.tracking import ending
 
 from . import options as opt
 from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
+if TYPE_CHECKING:
+    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest, RunFiles
+    from bnrecal.service.settings import Settings
 
-@opt.run_command(ray_address="transform")
+
+@opt.run_command(ray_address="transform", mlflow="report_html")
 def calibrate(
     flags: opt.RunFlags,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
+    mlflow: opt.MlflowOpt = False,
 ) -> None:
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
@@ -44,9 +51,7 @@ def calibrate(
     options = flags.run_options()
     from bnrecal.service.run.options import ExportOptions
     from bnrecal.service.run.outputs import RunOutputs
-    from bnrecal.service.run.recalibrate import (  # the flags are fine: now load torch
-        RecalibrationRequest, RunFiles, recalibrate_to_files,
-    )
+    from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles  # the flags are fine: now load torch
 
     request = RecalibrationRequest(
         **options.run_options(), checkpoint=flags.checkpoint, program=flags.program,
@@ -57,7 +62,28 @@ def calibrate(
         onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
         export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
     )
-    files = RunFiles(model=flags.out, report=flags.report, report_html=flags.report_html)
+    tracking = opt.start_tracking(mlflow, flags.out.name, flags)  # before any worker: a store it cannot reach is exit 2
+    with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
+        files = RunFiles(model=flags.out, report=report_path, report_html=page_path)
+        with ending(tracking):
+            result = _calibrate(request, settings, outputs, files)
+        if tracking is not None:
+            tracking.finish(result.report, [flags.out, flags.onnx, flags.onnx_int8, report_path, page_path])
+    int8_failed = result.int8_failed
+    written_int8 = flags.onnx_int8 if int8_failed is None else None
+    also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
+    for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
+        print_line(line)
+    if tracking is not None:
+        print_line(f"logged MLflow run {tracking.run_id}")
+    if int8_failed is not None:
+        raise int8_failed  # exit 1: the INT8 file asked for was not written
+
+
+def _calibrate(request: RecalibrationRequest, settings: Settings, outputs: RunOutputs, files: RunFiles) -> Recalibration:
+    """Run ``calibrate``'s job with its progress line, stopping the Ray it started."""
+    from bnrecal.service.run.recalibrate import recalibrate_to_files
+
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or ray_connected()
@@ -73,13 +99,7 @@ def calibrate(
             raise
         if not connected_before:  # an instance this command started takes seconds to stop: before the summary
             finish_ray(update)
-    int8_failed = result.int8_failed
-    written_int8 = flags.onnx_int8 if int8_failed is None else None
-    also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
-    for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
-        print_line(line)
-    if int8_failed is not None:
-        raise int8_failed  # exit 1: the INT8 file asked for was not written
+    return result
 
 
 def ray_connected() -> bool:

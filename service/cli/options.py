@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, field, fields, make_dataclass
 from enum import Enum
 from pathlib import Path
@@ -105,6 +107,10 @@ EvalMaxSamplesOpt = Annotated[int | None, typer.Option(help="Evaluate on only th
 ReportHtmlOpt = Annotated[
     Path | None, typer.Option(help="Where to write the report as one self-contained HTML page (charts inline).")
 ]
+
+MlflowOpt = Annotated[bool, typer.Option(
+    "--mlflow", help="Log the run to MLflow (MLFLOW_TRACKING_URI, else MLflow's default store): the flags as params, the "
+                     "report's figures as metrics, the report and the files written as artifacts (bnrecal[mlflow]).")]
 
 ServerOpt = Annotated[str, typer.Option(envvar="BNRECAL_SERVER", help="URL of the bnrecal service.")]
 ApiKeyOpt = Annotated[str | None, typer.Option(envvar="BNRECAL_API_KEY", help="API key (Bearer).")]
@@ -345,6 +351,38 @@ def run_command(
         return run
 
     return decorate
+
+
+def flag_params(flags: Any) -> dict[str, Any]:
+    """A command's flags as an MLflow run's params: every flag's value as given or defaulted,
+    by the flag's field name (paths and choices as text)."""
+    values = {}
+    for item in fields(flags):
+        value = getattr(flags, item.name)
+        values[item.name] = value.value if isinstance(value, Enum) else str(value) if isinstance(value, Path) else value
+    return values
+
+
+def start_tracking(enabled: bool, name: str, flags: Any) -> Any:
+    """With ``--mlflow``, the command's MLflow run (``service.tracking.MlflowRun``) made before
+    any worker starts, its flags as params; else None."""
+    if not enabled:
+        return None
+    from bnrecal.service.tracking import MlflowRun
+
+    return MlflowRun.start(name, flag_params(flags))
+
+
+@contextmanager
+def tracked_files(tracking: Any, report: Path | None, report_html: Path | None) -> Iterator[tuple[Path | None, Path | None]]:
+    """Where a run writes ``report.json`` and ``report.html``: where the flags say, and with an
+    MLflow run also where they do not (a temporary folder, gone after the run is logged), so
+    that the run always has both as artifacts."""
+    if tracking is None:
+        yield report, report_html
+        return
+    with tempfile.TemporaryDirectory(prefix="bnrecal-mlflow-") as folder:
+        yield report or Path(folder) / "report.json", report_html or Path(folder) / "report.html"
 
 
 def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:

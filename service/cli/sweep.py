@@ -13,13 +13,16 @@ import typer
 from bnrecal.errors import InputError, SpecError
 
 from bnrecal.service.run.options import STARTING_PHASE
+from bnrecal.service.tracking import ending
 
 from . import options as opt
 from .console import print_line
 
 if TYPE_CHECKING:
+    from bnrecal.service.export.int8.options import Int8Options
+    from bnrecal.service.run.options import RunOptions
     from bnrecal.service.settings import Settings
-    from bnrecal.service.sweep.cells import SweepModel
+    from bnrecal.service.sweep.cells import SweepFiles, SweepModel
     from bnrecal.service.sweep.matrix import SweepReport
 
 ModelsOpt = Annotated[
@@ -76,12 +79,14 @@ SweepServerOpt = Annotated[str | None, typer.Option(
                         "--out-dir as they would here).")]
 
 
-@opt.run_command(SweepFlags, ray_address="transform", server="transform", api_key="transform")
+@opt.run_command(SweepFlags, ray_address="transform", server="transform", api_key="transform", mlflow="cells_at_once")
 def sweep(
     flags: SweepFlags,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
     server: SweepServerOpt = None,
     api_key: opt.ApiKeyOpt = None,
+    mlflow: Annotated[bool, typer.Option("--mlflow", help="Log the sweep to MLflow: a parent run, a child run per cell "
+                                                          "with its report and files (see calibrate --mlflow).")] = False,
 ) -> None:
     """Recalibrate many models (--models MANIFEST) over many calibration sets (--data NAME=PATH,
     repeated) in one run: ranks start once, each set is decoded once, and every cell (a model
@@ -117,23 +122,37 @@ def sweep(
     if int8 is not None and int8.max_top1_drop is not None and not labelled:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     options = flags.run_options()
-    sweep_files = SweepFiles(models, as_sets([(n, opt.data_source(d, "--data"), opt.data_source(e, "--eval-data"))
-                                              for n, d, e in sets]), pairs)
-    if server is not None:
-        if ray_address:
-            raise SpecError("--ray-address does not go with --server: the server picks its cluster", field="--ray-address")
-        from .sweep_remote import RemoteSweep, sweep_on_server
-
-        report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, flags.onnx, int8,
-                                             flags.onnx_opset, flags.onnx_dtype.value, flags.cells_at_once),
-                                 server, api_key, flags.out_dir)
-        _finish(report, flags.out_dir)
-        return
+    if server is not None and ray_address:
+        raise SpecError("--ray-address does not go with --server: the server picks its cluster", field="--ray-address")
     settings = Settings()
     if ray_address:
         settings = settings.model_copy(update={"ray_address": ray_address})
-    _check_architectures(models, settings)
+    if server is None:
+        _check_architectures(models, settings)
+    sweep_files = SweepFiles(models, as_sets([(n, opt.data_source(d, "--data"), opt.data_source(e, "--eval-data"))
+                                              for n, d, e in sets]), pairs)
+    tracking = opt.start_tracking(mlflow, f"sweep {flags.out_dir.name}", flags)  # before any work: exit 2 if unreachable
+    with ending(tracking):
+        if server is not None:
+            from .sweep_remote import RemoteSweep, sweep_on_server
 
+            report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, flags.onnx,
+                                                 int8, flags.onnx_opset, flags.onnx_dtype.value, flags.cells_at_once),
+                                     server, api_key, flags.out_dir)
+        else:
+            report = _sweep_here(flags, sweep_files, options, rank_by, int8, settings)
+    if tracking is not None:
+        from bnrecal.service.tracking import log_sweep
+
+        log_sweep(tracking, report, flags.out_dir, opt.flag_params(flags))
+        print_line(f"logged MLflow run {tracking.run_id} (a child run per cell)")
+    _finish(report, flags.out_dir)
+
+
+def _sweep_here(flags: SweepFlags, sweep_files: SweepFiles, options: RunOptions, rank_by: str,
+                int8: Int8Options | None, settings: Settings) -> SweepReport:
+    """Run the checked sweep on this machine's (or ``--ray-address``'s) Ray, with its progress
+    line, stopping the Ray it started; return its matrix report."""
     from bnrecal.service.run.options import ExportOptions
     from bnrecal.service.run.progress import progress_bar
     from bnrecal.service.sweep.running import SweepRun, sweep_to_files  # the input is fine: now torch
@@ -154,7 +173,7 @@ def sweep(
         finally:
             if not connected_before:
                 finish_ray(update)
-    _finish(report, flags.out_dir)
+    return report
 
 
 def _check_architectures(models: list[SweepModel], settings: Settings) -> None:

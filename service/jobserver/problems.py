@@ -74,6 +74,7 @@ PROBLEM_KINDS: dict[type[BnrecalError], ProblemKind] = {
     errors.Int8GuardError: ProblemKind(500, "INT8 file failed its accuracy guard"),
     errors.Int8GuardUnreachableError: ProblemKind(500, "INT8 accuracy guard cannot hold"),
     errors.InsufficientStorageError: ProblemKind(507, "Insufficient storage"),
+    errors.TrackingError: ProblemKind(502, "Cannot log to MLflow"),
 }
 """Every class of :mod:`bnrecal.errors` and how it answers over HTTP."""
 

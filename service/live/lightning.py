@@ -31,6 +31,7 @@ from bnrecal.workers.data.formats.loader import model_input
 
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.run.options import RecalibrationOptions
+from bnrecal.service.tracking import report_figures  # the figures by the names MLflow runs use too
 
 from .many import statistics_buffers
 from .report import RecalibrationReport
@@ -202,18 +203,7 @@ def _top1(module: nn.Module, data: Any, group: Any, forward: Forward | None) -> 
 
 def _log(trainer: Any, report: RecalibrationReport) -> None:
     """The report's figures to the Trainer's logger, and the report beside its logs (rank 0)."""
-    layers = report.layers
-    metrics = {
-        "bnrecal/samples": float(report.samples),
-        "bnrecal/steps": float(report.steps),
-        "bnrecal/seconds": float(report.seconds or 0.0),
-        "bnrecal/mean_shift_max": max((layer.mean_shift or 0.0 for layer in layers), default=0.0),
-        "bnrecal/var_ratio_max": max((layer.var_ratio_max or 0.0 for layer in layers), default=0.0),
-    }
-    gate = report.get("gate")
-    if gate is not None:
-        metrics.update({"bnrecal/top1_before": gate.before, "bnrecal/top1_after": gate.after,
-                        "bnrecal/kept": float(gate.kept)})
+    metrics = {f"bnrecal/{name}": value for name, value in report_figures(report).items()}
     folder = Path(trainer.log_dir or trainer.default_root_dir)  # every rank asks: under DDP it is a broadcast
     if not trainer.is_global_zero:
         return
