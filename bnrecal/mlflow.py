@@ -1,4 +1,4 @@
-"""bnrecal's reports in MLflow, from Python (docs/mlflow.md): a report as a run, with its
+"""bnrecal's reports in MLflow, from Python (docs/training.md, "MLflow"): a report as a run, with its
 options as params, its figures as metrics and ``report.json``, ``report.html`` and the
 files you name as artifacts; ``recalibrate_many``'s cells as a parent run with a child per
 cell. Inside an active MLflow run, the run is its child.

@@ -1,4 +1,4 @@
-"""Reports in MLflow (docs/mlflow.md): a job is an MLflow run (its options as params, its
+"""Reports in MLflow (docs/training.md, "MLflow"): a job is an MLflow run (its options as params, its
 report's figures as metrics, ``report.json``, ``report.html`` and the files written as
 artifacts), a sweep a parent run with a child run per cell.
 

@@ -1,4 +1,4 @@
-"""The Python API's reports in MLflow (docs/mlflow.md; ``bnrecal.mlflow``): a report the
+"""The Python API's reports in MLflow (docs/training.md, "MLflow"; ``bnrecal.mlflow``): a report the
 caller holds as a run, ``recalibrate_many``'s cells as a parent run with a child per cell,
 each under the caller's active run if there is one (``service.tracking.MlflowRun``)."""
 

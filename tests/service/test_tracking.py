@@ -1,4 +1,4 @@
-"""Reports in MLflow (service/tracking.py, docs/mlflow.md): ``calibrate --mlflow`` and
+"""Reports in MLflow (service/tracking.py, docs/training.md, "MLflow"): ``calibrate --mlflow`` and
 ``sweep --mlflow`` against a real tracking server process (SQLite backend, artifacts served
 over HTTP), and the mistakes refused before any work. One-worker runs: in this process, no
 Ray. The Python API's runs: tests/service/live/test_tracking.py."""
