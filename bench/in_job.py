@@ -6,7 +6,12 @@ CNN with dropout after each BN block. Three ways, side by side in the same job:
   DDP): train-mode forwards, dropout on, each rank its own statistics;
 - ``bnrecal.recalibrate(model, loader)`` on each rank, no group: exact, dropout off, but each
   rank its own data;
-- ``bnrecal.recalibrate(model, loader, process_group=WORLD)``: exact over the job's ranks.
+- ``bnrecal.recalibrate(model, loader, process_group=WORLD)``: exact over the job's ranks;
+- Lightning's ``StochasticWeightAveraging`` BN epoch: a ``Trainer(strategy="ddp")`` on the
+  same ranks and shards (the job's own group: Lightning sees the processes launched for it),
+  one SWA epoch at learning rate 0 (the weights stay the model's) and then the BN epoch SWA
+  adds, which runs ``training_step`` in train mode without backward; timed from that epoch's
+  start to its end. Needs Lightning (``bnrecal[lightning]``), else the row is left out.
 
 Each is held to the float64 statistics of every value each BN layer sees when the ranks'
 step-t batches are normalised together (SyncBatchNorm's global batch), dropout off: the worst
@@ -39,7 +44,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
-METHODS = ("update_bn per rank", "bnrecal per rank", "bnrecal process_group")
+METHODS = ("update_bn per rank", "Lightning SWA BN epoch", "bnrecal per rank", "bnrecal process_group")
 
 
 def network() -> nn.Module:
@@ -81,6 +86,10 @@ def rank_main(rank: int, world: int, port: int, out: str, samples: int, rounds: 
         "bnrecal process_group": lambda m: bnrecal.recalibrate(m, loader, process_group=dist.group.WORLD,
                                                               progress=False),
     }
+    try:
+        calls["Lightning SWA BN epoch"] = lambda m: swa_bn_epoch(m, loader, rank, world)
+    except ImportError:
+        pass
     results: dict[str, object] = {}
     import warnings
 
@@ -91,12 +100,49 @@ def rank_main(rank: int, world: int, port: int, out: str, samples: int, rounds: 
             model = network()
             dist.barrier()
             started = time.perf_counter()
-            call(model)
-            times.append(time.perf_counter() - started)
+            seconds = call(model)
+            times.append(seconds if isinstance(seconds, float) else time.perf_counter() - started)
         results[name] = {"seconds": times, "buffers": {k: v for k, v in model.state_dict().items() if "running" in k}}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def swa_bn_epoch(model: nn.Module, loader: DataLoader, rank: int, world: int) -> float:
+    """Lightning's SWA on ``model`` in this rank of the job: one SWA epoch at learning rate 0,
+    then SWA's BN epoch; the BN epoch's wall time. ``model`` ends with SWA's statistics."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # launched for it: no spawning
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            return self.model(batch[0]).logsumexp(dim=1).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class EpochClock(pl.Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.seconds = time.perf_counter() - self.started  # the last epoch's: SWA's BN epoch
+
+    model.train()  # as a module in training is (network() gives it in eval mode; the Trainer keeps the mode it finds)
+    clock = EpochClock()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=1, use_distributed_sampler=False,
+                         callbacks=[StochasticWeightAveraging(swa_lrs=1e-30, swa_epoch_start=1), clock],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), loader)
+    model.eval()
+    return clock.seconds
 
 
 def reference(samples: int, world: int) -> dict[str, torch.Tensor]:
@@ -152,7 +198,7 @@ def main() -> None:
     truth = reference(args.samples, world)
     baseline = statistics.median(max(r["update_bn per rank"]["seconds"][i] for r in ranks) for i in range(args.rounds))
     print(f"{'method':24s} {'var err':>9s} {'mean err':>9s} {'ranks apart':>11s} {'wall s':>7s} {'vs update_bn':>12s}")
-    for name in METHODS:
+    for name in (name for name in METHODS if name in ranks[0]):
         var, mean = errors(ranks[0][name]["buffers"], truth)
         apart = max((((ranks[0][name]["buffers"][k].double() - ranks[1][name]["buffers"][k].double())
                       / truth[k]).abs().max().item()) for k in truth if k.endswith("running_var"))
