@@ -99,6 +99,18 @@ def _rank(rank: int, world: int, port: int, out: str, sizes: tuple[int, ...], ca
                     live.register_forward_pre_hook(lambda *_: None if next(calls) < 2 else 1 / 0)
                 report = bnrecal.recalibrate(live, DataLoader(TensorDataset(mine), batch_size=BATCH), process_group=group,
                                              progress=False)
+            elif case == "accelerate":  # Hugging Face Accelerate on the job's group: its model and sharded loader
+                from accelerate import Accelerator
+
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                  LOCAL_WORLD_SIZE=str(world))
+                accelerator = Accelerator(cpu=True)
+                prepared, loader = accelerator.prepare(live, DataLoader(TensorDataset(samples()[:96]), batch_size=BATCH))
+                seen = [batch[0] for batch in loader]  # this rank's batches, as Accelerate deals them
+                report = bnrecal.recalibrate(prepared, loader, process_group=group, progress=False)
+                results[case] = {"buffers": buffers(live), "report": report.to_dict(), "seen": seen,
+                                 "wrapped": type(prepared).__name__}
+                continue
             elif case == "refusals":
                 refused = []
                 for extra in ({"workers": 2}, {"ray_address": "auto"}, {"server": "http://x"}):
@@ -159,7 +171,7 @@ def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 def test_two_ranks_of_a_gloo_job_end_with_the_statistics_of_their_steps_put_together(tmp_path):
     sizes = (56, 37)  # uneven shards: rank 1 runs out two steps early
     cases = ("loader", "stale buffers differ", "ddp", "batches", "local", "auto", "dataset", "refusals",
-             "bad data on rank 1")
+             "bad data on rank 1", "accelerate")
     results = run_group(tmp_path, sizes, cases)
     together = steps_together(2, sizes)
 
@@ -185,6 +197,13 @@ def test_two_ranks_of_a_gloo_job_end_with_the_statistics_of_their_steps_put_toge
     dataset = assert_same_on_every_rank(results, "dataset")
     assert dataset["report"]["samples"] == 100
     assert_close(dataset["buffers"], single_process(TensorDataset(samples()[:100]), batch_size=10))
+
+    accelerate = assert_same_on_every_rank(results, "accelerate")
+    assert results[0]["accelerate"]["wrapped"] == "DistributedDataParallel"
+    seen = [results[rank]["accelerate"]["seen"] for rank in (0, 1)]
+    assert [len(batches) for batches in seen] == [6, 6]  # 96 samples, batches of 8, dealt between the ranks
+    assert accelerate["report"]["samples"] == 96
+    assert_close(accelerate["buffers"], single_process([torch.cat(step) for step in zip(*seen, strict=True)]))
 
     for rank in (0, 1):
         assert results[rank]["refusals"]["refused"] == ["process_group"] * 3
