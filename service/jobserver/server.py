@@ -46,8 +46,9 @@ from bnrecal.service.jobserver.storage.disk import check_reserve
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
 from bnrecal.service.jobserver.jobs.spec import (
-    ARTIFACT_NAMES, SWEEP_ARTIFACT_NAMES, JobRecord, JobSpec, check_submission, is_artifact_name, spec_digests,
+    ARTIFACT_NAMES, SWEEP_ARTIFACT_NAMES, JobRecord, JobSpec, is_artifact_name, spec_digests,
 )
+from bnrecal.service.jobserver.jobs.submission import check_submission
 from bnrecal.service.jobserver.jobs.views import JobView
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import is_postgres

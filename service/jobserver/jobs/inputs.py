@@ -12,7 +12,8 @@ from bnrecal.service.sweep.cells import CalibrationSet, SweepFiles, SweepModel, 
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore
-from bnrecal.service.jobserver.jobs.spec import DataPath, DataUri, JobRecord, JobSpec, check_data_uri, resolve_data_path
+from bnrecal.service.jobserver.jobs.spec import DataPath, DataUri, JobRecord, JobSpec
+from bnrecal.service.jobserver.jobs.submission import check_data_uri, resolve_data_path
 
 
 def job_request(job: JobRecord, spec: JobSpec, blobs: BlobStore, settings: Settings) -> RecalibrationRequest:

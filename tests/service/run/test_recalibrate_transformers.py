@@ -23,7 +23,7 @@ from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.errors import ArchitectureError
 from bnrecal.workers.ranks.pool import WarmPool
 
-from bnrecal.service.jobserver.jobs.spec import check_architecture
+from bnrecal.service.jobserver.jobs.submission import check_architecture
 from bnrecal.service.run.exporting import export_recalibrated
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
