@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 from pydantic import ValidationError
@@ -48,6 +48,9 @@ from bnrecal.workers.files import atomic_write
 from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
 from .jobserver.problems import Problem, error_classes, http_status
+
+if TYPE_CHECKING:
+    from .jobserver.jobs.spec import JobSpec  # the typed spec the CLI and the Python API build
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 COUNTED_PHASES = ("calibrating", "evaluating")
@@ -190,20 +193,21 @@ class BnrecalClient:
             blob = self.upload(file, on_bytes, name)
             return blob.digest, blob.size
 
-    def check(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Check a job spec as completely as a submission would, creating nothing
-        (``POST /v1/jobs?dry_run=true``): the spec as it would be stored, or the typed error."""
-        return self._json("POST", "/v1/jobs", params={"dry_run": "true"}, json=spec)["spec"]
+    def check(self, spec: JobSpec | Mapping[str, Any]) -> dict[str, Any]:
+        """Check a job spec (a ``JobSpec``, or its JSON) as completely as a submission would,
+        creating nothing (``POST /v1/jobs?dry_run=true``): the spec as it would be stored, or
+        the typed error."""
+        return self._json("POST", "/v1/jobs", params={"dry_run": "true"}, json=spec_json(spec))["spec"]
 
     def upload_bytes(self, data: bytes) -> BlobInfo:
         """Upload bytes held in memory (small blobs)."""
         return BlobInfo(**self._json("POST", "/v1/blobs", content=data, headers={"Content-Type": "application/octet-stream"}))
 
-    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> JobView:
-        """Submit a job spec (its JSON: the server validates it); the same ``idempotency_key``
-        on a retry returns the same job."""
+    def submit(self, spec: JobSpec | Mapping[str, Any], idempotency_key: str | None = None) -> JobView:
+        """Submit a job spec (a ``JobSpec``, or its JSON: the server validates it either way);
+        the same ``idempotency_key`` on a retry returns the same job."""
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        return JobView.model_validate(self._json("POST", "/v1/jobs", json=spec, headers=headers))
+        return JobView.model_validate(self._json("POST", "/v1/jobs", json=spec_json(spec), headers=headers))
 
     def job(self, job_id: str) -> JobView:
         """The job resource."""
@@ -350,9 +354,32 @@ BLOB_FIELDS = ("checkpoint", "program", "data", "eval.data")
 """The spec fields that name an uploaded file by its digest."""
 
 
+def spec_json(spec: JobSpec | Mapping[str, Any]) -> dict[str, Any]:
+    """A job spec as sent: a ``JobSpec``'s fields as they were given (the server fills in every
+    default, as it stores the spec), JSON as it is."""
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    return spec.model_dump(mode="json", exclude_unset=True)
+
+
+def input_digests(inputs: Mapping[str, Path | str]) -> dict[str, Any]:
+    """The inputs of a job spec by field (``checkpoint``, ``data``, ``eval.data``,
+    ``models[0].program``, ``datasets.<name>.data``...), named as the spec names them: a local
+    file or folder by the digest of what uploading it sends (hashed here, nothing sent), a URI
+    as ``{"uri": ...}`` for the server to read."""
+    named: dict[str, Any] = {}
+    for name, source in inputs.items():
+        if isinstance(source, Path):
+            with prepared_upload(source) as prepared:
+                named[name] = file_digest(prepared)
+        else:
+            named[name] = {"uri": source}  # object storage: the server reads it
+    return named
+
+
 def run_remote_job(
     client: BnrecalClient,
-    spec: dict[str, Any],
+    spec: JobSpec,
     inputs: Mapping[str, Path | str],
     *,
     follow: Callable[[str], AbstractContextManager[ProgressUpdate]],
@@ -361,35 +388,28 @@ def run_remote_job(
     on_interrupt: Callable[[str], NoReturn] | None = None,
     keep_failed: bool = False,
 ) -> JobView:
-    """One job on the server from local files, for ``bnrecal submit`` and
-    ``bnrecal.recalibrate(server=...)`` alike; the finished job.
+    """One job on the server from local files, for ``bnrecal submit``, ``bnrecal sweep
+    --server`` and ``bnrecal.recalibrate(server=...)`` alike; the finished job.
 
-    ``inputs`` name the spec's files by field (``checkpoint``, ``program``, ``data``,
-    ``eval.data``): a local file or folder, named by its digest, or a URI the server reads.
-    The spec is checked on the server before any byte is sent (``dry_run``), so bad input
-    fails at once; then only the files the server lacks are uploaded (``follow`` shows each
-    upload's bytes), the job is submitted and followed to its end (``follow("queued")``,
-    ``on_submitted`` first), and a failed or cancelled job raises the error it ended with.
-    ``downloads`` says which artifacts of the succeeded job to save where (``downloading``);
-    with ``keep_failed`` a failed job that left artifacts (a sweep some of whose cells failed)
-    is downloaded and returned too. Ctrl-C while it runs goes to ``on_interrupt`` with the
-    job's id, else it propagates."""
-    digests: dict[str, Any] = {}
-    for name, source in inputs.items():
-        if isinstance(source, Path):
-            with prepared_upload(source) as prepared:
-                digests[name] = file_digest(prepared)
-        else:
-            digests[name] = {"uri": source}  # object storage: the server reads it
-    _name_inputs(spec, digests)
+    ``spec`` is the typed job spec, its inputs named (:func:`input_digests`); ``inputs`` are
+    the same fields' sources: a local file or folder, uploaded if the server lacks it, or a
+    URI the server reads. The spec is checked on the server before any byte is sent
+    (``dry_run``), so bad input fails at once; then only the files the server lacks are
+    uploaded (``follow`` shows each upload's bytes), the job is submitted and followed to its
+    end (``follow("queued")``, ``on_submitted`` first), and a failed or cancelled job raises
+    the error it ended with. ``downloads`` says which artifacts of the succeeded job to save
+    where (``downloading``); with ``keep_failed`` a failed job that left artifacts (a sweep
+    some of whose cells failed) is downloaded and returned too. Ctrl-C while it runs goes to
+    ``on_interrupt`` with the job's id, else it propagates."""
     if not _passes_dry_run(client, spec):
+        named = spec.input_sources()
         for name, source in inputs.items():
-            if isinstance(source, Path) and not client.has_blob(digests[name]):
+            if isinstance(source, Path) and not client.has_blob(named[name]):
                 label = f"uploading {source.name}"
                 with follow(label) as update:
                     blob = client.upload(source, on_bytes=lambda sent, total: update(sent, total, label))
-                digests[name] = blob.digest
-        _name_inputs(spec, digests)
+                if blob.digest != named[name]:  # the bytes sent are not the bytes the spec names
+                    raise InputError(f"{name}: {source} changed while it was being sent; run again")
     job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
     if on_submitted is not None:
         on_submitted(job)
@@ -415,34 +435,12 @@ _SWEEP_FIELD = re.compile(r"^(?:models\[(\d+)\]\.(checkpoint|program)|datasets\.
 """A sweep's input fields: ``models[3].checkpoint``, ``datasets.<name>.data`` (a name may hold dots)."""
 
 
-def _spec_path(name: str) -> list[str | int]:
-    """Where a field lies in the spec: ``eval.data`` is ``["eval", "data"]``, ``models[3].checkpoint``
-    is ``["models", 3, "checkpoint"]``, ``datasets.cam.1.eval.data`` is ``["datasets", "cam.1", "eval", "data"]``."""
-    match = _SWEEP_FIELD.match(name)
-    if match is None:
-        return list(name.split("."))
-    if match.group(1) is not None:
-        return ["models", int(match.group(1)), match.group(2)]
-    return ["datasets", match.group(3), *match.group(4).split(".")]
-
-
 def is_blob_field(name: str | None) -> bool:
     """Whether a spec field names an uploaded file by its digest (a single job's or a sweep's)."""
     return name is not None and (name in BLOB_FIELDS or _SWEEP_FIELD.match(name) is not None)
 
 
-def _name_inputs(spec: dict[str, Any], digests: Mapping[str, Any]) -> None:
-    """Name the inputs in the spec by field (``eval.data`` is ``spec["eval"]["data"]``,
-    ``models[0].checkpoint`` is ``spec["models"][0]["checkpoint"]``)."""
-    for name, value in digests.items():
-        *parents, leaf = _spec_path(name)
-        section: Any = spec
-        for parent in parents:
-            section = section[parent] if isinstance(parent, int) else section.setdefault(parent, {})
-        section[leaf] = value
-
-
-def _passes_dry_run(client: BnrecalClient, spec: dict[str, Any]) -> bool:
+def _passes_dry_run(client: BnrecalClient, spec: JobSpec) -> bool:
     """Check the spec on the server before any byte of a file is sent (``dry_run=true``),
     naming the files by the digests computed here: True when it passed whole (the server has
     every file). The only refusal an upload fixes is a file the server does not have yet

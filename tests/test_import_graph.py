@@ -39,7 +39,7 @@ ROOMS = {
         "export": set(),
         "run": {"export"},
         "sweep": {"run", "export"},
-        "live": {"run", "export", "sweep"},
+        "live": {"run", "export", "sweep", "jobserver"},  # jobserver: the job spec of recalibrate(server=...)
         "jobserver": {"run", "export", "sweep"},
         "cli": {"run", "export", "jobserver", "sweep"},
     },

@@ -306,7 +306,12 @@ def flag_message(error: BnrecalError) -> str:
     if head not in names:
         return error.message
     words = sorted((name for name in names if "_" in name), key=len, reverse=True)
-    message = re.sub(rf"^{re.escape(head)}(?=[\s:.]|$)", flag_of(head), error.message)
+    assert isinstance(field, str)
+    whole = field.replace(".", "_")  # a job spec's nested field that is a flag here: onnx.opset, --onnx-opset
+    if whole in names and whole != head:
+        head, message = whole, re.sub(rf"^{re.escape(field)}(?=[\s:]|$)", flag_of(whole), error.message)
+    else:
+        message = re.sub(rf"^{re.escape(head)}(?=[\s:.]|$)", flag_of(head), error.message)
     return re.sub(rf"(?<![\w./'\"-])({'|'.join(words)})(?![\w/'\"-])", lambda m: flag_of(m.group(1)), message)
 
 

@@ -130,27 +130,27 @@ def submit(
     options = flags.run_options()
     int8_options = flags.int8_options()
     model_output = "program" if flags.program is not None else "checkpoint"
-    spec: dict[str, Any] = {
-        **options.run_options(),
-        "outputs": [model_output] + (["onnx"] if flags.onnx is not None else []),
-        "onnx": {"opset": flags.onnx_opset, "dtype": flags.onnx_dtype.value},
-    }
-    if int8_options is not None:
-        spec["outputs"].append("onnx_int8")
-        spec["int8"] = int8_options.model_dump(exclude_defaults=True)
-    if eval_source is not None:
-        spec["eval"] = {"max_samples": flags.eval_max_samples}
     inputs = {name: source for name, source in (("checkpoint", flags.checkpoint), ("program", flags.program),
                                                 ("data", data_source), ("eval.data", eval_source))
               if source is not None}
+    from bnrecal.service.jobserver.jobs.spec import JobSpec
+
+    from ..client import input_digests, run_remote_job
+
+    named = input_digests(inputs)
+    spec = JobSpec.checked(  # the typed spec, checked here as the server checks its fields (a SpecError names one)
+        **options.run_options(), checkpoint=named.get("checkpoint"), program=named.get("program"), data=named["data"],
+        outputs=[model_output] + (["onnx"] if flags.onnx is not None else [])
+        + (["onnx_int8"] if int8_options is not None else []),
+        onnx={"opset": flags.onnx_opset, "dtype": flags.onnx_dtype.value}, int8=int8_options,
+        eval={"data": named["eval.data"], "max_samples": flags.eval_max_samples} if eval_source is not None else None,
+    )
 
     def downloads(job: JobView) -> list[tuple[str, Path]]:
         int8 = None if _int8_failed(job) else flags.onnx_int8
         wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", flags.report),
                   ("report.html", flags.report_html)]
         return [(name, path) for name, path in wanted if path is not None]
-
-    from ..client import run_remote_job
 
     with connect(server, api_key) as client:
         def submitted(job: JobView) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from bnrecal.errors import RunError
 
 from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.jobserver.jobs.spec import JobSpec
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.sweep.matrix import SweepReport
@@ -35,27 +36,13 @@ class RemoteSweep:
     onnx_dtype: str
     cells_at_once: int = 1
 
-    def spec(self) -> tuple[dict[str, Any], dict[str, Path | str]]:
-        """The job spec (its inputs left out) and the inputs by spec field: local files, or URIs."""
+    def job(self) -> tuple[JobSpec, dict[str, Path | str]]:
+        """The typed job spec, its inputs named by digest (local files, hashed here) or URI,
+        and those inputs' sources by spec field."""
+        from ..client import input_digests
+
         models = self.files.models
         kinds = ["program" if model.program else "checkpoint" for model in models]
-        spec: dict[str, Any] = {
-            **self.options.run_options(),
-            "models": [{"name": model.name} if model.program else
-                       {"name": model.name, "arch": model.arch, "model_kwargs": model.model_kwargs} for model in models],
-            "datasets": {s.name: ({"eval": {"max_samples": self.eval_max_samples}} if s.eval_data is not None else {})
-                         for s in self.files.sets},
-            "outputs": [kind for kind in ("checkpoint", "program") if kind in kinds]
-            + (["onnx"] if self.onnx else []) + (["onnx_int8"] if self.int8 is not None else []),
-            "onnx": {"opset": self.onnx_opset, "dtype": self.onnx_dtype},
-            "rank_by": self.rank_by,
-            "cells_at_once": self.cells_at_once,
-        }
-        if self.int8 is not None:
-            spec["int8"] = self.int8.model_dump(exclude_defaults=True)
-        if self.files.pairs is not None:
-            index = {model.name: i for i, model in enumerate(models)}
-            spec["pairs"] = sorted([index[model], set_name] for model, set_name in self.files.pairs)
         inputs: dict[str, Path | str] = {}
         for i, (model, kind) in enumerate(zip(models, kinds, strict=True)):
             source = model.program or model.checkpoint
@@ -65,6 +52,28 @@ class RemoteSweep:
             inputs[f"datasets.{calibration.name}.data"] = calibration.data
             if calibration.eval_data is not None:
                 inputs[f"datasets.{calibration.name}.eval.data"] = calibration.eval_data
+        named = input_digests(inputs)
+        model_specs = [
+            {"name": model.name, kind: named[f"models[{i}].{kind}"]} if model.program else
+            {"name": model.name, "arch": model.arch, "model_kwargs": model.model_kwargs, kind: named[f"models[{i}].{kind}"]}
+            for i, (model, kind) in enumerate(zip(models, kinds, strict=True))
+        ]
+        datasets = {
+            s.name: {"data": named[f"datasets.{s.name}.data"]}
+            | ({"eval": {"data": named[f"datasets.{s.name}.eval.data"], "max_samples": self.eval_max_samples}}
+               if s.eval_data is not None else {})
+            for s in self.files.sets
+        }
+        index = {model.name: i for i, model in enumerate(models)}
+        spec = JobSpec.checked(  # checked here as the server checks its fields (a SpecError names one)
+            **self.options.run_options(), models=model_specs, datasets=datasets,
+            outputs=[kind for kind in ("checkpoint", "program") if kind in kinds]
+            + (["onnx"] if self.onnx else []) + (["onnx_int8"] if self.int8 is not None else []),
+            onnx={"opset": self.onnx_opset, "dtype": self.onnx_dtype}, rank_by=self.rank_by,
+            cells_at_once=self.cells_at_once, int8=self.int8,
+            pairs=sorted([index[model], set_name] for model, set_name in self.files.pairs)
+            if self.files.pairs is not None else None,
+        )
         return spec, inputs
 
 
@@ -78,7 +87,7 @@ def sweep_on_server(sweep: RemoteSweep, server: str, api_key: str | None, out_di
     from ..client import run_remote_job
     from .remote import cancel_on_interrupt
 
-    spec, inputs = sweep.spec()
+    spec, inputs = sweep.job()
     out_dir.mkdir(parents=True, exist_ok=True)
     archive = out_dir / ARCHIVE
     with connect(server, api_key) as client:

@@ -28,8 +28,9 @@ from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import RecalibrationOptions, RunOptions
+from bnrecal.service.jobserver.jobs.spec import JobSpec
 
-from ..client import BnrecalClient, run_remote_job
+from ..client import BnrecalClient, input_digests, run_remote_job
 from ..settings import Settings
 from .data import describe_python_data
 from .model import export_program, on_cpu, program_bytes
@@ -112,28 +113,29 @@ def recalibrate_on_server(
                 sample = opened.load(0, min(8, spec.num_samples))
         program_file = Path(folder) / f"{type(model).__name__}.pt2"
         program_file.write_bytes(program_bytes(export_program(traced, sample)))
-        job_spec = {
+        inputs = {"program": program_file, "data": data_file}
+        fields: dict[str, Any] = {
             "workers": options.workers, "mode": options.mode, "batch_size": step, "device": options.device,
-            "outputs": ["program"],
+            "outputs": ["program"], **input_digests(inputs),
         }
-        job_spec.update({name: value for name, value in options.explicit().items()
-                         if name in ("placement", "max_retries", "transform") and value is not None})
+        fields.update({name: value for name, value in options.explicit().items()
+                       if name in ("placement", "max_retries", "transform") and value is not None})
         if isinstance(spec, DatasetSpec) and max_samples is not None and not options.auto_samples:
-            job_spec["max_samples"] = int(max_samples)
+            fields["max_samples"] = int(max_samples)
         if options.auto_samples:
-            job_spec.update(max_samples="auto", tolerance=options.tolerance)
+            fields.update(max_samples="auto", tolerance=options.tolerance)
         # Data in memory keeps its own order (its rows were written in it); a path is read in the order asked.
         if isinstance(spec, LoaderSpec):
-            job_spec["order"] = "given"
+            fields["order"] = "given"
         else:
-            job_spec.update(order=options.order, seed=options.seed)
+            fields.update(order=options.order, seed=options.seed)
             if options.image_column is not None:
-                job_spec["image_column"] = options.image_column
+                fields["image_column"] = options.image_column
+        job_spec = JobSpec.checked(**fields)  # the typed spec: a field the server would refuse is refused here
         result = Path(folder) / "recalibrated.pt2"
         with BnrecalClient(server, api_key=api_key) as client:
             # A file the server already holds for this key (the same data, again) is not sent twice.
-            job = run_remote_job(client, job_spec, {"program": program_file, "data": data_file}, follow=progress,
-                                 downloads=lambda job: [("program", result)])
+            job = run_remote_job(client, job_spec, inputs, follow=progress, downloads=lambda job: [("program", result)])
         _write_back(model, result, prefix)
     report = RecalibrationReport.from_dict(job.report or {})
     report.model = ModelSection(transport="program", name=type(model).__qualname__, server=server, job=job.id)

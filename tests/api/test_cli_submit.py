@@ -62,6 +62,22 @@ def test_a_mistyped_arch_sends_no_byte_and_suggests(live_server, files, tmp_path
     assert not has_blob(live_server, files["checkpoint"]) and not has_blob(live_server, files["data"])
 
 
+def test_the_spec_is_typed_here_a_field_the_server_refuses_is_refused_before_it_is_asked(files, tmp_path, capsys):
+    """submit builds the server's own JobSpec: a field out of its range is refused (exit 2,
+    naming it) without a request, so nothing listening at --server is needed to say so."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{probe.getsockname()[1]}"  # closed again: nothing listens there
+    args = ["submit", "--server", nowhere, "--api-key", KEY, "--arch", "tests.nets:mixed_net", "--checkpoint",
+            str(files["checkpoint"]), "--data", str(files["data"]), "--out", str(tmp_path / "out.pt"),
+            "--onnx", str(tmp_path / "m.onnx"), "--onnx-opset", "99"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == "", err
+    assert err.startswith("error: --onnx-opset: ") and "23" in err and err.count("\n") == 1
+
+
 def test_a_second_submit_uploads_nothing_and_stdout_is_the_job_id(live_server, files, tmp_path, capsys):
     sizes = files["checkpoint"].stat().st_size + files["data"].stat().st_size
     before = uploaded_bytes(live_server)
