@@ -170,7 +170,7 @@ class MlflowRun:
     def fail(self, error: BaseException | str) -> None:
         """End the run ``FAILED`` (``KILLED`` when the user interrupted it), saying why. Never
         raises: the job's own error is what the caller reports."""
-        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        status = "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"  # Ctrl-C, or an exit on it
         try:
             self.client.set_tag(self.run_id, ERROR_TAG, (str(error) or type(error).__name__)[:5000])
             self.client.set_terminated(self.run_id, status)

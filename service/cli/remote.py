@@ -13,6 +13,7 @@ import typer
 from bnrecal.errors import BnrecalError, ExportError, SpecError
 
 from bnrecal.service.run.progress import progress_bar
+from bnrecal.service.tracking import ending
 
 from . import options as opt
 from .console import connect, fail, print_line, summary_lines
@@ -107,12 +108,13 @@ def _leave_ray() -> None:
         os._exit(1)
 
 
-@opt.run_command(server="out", api_key="program", ray_address="transform")
+@opt.run_command(server="out", api_key="program", ray_address="transform", mlflow="report_html")
 def submit(
     flags: opt.RunFlags,
     server: opt.ServerOpt,
     api_key: opt.ApiKeyOpt = None,
     ray_address: Annotated[str | None, typer.Option(hidden=True, help="Not for submit: the server's setting.")] = None,
+    mlflow: opt.MlflowOpt = False,
 ) -> None:
     """Run a recalibration on a bnrecal server: upload, submit, follow, download."""
     if ray_address:
@@ -146,29 +148,35 @@ def submit(
         eval={"data": named["eval.data"], "max_samples": flags.eval_max_samples} if eval_source is not None else None,
     )
 
-    def downloads(job: JobView) -> list[tuple[str, Path]]:
-        int8 = None if _int8_failed(job) else flags.onnx_int8
-        wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", flags.report),
-                  ("report.html", flags.report_html)]
-        return [(name, path) for name, path in wanted if path is not None]
+    tracking = opt.start_tracking(mlflow, flags.out.name, flags)  # before any upload: a store it cannot reach is exit 2
+    with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
+        def downloads(job: JobView) -> list[tuple[str, Path]]:
+            int8 = None if _int8_failed(job) else flags.onnx_int8
+            wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", report_path),
+                      ("report.html", page_path)]
+            return [(name, path) for name, path in wanted if path is not None]
 
-    with connect(server, api_key) as client:
-        def submitted(job: JobView) -> None:
-            typer.echo(job.id)  # the one line on stdout: JOB=$(bnrecal submit ...)
-            print_line(f"job {job.id} queued on {client.server}")
+        with connect(server, api_key) as client, ending(tracking):
+            def submitted(job: JobView) -> None:
+                typer.echo(job.id)  # the one line on stdout: JOB=$(bnrecal submit ...)
+                print_line(f"job {job.id} queued on {client.server}")
 
-        job = run_remote_job(
-            client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
-            on_interrupt=lambda job_id: cancel_on_interrupt(client, job_id),
-        )
+            job = run_remote_job(
+                client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
+                on_interrupt=lambda job_id: cancel_on_interrupt(client, job_id),
+            )
+        from bnrecal.service.run.report import Report  # the report's types: torch, once the job is done
+
+        report = Report.from_dict(job.report or {})
+        if tracking is not None:
+            tracking.finish(report, [flags.out, flags.onnx, flags.onnx_int8, report_path, page_path])
     int8_failed = _int8_failed(job)
     written_int8 = None if int8_failed else flags.onnx_int8
     also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
-    from bnrecal.service.run.report import Report  # the report's types: torch, once the job is done
-
-    report = Report.from_dict(job.report or {})
     for line in summary_lines(report, flags.out, job.id, also_wrote=also_wrote):
         print_line(line)
+    if tracking is not None:
+        print_line(f"logged MLflow run {tracking.run_id}")
     if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
         raise ExportError(report.int8.failure if report.int8 and report.int8.failure else "the INT8 output failed")
 

@@ -109,6 +109,24 @@ def test_a_second_submit_uploads_nothing_and_stdout_is_the_job_id(live_server, f
     assert code == 0 and f"created {created}" in out and "data calib.npy" in out
 
 
+def test_submit_with_mlflow_logs_the_jobs_run_from_what_it_brought_back(live_server, files, tmp_path, capsys,
+                                                                        monkeypatch):
+    """``submit --mlflow`` logs as ``calibrate --mlflow`` does (tests/service/test_tracking.py),
+    from the files and report the job brought back; here into MLflow's file store."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    code, out, err = run_cli(capsys, *submit_args(live_server, files, tmp_path / "out.pt"), "--mlflow")
+    assert code == 0, err
+    [run] = mlflow.MlflowClient().search_runs(["0"])
+    assert f"logged MLflow run {run.info.run_id}" in err and run.info.status == "FINISHED"
+    assert run.data.params["workers"] == "1" and run.data.metrics["samples"] == 12
+    assert sorted(a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)) == [
+        "out.pt", "report.html", "report.json"]
+    assert not (tmp_path / "report.json").exists()  # not asked for: written for the run only
+
+
 def test_channels_last_data_is_refused_at_submission_naming_data(live_server, files, tmp_path, capsys):
     channels_last = tmp_path / "nhwc.npy"
     np.save(channels_last, np.load(files["data"]).transpose(0, 2, 3, 1).copy())  # (N, 6, 5, 3)
