@@ -143,13 +143,13 @@ class MlflowRun:
                             field=flag) from None
         return cls(client, run.info.run_id, experiment_id)
 
-    def finish(self, report: Report | SweepReport | None, files: Sequence[Path | None] = (),
+    def finish(self, report: Report | None, files: Sequence[Path | None] = (),
                metrics: Mapping[str, float] | None = None) -> None:
         """Log the report's figures (and ``metrics``) and every file in ``files`` that exists
         (a folder: its files, under its name), then end the run ``FINISHED``."""
         from mlflow.entities import Metric
 
-        figures = dict(report_figures(report) if report is not None and hasattr(report, "layers") else {})
+        figures = report_figures(report) if report is not None else {}
         figures.update(metrics or {})
         stamp = _now_ms()
         try:
@@ -183,16 +183,22 @@ def log_sweep(parent: MlflowRun, report: SweepReport, out_dir: Path, params: Map
     besides ``params``, its report's figures, its folder's files), then ``parent`` with the
     matrix's counts and ``sweep.json``, ``sweep.csv``, ``sweep.html``."""
     from bnrecal.service.run.report import Report
+    from bnrecal.service.sweep.cells import CellStatus
 
-    for cell in report.cells:
-        child = MlflowRun.start(f"{cell.model}/{cell.set_name}", {**params, "model": cell.model, "set": cell.set_name},
-                                parent=parent)
-        folder = out_dir / cell.model / cell.set_name
-        if cell.status.value != "succeeded":
-            child.fail(cell.error or cell.status.value)
-            continue
-        cell_report = Report.model_validate_json((folder / "report.json").read_text())
-        child.finish(cell_report, sorted(folder.iterdir()) if folder.is_dir() else [])
+    try:
+        for cell in report.cells:
+            child = MlflowRun.start(f"{cell.model}/{cell.set_name}",
+                                    {**params, "model": cell.model, "set": cell.set_name}, parent=parent)
+            folder = out_dir / cell.model / cell.set_name
+            if cell.status is not CellStatus.SUCCEEDED:
+                child.fail(cell.error or cell.status.value)
+                continue
+            cell_report = Report.model_validate_json((folder / "report.json").read_text())
+            child.finish(cell_report, sorted(folder.iterdir()) if folder.is_dir() else [])
+    except SpecError as exc:  # the store went away after the sweep ran: its files stand
+        parent.fail(exc)
+        raise TrackingError(f"the files are written, but MLflow run {parent.run_id} could not be logged: "
+                            f"{exc.message}") from None
     counts = {"cells": len(report.cells), "succeeded": report.succeeded, "failed": report.failed,
               "cancelled": report.cancelled, "seconds": report.seconds}
     parent.finish(None, [out_dir / name for name in ("sweep.json", "sweep.csv", "sweep.html")],
