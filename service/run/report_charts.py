@@ -47,9 +47,9 @@ class ChartMemo:
         """Draw ``report``'s charts in a daemon thread; the thread is returned, started."""
         thread = threading.Thread(target=self.charts, args=(report.model_copy(deep=True),),
                                   kwargs={"precision": precision}, daemon=True, name="bnrecal-report-charts")
-        with self._lock:
+        with self._lock:  # started before it is listed: settle, in another job's thread, joins only started ones
+            thread.start()
             self._drawing = [drawing for drawing in self._drawing if drawing.is_alive()] + [thread]
-        thread.start()
         return thread
 
     def settle(self) -> None:
