@@ -132,6 +132,34 @@ def test_the_page_waits_for_the_charts_drawn_ahead_and_leaves_no_thread_drawing(
     assert not [thread for thread in threading.enumerate() if thread.name == "bnrecal-report-charts"]
 
 
+def test_a_page_written_while_another_jobs_charts_start_waits_for_them(monkeypatch, tmp_path):
+    """A server writes one job's page while another job's charts start drawing: the page waits
+    for that thread once it runs, never joins it before it started (which raised "cannot join
+    thread before it is started" and failed the job)."""
+    import threading
+    import time
+    import types
+
+    from bnrecal.service.run import report_charts, report_html
+
+    class SlowToStart(threading.Thread):
+        def start(self) -> None:
+            time.sleep(0.5)  # the window between being made and running
+            super().start()
+
+    monkeypatch.setattr(report_charts, "CHARTS", report_charts.ChartMemo())
+    monkeypatch.setattr(report_charts, "threading", types.SimpleNamespace(Thread=SlowToStart, Lock=threading.Lock))
+    monkeypatch.setattr(report_charts, "drift_chart_svg", lambda layers: "<svg></svg>")
+    report = typed({"layers": [{"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5,
+                                "var_ratio_min": 0.5, "var_ratio_max": 2.0}]})
+    other = threading.Thread(target=report_html.predraw_charts, args=(report,))  # the other job's charts
+    other.start()
+    time.sleep(0.1)
+    report_html.write_html_report(report, tmp_path / "report.html")  # raised RuntimeError before the fix
+    other.join()
+    assert (tmp_path / "report.html").read_text().startswith("<!doctype html>")
+
+
 def test_names_are_escaped_and_missing_values_shown():
     report = {
         "arch": "tests.nets:<b>net</b>", "mode": "local", "world_size": 1, "samples": 4, "steps": 1, "seconds": 0.1,
