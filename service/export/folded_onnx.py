@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Literal
 
@@ -32,7 +33,9 @@ from bnrecal.service.export.graph_passes import (
 )
 from bnrecal.service.export.folding.in_onnx import OnnxFoldResult, fold_batchnorm_nodes
 from bnrecal.service.export.report_sections import OnnxSection, RuntimeChecks, RuntimeEntry, UnfoldedLayer
-from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
+from bnrecal.service.export.runtimes import (
+    RuntimeRun, largest_difference, onnxruntime_version, runtime_entry, start_openvino, warm_openvino,
+)
 from bnrecal.service.export.folding.in_torch import TorchFoldResult, fold_batchnorm_modules
 from bnrecal.service.export.verification import (
     TOLERANCE, VerificationResult, flatten_outputs, reference_outputs, verify_onnx,
@@ -95,13 +98,14 @@ def export_copy(model: torch.nn.Module) -> torch.nn.Module:
     return fresh
 
 
-def check_in_openvino(source: Path | bytes, batches: Sequence[np.ndarray], references: Sequence[Sequence[np.ndarray]],
+def check_in_openvino(started: Future[RuntimeRun], references: Sequence[Sequence[np.ndarray]],
                       tolerance: float, what: str) -> RuntimeEntry:
-    """Run the file in OpenVINO on ``batches`` and hold it to ``references`` at ``tolerance``
-    (times ``max(1, max|y|)``, as onnxruntime is held); the report's ``openvino`` entry.
-    Raises ``ExportError`` (one line) when OpenVINO cannot run it or disagrees."""
+    """Wait for the file's run in OpenVINO (``start_openvino``, begun beside its check in
+    onnxruntime) and hold it to ``references`` at ``tolerance`` (times ``max(1, max|y|)``, as
+    onnxruntime is held); the report's ``openvino`` entry. Raises ``ExportError`` (one line)
+    when OpenVINO cannot run it or disagrees."""
     try:
-        run = run_openvino(source, batches)
+        run = started.result()
         if run.outputs is None:
             return runtime_entry(run)
         diff, peak = largest_difference(run.outputs, references)
@@ -205,6 +209,8 @@ def export_folded_onnx(
     (``auto``/``dynamo``/``torchscript``) and ``_torch_fold`` exist for tests.
     """
     _validate(samples, opset, dtype, input_shape)
+    if openvino:
+        warm_openvino()  # OpenVINO loads in its own process while the model is traced
     shaped = _shaped_samples(samples, input_shape)
     reference = export_copy(model)
     if not dynamic_batch and not 1 <= fixed_batch <= len(shaped):
@@ -238,13 +244,16 @@ def export_folded_onnx(
         raise ExportError(f"ONNX export failed: {_root_cause(exc)}") from exc
     target = Path(path)
     def write_and_verify(temp: Path) -> tuple[VerificationResult, RuntimeEntry, int]:
-        temp.write_bytes(proto.SerializeToString())
-        verified = verify_onnx(temp, batches, references, dtype)
+        serialized = proto.SerializeToString()
+        temp.write_bytes(serialized)
         np_dtype = np.float16 if dtype == "float16" else np.float32
+        # OpenVINO runs the file in its own process while onnxruntime verifies it here
+        started = start_openvino(serialized, [b.numpy().astype(np_dtype) for b in batches]) if openvino else None
+        verified = verify_onnx(temp, batches, references, dtype)
         in_openvino = check_in_openvino(
-            temp, [b.numpy().astype(np_dtype) for b in batches], references, TOLERANCE[dtype], "the exported model"
-        ) if openvino else RuntimeEntry(ran=False, reason="not checked: a file made only to be measured, not deployed")
-        return verified, in_openvino, temp.stat().st_size
+            started, references, TOLERANCE[dtype], "the exported model"
+        ) if started is not None else RuntimeEntry(ran=False, reason="not checked: a file made only to be measured, not deployed")
+        return verified, in_openvino, len(serialized)
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ one line: ``ok``, or ``error`` and the one-line reason. It ends when its input c
 parent gone). A child that dies mid-check (a crash in OpenVINO, a kill) is replaced and the
 check tried once more; a second death is the check's error. A child started under another
 ``ONEDNN_MAX_CPU_ISA`` (oneDNN reads it once, at start) is replaced by one started under the
-current value.
+current value. ``warm`` starts the child without waiting for it, so OpenVINO loads on a free
+core while the exporter traces; the first check then only reads its ``ready``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,18 @@ class OpenVinoProcess:
         self._lock = threading.Lock()
         self._child: subprocess.Popen[str] | None = None
         self._started_under: tuple[str | None, ...] | None = None
+        self._ready_read = False
         self.starts = 0
+
+    def warm(self) -> None:
+        """Start the child now and return at once (nothing when one runs or a check is under
+        way): OpenVINO loads in it while this process goes on; the next check waits for it."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._spawn()
+        finally:
+            self._lock.release()
 
     def run(self, folder: Path) -> None:
         """Run the check of ``folder`` (``model.onnx``, ``batches.npz`` -> ``outputs.npz``).
@@ -119,7 +131,8 @@ class OpenVinoProcess:
             self.close()
             raise _ChildDied(f"{type(exc).__name__}") from None
 
-    def _ready(self) -> subprocess.Popen[str]:
+    def _spawn(self) -> subprocess.Popen[str]:
+        """The child for the current ISA cap, started if there is none (not waited for)."""
         under = tuple(os.environ.get(name) for name in ISA_CAP_VARIABLES)
         if self._child is not None and (self._child.poll() is not None or under != self._started_under):
             self.close()
@@ -128,12 +141,18 @@ class OpenVinoProcess:
                 [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, text=True, bufsize=1,
             )
-            self._started_under = under
+            self._started_under, self._ready_read = under, False
             self.starts += 1
-            if self._read_line(self._child) != "ready":
+        return self._child
+
+    def _ready(self) -> subprocess.Popen[str]:
+        child = self._spawn()
+        if not self._ready_read:
+            if self._read_line(child) != "ready":  # one that died before it is replaced by run(), once
                 self.close()
                 raise RuntimeError("OpenVINO's process did not start")
-        return self._child
+            self._ready_read = True
+        return child
 
     def _read_line(self, child: subprocess.Popen[str]) -> str:
         assert child.stdout is not None

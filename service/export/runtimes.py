@@ -14,7 +14,9 @@ OpenVINO is optional (the ``openvino`` extra; ``make serve`` installs it); witho
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,30 @@ def run_openvino(model: Path | bytes, batches: Sequence[np.ndarray]) -> RuntimeR
             count = len({name.split("_")[1] for name in saved.files}) if saved.files else 0
             outputs = [[saved[f"b{b}_o{i}"] for i in range(count)] for b in range(len(batches))]
     return RuntimeRun("openvino", version, outputs)
+
+
+def warm_openvino() -> None:
+    """Start this process's OpenVINO process ahead of its first check, where OpenVINO is
+    installed: it loads on a free core while the export is traced."""
+    from bnrecal.service.export.openvino_process import PROCESS
+
+    if openvino_version() is not None:
+        PROCESS.warm()
+
+
+def start_openvino(model: bytes, batches: Sequence[np.ndarray]) -> Future[RuntimeRun]:
+    """``run_openvino`` begun in a thread: OpenVINO's process computes while this process
+    runs the same file in onnxruntime; the future holds its run or its error."""
+    future: Future[RuntimeRun] = Future()
+
+    def check() -> None:
+        try:
+            future.set_result(run_openvino(model, batches))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=check, name="bnrecal-openvino-check", daemon=True).start()
+    return future
 
 
 def largest_difference(got: Sequence[Sequence[np.ndarray]], expected: Sequence[Sequence[np.ndarray]]) -> tuple[float, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,9 @@ from bnrecal.workers.ranks.ort.rank_pass import scoring_session
 
 from bnrecal.service.export.cpu import CpuFeatures, cpu_features
 from bnrecal.service.export.report_sections import Int8Checks, RuntimeChecks, RuntimeEntry
-from bnrecal.service.export.runtimes import largest_difference, onnxruntime_version, run_openvino, runtime_entry
+from bnrecal.service.export.runtimes import (
+    RuntimeRun, largest_difference, onnxruntime_version, runtime_entry, start_openvino, warm_openvino,
+)
 
 
 def session(model: bytes, threads: int | None = None):
@@ -53,6 +56,7 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
     misshapen outputs, or a runtime with VNNI departs from its arithmetic."""
     import onnx
 
+    warm_openvino()  # OpenVINO loads in its own process (when not yet running) while the checker runs
     try:
         onnx.checker.check_model(onnx.load_from_string(int8_model), full_check=True)
     except Exception as exc:  # noqa: BLE001 - the checker raises its own types
@@ -66,6 +70,7 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
     fixed = fixed_batch(quantized)
     if fixed is not None:  # a model exported at a static batch runs only there
         batches = [batch[:fixed] for batch in batches if len(batch) >= fixed]
+    in_openvino = _start_openvino(int8_model, batches)  # runs in OpenVINO's process beside onnxruntime's runs here
     got_all, expected_all, own_all = [], [], []
     for batch in batches:
         try:
@@ -82,7 +87,7 @@ def check_int8(int8_model: bytes, fp32_model: bytes, batches: Sequence[np.ndarra
     judge = _Judge(own_all, expected_all, max(DEPARTURE_SHARE * scale, 2 * own), cpu_features())
     onnxruntime = RuntimeEntry(ran=True, version=onnxruntime_version(), max_abs_diff=worst,
                                **judge("onnxruntime", got_all))
-    openvino = _openvino(int8_model, batches, got_all, judge)
+    openvino = _openvino(in_openvino, got_all, judge)
     return Int8Checks(
         max_abs_diff=worst, fp32_max_abs=scale, qdq_max_abs_diff=own,
         runtimes=RuntimeChecks(reference="the FP32 export in onnxruntime, on the verified batches",
@@ -134,17 +139,24 @@ class _Judge:
 RUNTIME_NAMES = {"onnxruntime": "onnxruntime", "openvino": "OpenVINO"}
 
 
-def _openvino(int8_model: bytes, batches: Sequence[np.ndarray], onnxruntime_outputs: list,
-              judge: _Judge) -> RuntimeEntry:
-    """OpenVINO's entry: its largest difference from the FP32 export, from onnxruntime's INT8
-    outputs, and its judgement against the file's own arithmetic."""
+def _start_openvino(int8_model: bytes, batches: Sequence[np.ndarray]) -> Future[RuntimeRun] | RuntimeEntry:
+    """The file's run in OpenVINO begun (``start_openvino``), or the entry saying why
+    OpenVINO cannot read it."""
     import onnx
 
     if any(node.domain == "com.microsoft" for node in onnx.load_from_string(int8_model).graph.node):
         return RuntimeEntry(ran=False, reason="16-bit Q/DQ before opset 21 are onnxruntime's own (com.microsoft) "
                             "ops, which OpenVINO does not read")
+    return start_openvino(int8_model, batches)
+
+
+def _openvino(started: Future[RuntimeRun] | RuntimeEntry, onnxruntime_outputs: list, judge: _Judge) -> RuntimeEntry:
+    """OpenVINO's entry: its largest difference from the FP32 export, from onnxruntime's INT8
+    outputs, and its judgement against the file's own arithmetic."""
+    if isinstance(started, RuntimeEntry):
+        return started
     try:
-        run = run_openvino(int8_model, batches)
+        run = started.result()
     except (RuntimeError, ValueError) as exc:
         raise ExportError(f"the INT8 model fails in OpenVINO: {first_line(exc)}; no file written") from exc
     if run.outputs is None:

@@ -1,6 +1,7 @@
 """One OpenVINO process per checking process (service/export/openvino_process.py): reused for
 every file, replaced when it dies or when oneDNN's ISA cap changes, a check retried once on a
-fresh one, and OpenVINO's own errors said in one line without losing the process."""
+fresh one, and OpenVINO's own errors said in one line without losing the process; started
+ahead (``warm``) and run beside this process (``start_openvino``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from bnrecal.service.export.openvino_process import PROCESS
-from bnrecal.service.export.runtimes import run_openvino
+from bnrecal.service.export.runtimes import run_openvino, start_openvino
 
 
 def scaled(factor: float) -> bytes:
@@ -93,3 +94,31 @@ def test_a_process_that_dies_mid_check_is_replaced_and_the_check_retried_once():
     for got, want in zip(outputs(5.0), expected(5.0)):
         np.testing.assert_allclose(got, want)
     assert PROCESS.starts == starts + 1
+
+
+def test_a_process_warmed_ahead_is_the_one_the_first_check_uses_and_one_that_died_is_replaced():
+    PROCESS.close()
+    PROCESS.warm()  # returns at once; OpenVINO loads in the child meanwhile
+    warmed, starts = PROCESS.pid(), PROCESS.starts
+    assert warmed is not None
+    PROCESS.warm()  # one is running: nothing new
+    for got, want in zip(outputs(2.0), expected(2.0)):
+        np.testing.assert_allclose(got, want)
+    assert PROCESS.pid() == warmed and PROCESS.starts == starts
+    PROCESS.close()
+    PROCESS.warm()
+    os.kill(PROCESS.pid(), signal.SIGKILL)  # dies before it said it was ready
+    for got, want in zip(outputs(3.0), expected(3.0)):
+        np.testing.assert_allclose(got, want)
+    assert PROCESS.starts == starts + 2
+
+
+def test_a_check_started_beside_this_process_gives_its_run_or_its_error():
+    started = [start_openvino(scaled(factor), BATCHES) for factor in (2.0, 0.5)]  # queued on the one process
+    for future, factor in zip(started, (2.0, 0.5)):
+        for got, want in zip([out[0] for out in future.result(timeout=120).outputs], expected(factor)):
+            np.testing.assert_allclose(got, want)
+    broken = onnx.load_from_string(scaled(1.0))
+    broken.graph.node[1].op_type = "NoSuchOp"
+    with pytest.raises(RuntimeError, match="OpenVINO cannot compile the model"):
+        start_openvino(broken.SerializeToString(), BATCHES).result(timeout=120)
