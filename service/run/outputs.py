@@ -10,6 +10,7 @@ under the run's failure policy. Each surface only says where the files go.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,11 +86,15 @@ def make_outputs(
     asks = export_asks(outputs, passes is not None and _wants_stale(result, passes))  # INT8_BASE: the ONNX file when float32
     fixed, dynamic_batch = export_batch(result.model, outputs.export.dynamic_batch)
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
-    exported = dict(zip(asks, executor.map(
-        export_models, [(ExportWork(ModelBuild.of(result), samples, tuple(asks), outputs.export, fixed, dynamic_batch,
-                                    result.scope),)],
+    parts = share_asks(asks, request.workers)
+    started = time.monotonic()
+    made = executor.map(
+        export_models, [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch,
+                                    result.scope),) for part in parts],
         policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
-    )[0], strict=True))
+    )
+    wall = time.monotonic() - started
+    exported = dict(zip([ask for part in parts for ask in part], [file for files in made for file in files], strict=True))
     onnx_file = ExportAsk(dtype=outputs.export.dtype)
     if outputs.onnx is not None:
         onnx = exported[onnx_file]
@@ -99,8 +104,9 @@ def make_outputs(
     if outputs.int8 is not None:
         assert passes is not None
         others = [file for ask, file in exported.items() if outputs.onnx is None or ask != onnx_file]
-        if others:
-            add_to_timeline(report, "INT8 FP32 exports", sum(file.seconds for file in others), 0, 0, where)
+        if others:  # the seconds they added to the job's, beyond the ONNX file's export (beside it on another rank)
+            beyond = wall - exported[onnx_file].seconds if outputs.onnx is not None else wall
+            add_to_timeline(report, "INT8 FP32 exports", max(0.0, beyond), 0, 0, where)
         stale = exported.get(STALE_BASE)
         check_cancel(cancel)
         progress(0, None, QUANTIZING_PHASE)
@@ -123,6 +129,15 @@ def export_asks(outputs: RunOutputs, stale: bool) -> tuple[ExportAsk, ...]:
     if outputs.int8 is not None:
         asks.extend(ask for ask in (INT8_BASE, *([STALE_BASE] if stale else [])) if ask not in asks)
     return tuple(asks)
+
+
+def share_asks(asks: tuple[ExportAsk, ...], workers: int) -> list[tuple[ExportAsk, ...]]:
+    """The exports in one call for one rank (one trace, reused for each: ``GraphReuse``), or,
+    where the run has a rank for each, one call per export: the stale model's file is traced
+    on the rank the ONNX file's export and checks would leave idle."""
+    if workers < 2 or len(asks) < 2:
+        return [asks]
+    return [asks[i::workers] for i in range(min(workers, len(asks)))]
 
 
 def _wants_stale(result: Recalibration, passes: OnnxPasses) -> bool:
