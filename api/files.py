@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from bnrecal.service.jobserver.storage.blobs import BlobStore
 from bnrecal.service.jobserver.problems import problem_of
 from bnrecal.errors import CorruptBlobError, NotFoundError
+from bnrecal.workers.files import stream_digest
 
 from .problems import problem_response
 
@@ -64,7 +65,7 @@ class VerifiedFileResponse(FileResponse):
     def _hash_whole(self) -> tuple[int, bool]:
         with open(self.path, "rb") as handle:
             inode = os.fstat(handle.fileno()).st_ino
-            return inode, "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest() == self.digest
+            return inode, stream_digest(handle) == self.digest
 
     async def _handle_simple(self, send: Send, send_header_only: bool, send_pathsend: bool) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

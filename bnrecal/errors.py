@@ -270,6 +270,12 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return type(exc).__name__
 
 
+def message_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's whole message on one line, whitespace collapsed, at most ``limit``
+    characters (or its class name): for a reader's error whose cause a user must see whole."""
+    return " ".join(str(exc).split())[:limit] or type(exc).__name__
+
+
 def one_line(exc: BaseException, limit: int = 200) -> str:
     """``Type: message`` of an exception on one line, whitespace collapsed, at most about
     ``limit`` characters: for causes whose type tells as much as their text."""

@@ -44,6 +44,7 @@ from bnrecal.errors import (
     TooManyJobsError,
 )
 from bnrecal.workers.files import atomic_write
+from bnrecal.workers.files import file_digest as digest_of
 
 from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
@@ -466,14 +467,10 @@ def _raise_unless_succeeded(job: JobView, server: str) -> None:
 
 def file_digest(path: str | os.PathLike[str]) -> str:
     """A file's ``sha256:<hex>`` digest, as the server names the blob of the same bytes (streamed)."""
-    digest = hashlib.sha256()
     try:
-        with Path(path).open("rb") as stream:
-            while block := stream.read(UPLOAD_CHUNK):
-                digest.update(block)
+        return digest_of(path)
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    return f"sha256:{digest.hexdigest()}"
 
 
 @contextmanager

@@ -1,12 +1,14 @@
-"""Durable file writes, shared by checkpoints, reports and the blob store."""
+"""Durable file writes and file digests, shared by checkpoints, reports, the blob store and
+the client."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 T = TypeVar("T")
 
@@ -53,3 +55,15 @@ def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def stream_digest(handle: BinaryIO) -> str:
+    """The ``sha256:<hex>`` digest of an open file's bytes from where it stands, read in
+    blocks: the name a blob of those bytes has (docs/storage.md)."""
+    return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The ``sha256:<hex>`` digest of the file at ``path`` (``stream_digest``)."""
+    with open(path, "rb") as handle:
+        return stream_digest(handle)

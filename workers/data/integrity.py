@@ -10,13 +10,13 @@ statistics from damaged samples. Files anywhere else (a user's own path) are rea
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import threading
 from pathlib import Path
 
 from bnrecal.errors import CorruptBlobError
+from bnrecal.workers.files import stream_digest
 
 _BLOB_PATH = re.compile(r"(?:^|/)sha256/([0-9a-f]{2})/(\1[0-9a-f]{62})$")
 _verified: set[tuple[str, int, int, int]] = set()  # (path, inode, size, mtime_ns) hashed and found intact
@@ -41,7 +41,7 @@ def verify_content_address(path: str | os.PathLike[str], field: str = "data") ->
         with _lock:
             if key in _verified:
                 return
-        actual = "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
+        actual = stream_digest(handle)
     if actual != digest:
         raise CorruptBlobError(
             f"{field}: blob {digest} is corrupt: its stored bytes no longer hash to its digest (damaged on the "

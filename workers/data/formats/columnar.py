@@ -22,7 +22,7 @@ import numpy as np
 
 from bnrecal.workers.data.shards.reads import open_random_access, open_shard
 from bnrecal.workers.data.shards.listing import ShardRef, local_ref
-from bnrecal.errors import DatasetError, DatasetOptionError
+from bnrecal.errors import DatasetError, DatasetOptionError, message_line
 
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"
@@ -74,7 +74,7 @@ def save_to_disk_names(names: Collection[str], read: Callable[[str], bytes], sho
     try:
         files = [str(entry["filename"]) for entry in json.loads(read(STATE_FILE))["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"{shown}/{STATE_FILE} does not list the dataset's Arrow files: {_one_line(exc)}") from exc
+        raise DatasetError(f"{shown}/{STATE_FILE} does not list the dataset's Arrow files: {message_line(exc)}") from exc
     for name in files:
         if "/" in name or name.startswith(".") or name not in names:
             raise DatasetError(f"{shown}: Arrow file {name} named in {STATE_FILE} is missing")
@@ -248,7 +248,7 @@ class ColumnarReader:
                 self._parquet = pa.parquet.ParquetFile(self._file)
             except (pa.ArrowInvalid, OSError) as exc:
                 self.close()
-                raise DatasetError(f"{self.ref.name} is not a valid Parquet file: {_one_line(exc)}") from exc
+                raise DatasetError(f"{self.ref.name} is not a valid Parquet file: {message_line(exc)}") from exc
         return self._parquet
 
     def _groups(self, wanted: list[int]) -> Any:
@@ -264,7 +264,7 @@ class ColumnarReader:
                 if group in targets:
                     yield group, batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise DatasetError(f"{self.ref.name} is truncated or corrupt: {_one_line(exc)}") from exc
+            raise DatasetError(f"{self.ref.name} is truncated or corrupt: {message_line(exc)}") from exc
 
     def _batches(self, last: int | None) -> Any:
         """The record batches of an Arrow stream file, up to batch ``last``."""
@@ -286,7 +286,7 @@ class ColumnarReader:
                     if last is not None and i >= last:
                         return
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DatasetError(f"{self.ref.name} is not a valid Arrow file or is truncated: {_one_line(exc)}") from exc
+            raise DatasetError(f"{self.ref.name} is not a valid Arrow file or is truncated: {message_line(exc)}") from exc
 
     def close(self) -> None:
         """Close the open Parquet file (the next read reopens it)."""
@@ -299,5 +299,3 @@ class ColumnarReader:
         return {**self.__dict__, "_file": None, "_parquet": None}
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__

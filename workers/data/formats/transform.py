@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bnrecal.errors import DatasetError, DatasetOptionError
+from bnrecal.errors import DatasetError, DatasetOptionError, message_line
 
 DEFAULT_TRANSFORM: dict[str, Any] = {
     "resize": 256,
@@ -173,5 +173,4 @@ def check_image_header(path: Path, name: str) -> None:
 
 def _one_line(exc: BaseException, path: Path, name: str) -> str:
     """The error on one line, with the server-side path replaced by the dataset-relative name."""
-    text = " ".join(str(exc).replace(str(path), name).split())
-    return text or type(exc).__name__
+    return message_line(exc, limit=10_000).replace(" ".join(str(path).split()), name)

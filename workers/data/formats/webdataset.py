@@ -31,7 +31,7 @@ from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.formats.images import is_ignored_part
 from bnrecal.workers.data.shards.reads import open_shard, read_ranges
 from bnrecal.workers.data.shards.listing import ShardRef, is_shard_name
-from bnrecal.errors import DatasetError
+from bnrecal.errors import DatasetError, message_line
 
 DATA_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "npy")
 LABEL_EXTENSION = "cls"
@@ -141,7 +141,7 @@ def build_tar_index(ref: ShardRef, endpoint_url: str | None, role: str) -> TarIn
             raise DatasetError(f"shard {ref.name}: sample {current} has no data member ({'|'.join(DATA_EXTENSIONS)})")
     except (tarfile.TarError, zlib.error, EOFError, OSError) as exc:
         where = f" after member {member}" if member else ""
-        raise DatasetError(f"shard {ref.name} is truncated or corrupt{where}: {_one_line(exc)}") from exc
+        raise DatasetError(f"shard {ref.name} is truncated or corrupt{where}: {message_line(exc)}") from exc
     finally:
         stream.close()
     if not names:
@@ -249,12 +249,8 @@ def inner_shards(path: Path, shown: str) -> list[ShardRef]:
                     ))
                 tar.members.clear()
     except (tarfile.TarError, zlib.error, EOFError) as exc:
-        raise DatasetError(f"{shown} is not a valid tar of shards: {_one_line(exc)}") from exc
+        raise DatasetError(f"{shown} is not a valid tar of shards: {message_line(exc)}") from exc
     return sorted(refs, key=lambda r: r.name)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class TarReader:
@@ -313,7 +309,7 @@ class TarReader:
             data = stream.read(size)
         except (OSError, EOFError, zlib.error) as exc:
             self.close()
-            raise DatasetError(f"shard {self.ref.name} is truncated or corrupt at member {name}: {_one_line(exc)}") from exc
+            raise DatasetError(f"shard {self.ref.name} is truncated or corrupt at member {name}: {message_line(exc)}") from exc
         self._position += len(data)
         if len(data) != size:
             self.close()

@@ -32,6 +32,7 @@ from typing import BinaryIO
 from bnrecal.errors import BnrecalError, CorruptBlobError
 from bnrecal.workers.files import atomic_write, sync_directory
 
+from bnrecal.workers.files import file_digest
 from bnrecal.service.jobserver.storage.blobs.shared import (
     WRITE_CHUNK,
     Staging,
@@ -40,7 +41,6 @@ from bnrecal.service.jobserver.storage.blobs.shared import (
     blob_key,
     checked_hex,
     corrupt_error,
-    file_digest,
     is_tenant,
     missing,
     named,

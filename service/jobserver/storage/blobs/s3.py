@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 from bnrecal.errors import BnrecalError, CorruptBlobError, NotFoundError, SpecError
 from bnrecal.workers.data.objectstore import s3_filesystem
 
+from bnrecal.workers.files import file_digest
 from bnrecal.service.jobserver.storage.blobs.shared import (
     WRITE_CHUNK,
     Staging,
@@ -48,7 +49,6 @@ from bnrecal.service.jobserver.storage.blobs.shared import (
     blob_key,
     checked_hex,
     corrupt_error,
-    file_digest,
     is_tenant,
     missing,
     named,

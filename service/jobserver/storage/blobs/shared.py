@@ -6,7 +6,7 @@
 - :class:`Staging`: the local folder where an upload is hashed into a file as it streams in
   (with the byte cap and a full disk turned into typed errors), and where an artifact is
   copied when it cannot be renamed into place; :func:`adopt_file`, the artifact's way in.
-- Digest checks: :func:`file_digest`, :func:`verified_chunks` (a streamed read that holds
+- Digest checks: :func:`verified_chunks` (a streamed read that holds
   back its last chunk until the bytes are known to match), and :func:`corrupt_error` (the
   log line, the metric and the ``CorruptBlobError`` of a damaged blob).
 """
@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 import anyio
 
+from bnrecal.workers.files import stream_digest
 from bnrecal.errors import BnrecalError, CorruptBlobError, InsufficientStorageError, NotFoundError, PayloadTooLargeError
 
 from bnrecal.service.jobserver.storage.blobs.store import BlobInfo, CorruptHook, WriteChunks, clean_filename, is_digest
@@ -99,12 +100,6 @@ def named(
 
 
 # -- digests -----------------------------------------------------------------------------------
-
-
-def file_digest(file: Path) -> str:
-    """The ``sha256:<hex>`` digest of a file's bytes, read in blocks."""
-    with open(file, "rb") as handle:
-        return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def verified_chunks(
@@ -256,7 +251,7 @@ def adopt_file(file: Path, staging: Staging, place: Place) -> BlobInfo:
     try:
         with open(file, "r+b") as handle:
             os.fsync(handle.fileno())  # durable before its name says it is complete
-            info = BlobInfo("sha256:" + hashlib.file_digest(handle, "sha256").hexdigest(), os.fstat(handle.fileno()).st_size)
+            info = BlobInfo(stream_digest(handle), os.fstat(handle.fileno()).st_size)
         try:
             place(file, info)
             return info

@@ -14,7 +14,6 @@ the standard library and the error tree, so the client loads no backend.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import unicodedata
 from collections.abc import AsyncIterator, Callable, Iterator
