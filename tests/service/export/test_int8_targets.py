@@ -8,6 +8,8 @@ OpenVINO (``check_int8``)."""
 
 from __future__ import annotations
 
+import json
+
 import onnx
 import pytest
 import torch
@@ -33,9 +35,19 @@ def resnet(tmp_path_factory: pytest.TempPathFactory):
     return fp32, samples, array_dataset(tmp / "x.npy", samples)
 
 
-def quantized(resnet, options: dict):
-    fp32, samples, dataset = resnet
-    return quantize_export(fp32, int8_options(options), InProcessPasses(dataset, 16), samples)
+@pytest.fixture(scope="module")
+def files() -> dict:
+    """The module's INT8 exports by their options: the same options' file (the default's,
+    tensorrt's, openvino's) is made once for all the tests that read it."""
+    return {}
+
+
+def quantized(resnet, files: dict, options: dict):
+    key = json.dumps(options, sort_keys=True)
+    if key not in files:
+        fp32, samples, dataset = resnet
+        files[key] = quantize_export(fp32, int8_options(options), InProcessPasses(dataset, 16), samples)
+    return files[key]
 
 
 def qdq_facts(model: bytes):
@@ -49,8 +61,8 @@ def qdq_facts(model: bytes):
     return graph, inits, producer, consumers
 
 
-def test_tensorrt_file_follows_tensorrts_explicit_quantization_rules(resnet):
-    result = quantized(resnet, {"target": "tensorrt"})
+def test_tensorrt_file_follows_tensorrts_explicit_quantization_rules(resnet, files):
+    result = quantized(resnet, files, {"target": "tensorrt"})
     graph, inits, producer, consumers = qdq_facts(result.model)
     assert onnx.load_from_string(result.model).opset_import[0].version >= 13
     qdq = [node for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")]
@@ -74,8 +86,8 @@ def test_tensorrt_file_follows_tensorrts_explicit_quantization_rules(resnet):
     assert section["symmetric_activations"] is True and section["runtimes"]["openvino"]["ran"]
 
 
-def test_openvino_file_places_qdq_on_the_inputs_nncf_quantizes(resnet):
-    result = quantized(resnet, {"target": "openvino"})
+def test_openvino_file_places_qdq_on_the_inputs_nncf_quantizes(resnet, files):
+    result = quantized(resnet, files, {"target": "openvino"})
     graph, inits, producer, consumers = qdq_facts(result.model)
     for node in graph.node:
         if node.op_type == "DequantizeLinear":
@@ -87,8 +99,8 @@ def test_openvino_file_places_qdq_on_the_inputs_nncf_quantizes(resnet):
     assert result.section["runtimes"]["openvino"]["ran"] and result.section["ops_quantized"]["Conv"] == 20
 
 
-def test_onnxruntime_target_keeps_asymmetric_uint8_activations(resnet):
-    graph, inits, _, _ = qdq_facts(quantized(resnet, {}).model)
+def test_onnxruntime_target_keeps_asymmetric_uint8_activations(resnet, files):
+    graph, inits, _, _ = qdq_facts(quantized(resnet, files, {}).model)
     zero_points = [inits[n.input[2]] for n in graph.node if n.op_type == "QuantizeLinear"]
     assert all(str(z.dtype) == "uint8" for z in zero_points) and any(z.any() for z in zero_points)
 
@@ -109,12 +121,12 @@ def largest_weight(model: bytes) -> int:
     ({"reduce_range": False}, 8, "as asked (int8.reduce_range false)"),
     ({"target": "tensorrt", "reduce_range": True}, 7, "as asked (int8.reduce_range true)"),
 ])
-def test_cpu_targets_write_7_bit_weights_unless_asked_for_8(resnet, asked, bits, why):
+def test_cpu_targets_write_7_bit_weights_unless_asked_for_8(resnet, files, asked, bits, why):
     """7-bit weights (onnxruntime's reduce_range: -64..64) cannot saturate the 16-bit pair sums
     of x86 CPUs without VNNI, so the CPU targets write them by default; ``reduce_range: false``
     keeps full 8-bit weights (-127..127) for deployments known to have VNNI; TensorRT's GPUs
     accumulate in 32 bits and keep 8 (docs/int8.md, "Every x86 CPU")."""
-    result = quantized(resnet, asked)
+    result = quantized(resnet, files, asked)
     assert largest_weight(result.model) == (64 if bits == 7 else 127)  # the whole range is used
     section = result.section
     assert section["reduce_range"] is (bits == 7)
@@ -122,18 +134,18 @@ def test_cpu_targets_write_7_bit_weights_unless_asked_for_8(resnet, asked, bits,
     assert section["weights_why"].startswith(f"{bits}-bit weights, {why}")
 
 
-def test_op_types_is_an_allowlist(resnet):
-    section = quantized(resnet, {"op_types": ["Conv"]}).section
+def test_op_types_is_an_allowlist(resnet, files):
+    section = quantized(resnet, files, {"op_types": ["Conv"]}).section
     assert set(section["ops_quantized"]) == {"Conv"} and section["op_types"] == ["Conv"]
     assert any(op["op_type"] == "Gemm" and op["reason"] == "not in int8.op_types" for op in section["ops_float"])
 
 
-def test_16_bit_activations_for_onnxruntime(resnet):
-    result = quantized(resnet, {"activation_type": "uint16"})
+def test_16_bit_activations_for_onnxruntime(resnet, files):
+    result = quantized(resnet, files, {"activation_type": "uint16"})
     graph, inits, _, _ = qdq_facts(result.model)
     assert {str(inits[n.input[2]].dtype) for n in graph.node if n.op_type == "QuantizeLinear"} == {"uint16"}
     section = result.section
-    eight_bit = quantized(resnet, {}).section
+    eight_bit = quantized(resnet, files, {}).section
     assert section["activation_type"] == "uint16" and section["max_abs_diff"] < eight_bit["max_abs_diff"]  # weights stay int8
     openvino = section["runtimes"]["openvino"]  # opset 18: onnxruntime's own 16-bit Q/DQ, which OpenVINO cannot read
     assert openvino["ran"] is False and "com.microsoft" in openvino["reason"]

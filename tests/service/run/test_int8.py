@@ -38,10 +38,10 @@ def refused_here(original, host: int):
 def test_the_quantizer_runs_on_the_ranks_and_writes_the_same_file(tmp_path, warm_pool, monkeypatch, method):
     torch.manual_seed(0)
     model = torch.nn.Sequential(  # small: onnxruntime's entropy search takes seconds a tensor
-        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2),
-        torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10),
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10),
     ).eval()
-    samples = torch.randn(40, 3, 32, 32)
+    samples = torch.randn(40, 3, 16, 16)
     fp32 = fp32_export(model, samples, tmp_path / "fp32.onnx")
     dataset = array_dataset(tmp_path / "x.npy", samples)
     options = Int8Options(method=method)

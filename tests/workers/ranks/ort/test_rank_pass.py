@@ -41,12 +41,9 @@ def on_ranks(request, dataset, world, pool):
 
 
 @pytest.mark.parametrize("method", ["minmax", "percentile"])
-def test_int8_file_is_byte_identical_for_any_number_of_ranks(tmp_path, warm_pool, method):
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10)
-    samples = torch.randn(SAMPLES, 3, 24, 24)
-    prepared = prepare(fp32_export(model, samples, tmp_path / "fp32.onnx"))
-    dataset = array_dataset(tmp_path / "x.npy", samples)
+def test_int8_file_is_byte_identical_for_any_number_of_ranks(scored, warm_pool, method):
+    _, _, _, exports, _, dataset = scored  # the first resnet18's export, on its 41 samples
+    prepared = prepare(exports[0])
     options = Int8Options(method=method)
     request = OnnxPassRequest((PassModel(prepared.model, range_request(prepared, options)),))
 
@@ -79,6 +76,8 @@ def torch_counts(model: torch.nn.Module, samples: torch.Tensor, labels: np.ndarr
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
+    """Two resnet18 (random weights) at 24x24, their FP32 exports, 41 samples saved as
+    calibration data and labels: exported once for every test here that needs a model."""
     tmp = tmp_path_factory.mktemp("scores")
     torch.manual_seed(0)
     first, second = torchvision.models.resnet18(num_classes=CLASSES), torchvision.models.resnet18(num_classes=CLASSES)
@@ -224,15 +223,13 @@ def test_a_rank_lost_in_a_range_pass_reruns_that_pass_only_and_gives_the_same_ra
     assert np.array_equal(ranges.high, clean.models[0].ranges.high)
 
 
-def test_a_slice_run_in_pieces_writes_the_same_file(tmp_path, monkeypatch):
+def test_a_slice_run_in_pieces_writes_the_same_file(scored, monkeypatch):
     """Ranks run their slice in pieces of about RUN_BYTES of outputs (page faults cost as much
     as the forward otherwise): pieces of two samples give the file whole slices give."""
     import bnrecal.workers.ranks.ort.pieces as onnx_pieces_module
 
-    torch.manual_seed(4)
-    samples = torch.randn(SAMPLES, 3, 24, 24)
-    prepared = prepare(fp32_export(torchvision.models.resnet18(num_classes=10), samples, tmp_path / "fp32.onnx"))
-    dataset = array_dataset(tmp_path / "x.npy", samples)
+    _, _, _, exports, _, dataset = scored  # the second resnet18's export, on the 41 samples
+    prepared = prepare(exports[1])
     options = Int8Options()
     models = [PassModel(prepared.model, range_request(prepared, options))]
 
