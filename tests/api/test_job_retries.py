@@ -8,15 +8,25 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
-from tests.api.conftest import submit, upload, wait_for
+from tests.api.conftest import LiveServer, submit, upload, wait_for
 from tests.api.test_storage import client_of, serve
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server of default settings for the module's jobs: the ranks are what is lost here,
+    not the server (a rank lost on a warm gang is lost all the same)."""
+    with serve(tmp_path_factory.mktemp("retries")) as server:
+        yield server
 
 
 def inputs(client: httpx.Client, tmp_path: Path) -> dict[str, str]:
@@ -46,10 +56,10 @@ def kill_the_hanging_rank(signals: Path) -> None:
     os.kill(int(next(signals.glob("hanging-*")).name.split("-")[1]), signal.SIGKILL)
 
 
-def test_a_lost_rank_is_retried_once_by_default_and_the_job_says_so(tmp_path):
+def test_a_lost_rank_is_retried_once_by_default_and_the_job_says_so(live, tmp_path):
     signals = tmp_path / "signals"
     signals.mkdir()
-    with serve(tmp_path) as live, client_of(live) as client:
+    with client_of(live) as client:
         uploaded = inputs(client, tmp_path)
         (tmp_path / "unused").mkdir()
         clean = wait_for(client, submit(client, hanging_job(uploaded, tmp_path / "unused"))["id"], timeout=240)
@@ -65,10 +75,10 @@ def test_a_lost_rank_is_retried_once_by_default_and_the_job_says_so(tmp_path):
         assert ours == theirs  # the retry gives the very bytes of a run that never failed
 
 
-def test_max_retries_0_fails_the_job_naming_the_rank(tmp_path):
+def test_max_retries_0_fails_the_job_naming_the_rank(live, tmp_path):
     signals = tmp_path / "signals"
     signals.mkdir()
-    with serve(tmp_path) as live, client_of(live) as client:
+    with client_of(live) as client:
         job = submit(client, hanging_job(inputs(client, tmp_path), signals, max_retries=0))
         kill_the_hanging_rank(signals)
         done = wait_for(client, job["id"], timeout=240)

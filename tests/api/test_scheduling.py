@@ -115,11 +115,11 @@ def test_a_second_job_of_the_same_shape_runs_on_warm_ranks(live_server, tmp_path
             "arch": "tests.nets:mixed_net",
             "checkpoint": upload(client, save_state(tmp_path / "w.pt", mixed_net())),
             "data": upload(client, write_samples(tmp_path / "w.npy", 9, seed=3)[0]),
-            "workers": 3,  # a shape no other test of the session uses
+            "workers": 2, "placement": "strict_pack",  # a shape no other test of the session uses
             "batch_size": 3,
         }
         first = wait_for(client, submit(client, spec)["id"])
-        [gang] = [g for g in pool.idle() if g.key.world_size == 3]
+        [gang] = [g for g in pool.idle() if (g.key.world_size, g.key.placement_strategy) == (2, "STRICT_PACK")]
         second = wait_for(client, submit(client, spec)["id"])
     assert first["status"] == second["status"] == "succeeded"
     assert first["report"]["samples"] == second["report"]["samples"] == 9
@@ -171,7 +171,8 @@ def hanging_spec(client, tmp_path, hang_s: float, marked: bool = True) -> dict:
 def test_one_tenants_backlog_delays_anothers_job_by_at_most_one_job(tmp_path):
     # One job at a time, so the order is plain: FIFO would run B's 10 jobs (~2 s each) before A's.
     with serve(tmp_path, max_concurrent_jobs=1) as live, client_of(live, KEY) as a, client_of(live, OTHER_KEY) as b:
-        backlog = [submit(b, hanging_spec(b, tmp_path, hang_s=2.0)) for _ in range(10)]
+        queued = hanging_spec(b, tmp_path, hang_s=2.0)  # uploaded once: the ten jobs are the same job
+        backlog = [submit(b, queued) for _ in range(10)]
         wait_for(b, backlog[0]["id"], ("running",))
         mine = submit(a, hanging_spec(a, tmp_path, hang_s=2.0, marked=False))
         done = wait_for(a, mine["id"], timeout=60)
