@@ -9,6 +9,10 @@ own float32 training-mode BN is off by (``assert_matches_reference``).
 Two long-lived actors run the engine's own rank loop (``calibration_pass``) for every
 model, so the sweep pays Ray's actor start-up once, not once per model and mode; the
 job path around it (placement, streaming, the CLI) is tested on small nets elsewhere.
+Each rank runs its calls in the order they come, so a model's passes are all started at
+once and this process works while the ranks calibrate: it exports the program, computes the
+references and exports the folded ONNX model while the ranks are busy. A rank builds its
+model on the meta device (``skeleton``): the state dict it loads replaces every weight.
 """
 
 from __future__ import annotations
@@ -47,6 +51,22 @@ LAYOUTS = {"sync": "channels_last", "local": "contiguous"}
 """The layout each mode computes in (the statistics do not depend on it; both are covered)."""
 
 
+def skeleton(case: ZooCase) -> torch.nn.Module:
+    """The architecture with uninitialised weights, for a state dict to overwrite: built on the
+    meta device and given empty CPU storage, so a rank does not pay the random initialisation
+    the driver already paid. A model with non-persistent buffers (computed at build time, not
+    in its state dict) is built normally."""
+    try:
+        with torch.device("meta"):
+            model = build_model(case.arch, case.kwargs, device="meta")
+    except Exception:  # noqa: BLE001 - an architecture that cannot be built on meta
+        return build_model(case.arch, case.kwargs)
+    saved = model.state_dict(keep_vars=True)
+    if any(name not in saved for name, _ in model.named_buffers(remove_duplicate=False)):
+        return build_model(case.arch, case.kwargs)
+    return model.to_empty(device="cpu")
+
+
 @ray.remote(num_cpus=1)
 class ZooRank:
     """One rank of the sweep: joins the group once, then calibrates model after model."""
@@ -65,7 +85,7 @@ class ZooRank:
 
         Each mode runs in one layout (``LAYOUTS``), so both are covered and a program replays
         exactly the kernels of its model's sync pass: the same rounding, the same statistics."""
-        model = build_model(case.arch, case.kwargs)
+        model = skeleton(case)
         model.load_state_dict(state)
         layers, _ = find_batchnorm_layers(model)
         ranges = rank_ranges(len(samples), BATCH, WORLD, self.rank)
@@ -103,10 +123,16 @@ def ranks() -> Iterator[list[Any]]:
         ray.kill(actor)
 
 
-def calibrate_on_ranks(ranks: list[Any], case: ZooCase, model: torch.nn.Module, samples: torch.Tensor, mode: str):
-    state = ray.put(model.state_dict())
-    data = ray.put(samples)
-    (stats, steps), _ = ray.get([rank.calibrate.remote(case, state, data, mode) for rank in ranks])
+def calibrate_on_ranks(ranks: list[Any], case: ZooCase, state: Any, data: Any, mode: str) -> list[Any]:
+    """Start one calibration on the ranks (``state`` and ``data``: the model's state dict and the
+    samples in the object store, put once per model); :func:`calibrated_model` waits for it.
+    Each rank runs its calls in the order they were made, so the driver works meanwhile."""
+    return [rank.calibrate.remote(case, state, data, mode) for rank in ranks]
+
+
+def calibrated_model(model: torch.nn.Module, pending: list[Any]) -> torch.nn.Module:
+    """A copy of ``model`` with the statistics rank 0 returned for ``pending``."""
+    (stats, steps), _ = ray.get(pending)
     calibrated = copy.deepcopy(model)
     layers, _ = find_batchnorm_layers(calibrated)
     unreached = apply_statistics(layers, [MomentStats(*s) for s in stats], steps)
@@ -114,15 +140,13 @@ def calibrate_on_ranks(ranks: list[Any], case: ZooCase, model: torch.nn.Module, 
     return calibrated
 
 
-def program_on_ranks(ranks: list[Any], model: torch.nn.Module, samples: torch.Tensor, tmp_path: Path):
+def program_on_ranks(ranks: list[Any], model: torch.nn.Module, samples: torch.Tensor, data: Any, tmp_path: Path):
     """The model exported with a dynamic batch, calibrated in sync mode by the ranks from
-    its archive alone, in the layout of the model's own sync pass; the archive, each layer's
-    statistics and the steps."""
+    its archive alone, in the layout of the model's own sync pass; the archive and the pending
+    pass (each layer's statistics and the steps)."""
     path = export_program(model, samples[:2], tmp_path / "zoo.pt2", dynamic=True)
     archive = ray.put(path.read_bytes())
-    data = ray.put(samples)
-    (stats, steps), _ = ray.get([rank.calibrate_program.remote(archive, data, "sync") for rank in ranks])
-    return path, stats, steps
+    return path, [rank.calibrate_program.remote(archive, data, "sync") for rank in ranks]
 
 
 def assert_same_statistics(program_stats: dict[str, Any], eager: torch.nn.Module, rel: float = 1e-5) -> None:
@@ -142,16 +166,23 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = stale(build_model(case.arch, case.kwargs))
     samples = torch.randn(case.samples, 3, case.size, case.size) * 1.2 + 0.1
+    state, data = ray.put(model.state_dict()), ray.put(samples)
+    modes = ("sync", "local") if case.local else ("sync",)
+    # The ranks calibrate while this process exports the program and computes the references.
+    pending = {mode: calibrate_on_ranks(ranks, case, state, data, mode) for mode in modes}
+    path, program_pending = program_on_ranks(ranks, model, samples, data, tmp_path)
+    expected = {mode: reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode) for mode in modes}
     results = {}
-    for mode in ("sync", "local") if case.local else ("sync",):
-        expected = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode)
-        results[mode] = calibrate_on_ranks(ranks, case, model, samples, mode)
+    for mode in modes:
+        results[mode] = calibrated_model(model, pending[mode])
         try:
-            assert_matches_reference(results[mode], expected)
+            assert_matches_reference(results[mode], expected[mode])
         except AssertionError:  # deep in a random-weight net: held to torch's own float32 drift there
             float32 = reference_statistics(model, samples, BATCH, world_size=WORLD, mode=mode, dtype=torch.float32)
-            assert_matches_reference(results[mode], expected, float32_reference=float32)
-    path, program_stats, steps = program_on_ranks(ranks, model, samples, tmp_path)
+            assert_matches_reference(results[mode], expected[mode], float32_reference=float32)
+    if case.export:  # while the ranks calibrate the program
+        check_folded_export(case, results["sync"], samples, tmp_path / "model.onnx")
+    (program_stats, steps), _ = ray.get(program_pending)
     assert_same_statistics(program_stats, results["sync"])
     if case.program_export:
         program = load_program(path)
@@ -161,10 +192,10 @@ def sweep(ranks: list[Any], case: ZooCase, tmp_path: Path) -> None:
         report = export_folded_onnx(program, samples[:4], out)
         assert report["folded"] > 0 and report["batch"] == "dynamic"
         assert_matches_torch(out, results["sync"], samples[4:7])
-    if not case.export:
-        return
-    calibrated = results["sync"]
-    out = tmp_path / "model.onnx"
+
+
+def check_folded_export(case: ZooCase, calibrated: torch.nn.Module, samples: torch.Tensor, out: Path) -> None:
+    """The calibrated model exported folded to ONNX: what folds, what stays and why, and its outputs."""
     report = export_folded_onnx(calibrated, samples[:4], out)
     batchnorms = len(find_batchnorm_layers(calibrated)[0])
     assert report["folded"] + report["batchnorm_nodes"] >= batchnorms

@@ -99,14 +99,15 @@ def branching_request(tmp_path, samples, workers, batch_size):
     )
 
 
-def test_ranks_calling_layers_in_different_orders_fail_the_job(settings, tmp_path):
+def test_ranks_calling_layers_in_different_orders_fail_the_job(settings, tmp_path, warm_pool):
+    # The failing job takes the module's warm pair of ranks (its gang is killed, never reused).
     samples = torch.randn(16, 4) * 0.1
     samples[[0, 1, 2, 3, 8, 9, 10, 11]] += 2.0  # rank 0's slices go a -> b, rank 1's go b -> a
     samples[[4, 5, 6, 7, 12, 13, 14, 15]] -= 2.0
     request = branching_request(tmp_path, samples, workers=2, batch_size=8)
     with pytest.raises(CallOrderError, match=r"reduced BN layer '(a|b)' \(BatchNorm1d\) while another rank"):
-        recalibrate(request, settings)
-    local = recalibrate(request.model_copy(update={"mode": "local"}), settings)  # no per-step collective to mix up
+        recalibrate(request, settings, pool=warm_pool)
+    local = recalibrate(request.model_copy(update={"mode": "local"}), settings, pool=warm_pool)  # no per-step collective to mix up
     assert local.report["collectives"] == 1
 
 
