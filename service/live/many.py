@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from bnrecal.errors import BnrecalError, CancelledError, SpecError
+from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.run.core import KeepBudget
 from bnrecal.service.run.executors import InProcess, RayRanks
@@ -28,7 +29,6 @@ from bnrecal.service.sweep.cells import CellStatus, check_name
 from .report import RecalibrationReport
 from .run import (
     Forward, LiveRun, call_settings, live_options, prepare_data, progress_display, run_live, run_options, runs_here,
-    warm_pool,
 )
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def recalibrate_many(
     Bad options and data are refused at the call; nothing runs until the first cell is
     asked for. Stop early by leaving the loop: the ranks are let go.
     """
-    pool, asked = warm_pool(), live_options(options, overrides, "recalibrate_many")
+    pool, asked = current_pool(), live_options(options, overrides, "recalibrate_many")
     settings, run = call_settings(asked), run_options(asked)
     named = _named_sets(data)
     prepared: dict[str, PreparedData] = {

@@ -9,11 +9,9 @@ group as every recalibration. The statistics go into the model's own BN buffers,
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +21,7 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec, call_model, check_splittable, model_input
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.errors import ModelInputError, SpecError, first_line
+from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunPlan, SharedScope, run,
@@ -42,27 +41,6 @@ if TYPE_CHECKING:
     from bnrecal.workers.ranks.pool import WarmPool
 
 Forward = Callable[[nn.Module, Any], Any]
-
-_warm_pool: ContextVar[WarmPool | None] = ContextVar("bnrecal_warm_pool", default=None)
-
-
-def warm_pool() -> WarmPool | None:
-    """The pool ``warm_ranks`` set for this context, if any."""
-    return _warm_pool.get()
-
-
-@contextlib.contextmanager
-def warm_ranks(pool: WarmPool) -> Iterator[None]:
-    """Within it, ``recalibrate`` calls on Ray take their ranks from ``pool`` (warm actors of
-    an earlier call of the same shape) and leave them there, as the server's jobs do; one
-    worker then runs on Ray too. For callers that recalibrate many models in a row (the
-    tests, a sweep); the public signature keeps no internal type."""
-    token = _warm_pool.set(pool)
-    try:
-        yield
-    finally:
-        _warm_pool.reset(token)
-
 
 def recalibrate(
     model: nn.Module | torch.export.ExportedProgram,
@@ -137,7 +115,7 @@ def recalibrate(
     else pickled with its class by reference (see ``docs/python.md``). Errors are
     ``bnrecal.BnrecalError`` subclasses with one-line messages.
     """
-    pool, asked = _warm_pool.get(), live_options(options, overrides, "recalibrate")
+    pool, asked = current_pool(), live_options(options, overrides, "recalibrate")
     settings, options = call_settings(asked), run_options(asked)
     group = job_group(process_group, data, asked, ray_address=ray_address, server=server)
     if group is not None:

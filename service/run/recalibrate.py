@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
+from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunResult, RunPlan, check_cancel, run,
@@ -116,7 +117,8 @@ def recalibrate(
     elif in_process:
         executor = InProcess()
     else:
-        executor = RayRanks(settings, address=settings.ray_address, pool=pool, placement=request.placement)
+        executor = RayRanks(settings, address=settings.ray_address, pool=pool if pool is not None else current_pool(),
+                            placement=request.placement)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
     policy = FailurePolicy(retries)
 

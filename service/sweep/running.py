@@ -22,6 +22,7 @@ from pathlib import Path
 from bnrecal.errors import BnrecalError, CancelledError
 from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.ranks.pool import WarmPool
+from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.core import KeepBudget, ProgressCallback, decoding_report
@@ -94,7 +95,8 @@ def sweep_to_files(
 
     def ranks() -> SharedRanks:
         inner = InProcess() if in_process else RayRanks(settings, address=settings.ray_address,
-                                                        placement=options.placement, pool=pool)
+                                                        placement=options.placement,
+                                                        pool=pool if pool is not None else current_pool())
         return SharedRanks(inner, keep)
 
     if lanes > 1 and pool is None:  # one Ray for every lane, with room for all their ranks

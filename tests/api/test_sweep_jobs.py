@@ -95,7 +95,8 @@ def test_each_cell_is_its_single_job_and_streams_as_it_finishes(live_server, inp
 
 def test_a_cell_that_cannot_run_fails_alone(live_server, inputs):
     with live_server.client(KEY) as client:
-        job = submit(client, sweep_spec(inputs, models=("m0.pt", "wide.pt")) | {"pairs": [[0, "a"], [1, "a"], [1, "b"]]})
+        job = submit(client, sweep_spec(inputs, models=("m0.pt", "wide.pt"), outputs=["checkpoint"])  # no ONNX: unchecked
+                     | {"pairs": [[0, "a"], [1, "a"], [1, "b"]]})
         job = wait_for(client, job["id"])
         assert job["status"] == "failed"
         assert "2 of 3 cells failed" in job["error"]["detail"], job["error"]

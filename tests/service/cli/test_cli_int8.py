@@ -17,7 +17,7 @@ from tests.nets import classifier_net, perturbed
 from tests.conftest import run_cli
 
 
-pytestmark = pytest.mark.usefixtures("cli_environment")
+pytestmark = pytest.mark.usefixtures("cli_environment", "cli_warm_ranks")
 
 
 @pytest.fixture

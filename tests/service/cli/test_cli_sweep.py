@@ -18,7 +18,7 @@ from tests.conftest import run_cli, save_array, save_state
 from tests.nets import classifier_net, mixed_net, no_norm_net, perturbed, volume_net
 from tests.shards import photos, write_folder
 
-pytestmark = pytest.mark.usefixtures("cli_environment")
+pytestmark = pytest.mark.usefixtures("cli_environment", "cli_warm_ranks")
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,27 @@ def _calibrate(capsys, folder: Path, checkpoint: Path, data: Path, *extra: str) 
     assert code == 0, err
 
 
+@pytest.fixture(scope="module")
+def single_jobs(tmp_path_factory, sweep_inputs):
+    """The single ``calibrate`` of a model and set with so many workers, run once for the
+    module: the sweeps of one worker, a cell at a time or side by side, compare with the same."""
+    made: dict[tuple[str, str, int], Path] = {}
+
+    def single(capsys, model: str, set_name: str, data: str, workers: int) -> Path:
+        if (model, set_name, workers) not in made:
+            folder = tmp_path_factory.mktemp(f"single-{model}-{set_name}-{workers}")
+            _calibrate(capsys, folder, sweep_inputs / f"{model}.pt", sweep_inputs / data, "--workers", str(workers),
+                       "--onnx", str(folder / "model.onnx"), "--report", str(folder / "report.json"))
+            made[model, set_name, workers] = folder
+        return made[model, set_name, workers]
+
+    return single
+
+
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize(("workers", "at_once"), [(1, 1), (2, 1), (1, 2)])
-def test_every_cell_is_byte_identical_to_its_single_calibrate(capsys, tmp_path, sweep_inputs, workers, at_once):
+def test_every_cell_is_byte_identical_to_its_single_calibrate(capsys, tmp_path, sweep_inputs, single_jobs, workers,
+                                                              at_once):
     code, out, err = run_cli(
         capsys, "sweep", "--models", str(sweep_inputs / "models.txt"), "--arch", "tests.nets:mixed_net",
         "--data", f"A={sweep_inputs / 'a.npy'}", "--data", f"B={sweep_inputs / 'b.npy'}", "--batch-size", "8",
@@ -52,10 +70,7 @@ def test_every_cell_is_byte_identical_to_its_single_calibrate(capsys, tmp_path, 
     assert "swept 2 models x 2 sets: 4 cells succeeded, 0 failed" in out + err
     singles = [("m1", "B", "b.npy")] if workers > 1 else [("m0", "A", "a.npy"), ("m1", "B", "b.npy")]
     for model, set_name, data in singles:  # a later model over a set an earlier one read, and the first cell
-        single = tmp_path / f"single-{model}-{set_name}"
-        single.mkdir()
-        _calibrate(capsys, single, sweep_inputs / f"{model}.pt", sweep_inputs / data, "--workers", str(workers),
-                   "--onnx", str(single / "model.onnx"), "--report", str(single / "report.json"))
+        single = single_jobs(capsys, model, set_name, data, workers)
         cell = tmp_path / "out" / model / set_name
         assert (cell / f"{model}.pt").read_bytes() == (single / f"{model}.pt").read_bytes()
         assert (cell / "model.onnx").read_bytes() == (single / "model.onnx").read_bytes()

@@ -16,7 +16,7 @@ from tests.conftest import run_cli, save_state
 from tests.nets import classifier_net, perturbed
 from tests.shards import photos, write_folder
 
-pytestmark = pytest.mark.usefixtures("cli_environment")
+pytestmark = pytest.mark.usefixtures("cli_environment", "cli_warm_ranks")
 
 SAMPLES = 24
 FP32_READS = 2  # percentile: two reads of the one pass that runs both FP32 models (ranges, evaluation, scores)

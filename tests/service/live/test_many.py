@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
+from bnrecal.workers.ranks.warm_context import warm_ranks
 from tests.nets import mixed_net, no_norm_net, perturbed
 from tests.reference import assert_matches_reference, reference_statistics
 from tests.service.live.helpers import assert_only_bn_buffers_changed, state
@@ -79,7 +80,7 @@ def test_bad_data_is_refused_before_any_model_is_read():
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_lost_rank_reruns_only_its_cell_and_a_rank_that_always_dies_fails_only_its_own(monkeypatch, tmp_path):
+def test_a_lost_rank_reruns_only_its_cell_and_a_rank_that_always_dies_fails_only_its_own(monkeypatch, tmp_path, warm_pool):
     from tests.nets import MARKER, marker_net
 
     monkeypatch.setenv("BNRECAL_MAX_RETRIES", "1")
@@ -97,6 +98,7 @@ def test_a_lost_rank_reruns_only_its_cell_and_a_rank_that_always_dies_fails_only
     assert status[0, "marked"].report.attempts == 2 and len(status[0, "marked"].report.retried_failures) == 1
     assert all(status[key].report.attempts == 1 for key in status if key not in ((0, "marked"), (1, "marked")))
     single = copy.deepcopy(given[0])  # the retried cell's statistics are those of a run that never failed
-    bnrecal.recalibrate(single, marked, batch_size=8, workers=2, progress=False)
+    with warm_ranks(warm_pool):  # the module's warm ranks (the sweep above ran on fresh ones: it is about losing them)
+        bnrecal.recalibrate(single, marked, batch_size=8, workers=2, progress=False)
     for key, value in status[0, "marked"].statistics.items():
         assert torch.equal(value, single.state_dict()[key]), key

@@ -18,7 +18,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest
 from bnrecal.service.run.recalibrate import recalibrate as recalibrate_files
 
 import bnrecal
-from bnrecal.service.live.run import warm_ranks
+from bnrecal.workers.ranks.warm_context import warm_ranks
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics
@@ -112,7 +112,7 @@ def test_a_dataloader_gives_the_clis_and_the_references_statistics(mixed, settin
     cli = recalibrate_files(
         RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, workers=workers,
                              batch_size=6, mode=mode, order="given"),  # the DataLoader's own order
-        settings,
+        settings, pool=warm_pool,  # the engine's ranks, warm from the module's earlier runs of this shape
     )
     ours = live.state_dict()
     for key, value in cli.updates.items():
