@@ -43,8 +43,7 @@ from bnrecal.errors import (
     SpecError,
     TooManyJobsError,
 )
-from bnrecal.workers.files import atomic_write
-from bnrecal.workers.files import file_digest as digest_of
+from bnrecal.workers.files import atomic_write, file_digest as digest_of
 
 from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bnrecal.errors import BnrecalError, CorruptBlobError
-from bnrecal.workers.files import atomic_write, sync_directory
+from bnrecal.workers.files import atomic_write, file_digest, sync_directory
 
-from bnrecal.workers.files import file_digest
 from bnrecal.service.jobserver.storage.blobs.shared import (
     WRITE_CHUNK,
     Staging,
