@@ -312,7 +312,9 @@ def flag_message(error: BnrecalError) -> str:
         head, message = whole, re.sub(rf"^{re.escape(field)}(?=[\s:]|$)", flag_of(whole), error.message)
     else:
         message = re.sub(rf"^{re.escape(head)}(?=[\s:.]|$)", flag_of(head), error.message)
-    return re.sub(rf"(?<![\w./'\"-])({'|'.join(words)})(?![\w/'\"-])", lambda m: flag_of(m.group(1)), message)
+    message = re.sub(rf"(?<![\w./'\"-])({'|'.join(words)})(?![\w/'\"-])", lambda m: flag_of(m.group(1)), message)
+    # A hint written for both surfaces ("set model_kwargs V (--model-kwargs 'V')") names the flag twice here.
+    return re.sub(r"(--[\w-]+) (\S.*?) \(\1 '\2'\)", r"\1 '\2'", message)
 
 
 def run_command(

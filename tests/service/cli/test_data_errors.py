@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bnrecal.errors import DatasetOptionError, SpecError
+from bnrecal.errors import CheckpointError, DatasetOptionError, SpecError
 from bnrecal.service.cli.options import flag_message
 
 from tests.conftest import run_cli, save_state
@@ -89,6 +89,12 @@ def test_evaluation_shards_without_labels_say_what_may_be_unlabelled(capsys, che
     assert code == 0 and "(no labels)" in err, err
 
 
+def blaming(error: CheckpointError, field: str) -> CheckpointError:
+    """``error`` blaming ``field``, as the checkpoint check sets it on the error it raises."""
+    error.field = field
+    return error
+
+
 @pytest.mark.parametrize(("error", "line"), [
     (DatasetOptionError("image_column and label_column apply to Parquet and Arrow shards; calib.npy is not",
                         field="image_column"),
@@ -102,6 +108,10 @@ def test_evaluation_shards_without_labels_say_what_may_be_unlabelled(capsys, che
      "x.parquet has no label column 'label_column' (give --label-column)"),
     (SpecError("--int8 sets the INT8 export's options", field="--int8"), "--int8 sets the INT8 export's options"),
     (DatasetOptionError("no image_column here", field=None), "no image_column here"),  # blames no option
+    # A hint that names the field and its flag (for the job spec and the CLI alike) names the flag once here.
+    (blaming(CheckpointError("""only the classifier head differs; set model_kwargs {"num_classes": 3} (--model-kwargs '{"num_classes": 3}')"""),
+             "model_kwargs"),
+     """only the classifier head differs; set --model-kwargs '{"num_classes": 3}'"""),
 ])
 def test_errors_name_run_options_by_their_flags(error, line):
     assert flag_message(error) == line
