@@ -18,7 +18,9 @@ Only a healthy gang serves again: one whose job succeeded and whose every rank a
 reset runs while the finished job is written out and is checked when the next job takes
 the gang). A cancelled or failed job's gang is killed. Idle gangs are killed after ``idle_s``
 (their CPUs go back to the cluster), and any of them is evicted, oldest first, when a
-new gang needs the resources it holds.
+new gang needs the resources it holds: at once for a job of the pool's own process, within
+a second for a placement group of any other process of the cluster (another server's job
+host, a caller's run), which waits for no pool's ``idle_s``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from bnrecal.errors import CancelledError, RunError
@@ -271,6 +273,27 @@ class WarmPool:
             evicted += 1
         return evicted
 
+    def give_way(self) -> int:
+        """Kill idle gangs, oldest first, while a placement group of any process of the cluster
+        (another server's job host, a caller's run, another driver) waits for resources they
+        hold; returns how many. A job of this process asks at once (``make_room``); this is how
+        the pools of other processes hear it, within a reaper interval, instead of only after
+        ``idle_s``. A group that no eviction could place (infeasible) is not waited for."""
+        with self._lock:
+            if not self._idle:
+                return 0
+            mine = {gang.group.id.hex() for gang in self._idle}
+        need: dict[str, float] = {}
+        for group in placement_group_table().values():
+            if (group.get("state") != "PENDING" or group.get("placement_group_id") in mine
+                    or group.get("stats", {}).get("scheduling_state") != "NO_RESOURCES"):
+                continue
+            for bundle in group.get("bundles", {}).values():
+                for name, amount in bundle.items():
+                    if name in ("CPU", "GPU"):
+                        need[name] = need.get(name, 0.0) + amount
+        return self.evict_for(need) if need else 0
+
     def reap(self, now: float | None = None) -> int:
         """Kill the gangs idle for longer than ``idle_s``; returns how many."""
         now = time.monotonic() if now is None else now
@@ -297,6 +320,7 @@ class WarmPool:
         while not self._closed.wait(interval):
             try:
                 self.reap()
+                self.give_way()
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad moment (Ray restarting)
                 log.exception("releasing idle warm actors failed; retrying")
 

@@ -1,5 +1,6 @@
 """The warm pool on a real local Ray: reuse, isolation between jobs, idle release,
-eviction for a job that needs the CPUs, and no reuse after a cancelled or failed job."""
+eviction for a job that needs the CPUs (of this process or another), and no reuse after a
+cancelled or failed job."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.actor import RankState
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
-from bnrecal.workers.ranks.pool import WarmPool
+from bnrecal.workers.ranks.plan import GroupOptions
+from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
 
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
@@ -23,7 +25,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.fresh_ranks]  # the cluster's free CPUs are checked here
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,46 @@ def test_an_idle_gang_gives_way_to_a_job_that_needs_its_cpus(two_models, setting
         assert [gang.key.cpus_per_worker for gang in pool.idle()] == [1.0]
     finally:
         pool.close()
+
+
+@ray.remote(num_cpus=0)
+class OtherProcess:
+    """Another process of the cluster with a warm pool of its own, as a second server's job
+    host (or a caller's process) has."""
+
+    def __init__(self) -> None:
+        self.pool = WarmPool(idle_s=600)
+
+    def hold(self, cpus: float) -> None:
+        """Leave an idle gang of one rank holding ``cpus`` in the pool, for its 600 s."""
+        key = GangKey(1, cpus, 0.0, "PACK", "cpu")
+        with held_gang(key, GroupOptions(cpus_per_worker=cpus, placement_timeout_s=30), self.pool):
+            pass
+
+    def idle(self) -> int:
+        return len(self.pool.idle())
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def test_an_idle_gang_of_another_process_gives_way_within_seconds(two_models, settings):
+    # Every free CPU held by another process's idle gang (a second server's job host, say):
+    # this process's job is placed once that pool hears it wait, not after the pool's 600 s.
+    free = free_cpus_reach(ray.cluster_resources()["CPU"], timeout=30)
+    other = OtherProcess.remote()
+    try:
+        ray.get(other.hold.remote(free))
+        assert ray.get(other.idle.remote()) == 1 and ray.available_resources().get("CPU", 0.0) < 1.0
+        placing = settings.model_copy(update={"cpus_per_worker": 1.0, "placement_timeout_s": 60})
+        started = time.monotonic()
+        result = recalibrate(request_for(two_models["six"]), placing)  # no pool of this process holds anything
+        assert time.monotonic() - started < 30
+        assert result.report["samples"] == 17
+        assert ray.get(other.idle.remote()) == 0
+    finally:
+        ray.get(other.close.remote())
+        ray.kill(other)
 
 
 def marked(tmp_path: Path) -> tuple[Path, Path]:
