@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,16 +34,41 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
+_SESSION_POOLS: list[Any] = []
+"""The test run's warm pool, once made (at most one a process: each xdist worker has its own)."""
+
+FREE_CPUS_AT_MODULE_START = 4
+"""Logical CPUs of the test run's Ray (8) that a module starts with free: the warm pool keeps
+the gangs of earlier modules within the rest (oldest evicted first), so a module's own actors
+(the zoo's ranks, a test's gang of 4) are placed at once beside them."""
+
+
+@pytest.fixture(scope="session")
 def warm_pool(ray_cluster: None) -> Iterator[Any]:
-    """Warm rank actors shared by a test module's jobs, as the server shares them: a job
-    pays the ranks' start-up (a process importing torch, ~6 s here) once per shape, not
-    once per call. A failed or cancelled job's ranks are killed, never reused."""
+    """Warm rank actors shared by the whole test run's jobs, as the server shares them: a job
+    pays the ranks' start-up (a process importing torch, ~6 s here) once per shape and run,
+    not once per call or module. A failed or cancelled job's ranks are killed, never reused.
+    Tests about starting, losing or killing ranks start their own (``WarmPool`` or none)."""
     from bnrecal.workers.ranks.pool import WarmPool
 
-    pool = WarmPool(idle_s=600)
+    pool = WarmPool(idle_s=1800)
+    _SESSION_POOLS.append(pool)
     yield pool
+    _SESSION_POOLS.remove(pool)
     pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _room_beside_the_warm_pool(request: pytest.FixtureRequest) -> None:
+    """Each module starts with ``FREE_CPUS_AT_MODULE_START`` CPUs that no idle warm gang holds;
+    a module marked ``fresh_ranks`` (about starting, losing or killing ranks, or the cluster's
+    free CPUs) with none held."""
+    import ray
+
+    need = math.inf if request.node.get_closest_marker("fresh_ranks") else FREE_CPUS_AT_MODULE_START
+    for pool in _SESSION_POOLS:
+        if ray.is_initialized():
+            pool.evict_for({"CPU": need})
 
 
 @pytest.fixture(scope="session")

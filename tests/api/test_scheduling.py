@@ -22,7 +22,7 @@ from tests.api.test_storage import KEY, OTHER_KEY, client_of, serve
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.fresh_ranks]  # the cluster's free CPUs are checked here
 
 
 def free_cpus_settle(expected: float, pool, timeout: float = 30) -> float:

@@ -1,4 +1,4 @@
-"""The live API's tests share the module's warm ranks, as a caller recalibrating many models
+"""The live API's tests share the test run's warm ranks, as a caller recalibrating many models
 in a row would (``workers.ranks.warm_context.warm_ranks``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from bnrecal.workers.ranks.warm_context import warm_ranks
 
 @pytest.fixture
 def warm_live(warm_pool: Any) -> Iterator[Any]:
-    """``bnrecal.recalibrate`` calls in this test run on the module's warm ranks (one worker
+    """``bnrecal.recalibrate`` calls in this test run on the test run's warm ranks (one worker
     on Ray too); the pool itself, for the tests that also run a recalibration of files."""
     with warm_ranks(warm_pool):
         yield warm_pool

@@ -3,15 +3,14 @@ the model.safetensors of ``save_pretrained`` in, two ranks in sync mode, statist
 against the independent float64 reference, the checkpoint back in its own format (still
 loadable by ``from_pretrained``), and the folded ONNX export verified in onnxruntime.
 
-The jobs share one warm gang of rank actors (``WarmPool``, as the server does), so the
-file pays Ray's actor start-up about once. ResNet, RegNet and EfficientNet run by default,
+The jobs take their ranks from the test run's warm pool (``warm_pool``, as the server's jobs
+do), so they pay no actor start-up once an earlier job of the same shape has. ResNet, RegNet and EfficientNet run by default,
 MobileNetV2 with the ``slow`` tests.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ from safetensors import safe_open
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.errors import ArchitectureError
-from bnrecal.workers.ranks.pool import WarmPool
 
 from bnrecal.service.jobserver.jobs.submission import check_architecture
 from bnrecal.service.run.exporting import export_recalibrated
@@ -43,14 +41,6 @@ SAMPLES = 20
 BATCH = 8  # 3 steps, the last one short
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WarmPool]:
-    """One warm gang for every job of the file (all of them 2 ranks on the CPU)."""
-    pool = WarmPool(idle_s=300)
-    yield pool
-    pool.close()
-
-
 def prepared(folder: Path, name: str, **overrides) -> tuple[torch.nn.Module, dict, Path, torch.Tensor, Path]:
     """A tiny stale model saved with save_pretrained, and calibration samples as .npy."""
     model = stale(tiny_model(name, **overrides))
@@ -67,13 +57,13 @@ EXPORTED = {name for name in TINY if not name.startswith("MobileNetV2")}
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings, pool, tmp_path):
+def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings, warm_pool, tmp_path):
     model, config, weights, samples, data = prepared(tmp_path, name)
     request = RecalibrationRequest(
         arch=f"transformers:{name}", model_kwargs=config, checkpoint=weights, data=data, workers=2,
         batch_size=BATCH, mode="sync",
     )
-    result = recalibrate(request, settings, pool=pool)
+    result = recalibrate(request, settings, pool=warm_pool)
 
     expected = reference_statistics(model, in_contract_order(samples), BATCH)
     float32 = reference_statistics(model, in_contract_order(samples), BATCH, dtype=torch.float32)
@@ -113,13 +103,13 @@ def test_two_ranks_in_sync_match_the_reference_and_export_folded(name, settings,
     assert_matches_torch(tmp_path / "model.onnx", result.model, x)  # a batch size the export never verified
 
 
-def test_a_transformers_model_goes_through_as_a_program(settings, pool, tmp_path):
+def test_a_transformers_model_goes_through_as_a_program(settings, warm_pool, tmp_path):
     """The same model exported with torch.export: no transformers code needed to calibrate it."""
     name = "ResNetForImageClassification"
     model, _, _, samples, data = prepared(tmp_path, name)
     program = export_program(model, samples[:1], tmp_path / "resnet.pt2")
     request = RecalibrationRequest(program=program, data=data, workers=2, batch_size=BATCH)
-    result = recalibrate(request, settings, pool=pool)
+    result = recalibrate(request, settings, pool=warm_pool)
     expected = reference_statistics(model, in_contract_order(samples), BATCH)
     float32 = reference_statistics(model, in_contract_order(samples), BATCH, dtype=torch.float32)
     assert_matches_reference(buffers_as_modules(result.model), expected, float32_reference=float32)
@@ -128,7 +118,7 @@ def test_a_transformers_model_goes_through_as_a_program(settings, pool, tmp_path
     assert onnx["batchnorm_nodes"] == 0 and onnx["batch"] == 1
 
 
-def test_labelled_evaluation_reads_the_logits(settings, pool, tmp_path):
+def test_labelled_evaluation_reads_the_logits(settings, warm_pool, tmp_path):
     classes = 12  # top-5 is reported from 10 classes on
     name = "ResNetForImageClassification"
     model, config, weights, _, data = prepared(tmp_path, name, num_labels=classes)
@@ -139,7 +129,7 @@ def test_labelled_evaluation_reads_the_logits(settings, pool, tmp_path):
         arch=f"transformers:{name}", model_kwargs=config, checkpoint=weights, data=data, workers=2,
         batch_size=BATCH, eval_data=tmp_path / "eval.npz",
     )
-    result = recalibrate(request, settings, pool=pool)
+    result = recalibrate(request, settings, pool=warm_pool)
     metrics = result.report["evaluation"]
     assert metrics["samples"] == 14 and metrics["labelled"] and metrics["classes"] == classes
     with torch.no_grad():
@@ -149,13 +139,13 @@ def test_labelled_evaluation_reads_the_logits(settings, pool, tmp_path):
     assert metrics["after"]["cross_entropy"] != metrics["before"]["cross_entropy"]
 
 
-def test_model_outputs_with_hidden_states_export_every_tensor(settings, pool, tmp_path):
+def test_model_outputs_with_hidden_states_export_every_tensor(settings, warm_pool, tmp_path):
     name = "RegNetForImageClassification"
     _, config, weights, samples, data = prepared(tmp_path, name, output_hidden_states=True)
     request = RecalibrationRequest(
         arch=f"transformers:{name}", model_kwargs=config, checkpoint=weights, data=data, workers=2, batch_size=BATCH,
     )
-    result = recalibrate(request, settings, pool=pool)
+    result = recalibrate(request, settings, pool=warm_pool)
     x = samples[8:11]
     with torch.no_grad():
         output = result.model.eval()(x)
