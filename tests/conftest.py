@@ -38,9 +38,11 @@ _SESSION_POOLS: list[Any] = []
 """The test run's warm pool, once made (at most one a process: each xdist worker has its own)."""
 
 FREE_CPUS_AT_MODULE_START = 4
-"""Logical CPUs of the test run's Ray (8) that a module starts with free: the warm pool keeps
-the gangs of earlier modules within the rest (oldest evicted first), so a module's own actors
-(the zoo's ranks, a test's gang of 4) are placed at once beside them."""
+"""Logical CPUs of the test run's Ray (8) that a module using the warm pool starts with free:
+the pool keeps the gangs of earlier modules within the rest (oldest evicted first), so a
+module's own actors (the zoo's ranks, a test's gang of 4) are placed at once beside them. A
+module that does not use the pool starts with none of its gangs held: its servers' jobs are
+placed at once, not after the pool hears them wait (``WarmPool.give_way``, within a second)."""
 
 
 @pytest.fixture(scope="session")
@@ -60,15 +62,19 @@ def warm_pool(ray_cluster: None) -> Iterator[Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _room_beside_the_warm_pool(request: pytest.FixtureRequest) -> None:
-    """Each module starts with ``FREE_CPUS_AT_MODULE_START`` CPUs that no idle warm gang holds;
-    a module marked ``fresh_ranks`` (about starting, losing or killing ranks, or the cluster's
-    free CPUs) with none held."""
+    """Each module that uses the warm pool starts with ``FREE_CPUS_AT_MODULE_START`` CPUs that
+    no idle warm gang holds; any other module, or one marked ``fresh_ranks`` (about starting,
+    losing or killing ranks, or the cluster's free CPUs), with none held."""
     import ray
 
-    need = math.inf if request.node.get_closest_marker("fresh_ranks") else FREE_CPUS_AT_MODULE_START
+    if not _SESSION_POOLS or not ray.is_initialized():
+        return
+    items = [item for item in request.session.items if item.getparent(pytest.Module) is request.node]
+    uses_pool = any("warm_pool" in getattr(item, "fixturenames", ()) for item in items)
+    fresh = request.node.get_closest_marker("fresh_ranks") is not None
+    need = FREE_CPUS_AT_MODULE_START if uses_pool and not fresh else math.inf
     for pool in _SESSION_POOLS:
-        if ray.is_initialized():
-            pool.evict_for({"CPU": need})
+        pool.evict_for({"CPU": need})
 
 
 @pytest.fixture(scope="session")
