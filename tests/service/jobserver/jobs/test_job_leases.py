@@ -65,12 +65,14 @@ def test_a_renewal_keeps_the_lease_and_carries_a_cancel_sent_to_another_replica(
 
 def test_a_dead_replicas_job_is_taken_over_once_its_lease_runs_out(replicas, tmp_path):
     a, b = replicas
-    a.lease_s = 0.5
+    a.lease_s = 3.0  # long enough to be live at the first look on a loaded machine (0.5 s was not, once)
     job, _ = a.ledger.create("alice", SPEC)
     live, _ = a.ledger.create("alice", SPEC)
-    assert a.claim(job.id) is not None and b.claim(live.id) is not None
+    assert a.claim(job.id) is not None
+    claimed = time.monotonic()
+    assert b.claim(live.id) is not None
     assert b.take_over_expired(rerun=True) == {}  # both leases are live
-    time.sleep(0.8)  # replica a died: nothing renews its lease
+    time.sleep(max(0.0, claimed + a.lease_s + 0.3 - time.monotonic()))  # replica a died: nothing renews its lease
     assert b.take_over_expired(rerun=True) == {job.id: JobStatus.queued}
     requeued = b.ledger.get_any(job.id)
     assert requeued.status is JobStatus.queued and requeued.attempts == 1
