@@ -279,14 +279,11 @@ class WarmPool:
         hold; returns how many. A job of this process asks at once (``make_room``); this is how
         the pools of other processes hear it, within a reaper interval, instead of only after
         ``idle_s``. A group that no eviction could place (infeasible) is not waited for."""
-        with self._lock:
-            if not self._idle:
-                return 0
-            mine = {gang.group.id.hex() for gang in self._idle}
+        if not self.idle():  # an idle gang's own group is placed, never pending
+            return 0
         need: dict[str, float] = {}
         for group in placement_group_table().values():
-            if (group.get("state") != "PENDING" or group.get("placement_group_id") in mine
-                    or group.get("stats", {}).get("scheduling_state") != "NO_RESOURCES"):
+            if group.get("state") != "PENDING" or group.get("stats", {}).get("scheduling_state") != "NO_RESOURCES":
                 continue
             for bundle in group.get("bundles", {}).values():
                 for name, amount in bundle.items():
