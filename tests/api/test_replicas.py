@@ -28,7 +28,10 @@ from tests.api.server_process import REPO, ServerProcess, servers  # noqa: F401 
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net
 
-LEASE_S = 3.0
+# Long enough that a replica starved on a loaded 2-core machine still renews in time (at 3 s
+# one CI run saw a replica held up past its leases, and its two jobs taken over and run twice);
+# short enough that the take-over below comes within seconds.
+LEASE_S = 8.0
 
 
 @pytest.fixture
@@ -72,6 +75,13 @@ def runs(database_url: str) -> dict[str, tuple[int, str | None, str]]:
             return {job_id: (attempts, owner, status) for job_id, attempts, owner, status in rows}
     finally:
         engine.dispose()
+
+
+def lease_lines(*logs: Path) -> str:
+    """What the replicas logged about their leases (late renewals, take-overs)."""
+    return "\n".join(
+        f"{log.name}: {line}" for log in logs for line in log.read_text(errors="replace").splitlines() if "lease" in line
+    )
 
 
 def owner_pid(owner: str | None) -> int:
@@ -132,7 +142,8 @@ def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
     for job_id in jobs:
         assert wait_for((b, a)[jobs.index(job_id) % 2].client, job_id, timeout=300)["status"] == "succeeded"
     ran = runs(database_url)
-    assert [ran[job_id][0] for job_id in jobs] == [1] * 20  # one attempt each: no job ran twice
+    # one attempt each: no job ran twice (else the replicas' own words on their leases)
+    assert [ran[job_id][0] for job_id in jobs] == [1] * 20, lease_lines(tmp_path / 'a.log', tmp_path / 'b.log')
     assert {owner_pid(ran[job_id][1]) for job_id in jobs} == {a.process.pid, b.process.pid}
 
     # SIGKILL the replica running a job: the other takes it over within the lease and runs it again.
@@ -169,6 +180,8 @@ def test_two_replicas_share_jobs_blobs_and_take_over_a_dead_replicas_job(
     assert done["status"] == "succeeded", done["error"]
     attempts, owner, _ = runs(database_url)[victim_job]
     assert attempts == 2 and owner_pid(owner) == survivor.process.pid
+    survivor_log = tmp_path / ("a.log" if survivor is a else "b.log")
+    assert f"job {victim_job}: its replica let its lease run out; now queued" in survivor_log.read_text(errors="replace")
 
     # Everything stored earlier is still served, by the survivor, with its old digest.
     again = survivor.client.get(f"/v1/jobs/{first['id']}/artifacts/checkpoint")

@@ -269,10 +269,22 @@ class JobRunner:
         """Every third of ``BNRECAL_JOB_LEASE_S``: renew the leases of this replica's running jobs
         (stopping a job cancelled on another replica, or taken over by one), and queue again the
         jobs of replicas that let theirs run out."""
-        while not self._stopping.wait(self.settings.job_lease_s / 3):
+        every = self.settings.job_lease_s / 3
+        renewed = time.monotonic()
+        while not self._stopping.wait(every):
             try:
+                late = time.monotonic() - renewed
+                if late > 2 * every:  # a starved process or a slow database: say so, a take-over may follow
+                    log.warning(
+                        "job leases renewed %.1f s apart (due every %.1f s, each lasts %.1f s): this replica was "
+                        "held up, and another may take over its jobs", late, every, self.settings.job_lease_s,
+                    )
                 self._renew_leases()
-                if self.leases.take_over_expired(self.settings.rerun_interrupted):
+                renewed = time.monotonic()
+                taken = self.leases.take_over_expired(self.settings.rerun_interrupted)
+                for job_id, outcome in taken.items():
+                    log.warning("job %s: its replica let its lease run out; now %s", job_id, outcome.value)
+                if taken:
                     self.wake()
             except Exception:  # noqa: BLE001 - a bad moment (the database restarting) must not end renewals
                 log.exception("renewing job leases failed; retrying")
