@@ -43,7 +43,7 @@ from bnrecal.errors import (
     SpecError,
     TooManyJobsError,
 )
-from bnrecal.workers.files import atomic_write, file_digest as digest_of
+from bnrecal.workers.files import atomic_write, file_digest
 
 from .jobserver.jobs.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
@@ -186,7 +186,7 @@ class BnrecalClient:
         returns the digest and the bytes sent (0 when the server had it)."""
         source = Path(path)
         with prepared_upload(source) as file:
-            digest = file_digest(file)
+            digest = upload_digest(file)
             if self.has_blob(digest):
                 return digest, 0
             name = filename or (source.absolute().resolve().name if source.is_dir() else None)
@@ -371,7 +371,7 @@ def input_digests(inputs: Mapping[str, Path | str]) -> dict[str, Any]:
     for name, source in inputs.items():
         if isinstance(source, Path):
             with prepared_upload(source) as prepared:
-                named[name] = file_digest(prepared)
+                named[name] = upload_digest(prepared)
         else:
             named[name] = {"uri": source}  # object storage: the server reads it
     return named
@@ -464,10 +464,11 @@ def _raise_unless_succeeded(job: JobView, server: str) -> None:
                                                   detail=f"job {job.id} {job.status.value}"))
 
 
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """A file's ``sha256:<hex>`` digest, as the server names the blob of the same bytes (streamed)."""
+def upload_digest(path: str | os.PathLike[str]) -> str:
+    """The digest the server names the blob of a local file's bytes by (streamed); a file that
+    cannot be read is the caller's ``InputError``."""
     try:
-        return digest_of(path)
+        return file_digest(path)
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
 

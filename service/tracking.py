@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bnrecal.errors import SpecError, TrackingError
+from bnrecal.errors import SpecError, TrackingError, first_line
 
 if TYPE_CHECKING:
     from bnrecal.service.run.report import Report
@@ -139,7 +139,7 @@ class MlflowRun:
 
             client.log_batch(run.info.run_id, params=[Param(key, value) for key, value in values.items()])
         except Exception as exc:  # noqa: BLE001 - MLflow raises its own, requests' and the store's errors
-            raise SpecError(f"{flag}: cannot log to MLflow at {mlflow.get_tracking_uri()}: {_short(exc)}",
+            raise SpecError(f"{flag}: cannot log to MLflow at {mlflow.get_tracking_uri()}: {first_line(exc)}",
                             field=flag) from None
         return cls(client, run.info.run_id, experiment_id)
 
@@ -165,7 +165,7 @@ class MlflowRun:
         except Exception as exc:  # noqa: BLE001 - MLflow raises its own, requests' and the store's errors
             self.fail(exc)
             raise TrackingError(f"the files are written, but MLflow run {self.run_id} could not be logged: "
-                                f"{_short(exc)}") from None
+                                f"{first_line(exc)}") from None
 
     def fail(self, error: BaseException | str) -> None:
         """End the run ``FAILED`` (``KILLED`` when the user interrupted it), saying why. Never
@@ -229,12 +229,6 @@ def _experiment_id(client: Any) -> str:
     from mlflow.tracking.default_experiment import DEFAULT_EXPERIMENT_ID
 
     return DEFAULT_EXPERIMENT_ID
-
-
-def _short(exc: BaseException) -> str:
-    """An MLflow error's first line (its messages run to pages of retries and stack)."""
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
 
 
 def _now_ms() -> int:

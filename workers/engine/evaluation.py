@@ -31,7 +31,7 @@ from torch import nn
 from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.calibration import apply_statistics
 from bnrecal.workers.engine.collective import Collective
-from bnrecal.errors import EvaluationError
+from bnrecal.errors import EvaluationError, first_line
 
 TOP5_MIN_CLASSES = 10
 """Top-5 accuracy is reported for models with at least this many classes."""
@@ -120,10 +120,9 @@ def check_eval_output(model: nn.Module, sample: torch.Tensor, labels: np.ndarray
     except EvaluationError:
         raise
     except Exception as exc:  # noqa: BLE001 - the model's own error, reported in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise EvaluationError(
             f"the model cannot run on the evaluation data (sample shape {tuple(sample.shape[1:])}): "
-            f"{type(exc).__name__}: {first}"
+            f"{type(exc).__name__}: {first_line(exc)}"
         ) from None
     if logits.dim() < 2 or logits.shape[1] < 2:
         raise EvaluationError(

@@ -30,7 +30,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError, Worker
 from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from bnrecal.errors import BnrecalError, CancelledError, RunError
+from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
 from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
@@ -255,7 +255,7 @@ class JobHostClient:
             raise
         except (RayActorError, WorkerCrashedError, OutOfMemoryError) as exc:
             self._forget(host)
-            detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            detail = first_line(exc)
             raise RunError(
                 "the job host (the process that loads the model, probes the data and writes the results, "
                 f"beside the API server) died while running this job, out of memory for this model perhaps: {detail}"
