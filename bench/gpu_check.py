@@ -116,7 +116,7 @@ def calibration(samples: int, batch: int, profile: Path | None = None) -> list[t
     from torch.optim.swa_utils import update_bn
 
     import bnrecal
-    from bnrecal.workers.engine.calibration import full_float32
+    from bnrecal.workers.engine.statistics_pass import full_float32
 
     stale = stale_resnet50()
     generator = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ import torchvision
 from bnrecal.service import demo
 from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import MIN_STEPS, StopRule, apply_statistics, calibration_pass
+from bnrecal.workers.engine.statistics_pass import MIN_STEPS, StopRule, apply_statistics, calibration_pass
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.ranks.sharding import step_ranges
 

@@ -20,10 +20,10 @@ from .lazy import lazy_exports
 _HOMES = {
     "engine.batchnorm": ("BatchNormLayer", "SkippedLayer", "find_batchnorm_layers"),
     "engine.calibrator": ("BatchNormCalibrator", "probe_call_order"),
-    "engine.calibration": ("PassResult", "apply_statistics", "calibration_pass"),
+    "engine.statistics_pass": ("PassResult", "apply_statistics", "calibration_pass"),
     "models.checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
     "engine.collective": ("Collective", "SingleProcessCollective"),
-    "ranks.collectives": ("RayCollective", "backend_for_device"),
+    "ranks.ray_collective": ("RayCollective", "backend_for_device"),
     "ranks.group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models.architectures": ("build_model", "parse_allowed_modules"),
     "engine.moments": ("MomentStats",),

@@ -33,7 +33,7 @@ from bnrecal.workers.data import DatasetSpec, discard_unpack
 from bnrecal.workers.data.reading.kept import KeepDecoded, KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, require_batchnorm_layers
-from bnrecal.workers.engine.calibration import StopRule, apply_statistics
+from bnrecal.workers.engine.statistics_pass import StopRule, apply_statistics
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.local import IN_PROCESS, check_model

@@ -168,7 +168,7 @@ class RayRanks:
 
     def rank_plan(self, plan: RankPlan) -> RankPlan:
         """The collective's backend by device (NCCL on CUDA, GLOO on CPU), and loader processes."""
-        from bnrecal.workers.ranks.collectives import backend_for_device
+        from bnrecal.workers.ranks.ray_collective import backend_for_device
 
         return replace(
             plan, backend=backend_for_device(plan.device),
@@ -188,7 +188,7 @@ class RayRanks:
 
     def placement(self, run: RunPlan) -> Placement:
         """The backend, placement strategy, transport and resources the ranks had."""
-        from bnrecal.workers.ranks.collectives import backend_for_device
+        from bnrecal.workers.ranks.ray_collective import backend_for_device
 
         from bnrecal.service.run.cluster import is_local_instance
 
@@ -255,7 +255,7 @@ class RankPasses(OnnxPasses):
 
     def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
         """One pass on the ranks, retried as the policy allows."""
-        from bnrecal.workers.ranks.collectives import backend_for_device
+        from bnrecal.workers.ranks.ray_collective import backend_for_device
         from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
 
         if over == CALIBRATION:

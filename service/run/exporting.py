@@ -23,7 +23,7 @@ from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET, ExportOptions
-from bnrecal.service.run.recalibration import Recalibration
+from bnrecal.service.run.request import Recalibration
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.settings import Settings
 from bnrecal.workers.tracing import holds_tracing

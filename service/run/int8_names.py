@@ -15,7 +15,7 @@ from bnrecal.errors import ExportError, SpecError
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import check_op_types, prepare, resolve_keep_float
-from bnrecal.service.run.recalibration import RecalibrationRequest
+from bnrecal.service.run.request import RecalibrationRequest
 from bnrecal.service.settings import Settings
 
 PREFLIGHT_SAMPLES = 2

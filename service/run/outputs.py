@@ -27,7 +27,7 @@ from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.int8 import quantize_export
 from bnrecal.service.run.onnx_passes import OnnxPasses
 from bnrecal.service.run.options import ExportOptions
-from bnrecal.service.run.recalibration import Recalibration, RecalibrationRequest
+from bnrecal.service.run.request import Recalibration, RecalibrationRequest
 from bnrecal.service.run.report import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
 
 EXPORTING_PHASE = "exporting"

@@ -30,7 +30,7 @@ from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.outputs import RunOutputs, make_outputs
 from bnrecal.service.run.report import ProgramSection, Report
 from bnrecal.service.run.shared import DescribedSet
-from bnrecal.service.run.recalibration import (  # noqa: F401 - the request and result types, where runs are
+from bnrecal.service.run.request import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
     RecalibrationRequest,
     check_columns_used,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bnrecal.workers.engine.batchnorm import layers_named
-from bnrecal.workers.engine.calibration import apply_statistics
+from bnrecal.workers.engine.statistics_pass import apply_statistics
 from bnrecal.workers.engine.collective import Collective
 from bnrecal.errors import EvaluationError, first_line
 

@@ -18,11 +18,11 @@ import torch
 from bnrecal.workers.data import CalibrationData
 from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope
 from bnrecal.workers.engine.batchnorm import layers_named
-from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.engine.statistics_pass import PassResult, calibration_pass
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.errors import BnrecalError, RunError, first_line
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
-from bnrecal.workers.ranks.collectives import RayCollective
+from bnrecal.workers.ranks.ray_collective import RayCollective
 from bnrecal.workers.ranks.events import (
     CalibrationDone, OnnxPassDone, RankEvent, RankHeartbeat, RankProgress, RankStarted,
 )

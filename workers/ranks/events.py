@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from bnrecal.workers.engine.calibration import Convergence
+from bnrecal.workers.engine.statistics_pass import Convergence
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.workers.engine.moments import MomentStats
 

@@ -25,7 +25,7 @@ from bnrecal.workers.data.formats.device_decode import on_device
 from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.data.formats.loader import LoaderSpec, Step
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, layers_named
-from bnrecal.workers.engine.calibration import PassResult, calibration_pass
+from bnrecal.workers.engine.statistics_pass import PassResult, calibration_pass
 from bnrecal.workers.engine.calibrator import device_of, probe_call_order
 from bnrecal.workers.engine.collective import Collective, SingleProcessCollective
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget, check_eval_output, evaluation_pass, with_statistics

@@ -10,7 +10,7 @@ import numpy as np
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec
-from bnrecal.workers.engine.calibration import Convergence, StopRule
+from bnrecal.workers.engine.statistics_pass import Convergence, StopRule
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.workers.models.sources import ModelSource

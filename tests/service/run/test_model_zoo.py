@@ -29,11 +29,11 @@ import ray
 import torch
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.statistics_pass import apply_statistics, calibration_pass
 from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.programs import load_program
-from bnrecal.workers.ranks.collectives import RayCollective
+from bnrecal.workers.ranks.ray_collective import RayCollective
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from bnrecal.service.export import export_folded_onnx

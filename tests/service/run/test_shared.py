@@ -74,7 +74,7 @@ def test_a_set_is_described_and_its_labels_and_probes_read_once_for_every_run(tm
     """The host's reading of a set (listing it, its evaluation labels, the first sample each
     run probes with) is the sweep's once, not each cell's; each run's evaluation is the same."""
     import bnrecal.service.run.recalibrate as recalibrate_module
-    import bnrecal.service.run.recalibration as recalibration_module
+    import bnrecal.service.run.request as recalibration_module
 
     calls: list[str] = []
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.statistics_pass import apply_statistics, calibration_pass
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.errors import UnsupportedLayerError
@@ -182,7 +182,7 @@ def test_cuda_ranks_compute_in_full_float32_whatever_the_caller_set(monkeypatch)
 def test_full_float32_sets_and_puts_back_the_precision_flags():
     """The flags are settings, readable without a GPU: set for a CUDA pass, put back after
     (also when the pass fails), untouched for a CPU one."""
-    from bnrecal.workers.engine.calibration import full_float32
+    from bnrecal.workers.engine.statistics_pass import full_float32
 
     conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
     before = conv.fp32_precision, matmul.fp32_precision

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import StopRule, calibration_pass
+from bnrecal.workers.engine.statistics_pass import StopRule, calibration_pass
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.moments import accumulate_errors, error_size, pack, batch_moments, standard_errors
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.statistics_pass import apply_statistics, calibration_pass
 from bnrecal.workers.engine.calibrator import probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.errors import ModelInputError, ProgramError

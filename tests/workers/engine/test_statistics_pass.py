@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
-from bnrecal.workers.engine.calibration import apply_statistics, calibration_pass
+from bnrecal.workers.engine.statistics_pass import apply_statistics, calibration_pass
 from bnrecal.workers.engine.calibrator import BatchNormCalibrator, probe_call_order
 from bnrecal.workers.engine.collective import SingleProcessCollective
 from bnrecal.workers.engine.moments import batch_moments, finalize, pack, packed_size
