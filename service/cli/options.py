@@ -88,6 +88,16 @@ OnnxInt8Opt = Annotated[
     Path | None,
     typer.Option("--onnx-int8", help="Also export the folded model in INT8 (QDQ) here, ranges from the calibration data."),
 ]
+OpenVinoOpt = Annotated[
+    Path | None,
+    typer.Option("--openvino", help="Also write the folded FP32 model as OpenVINO IR here (PATH.xml, the .bin beside).",
+                 metavar="PATH.xml"),
+]
+OpenVinoInt8Opt = Annotated[
+    Path | None,
+    typer.Option("--openvino-int8", help="Also write the INT8 model as OpenVINO IR here (PATH.xml, the .bin beside).",
+                 metavar="PATH.xml"),
+]
 Int8Opt = Annotated[
     str | None,
     typer.Option(
@@ -261,10 +271,11 @@ class _RunFlagsMethods(RunOptionFlags):
             self.arch, self.checkpoint, self.program, parse_json_object(self.model_kwargs, "--model-kwargs"), flags=True
         )
 
-    def int8_options(self) -> Any:
-        """The ``--int8`` options checked (see :func:`int8_options`), or None without ``--onnx-int8``."""
+    def int8_options(self, openvino_int8: Path | None = None) -> Any:
+        """The ``--int8`` options checked (see :func:`int8_options`), or None without an INT8
+        output (``--onnx-int8``, or ``--openvino-int8`` where the command has it)."""
         flags: Any = self
-        return int8_options(flags.onnx_int8, flags.int8)
+        return int8_options(flags.onnx_int8 or openvino_int8, flags.int8)
 
 
 RunFlags = flags_class(
@@ -390,6 +401,20 @@ def tracked_files(tracking: Any, report: Path | None, report_html: Path | None) 
         return
     with tempfile.TemporaryDirectory(prefix="bnrecal-mlflow-") as folder:
         yield report or Path(folder) / "report.json", report_html or Path(folder) / "report.html"
+
+
+def check_openvino(paths: dict[str, Path | None]) -> None:
+    """Refuse an OpenVINO IR output that cannot be written: a path not ending ``.xml`` (its
+    ``.bin`` goes beside), or OpenVINO not installed; before any worker starts."""
+    from bnrecal.service.export.runtimes import openvino_version
+
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        if path.suffix != ".xml":
+            raise SpecError(f"{flag} names the IR's .xml file (its .bin goes beside): {path}", field=flag)
+        if openvino_version() is None:
+            raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
 
 
 def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:

@@ -6,9 +6,10 @@ starting a Python that imports OpenVINO costs 1-1.5 s a file.
 
 The child reads one folder path a line on its standard input (``model.onnx`` and
 ``batches.npz`` in it), compiles and runs the model, writes ``outputs.npz`` there and answers
-one line: ``ok``, or ``error`` and the one-line reason. It ends when its input closes (its
-parent gone). A child that dies mid-check (a crash in OpenVINO, a kill) is replaced and the
-check tried once more; a second death is the check's error. A child started under another
+one line: ``ok``, or ``error`` and the one-line reason (a path after ``ir `` is converted to
+OpenVINO's own files first, ``model.xml`` and ``model.bin``, and both run). It ends when its
+input closes (its parent gone). A child that dies mid-check (a crash in OpenVINO, a kill) is
+replaced and the check tried once more; a second death is the check's error. A child started under another
 ``ONEDNN_MAX_CPU_ISA`` (oneDNN reads it once, at start) is replaced by one started under the
 current value. ``warm`` starts the child without waiting for it, so OpenVINO loads on a free
 core while the exporter traces; the first check then only reads its ``ready``.
@@ -32,11 +33,11 @@ def said(exc):
     # OpenVINO's messages open with "Exception from src/...cpp:N:" lines; the cause follows
     lines = [l.strip() for l in str(exc).splitlines() if l.strip() and not l.strip().startswith("Exception from ")]
     return " ".join(lines)[:400] or type(exc).__name__
-def check(folder):
+def check(folder, model="model.onnx", saved="outputs.npz"):
     batches = np.load(os.path.join(folder, "batches.npz"))
     config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": min(4, os.cpu_count() or 1)}
     try:
-        compiled = core.compile_model(core.read_model(os.path.join(folder, "model.onnx")), "CPU", config)
+        compiled = core.compile_model(core.read_model(os.path.join(folder, model)), "CPU", config)
     except Exception as exc:
         return "OpenVINO cannot compile the model: " + said(exc)
     request = compiled.create_infer_request()
@@ -49,14 +50,22 @@ def check(folder):
             return f"OpenVINO fails on a batch of {len(batch)}: " + said(exc)
         for i, port in enumerate(compiled.outputs):
             outputs[f"b{b}_o{i}"] = np.array(result[port])
-    np.savez(os.path.join(folder, "outputs.npz"), **outputs)
+    np.savez(os.path.join(folder, saved), **outputs)
     return None
+def convert(folder):
+    # OpenVINO's own files of the ONNX file, then each run: the ONNX file as read, the IR as written
+    try:
+        ov.save_model(core.read_model(os.path.join(folder, "model.onnx")), os.path.join(folder, "model.xml"),
+                      compress_to_fp16=False)
+    except Exception as exc:
+        return "OpenVINO cannot convert the model: " + said(exc)
+    return check(folder, "model.onnx", "onnx_outputs.npz") or check(folder, "model.xml", "outputs.npz")
 core = ov.Core()
 print("ready", flush=True)
 for line in sys.stdin:
     folder = line.rstrip("\\n")
     try:
-        failure = check(folder)
+        failure = convert(folder[3:]) if folder.startswith("ir ") else check(folder)
     except Exception as exc:
         failure = "OpenVINO's check fails: " + said(exc)
     print("ok" if failure is None else "error " + failure.replace("\\n", " "), flush=True)
@@ -88,16 +97,19 @@ class OpenVinoProcess:
         finally:
             self._lock.release()
 
-    def run(self, folder: Path) -> None:
-        """Run the check of ``folder`` (``model.onnx``, ``batches.npz`` -> ``outputs.npz``).
-        Raises ``RuntimeError`` with one line when OpenVINO cannot compile or run the model,
-        or when its process dies twice on it."""
+    def run(self, folder: Path, *, convert: bool = False) -> None:
+        """Run the check of ``folder`` (``model.onnx``, ``batches.npz`` -> ``outputs.npz``);
+        with ``convert``, first write OpenVINO's own files of it (``model.xml``, ``model.bin``)
+        and run both, the ONNX file's outputs in ``onnx_outputs.npz`` and the IR's in
+        ``outputs.npz``. Raises ``RuntimeError`` with one line when OpenVINO cannot convert,
+        compile or run the model, or when its process dies twice on it."""
+        line = f"ir {folder}" if convert else str(folder)
         with self._lock:
             try:
-                answer = self._ask(folder)
+                answer = self._ask(line)
             except _ChildDied:
                 try:
-                    answer = self._ask(folder)  # a fresh child, once
+                    answer = self._ask(line)  # a fresh child, once
                 except _ChildDied as again:
                     raise RuntimeError(f"OpenVINO's process ended twice on this model ({again})") from None
         if answer != "ok":
@@ -120,11 +132,11 @@ class OpenVinoProcess:
             child.kill()
             child.wait()
 
-    def _ask(self, folder: Path) -> str:
+    def _ask(self, line: str) -> str:
         child = self._ready()
         try:
             assert child.stdin is not None
-            child.stdin.write(f"{folder}\n")
+            child.stdin.write(f"{line}\n")
             child.stdin.flush()
             return self._read_line(child)
         except (BrokenPipeError, OSError) as exc:

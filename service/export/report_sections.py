@@ -63,6 +63,22 @@ class OnnxSection(ReportPart):
     runtimes: RuntimeChecks
 
 
+class OpenVinoSection(ReportPart):
+    """OpenVINO's own files of an exported model (``openvino``, ``openvino_int8``): what they
+    were made from, their sizes, and their run in OpenVINO on the verified batches against
+    the same ONNX file in onnxruntime (as written) and in OpenVINO."""
+
+    made_from: Literal["the verified FP32 ONNX export", "the checked INT8 ONNX file"]
+    version: str
+    xml_bytes: int
+    bin_bytes: int
+    verified_batches: list[int]
+    outputs_max_abs: float
+    max_abs_diff_to_onnxruntime: float
+    max_abs_diff_to_onnx_in_openvino: float
+    seconds: float
+
+
 class FloatOp(ReportPart):
     """An op of the INT8 file left in float (``ops_float[]``), and why."""
 

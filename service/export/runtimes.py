@@ -67,10 +67,16 @@ def run_openvino(model: Path | bytes, batches: Sequence[np.ndarray]) -> RuntimeR
         target.write_bytes(model.read_bytes() if isinstance(model, Path) else model)
         np.savez(Path(folder, "batches.npz"), **{f"b{b}": batch for b, batch in enumerate(batches)})
         PROCESS.run(Path(folder))
-        with np.load(Path(folder, "outputs.npz")) as saved:
-            count = len({name.split("_")[1] for name in saved.files}) if saved.files else 0
-            outputs = [[saved[f"b{b}_o{i}"] for i in range(count)] for b in range(len(batches))]
+        outputs = saved_outputs(Path(folder, "outputs.npz"), len(batches))
     return RuntimeRun("openvino", version, outputs)
+
+
+def saved_outputs(path: Path, batches: int) -> list[list[np.ndarray]]:
+    """The outputs OpenVINO's process saved (``b{batch}_o{output}``), per batch, in the
+    model's output order."""
+    with np.load(path) as saved:
+        count = len({name.split("_")[1] for name in saved.files}) if saved.files else 0
+        return [[saved[f"b{b}_o{i}"] for i in range(count)] for b in range(batches)]
 
 
 def warm_openvino() -> None:

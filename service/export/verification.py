@@ -116,3 +116,15 @@ def verify_onnx(
             result.max_rel_diff = max(result.max_rel_diff, abs_diff / peak if peak > 0 else abs_diff)
         result.verified_batches.append(len(batch))
     return result
+
+
+def onnx_outputs(model: bytes, batches: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+    """onnxruntime's outputs of the ONNX ``model`` as written (graph optimizations off) on
+    each float32 batch: the reference a file made from it is held to. Raises ``ExportError``
+    when onnxruntime cannot load or run it."""
+    try:
+        session = _session(model)
+        name = session.get_inputs()[0].name
+        return [session.run(None, {name: batch}) for batch in batches]
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise ExportError(f"cannot be run in onnxruntime: {first_line(exc)}") from exc

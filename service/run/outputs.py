@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bnrecal.errors import Int8GuardError
 from bnrecal.workers.engine.evaluation import EvalMetrics
 from bnrecal.workers.ranks.plan import GroupPass
@@ -38,21 +40,30 @@ QUANTIZING_PHASE = "quantizing to INT8"
 class RunOutputs:
     """Which files a run makes beyond the statistics, and where: ``onnx`` (the folded FP32
     or FP16 export, by ``export``) and ``int8`` (the INT8 QDQ file, by ``int8_options``;
-    its FP32 base is the ONNX export when that is float32, else one made by ``export``)."""
+    its FP32 base is the ONNX export when that is float32, else one made by ``export``);
+    ``openvino`` and ``openvino_int8``: OpenVINO's own files (the ``.xml`` path, its ``.bin``
+    beside) of the FP32 export and of the INT8 file (``service.export.openvino_ir``)."""
 
     onnx: Path | None = None
     int8: Path | None = None
     export: ExportOptions = ExportOptions()
     int8_options: Int8Options | None = None
+    openvino: Path | None = None
+    openvino_int8: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.int8 is not None and self.int8_options is None:
+        if self.quantizes and self.int8_options is None:
             raise ValueError("an INT8 output needs its Int8Options")
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the run has an INT8 phase: an INT8 file, or OpenVINO's files of one."""
+        return self.int8 is not None or self.openvino_int8 is not None
 
     @property
     def any(self) -> bool:
         """Whether there is anything to make."""
-        return self.onnx is not None or self.int8 is not None
+        return self.onnx is not None or self.openvino is not None or self.quantizes
 
 
 def make_outputs(
@@ -78,7 +89,7 @@ def make_outputs(
     report, where = result.report, where_ranks_ran(result.report)
     failures: list[str] = []
     passes = None
-    if outputs.int8 is not None:
+    if outputs.quantizes:
         passes = _int8_passes(result, request, executor, policy, failures, progress, cancel)
     check_cancel(cancel)
     progress(0, None, EXPORTING_PHASE)
@@ -101,7 +112,9 @@ def make_outputs(
         atomic_write(outputs.onnx, lambda scratch: scratch.write_bytes(onnx.model))
         report.onnx = onnx.section
         add_to_timeline(report, "ONNX export and its checks", onnx.seconds, result.read_here - read, 0, where)
-    if outputs.int8 is not None:
+    if outputs.openvino is not None:
+        _write_openvino(result, outputs, exported[INT8_BASE].model, outputs.openvino, int8=False)
+    if outputs.quantizes:
         assert passes is not None
         others = [file for ask, file in exported.items() if outputs.onnx is None or ask != onnx_file]
         if others:  # the seconds they added to the job's, beyond the ONNX file's export (beside it on another rank)
@@ -121,13 +134,15 @@ STALE_BASE = ExportAsk(stale=True, dtype="float32", openvino=False)
 
 
 def export_asks(outputs: RunOutputs, stale: bool) -> tuple[ExportAsk, ...]:
-    """The exports ``outputs`` need, each once: the ONNX file, the INT8 file's FP32 base (the
-    ONNX file when it is float32), and with ``stale`` the stale model's."""
+    """The exports ``outputs`` need, each once: the ONNX file, the FP32 base of the INT8 file
+    and of OpenVINO's files (the ONNX file when it is float32), and with ``stale`` the stale
+    model's."""
     asks: list[ExportAsk] = []
     if outputs.onnx is not None:
         asks.append(ExportAsk(dtype=outputs.export.dtype))
-    if outputs.int8 is not None:
-        asks.extend(ask for ask in (INT8_BASE, *([STALE_BASE] if stale else [])) if ask not in asks)
+    if outputs.quantizes or outputs.openvino is not None:
+        bases = (INT8_BASE, *([STALE_BASE] if stale and outputs.quantizes else []))
+        asks.extend(ask for ask in bases if ask not in asks)
     return tuple(asks)
 
 
@@ -172,7 +187,7 @@ def _make_int8(
 ) -> None:
     """The INT8 phase: its passes and its work on the run's ranks, the file, its report
     section (and the evaluation before and after, when it was left to this phase)."""
-    assert outputs.int8 is not None and outputs.int8_options is not None
+    assert outputs.quantizes and outputs.int8_options is not None
     report, where = result.report, where_ranks_ran(result.report)
     evaluation = result.evaluation if result.evaluation_later else None
 
@@ -197,8 +212,29 @@ def _make_int8(
         return
     worked()
     check_cancel(cancel)
-    quantized.write(outputs.int8)
+    if outputs.int8 is not None:
+        quantized.write(outputs.int8)
+    if outputs.openvino_int8 is not None:
+        _write_openvino(result, outputs, quantized.model, outputs.openvino_int8, int8=True)
     section = quantized.section
     section.attempts = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
     section.retried_failures = failures
     result.report.int8 = section
+
+
+def _write_openvino(result: Recalibration, outputs: RunOutputs, model: bytes, xml_path: Path, *, int8: bool) -> None:
+    """OpenVINO's files of a checked ONNX ``model`` (``service.export.openvino_ir``), checked on
+    the verified batches (one sample and the first ``VERIFY_SAMPLES``; only its static batch
+    for a program exported with one), written as ``xml_path`` and its ``.bin``; their report
+    section set."""
+    from bnrecal.service.export.openvino_ir import make_openvino_ir
+
+    fixed, dynamic = export_batch(result.model, outputs.export.dynamic_batch)
+    data = result.calibration_samples(max(VERIFY_SAMPLES, fixed)).detach().cpu().to(torch.float32).numpy()
+    batches = [data[:1], data] if dynamic and len(data) > 1 else [data[:fixed]]
+    made = make_openvino_ir(model, batches, int8=int8)
+    made.write(xml_path)
+    if int8:
+        result.report.openvino_int8 = made.section
+    else:
+        result.report.openvino = made.section

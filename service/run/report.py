@@ -28,7 +28,7 @@ from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 from bnrecal.workers.files import atomic_write
 from bnrecal.workers.ranks.local import IN_PROCESS
 
-from bnrecal.service.export.report_sections import Int8Section, OnnxSection
+from bnrecal.service.export.report_sections import Int8Section, OnnxSection, OpenVinoSection
 from bnrecal.service.report_part import ReportPart
 from bnrecal.service.run.options import AUTO, RunOptions
 
@@ -299,7 +299,7 @@ class Report(ReportPart):
     (``report.layers[0].name``) or by its JSON keys (``report["layers"][0]["name"]``)."""
 
     OMIT_WHEN_NONE = frozenset({"convergence", "decoding", "model", "data", "program", "evaluation", "onnx", "int8",
-                                "job"})
+                                "openvino", "openvino_int8", "job"})
 
     arch: str | None
     mode: str
@@ -337,6 +337,8 @@ class Report(ReportPart):
     evaluation: EvaluationSection | None = None
     onnx: OnnxSection | None = None
     int8: Int8Section | None = None
+    openvino: OpenVinoSection | None = None
+    openvino_int8: OpenVinoSection | None = None
     job: JobSection | None = None
 
     @classmethod
