@@ -42,7 +42,6 @@ def in_openvino(tmp_path: Path, samples: np.ndarray, xml: Path, onnx_file: Path)
 
 
 def test_calibrate_writes_openvino_ir_that_runs_as_the_onnx_files(tmp_path, capsys):
-    pytest.importorskip("openvino")  # the test extra installs it
     torch.manual_seed(3)
     calibration = (torch.randn(24, 3, 8, 8) * 1.5 + 0.3).numpy()
     code, _, err = run_cli(
