@@ -95,7 +95,7 @@ function showSpec(spec) {
     entries.push(["ONNX", `opset ${onnx.opset}, ${onnx.dtype}, ${onnx.dynamic_batch ? "dynamic" : "fixed"} batch`
       + (onnx.input_shape ? `, input ${onnx.input_shape.join("×")}` : "")]);
   }
-  if (outputs.includes("onnx_int8")) {
+  if (outputs.includes("onnx_int8") || outputs.includes("openvino_int8")) {
     const int8 = spec.int8 || {};
     entries.push(["INT8", `for ${int8.target || "onnxruntime"}, ${int8.method || "minmax"} ranges, weights int8 ${int8.per_channel === false ? "per tensor" : "per channel"}, `
       + `${int8.reduce_range === false || (int8.reduce_range == null && int8.target === "tensorrt") ? "8-bit" : "7-bit"}`

@@ -25,13 +25,11 @@ if TYPE_CHECKING:
     from bnrecal.service.settings import Settings
 
 
-@opt.run_command(ray_address="transform", mlflow="report_html", openvino="onnx_dtype", openvino_int8="int8")
+@opt.run_command(ray_address="transform", mlflow="report_html")
 def calibrate(
     flags: opt.RunFlags,
     ray_address: Annotated[str | None, typer.Option(help="Existing Ray cluster (default: RAY_ADDRESS or embedded).")] = None,
     mlflow: opt.MlflowOpt = False,
-    openvino: opt.OpenVinoOpt = None,
-    openvino_int8: opt.OpenVinoInt8Opt = None,
 ) -> None:
     """Recalibrate the BatchNorm statistics of a checkpoint (--arch, --checkpoint) or of a
     torch.export program (--program) on calibration data (and with --eval-data, show what
@@ -42,10 +40,10 @@ def calibrate(
     opt.check_paths(
         {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": flags.data, "--eval-data": flags.eval_data},
         {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
-         "--report-html": flags.report_html, "--openvino": openvino, "--openvino-int8": openvino_int8},
+         "--report-html": flags.report_html, "--openvino": flags.openvino, "--openvino-int8": flags.openvino_int8},
     )
-    opt.check_openvino({"--openvino": openvino, "--openvino-int8": openvino_int8})
-    int8_options = flags.int8_options(openvino_int8)
+    flags.check_openvino(here=True)
+    int8_options = flags.int8_options()
     if int8_options is not None and int8_options.max_top1_drop is not None and flags.eval_data is None:
         raise SpecError("--int8 max_top1_drop needs --eval-data (labelled) to measure top-1 on", field="--eval-data")
     settings = Settings()
@@ -64,7 +62,7 @@ def calibrate(
     outputs = RunOutputs(
         onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
         export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
-        openvino=openvino, openvino_int8=openvino_int8,
+        openvino=flags.openvino, openvino_int8=flags.openvino_int8,
     )
     tracking = opt.start_tracking(mlflow, flags.out.name, flags)  # before any worker: a store it cannot reach is exit 2
     with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
@@ -72,11 +70,11 @@ def calibrate(
         with ending(tracking):
             result = _calibrate(request, settings, outputs, files)
         if tracking is not None:
-            tracking.finish(result.report, [flags.out, flags.onnx, flags.onnx_int8, openvino, openvino_int8,
-                                            report_path, page_path])
+            tracking.finish(result.report, [flags.out, flags.onnx, flags.onnx_int8, flags.openvino,
+                                            flags.openvino_int8, report_path, page_path])
     int8_failed = result.int8_failed
-    written_int8 = (flags.onnx_int8, openvino_int8) if int8_failed is None else (None, None)
-    also_wrote = (flags.onnx, openvino, *written_int8, flags.report, flags.report_html)
+    written_int8 = (flags.onnx_int8, flags.openvino_int8) if int8_failed is None else (None, None)
+    also_wrote = (flags.onnx, flags.openvino, *written_int8, flags.report, flags.report_html)
     for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
         print_line(line)
     if tracking is not None:

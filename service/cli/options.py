@@ -271,11 +271,26 @@ class _RunFlagsMethods(RunOptionFlags):
             self.arch, self.checkpoint, self.program, parse_json_object(self.model_kwargs, "--model-kwargs"), flags=True
         )
 
-    def int8_options(self, openvino_int8: Path | None = None) -> Any:
+    def int8_options(self) -> Any:
         """The ``--int8`` options checked (see :func:`int8_options`), or None without an INT8
-        output (``--onnx-int8``, or ``--openvino-int8`` where the command has it)."""
+        output (``--onnx-int8``, ``--openvino-int8``)."""
         flags: Any = self
-        return int8_options(flags.onnx_int8 or openvino_int8, flags.int8)
+        return int8_options(flags.onnx_int8 or flags.openvino_int8, flags.int8)
+
+    def check_openvino(self, *, here: bool) -> None:
+        """Refuse an OpenVINO IR output that cannot be written: a path not ending ``.xml``
+        (its ``.bin`` goes beside), or, made ``here``, OpenVINO not installed; before any
+        worker starts or anything is uploaded."""
+        from bnrecal.service.export.runtimes import openvino_version
+
+        flags: Any = self
+        for flag, path in (("--openvino", flags.openvino), ("--openvino-int8", flags.openvino_int8)):
+            if path is None:
+                continue
+            if path.suffix != ".xml":
+                raise SpecError(f"{flag} names the IR's .xml file (its .bin goes beside): {path}", field=flag)
+            if here and openvino_version() is None:
+                raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
 
 
 RunFlags = flags_class(
@@ -300,6 +315,8 @@ RunFlags = flags_class(
         ("eval_max_samples", EvalMaxSamplesOpt, None),
         ("onnx_int8", OnnxInt8Opt, None),
         ("int8", Int8Opt, None),
+        ("openvino", OpenVinoOpt, None),
+        ("openvino_int8", OpenVinoInt8Opt, None),
     ],
     _RunFlagsMethods,
 )
@@ -401,20 +418,6 @@ def tracked_files(tracking: Any, report: Path | None, report_html: Path | None) 
         return
     with tempfile.TemporaryDirectory(prefix="bnrecal-mlflow-") as folder:
         yield report or Path(folder) / "report.json", report_html or Path(folder) / "report.html"
-
-
-def check_openvino(paths: dict[str, Path | None]) -> None:
-    """Refuse an OpenVINO IR output that cannot be written: a path not ending ``.xml`` (its
-    ``.bin`` goes beside), or OpenVINO not installed; before any worker starts."""
-    from bnrecal.service.export.runtimes import openvino_version
-
-    for flag, path in paths.items():
-        if path is None:
-            continue
-        if path.suffix != ".xml":
-            raise SpecError(f"{flag} names the IR's .xml file (its .bin goes beside): {path}", field=flag)
-        if openvino_version() is None:
-            raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
 
 
 def int8_options(onnx_int8: Path | None, int8: str | None) -> Any:

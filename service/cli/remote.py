@@ -127,8 +127,9 @@ def submit(
     opt.check_paths(
         {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": data_source, "--eval-data": eval_source},
         {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
-         "--report-html": flags.report_html},
+         "--report-html": flags.report_html, "--openvino": flags.openvino, "--openvino-int8": flags.openvino_int8},
     )
+    flags.check_openvino(here=False)  # the server makes them (and says if it cannot)
     options = flags.run_options()
     int8_options = flags.int8_options()
     model_output = "program" if flags.program is not None else "checkpoint"
@@ -143,7 +144,9 @@ def submit(
     spec = JobSpec.checked(  # the typed spec, checked here as the server checks its fields (a SpecError names one)
         **options.run_options(), checkpoint=named.get("checkpoint"), program=named.get("program"), data=named["data"],
         outputs=[model_output] + (["onnx"] if flags.onnx is not None else [])
-        + (["onnx_int8"] if int8_options is not None else []),
+        + (["onnx_int8"] if flags.onnx_int8 is not None else [])
+        + (["openvino"] if flags.openvino is not None else [])
+        + (["openvino_int8"] if flags.openvino_int8 is not None else []),
         onnx={"opset": flags.onnx_opset, "dtype": flags.onnx_dtype.value}, int8=int8_options,
         eval={"data": named["eval.data"], "max_samples": flags.eval_max_samples} if eval_source is not None else None,
     )
@@ -151,9 +154,11 @@ def submit(
     tracking = opt.start_tracking(mlflow, flags.out.name, flags)  # before any upload: a store it cannot reach is exit 2
     with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
         def downloads(job: JobView) -> list[tuple[str, Path]]:
-            int8 = None if _int8_failed(job) else flags.onnx_int8
-            wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", int8), ("report", report_path),
-                      ("report.html", page_path)]
+            failed = _int8_failed(job)
+            wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", None if failed else flags.onnx_int8),
+                      ("openvino", ir_archive(flags.openvino)),
+                      ("openvino_int8", None if failed else ir_archive(flags.openvino_int8)),
+                      ("report", report_path), ("report.html", page_path)]
             return [(name, path) for name, path in wanted if path is not None]
 
         with connect(server, api_key) as client, ending(tracking):
@@ -168,17 +173,50 @@ def submit(
         from bnrecal.service.run.report import Report  # the report's types: torch, once the job is done
 
         report = Report.from_dict(job.report or {})
+        int8_failed = _int8_failed(job)
+        unpack_ir(flags.openvino)
+        if not int8_failed:
+            unpack_ir(flags.openvino_int8)
         if tracking is not None:
-            tracking.finish(report, [flags.out, flags.onnx, flags.onnx_int8, report_path, page_path])
-    int8_failed = _int8_failed(job)
-    written_int8 = None if int8_failed else flags.onnx_int8
-    also_wrote = (flags.onnx, written_int8, flags.report, flags.report_html)
+            tracking.finish(report, [flags.out, flags.onnx, flags.onnx_int8, flags.openvino, flags.openvino_int8,
+                                     report_path, page_path])
+    written_int8 = (None, None) if int8_failed else (flags.onnx_int8, flags.openvino_int8)
+    also_wrote = (flags.onnx, flags.openvino, *written_int8, flags.report, flags.report_html)
     for line in summary_lines(report, flags.out, job.id, also_wrote=also_wrote):
         print_line(line)
     if tracking is not None:
         print_line(f"logged MLflow run {tracking.run_id}")
     if int8_failed:  # exit 1, as a local calibrate: the INT8 file asked for was not written
         raise ExportError(report.int8.failure if report.int8 and report.int8.failure else "the INT8 output failed")
+
+
+def ir_archive(xml: Path | None) -> Path | None:
+    """Where an OpenVINO IR artifact (a tar of ``model.xml`` and ``model.bin``) is downloaded
+    to, beside the ``.xml`` asked for, before :func:`unpack_ir`."""
+    return None if xml is None else xml.with_name(f".{xml.name}.download.tar")
+
+
+def unpack_ir(xml: Path | None) -> None:
+    """Write the downloaded IR's two files as ``xml`` and the ``.bin`` beside it (each whole:
+    the weights first) and remove the download; a tar that holds anything else is refused."""
+    import tarfile
+
+    from bnrecal.workers.files import atomic_write
+
+    if xml is None:
+        return
+    archive = ir_archive(xml)
+    assert archive is not None
+    try:
+        with tarfile.open(archive) as tar:
+            members = {member.name: member for member in tar.getmembers()}
+            if set(members) != {"model.xml", "model.bin"} or not all(m.isfile() for m in members.values()):
+                raise ExportError(f"the server's OpenVINO IR holds {sorted(members)}, not model.xml and model.bin")
+            parts = {name: tar.extractfile(member).read() for name, member in members.items()}  # type: ignore[union-attr]
+    finally:
+        archive.unlink(missing_ok=True)
+    atomic_write(xml.with_suffix(".bin"), lambda scratch: scratch.write_bytes(parts["model.bin"]))
+    atomic_write(xml, lambda scratch: scratch.write_bytes(parts["model.xml"]))
 
 
 def _int8_failed(job: JobView) -> bool:

@@ -27,7 +27,7 @@ from bnrecal.service.jobserver.server import Services
 from bnrecal.service.settings import Settings
 from tests.nets import mixed_net, perturbed
 
-KEYS = {name: f"test-key-{name}" for name in ("alice", "bob", "carol", "load", "fuzz", "web", "cli", "s3", "programs", "abuse", "errors", "python", "feed", "feed2", "pages", "weblist", "submit", "int8", "sampling", "sweeps", "empty")}
+KEYS = {name: f"test-key-{name}" for name in ("alice", "bob", "carol", "load", "fuzz", "web", "cli", "s3", "programs", "abuse", "errors", "python", "feed", "feed2", "pages", "weblist", "submit", "int8", "sampling", "sweeps", "empty", "openvino")}
 MAX_UPLOAD_BYTES = 2 * 1024 * 1024
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -32,7 +32,7 @@ from bnrecal.service.jobserver.jobs.views import Artifact, InputFile, JobStatus,
 from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.storage.blobs import DIGEST_PATTERN
 
-ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "report", "report.html")
+ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "openvino", "openvino_int8", "report", "report.html")
 """A single job's artifacts; a sweep's cells have the same under ``<model>/<set>/`` (docs/sweeps.md)."""
 SWEEP_ARTIFACT_NAMES = ("sweep", "sweep.csv", "sweep.html", "archive")
 """A sweep's own artifacts: the matrix report (JSON, CSV, HTML) and one archive of every file."""
@@ -155,14 +155,15 @@ class JobSpec(RunOptions):
         "a tar of shards, a Parquet file), {'path': ...} on the server, or {'uri': 's3://bucket/key-or-prefix'} in "
         "object storage; a path or URI may be a folder or prefix of shards or a brace pattern (train-{000..146}.tar)."
     )
-    outputs: list[Literal["checkpoint", "program", "onnx", "onnx_int8"]] | None = Field(
+    outputs: list[Literal["checkpoint", "program", "onnx", "onnx_int8", "openvino", "openvino_int8"]] | None = Field(
         default=None,
         max_length=8,
-        description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program).",
+        description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program); "
+        "openvino and openvino_int8 are OpenVINO IR, a tar of model.xml and model.bin (not in a sweep yet).",
     )
     onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
     int8: Int8Options | None = Field(
-        default=None, description='INT8 (QDQ) export options, with "onnx_int8" in outputs (default: minmax).'
+        default=None, description='INT8 (QDQ) export options, with "onnx_int8" or "openvino_int8" in outputs (default: minmax).'
     )
     eval: EvalSpec | None = Field(default=None, description="Evaluate before and after on this data.")
     models: list[SweepModelSpec] | None = Field(

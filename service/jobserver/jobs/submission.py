@@ -141,8 +141,16 @@ def _check_outputs(spec: JobSpec) -> None:
     if spec.outputs is not None and wrong in spec.outputs and not spec.is_sweep:  # a sweep's cells: each its own
         have = "program" if spec.program is not None else "checkpoint"
         raise SpecError(f"outputs: a job on a {have} gives a {have}, not a {wrong}", field="outputs")
-    if spec.int8 is not None and "onnx_int8" not in (spec.outputs or []):
-        raise SpecError('int8: the INT8 options go with "onnx_int8" in outputs', field="int8")
+    if spec.int8 is not None and not {"onnx_int8", "openvino_int8"} & set(spec.outputs or []):
+        raise SpecError('int8: the INT8 options go with "onnx_int8" or "openvino_int8" in outputs', field="int8")
+    openvino = [name for name in ("openvino", "openvino_int8") if name in (spec.outputs or [])]
+    if openvino and spec.is_sweep:
+        raise SpecError(f"outputs: {openvino[0]} (OpenVINO IR) is not made in a sweep yet", field="outputs")
+    if openvino:
+        from bnrecal.service.export.runtimes import openvino_version
+
+        if openvino_version() is None:
+            raise SpecError(f"outputs: {openvino[0]} needs OpenVINO on the server (the openvino extra)", field="outputs")
     if spec.int8 is not None and spec.int8.max_top1_drop is not None and spec.eval is None and not spec.is_sweep:
         raise SpecError("int8.max_top1_drop: give eval (labelled data) to measure top-1 on", field="int8.max_top1_drop")
 

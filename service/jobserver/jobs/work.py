@@ -33,6 +33,7 @@ from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.jobs.spec import JobSpec
 
 OCTET_STREAM = "application/octet-stream"
+TAR = "application/x-tar"
 
 JSON = "application/json"
 HTML = "text/html; charset=utf-8"
@@ -86,13 +87,18 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     workdir.mkdir(parents=True, exist_ok=True)
     if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
         request = request.model_copy(update={"max_retries": settings.job_max_retries})
-    int8 = "onnx_int8" in spec.outputs
+    int8 = "onnx_int8" in spec.outputs or "openvino_int8" in spec.outputs
     outputs = RunOutputs(
         onnx=workdir / "recalibrated.onnx" if "onnx" in spec.outputs else None,
-        int8=workdir / "recalibrated-int8.onnx" if int8 else None,
+        int8=workdir / "recalibrated-int8.onnx" if "onnx_int8" in spec.outputs else None,
         export=export_options(spec),
         int8_options=int8_options(spec.int8) if int8 else None,
+        openvino=workdir / "openvino" / "model.xml" if "openvino" in spec.outputs else None,
+        openvino_int8=workdir / "openvino-int8" / "model.xml" if "openvino_int8" in spec.outputs else None,
     )
+    for xml in (outputs.openvino, outputs.openvino_int8):
+        if xml is not None:
+            xml.parent.mkdir(parents=True, exist_ok=True)
     run_files = RunFiles(report=workdir / "report.json", report_html=workdir / "report.html", job=label)
     result = recalibrate_to_files(request, settings, outputs, run_files, on_progress=_events(report), cancel=cancel,
                                   pool=pool)
@@ -101,6 +107,10 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
         files["onnx"] = (outputs.onnx, OCTET_STREAM)
     if outputs.int8 is not None and result.int8_failed is None:  # else no INT8 artifact; the report says why
         files["onnx_int8"] = (outputs.int8, OCTET_STREAM)
+    if outputs.openvino is not None:
+        files["openvino"] = (_ir_archive(outputs.openvino), TAR)
+    if outputs.openvino_int8 is not None and result.int8_failed is None:
+        files["openvino_int8"] = (_ir_archive(outputs.openvino_int8), TAR)
     for name in ("checkpoint", "program"):  # named by what was uploaded: .pt, .safetensors, .pt2
         if name in spec.outputs:
             model_file = workdir / f"recalibrated{result.loaded.suffix}"
@@ -109,6 +119,21 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     files["report"] = (workdir / "report.json", "application/json")
     files["report.html"] = (workdir / "report.html", "text/html; charset=utf-8")
     return JobFiles(files, result.report.to_dict())
+
+
+def _ir_archive(xml: Path) -> Path:
+    """One downloadable file of OpenVINO's two: a tar of ``model.xml`` and ``model.bin``
+    beside the folder that holds them (names fixed, no times: the same files, the same bytes)."""
+    import tarfile
+
+    archive = xml.parent.with_suffix(".tar")
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for part in (xml, xml.with_suffix(".bin")):
+            info = tarfile.TarInfo(part.name)
+            info.size, info.mode, info.mtime = part.stat().st_size, 0o644, 0
+            with part.open("rb") as handle:
+                tar.addfile(info, handle)
+    return archive
 
 
 def export_options(spec: JobSpec) -> ExportOptions:

@@ -199,6 +199,5 @@ def test_submit_takes_every_calibrate_flag():
 
     commands = typer.main.get_command(app).commands
     flags = {name: {opt for param in commands[name].params for opt in param.opts} for name in ("calibrate", "submit")}
-    here_only = {"--openvino", "--openvino-int8"}  # OpenVINO IR: calibrate's alone until a server makes it (docs/onnx.md)
-    assert flags["calibrate"] - here_only <= flags["submit"]
+    assert flags["calibrate"] <= flags["submit"]
     assert flags["submit"] - flags["calibrate"] == {"--server", "--api-key"}
