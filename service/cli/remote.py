@@ -4,6 +4,7 @@ server: upload, submit, follow, download)."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -58,9 +59,14 @@ def serve(
     url = f"http://{host}:{port}"
     print_line(f"bnrecal starting on {url} (data in {data}): opening the ledger and joining Ray")
     threading.Thread(target=_say_when_serving, args=(server, f"bnrecal serving on {url}"), daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C's SIGINT again once it has stopped
+        code = 128 + signal.SIGINT
+    else:
+        code = 0
     _leave_ray()
-    _end_process()
+    _end_process(code)
 
 
 def _say_when_serving(server: Any, line: str) -> None:
@@ -76,19 +82,21 @@ def _say_when_serving(server: Any, line: str) -> None:
     print_line(line)
 
 
-def _end_process() -> None:
-    """End the stopped server's process at once. Everything it keeps is closed and on disk
+def _end_process(code: int) -> None:
+    """End the stopped server's process at once with ``code`` (130 after Ctrl-C, as a shell
+    reports it). Everything it keeps is closed and on disk
     by now (the ledger, blobs, Ray's processes); what is left is the interpreter's own
     teardown, a full garbage collection over all that torch, onnx and Ray loaded, which
     took 3 s here and would keep a server on Ctrl-C or ``timeout`` alive past the seconds
-    a stop is given (docs/api.md, "Restarts")."""
+    a stop is given (docs/api.md, "Restarts"). uvicorn raises Ctrl-C's SIGINT again as
+    ``KeyboardInterrupt`` after its shutdown, which would lead into that teardown too."""
     import logging
     import sys
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _leave_ray() -> None:

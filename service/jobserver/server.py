@@ -37,7 +37,7 @@ from bnrecal.errors import (
     ServiceUnavailableError,
 )
 
-from bnrecal.service.run.cluster import embedded_gcs_process, ensure_ray, kill_embedded_processes
+from bnrecal.service.run.cluster import embedded_gcs_process, ensure_ray, kill_embedded_processes, shutdown_embedded
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobInfo, BlobStore, open_blob_store
@@ -331,9 +331,10 @@ class Services:
             return  # a cluster this server joined is not its to stop (nor is its host process to end)
         lost = self.health is not None and self.health.lost is not None
         if reachable and not lost:
-            ray.shutdown()
+            shutdown_embedded()  # its idle autoscaler killed first: Ray's shutdown gives it a second to ignore SIGTERM
             return
-        if not lost and shutdown_within(RAY_SHUTDOWN_S):
+        gone = (lambda: self.health.lost is not None) if self.health is not None else (lambda: False)
+        if not lost and shutdown_within(RAY_SHUTDOWN_S, gone):
             return  # a late probe on a busy machine is not a dead instance: Ray's own shutdown, bounded
         # dead for good (or its shutdown hangs): its processes are killed, Ray's shutdown would wait on them
         kill_embedded_processes()
@@ -341,8 +342,9 @@ class Services:
         _exit_now(1)
 
 
-def shutdown_within(timeout_s: float) -> bool:
-    """``ray.shutdown`` in a thread of its own; whether it returned within ``timeout_s``."""
+def shutdown_within(timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+    """``ray.shutdown`` in a thread of its own; whether it returned within ``timeout_s``
+    (and before ``give_up()``, checked every 0.1 s: the instance's GCS exited meanwhile)."""
 
     def shutdown() -> None:
         from ray._private import auto_init_hook
@@ -350,7 +352,7 @@ def shutdown_within(timeout_s: float) -> bool:
         auto_init_hook.enable_auto_connect = False  # a job thread's late call must not reconnect
         ray.shutdown()
 
-    return returned_within(shutdown, timeout_s, "bnrecal-ray-shutdown")
+    return returned_within(shutdown, timeout_s, "bnrecal-ray-shutdown", give_up)
 
 
 def returned_within(call: Callable[[], Any], timeout_s: float, name: str,

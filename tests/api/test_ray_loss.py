@@ -24,6 +24,13 @@ from tests.nets import MARKER, marker_net
 
 pytestmark = pytest.mark.slow  # a server with its own Ray: ~30 s to start
 
+GROUP_STOP_S = 10.0
+"""A signal to the whole group stops the server within this (about 3 s here for SIGTERM: the
+probe's 1.5 s to see Ray gone, then Ray's shutdown given 1.5 s; 1 s for Ctrl-C), far below
+what waiting on Ray would take (its minute, or the drain's grace of ``GRACE_S``)."""
+
+GRACE_S = "60"
+
 
 def upload(client: httpx.Client, body: bytes) -> str:
     response = client.post("/v1/blobs", content=body, headers={"Content-Type": "application/octet-stream"})
@@ -99,8 +106,8 @@ def test_sigterm_to_the_whole_process_group_stops_the_server_within_seconds(serv
 
     os.killpg(server.process.pid, signal.SIGTERM)  # the server and its embedded Ray, at the same moment
     stopping = time.monotonic()
-    server.process.wait(15)  # TimeoutExpired: it waited on the dead GCS (Ray's own limit is 60 s)
-    assert time.monotonic() - stopping < 5.0
+    server.process.wait(30)  # TimeoutExpired: it waited on the dead GCS (Ray's own limit is 60 s)
+    assert time.monotonic() - stopping < GROUP_STOP_S
     assert_nothing_outlives(processes)
 
 
@@ -111,15 +118,15 @@ def test_a_signal_to_the_whole_process_group_with_a_job_running_stops_the_server
     """Ctrl-C in the terminal of ``bnrecal serve`` (SIGINT to its group), or ``timeout`` (SIGTERM
     to its group), while a job runs: its Ray dies as the server begins to stop, so neither the
     drain's grace nor the job's interruption may wait on it. The job goes back to the queue."""
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_SHUTDOWN_GRACE_S": "30"})
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", env={"BNRECAL_SHUTDOWN_GRACE_S": GRACE_S})
     servers.append(server)
     _, job = start_hanging_job(server, tmp_path, workers=1)
     processes = ray_processes(server.process.pid)
 
     os.killpg(server.process.pid, signum)  # the server and its embedded Ray, at the same moment
     stopping = time.monotonic()
-    server.process.wait(15)  # TimeoutExpired: it waited out the drain or the job on a dead Ray
-    assert time.monotonic() - stopping < 5.0
+    server.process.wait(30)  # TimeoutExpired: it waited out the drain or the job on a dead Ray
+    assert time.monotonic() - stopping < GROUP_STOP_S
     assert_nothing_outlives(processes)
     ledger = Ledger(sqlite_url(tmp_path / "data"))
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import threading
 import time
 
@@ -119,3 +120,11 @@ def test_sigterm_drains_then_requeues(servers, tmp_path):  # noqa: F811 - server
     assert server.client.get(f"/v1/jobs/{stuck['id']}/artifacts/checkpoint").status_code == 409
     assert server.client.post(f"/v1/jobs/{stuck['id']}/cancel").status_code == 202
     assert wait_for(server.client, stuck["id"], ("cancelled",), timeout=10)["status"] == "cancelled"
+
+    # Ctrl-C stops it at once, with the code a shell reports for it (not a KeyboardInterrupt's
+    # traceback and the interpreter's teardown after uvicorn raises the signal again).
+    said_before = (tmp_path / "server.log").stat().st_size
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(30) == 128 + signal.SIGINT
+    said = (tmp_path / "server.log").read_bytes()[said_before:].decode(errors="replace")
+    assert "Traceback" not in said, said

@@ -39,6 +39,7 @@ from bnrecal.errors import (
     InsufficientStorageError,
     NotFoundError,
     RunError,
+    first_line,
 )
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
@@ -342,6 +343,10 @@ class JobRunner:
             problem = problem_of(self._disk_full(exc, workdir) or exc, spec)
             final = self._end(job.id, JobStatus.failed, workdir, error=problem)
         except Exception as exc:  # noqa: BLE001 - a job's bug must fail the job, not the server
+            if entry.lost:  # already queued again (its Ray went with a stopping server) or taken over
+                log.info("job %s: ended by %s after it went back to the queue", job.id, first_line(exc))
+                final = JobStatus.queued
+                return
             full = self._disk_full(exc, workdir)
             if full is None:
                 log.exception("job %s failed unexpectedly", job.id)
