@@ -41,6 +41,10 @@ OutDirOpt = Annotated[Path, typer.Option(help="Folder for every cell's files (<m
 PairsOpt = Annotated[Path | None, typer.Option(metavar="FILE", help="Run only these cells: one 'MODEL SET' (names) a line.")]
 OnnxFlag = Annotated[bool, typer.Option("--onnx", help="Also export each cell's model folded to ONNX (model.onnx).")]
 Int8Flag = Annotated[bool, typer.Option("--onnx-int8", help="Also export each cell's model in INT8 QDQ (model.int8.onnx).")]
+OpenVinoFlag = Annotated[bool, typer.Option(
+    "--openvino", help="Also write each cell's folded FP32 model as OpenVINO IR (model.xml, model.bin).")]
+OpenVinoInt8Flag = Annotated[bool, typer.Option(
+    "--openvino-int8", help="Also write each cell's INT8 model as OpenVINO IR (model.int8.xml, model.int8.bin).")]
 CellsAtOnceOpt = Annotated[int, typer.Option(
     min=1, max=64, metavar="N", help="Run N cells side by side, each on its own --workers ranks (N x --workers in all).")]
 RankByOpt = Annotated[str | None, typer.Option(
@@ -65,6 +69,8 @@ SweepFlags = opt.flags_class(
         ("onnx_opset", opt.OnnxOpsetOpt, opt.OPSET),
         ("onnx_dtype", opt.OnnxDtypeOpt, opt.OnnxDtype.float32),
         ("onnx_int8", Int8Flag, False),
+        ("openvino", OpenVinoFlag, False),
+        ("openvino_int8", OpenVinoInt8Flag, False),
         ("int8", opt.Int8Opt, None),
         ("rank_by", RankByOpt, None),
         ("cells_at_once", CellsAtOnceOpt, 1),
@@ -112,10 +118,13 @@ def sweep(
     pairs = read_pairs(flags.pairs, names, [name for name, _, _ in sets]) if flags.pairs is not None else None
     labelled = any(evaluation for _, _, evaluation in sets)
     rank_by = check_metric(flags.rank_by or ("after_top1" if labelled else "worst_drift"), "--rank-by")
-    if flags.int8 is not None and not flags.onnx_int8:
-        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 too", field="--int8")
+    quantizes = flags.onnx_int8 or flags.openvino_int8
+    if flags.int8 is not None and not quantizes:
+        raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 or --openvino-int8 too", field="--int8")
+    if server is None:
+        _check_openvino(flags)
     int8 = None
-    if flags.onnx_int8:
+    if quantizes:
         from bnrecal.service.export.int8.options import int8_options
 
         int8 = int8_options(parse_json_object(flags.int8, "--int8"), "--int8")
@@ -136,7 +145,7 @@ def sweep(
         if server is not None:
             from .sweep_remote import RemoteSweep, sweep_on_server
 
-            report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, flags.onnx,
+            report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, _outputs(flags),
                                                  int8, flags.onnx_opset, flags.onnx_dtype.value, flags.cells_at_once),
                                      server, api_key, flags.out_dir)
         else:
@@ -159,7 +168,7 @@ def _sweep_here(flags: SweepFlags, sweep_files: SweepFiles, options: RunOptions,
 
     from .local import finish_ray, ray_connected
 
-    run = SweepRun(options=options, rank_by=rank_by, eval_max_samples=flags.eval_max_samples, onnx=flags.onnx,
+    run = SweepRun(options=options, rank_by=rank_by, eval_max_samples=flags.eval_max_samples, outputs=_outputs(flags),
                    int8=int8, export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
                    cells_at_once=flags.cells_at_once)
     cancel = threading.Event()
@@ -174,6 +183,22 @@ def _sweep_here(flags: SweepFlags, sweep_files: SweepFiles, options: RunOptions,
             if not connected_before:
                 finish_ray(update)
     return report
+
+
+def _outputs(flags: SweepFlags) -> frozenset[str]:
+    """The files each cell writes besides its model and reports (``sweep.running.CELL_FILES``'s names)."""
+    asked = {"onnx": flags.onnx, "onnx_int8": flags.onnx_int8, "openvino": flags.openvino,
+             "openvino_int8": flags.openvino_int8}
+    return frozenset(name for name, given in asked.items() if given)
+
+
+def _check_openvino(flags: SweepFlags) -> None:
+    """Refuse OpenVINO IR cells when OpenVINO is not installed here, before any work."""
+    from bnrecal.service.export.runtimes import openvino_version
+
+    for flag, given in (("--openvino", flags.openvino), ("--openvino-int8", flags.openvino_int8)):
+        if given and openvino_version() is None:
+            raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
 
 
 def _check_architectures(models: list[SweepModel], settings: Settings) -> None:

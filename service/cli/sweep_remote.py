@@ -30,7 +30,8 @@ class RemoteSweep:
     options: RunOptions
     rank_by: str
     eval_max_samples: int | None
-    onnx: bool
+    outputs: frozenset[str]
+    """Each cell's files besides its model and reports (the spec's output names)."""
     int8: Int8Options | None
     onnx_opset: int
     onnx_dtype: str
@@ -68,7 +69,7 @@ class RemoteSweep:
         spec = JobSpec.checked(  # checked here as the server checks its fields (a SpecError names one)
             **self.options.run_options(), models=model_specs, datasets=datasets,
             outputs=[kind for kind in ("checkpoint", "program") if kind in kinds]
-            + (["onnx"] if self.onnx else []) + (["onnx_int8"] if self.int8 is not None else []),
+            + sorted(self.outputs),
             onnx={"opset": self.onnx_opset, "dtype": self.onnx_dtype}, rank_by=self.rank_by,
             cells_at_once=self.cells_at_once, int8=self.int8,
             pairs=sorted([index[model], set_name] for model, set_name in self.files.pairs)

@@ -39,21 +39,43 @@ from .matrix import CellSummary, SweepReport, relative_link, write_sweep_report
 
 REPORT_NAMES = ("sweep.json", "sweep.csv", "sweep.html")
 
+CELL_FILES = {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx", "openvino": "model.xml",
+              "openvino_int8": "model.int8.xml"}
+"""The files a cell writes besides its model and reports, by output name (the job spec's):
+the folded ONNX export, the INT8 file, and OpenVINO's files of each (an ``.xml`` and the
+``.bin`` beside it)."""
+
+_RUN_OUTPUTS = {"onnx": "onnx", "onnx_int8": "int8", "openvino": "openvino", "openvino_int8": "openvino_int8"}
+"""Each cell output's field in ``RunOutputs``."""
+
 
 @dataclass(frozen=True)
 class SweepRun:
     """How every cell runs: the run options (``calibrate``'s), the evaluation's sample
-    limit, which files each cell writes besides its model and reports (the folded ONNX
-    export, the INT8 file), and the metric the matrix ranks by."""
+    limit, which files each cell writes besides its model and reports (names of
+    ``CELL_FILES``), the INT8 phase's options (with an INT8 output), and the metric the
+    matrix ranks by."""
 
     options: RunOptions
     rank_by: str
     eval_max_samples: int | None = None
-    onnx: bool = False
+    outputs: frozenset[str] = frozenset()
     int8: Int8Options | None = None
     export: ExportOptions = ExportOptions()
     cells_at_once: int = 1
     """Cells run side by side, each on its own ``options.workers`` ranks."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.outputs - CELL_FILES.keys())
+        if unknown:
+            raise ValueError(f"no such cell output: {', '.join(unknown)} (one of {', '.join(CELL_FILES)})")
+        if (self.int8 is not None) != bool({"onnx_int8", "openvino_int8"} & self.outputs):
+            raise ValueError("the INT8 options go with an INT8 output (onnx_int8, openvino_int8), and only with one")
+
+    def cell_outputs(self, folder: Path) -> RunOutputs:
+        """What one cell makes, in its ``folder``."""
+        return RunOutputs(**{_RUN_OUTPUTS[name]: folder / CELL_FILES[name] for name in self.outputs},
+                          int8_options=self.int8, export=self.export)
 
 
 @dataclass
@@ -82,7 +104,7 @@ def sweep_to_files(
     pool: WarmPool | None = None,
 ) -> SweepReport:
     """Run every cell of ``sweep`` into ``out_dir/<model>/<set>/`` (the model in its uploaded
-    format, ``report.json``, ``report.html``, and the ONNX and INT8 files asked for), on
+    format, ``report.json``, ``report.html``, and the ``CELL_FILES`` asked for), on
     ranks shared by all cells; ``on_cell`` hears each cell as it finishes. With a warm
     ``pool`` (a server's) the cells run on its ranks, even with one worker. With
     ``run.cells_at_once`` N, N cells run side by side, each lane on its own ranks (each lane
@@ -231,10 +253,7 @@ def _run_cell(
         assert source is not None
         if model.source_name is not None:
             source = Path(Path(model.source_name).name or source.name)
-        outputs = RunOutputs(
-            onnx=folder / "model.onnx" if run.onnx else None, int8=folder / "model.int8.onnx" if run.int8 else None,
-            int8_options=run.int8, export=run.export,
-        )
+        outputs = run.cell_outputs(folder)
         files = RunFiles(model=folder / source.name, report=folder / "report.json")  # its page: _PageWriter
         made = recalibrate_to_files(request, settings, outputs, files, on_progress=on_progress, cancel=cancel,
                                     in_process=isinstance(shared.inner, InProcess), int8_field="--int8", shared=shared)

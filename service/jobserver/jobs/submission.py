@@ -144,8 +144,6 @@ def _check_outputs(spec: JobSpec) -> None:
     if spec.int8 is not None and not {"onnx_int8", "openvino_int8"} & set(spec.outputs or []):
         raise SpecError('int8: the INT8 options go with "onnx_int8" or "openvino_int8" in outputs', field="int8")
     openvino = [name for name in ("openvino", "openvino_int8") if name in (spec.outputs or [])]
-    if openvino and spec.is_sweep:
-        raise SpecError(f"outputs: {openvino[0]} (OpenVINO IR) is not made in a sweep yet", field="outputs")
     if openvino:
         from bnrecal.service.export.runtimes import openvino_version
 

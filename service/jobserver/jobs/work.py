@@ -26,7 +26,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, reca
 from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.sweep.matrix import CellSummary, check_metric
 from bnrecal.service.sweep.cells import SweepFiles
-from bnrecal.service.sweep.running import CellResult, SweepRun, cell_summary, sweep_to_files
+from bnrecal.service.sweep.running import CELL_FILES, CellResult, SweepRun, cell_summary, sweep_to_files
 from bnrecal.errors import RunError
 
 from bnrecal.service.settings import Settings
@@ -122,14 +122,15 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
 
 
 def _ir_archive(xml: Path) -> Path:
-    """One downloadable file of OpenVINO's two: a tar of ``model.xml`` and ``model.bin``
-    beside the folder that holds them (names fixed, no times: the same files, the same bytes)."""
+    """One downloadable file of OpenVINO's two: a tar of ``model.xml`` and ``model.bin`` (by
+    those names whatever ``xml`` is called), as ``xml`` with ``.tar`` for its suffix (names
+    fixed, no times: the same files, the same bytes)."""
     import tarfile
 
-    archive = xml.parent.with_suffix(".tar")
+    archive = xml.with_suffix(".tar")
     with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
-        for part in (xml, xml.with_suffix(".bin")):
-            info = tarfile.TarInfo(part.name)
+        for part, name in ((xml, "model.xml"), (xml.with_suffix(".bin"), "model.bin")):
+            info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = part.stat().st_size, 0o644, 0
             with part.open("rb") as handle:
                 tar.addfile(info, handle)
@@ -155,11 +156,11 @@ def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
     options = spec.model_copy(update={"max_retries": spec.max_retries if spec.max_retries is not None
                                       else settings.job_max_retries})
     labelled = any(s.eval_data is not None for s in sweep.sets)
-    int8 = "onnx_int8" in spec.outputs
+    made_by_cells = frozenset(CELL_FILES) & set(spec.outputs)
+    int8 = bool({"onnx_int8", "openvino_int8"} & made_by_cells)
     run = SweepRun(
-        options=options, rank_by=sweep_rank_by(spec, labelled),
-        onnx="onnx" in spec.outputs, int8=int8_options(spec.int8) if int8 else None, export=export_options(spec),
-        cells_at_once=spec.cells_at_once,
+        options=options, rank_by=sweep_rank_by(spec, labelled), outputs=made_by_cells,
+        int8=int8_options(spec.int8) if int8 else None, export=export_options(spec), cells_at_once=spec.cells_at_once,
     )
     cells: list[str] = []
     archive = _Archive(workdir / "sweep.zip", workdir)
@@ -169,7 +170,8 @@ def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
         cells.append(key)
         program = sweep.models[result.cell.model_index].program is not None
         made = {f"{key}/{name}": file for name, file in _cell_files(result, spec, program).items()}
-        archive.add(path for path, _ in made.values())
+        archive.add(part for path, media in made.values()  # OpenVINO's files as written, not their tar
+                    for part in ((path.with_suffix(".xml"), path.with_suffix(".bin")) if media == TAR else (path,)))
         report(CellDone(cell_summary(result, workdir), made))
 
     try:
@@ -223,10 +225,12 @@ def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, t
     found: dict[str, tuple[Path, str]] = {}
     if result.report is None:
         return found
-    for name, path in (("onnx", folder / "model.onnx"), ("onnx_int8", folder / "model.int8.onnx"),
-                       ("report", folder / "report.json")):
-        if path.is_file() and (name == "report" or name in spec.outputs):
-            found[name] = (path, JSON if name == "report" else OCTET_STREAM)
+    found["report"] = (folder / "report.json", JSON)
+    for name in CELL_FILES.keys() & set(spec.outputs):
+        path = folder / CELL_FILES[name]
+        if not path.is_file():  # an INT8 file its guard refused: the cell's report says why
+            continue
+        found[name] = (_ir_archive(path), TAR) if name.startswith("openvino") else (path, OCTET_STREAM)
     if result.model_file is not None and result.model_file.is_file():
         kind = "program" if program else "checkpoint"
         if kind in spec.outputs:
