@@ -19,6 +19,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # project's venv has MLflow's client (the `mlflow` extra), as users have.
 MLFLOW_VENV := .venv-mlflow
 MLFLOW_SERVER := $(MLFLOW_VENV)/.installed
+# The MDS tests read shards written by MosaicML Streaming's own MDSWriter, run in a process of
+# its own with this folder on its path. Streaming pins numpy below 2.2 and transformers below 5
+# (the project has both above), so it is not installed in the project's venv: its package and
+# the compression modules it imports go here alone (--no-deps), over the project's numpy, torch
+# and PIL, which its writer runs on as they are.
+STREAMING_WRITER := .streaming-writer
+STREAMING := $(STREAMING_WRITER)/.installed
 
 .PHONY: install browser postgres mlflow-server serve demo test check durations bench clean
 
@@ -62,6 +69,11 @@ $(MLFLOW_SERVER):
 
 mlflow-server: $(MLFLOW_SERVER)
 
+$(STREAMING): $(BASE)
+	$(PIP) install --quiet --no-deps --target $(STREAMING_WRITER) mosaicml-streaming==0.13.0 \
+		brotli python-snappy cramjam zstd xxhash catalogue
+	touch $@
+
 serve: $(BASE)
 	$(BIN)/bnrecal serve --data-dir .bnrecal
 
@@ -73,12 +85,12 @@ demo: $(DEMO)
 		--workers 2 --batch-size 64 --out demo/resnet18-recalibrated.pt --onnx demo/resnet18.onnx \
 		--onnx-int8 demo/resnet18-int8.onnx --report demo/report.json --report-html demo/report.html
 
-test: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER)
+test: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER) $(STREAMING)
 	$(BIN)/python -m pytest
 
 # The quick tier for the edit-and-test loop: every test module's cheapest test, chosen by the
 # kept durations of a whole run (docs/development.md). `make test` stays the whole suite.
-check: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER)
+check: $(TESTING) $(CHROMIUM) $(POSTGRES) $(MLFLOW_SERVER) $(STREAMING)
 	$(BIN)/python -m pytest --quick
 
 # The whole suite, then its durations kept as the quick tier's measure (tests/durations.json).
@@ -89,4 +101,4 @@ bench: $(TESTING)
 	$(BIN)/python bench/throughput.py
 
 clean:
-	rm -rf $(VENV) $(MLFLOW_VENV) demo .bnrecal
+	rm -rf $(VENV) $(MLFLOW_VENV) $(STREAMING_WRITER) demo .bnrecal

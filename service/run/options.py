@@ -79,12 +79,12 @@ class RecalibrationOptions(BaseModel):
     )
     image_column: str | None = Field(
         default=None, min_length=1, max_length=256,
-        description="Parquet or Arrow data (calibration and evaluation alike): the column of encoded images "
+        description="Parquet, Arrow or MDS data (calibration and evaluation alike): the column of encoded images "
         "(default: image, or the one column that holds image bytes).",
     )
     label_column: str | None = Field(
         default=None, min_length=1, max_length=256,
-        description="Parquet or Arrow evaluation data: the column of integer labels (default: label).",
+        description="Parquet, Arrow or MDS evaluation data: the column of integer labels (default: label).",
     )
     device: Device = Field(default="cpu", description="Where the ranks compute.")
     transform: dict[str, Any] | None = Field(

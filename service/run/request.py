@@ -126,8 +126,8 @@ class Recalibration:
 
 
 def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: DatasetSpec | None) -> None:
-    """Refuse a column name that names no column: ``image_column`` without Parquet or Arrow
-    data, ``label_column`` without Parquet or Arrow evaluation data (the options apply to
+    """Refuse a column name that names no column: ``image_column`` without Parquet, Arrow or
+    MDS data, ``label_column`` without such evaluation data (the options apply to
     whichever data set is columnar, docs/data.md)."""
 
     def columnar(spec: DatasetSpec | None) -> bool:
@@ -135,13 +135,14 @@ def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: Datas
 
     if request.image_column is not None and not (columnar(data) or columnar(evaluation)):
         raise DatasetOptionError(
-            "image_column names a Parquet or Arrow column; neither the data nor the evaluation data is Parquet or Arrow",
+            "image_column names a Parquet, Arrow or MDS column; neither the data nor the evaluation data is Parquet, "
+            "Arrow or MDS",
             field="image_column",
         )
     if request.label_column is not None and not columnar(evaluation):
         raise DatasetOptionError(
-            "label_column names the labels of Parquet or Arrow evaluation data; "
-            + ("there is no evaluation data" if evaluation is None else "the evaluation data is not Parquet or Arrow"),
+            "label_column names the labels of Parquet, Arrow or MDS evaluation data; "
+            + ("there is no evaluation data" if evaluation is None else "the evaluation data is not Parquet, Arrow or MDS"),
             field="label_column",
         )
 

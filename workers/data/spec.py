@@ -188,7 +188,7 @@ def describe_dataset(
         return spec if name is None else replace(spec, name=name)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
-            f"image_column and label_column apply to Parquet and Arrow shards; {name or source.name} is not",
+            f"image_column and label_column apply to Parquet, Arrow and MDS shards; {name or source.name} is not",
             field="image_column" if read.image_column is not None else "label_column",
         )
     spec = _describe(source, read, access)
@@ -276,7 +276,7 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         return _shard_spec(*found, remote.uri, read, access)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
-            f"image_column and label_column apply to Parquet and Arrow shards; {remote.uri} is not", field="image_column"
+            f"image_column and label_column apply to Parquet, Arrow and MDS shards; {remote.uri} is not", field="image_column"
         )
     if kind == "directory":
         resolved = resolve_transform(transform)

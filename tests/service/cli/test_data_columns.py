@@ -64,8 +64,8 @@ def test_named_columns_calibrate_and_evaluate_as_the_folder(capsys, columns, tmp
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["--image-column", "img"], "--image-column names a Parquet or Arrow column; neither"),  # no Parquet at all
-    (["--label-column", "klass"], "--label-column names the labels of Parquet or Arrow evaluation data; there is no"),
+    (["--image-column", "img"], "--image-column names a Parquet, Arrow or MDS column; neither"),  # no Parquet at all
+    (["--label-column", "klass"], "--label-column names the labels of Parquet, Arrow or MDS evaluation data; there is no"),
     (["--image-column", ""], "--image-column: String should have at least 1 character"),
 ])
 def test_a_column_that_names_nothing_exits_2_naming_the_option(capsys, columns, tmp_path, args, named):

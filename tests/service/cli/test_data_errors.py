@@ -96,9 +96,9 @@ def blaming(error: CheckpointError, field: str) -> CheckpointError:
 
 
 @pytest.mark.parametrize(("error", "line"), [
-    (DatasetOptionError("image_column and label_column apply to Parquet and Arrow shards; calib.npy is not",
+    (DatasetOptionError("image_column and label_column apply to Parquet, Arrow and MDS shards; calib.npy is not",
                         field="image_column"),
-     "--image-column and --label-column apply to Parquet and Arrow shards; calib.npy is not"),
+     "--image-column and --label-column apply to Parquet, Arrow and MDS shards; calib.npy is not"),
     (SpecError("seed must be an integer >= 0, got -1", field="seed"), "--seed must be an integer >= 0, got -1"),
     (SpecError("transform.crop: must be at most resize", field="transform.crop"), "--transform.crop: must be at most resize"),
     # The blamed option's word elsewhere is prose; a column named like an option is quoted; a flag stays a flag.

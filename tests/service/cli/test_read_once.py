@@ -84,3 +84,16 @@ def test_a_job_without_an_int8_file_keeps_nothing_and_counts_its_decodes(tmp_pat
     decoding = json.loads((tmp_path / "r.json").read_text())["decoding"]
     assert decoding == {"decoded": SAMPLES, "reused": 0, "kept_bytes": 0, "spilled_bytes": 0, "not_kept": 0,
                         "memory_budget_bytes": 0, "disk_budget_bytes": 0}
+
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_mds_shards_are_decoded_once_in_a_whole_job(tmp_path, capsys, job_inputs):
+    """MosaicML Streaming's shards (the same photos, ``jpeg``) are read once per job as the other formats are."""
+    from tests.shards import folder_order
+    from tests.streaming_writer import MdsSet, write_mds
+
+    (mds,) = write_mds(MdsSet(tmp_path / "mds", folder_order(photos(SAMPLES, size=40)), "jpeg", size_limit=20_000))
+    assert len(list(mds.glob("*.mds"))) > 1
+    decoding = whole_job(capsys, tmp_path, {**job_inputs, "photos": mds}, 1, "mds")["decoding"]
+    assert decoding["decoded"] == SAMPLES and decoding["reused"] == FP32_READS * SAMPLES + SAMPLES

@@ -1,5 +1,6 @@
-"""Calibrating on shards, end to end: the same photos as a folder, as WebDataset tar shards and
-as Parquet give the same statistics with ``order: given`` and the same top-1; on tar shards
+"""Calibrating on shards, end to end: the same photos as a folder, as WebDataset tar shards, as
+Parquet and as MosaicML Streaming's MDS (raw ``pil`` pixels; ``jpeg`` for the evaluation
+data) give the same statistics with ``order: given`` and the same top-1; on tar shards
 the statistics agree for K = 1, 2 and 4 ranks (sync mode); the CLI takes a brace pattern."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 from tests.conftest import run_cli, save_state
 from tests.nets import classifier_net, perturbed
 from tests.shards import folder_order, photos, write_folder, write_parquet, write_tar_shards
+from tests.streaming_writer import MdsSet, write_mds
 
 TRANSFORM = {"resize": 32, "crop": 32}
 ARCH = "tests.nets:classifier_net"
@@ -33,7 +35,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     write_parquet(root / "parquet", ordered, 64, row_group=16)
     write_parquet(root / "eval-parquet", eval_ordered, 45, row_group=10)
     write_tar_shards(root / "unlabelled", eval_ordered, 45, labels=False)
+    write_mds(MdsSet(root / "mds", ordered, "pil", size_limit=1 << 17), MdsSet(root / "eval-mds", eval_ordered, "jpeg"))
     return {
+        "mds": root / "mds", "eval-mds": root / "eval-mds",
         "checkpoint": save_state(root / "model.pt", perturbed(classifier_net(3))),
         "folder": root / "folder", "eval-folder": root / "eval-folder",
         "tar": str(root / "tar" / "train-{000000..000002}.tar"), "eval-tar": root / "eval-tar",
@@ -48,14 +52,15 @@ def request(sources: dict[str, Path | str], data: str, **options: object) -> Rec
     )
 
 
-def test_folder_tar_shards_and_parquet_calibrate_alike(sources, settings):
+def test_folder_tar_shards_parquet_and_mds_calibrate_alike(sources, settings):
     results = {}
-    for fmt in ("folder", "tar", "parquet"):
+    for fmt in ("folder", "tar", "parquet", "mds"):
         results[fmt] = recalibrate(
             request(sources, fmt, eval_data=sources[f"eval-{fmt}"], order="given", workers=1), settings, in_process=True,
         )
     folder = results["folder"]
-    for fmt in ("tar", "parquet"):
+    assert results["mds"].report["evaluation"]["data"]["format"] == "mds"
+    for fmt in ("tar", "parquet", "mds"):
         result = results[fmt]
         assert result.report["dataset"]["kind"] == "shards" and result.report["samples"] == 120
         for key, value in folder.updates.items():

@@ -1,5 +1,5 @@
-"""Datasets of shards (WebDataset tars, Parquet, ``save_to_disk`` Arrow), streamed: never
-unpacked, each rank reading only its own samples.
+"""Datasets of shards (WebDataset tars, Parquet, ``save_to_disk`` Arrow, MosaicML Streaming's
+MDS), streamed: never unpacked, each rank reading only its own samples.
 
 A sample's index is its position over all shards in sorted order (members in tar order, rows
 in file order), so the same images give the same samples whether they come as a folder, tar
@@ -27,6 +27,7 @@ import torch
 
 from bnrecal.workers.data.opened import DecodedData
 from bnrecal.workers.data.formats.columnar import ColumnarReader
+from bnrecal.workers.data.formats.mds import MdsColumns, MdsReader
 from bnrecal.workers.data.reading.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.shards.listing import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary
@@ -34,7 +35,7 @@ from bnrecal.workers.data.formats.transform import ImageTransform, decode_image,
 from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_index
 from bnrecal.errors import DatasetError
 
-ShardFormat = Literal["webdataset", "parquet", "arrow"]
+ShardFormat = Literal["webdataset", "parquet", "arrow", "mds"]
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -49,6 +50,7 @@ class ShardSet:
     groups: tuple[tuple[int, ...], ...] = ()  # parquet/arrow: rows per row group (record batch) of each shard
     image_column: str | None = None
     label_column: str | None = None
+    mds: MdsColumns | None = None  # mds: the columns of every shard (its index's)
     endpoint_url: str | None = None
     cache_root: str | None = None
     starts: np.ndarray = field(init=False, repr=False, compare=False)
@@ -66,12 +68,15 @@ class ShardSet:
         """Whether any shard lies in object storage."""
         return any(ref.remote for ref in self.shards)
 
-    def reader(self, shard: int) -> TarReader | ColumnarReader:
+    def reader(self, shard: int) -> TarReader | ColumnarReader | MdsReader:
         """A reader of shard ``shard`` (a tar's index comes from the cache, or is built)."""
         ref = self.shards[shard]
         if self.format == "webdataset":
             cache = Path(self.cache_root) if self.cache_root else None
             return TarReader(ref, tar_index(ref, self.endpoint_url, cache, "calibration data"), self.endpoint_url)
+        if self.format == "mds":
+            assert self.mds is not None and self.image_column is not None
+            return MdsReader(ref, self.mds, self.counts[shard], self.image_column, self.label_column, self.endpoint_url)
         return ColumnarReader(ref, self.format, self.image_column, self.label_column, self.endpoint_url)
 
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +137,7 @@ class ShardData(DecodedData):
         self.transform = transform
         self.sample_shape = tuple(sample_shape)
         self.shuffled = shuffled
-        self._readers: dict[int, TarReader | ColumnarReader] = {}
+        self._readers: dict[int, TarReader | ColumnarReader | MdsReader] = {}
         self.plan_reads([])
 
     def __len__(self) -> int:
@@ -184,7 +189,8 @@ class ShardData(DecodedData):
         self._planned_at: dict[tuple[int, int], int] = {}
 
     def _costly(self) -> bool:
-        return self.shards.remote or self.shards.format != "webdataset" or any(r.gzip for r in self.shards.shards)
+        return self.shards.remote or self.shards.format not in ("webdataset", "mds") or any(
+            r.gzip for r in self.shards.shards)
 
     def _planned(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
         if not self.shuffled or not self._costly() or not self._plan:
@@ -238,7 +244,7 @@ class ShardData(DecodedData):
             reader = self._reader(s)
             wanted = [int(r) for r in local[ordered]]
             unique = sorted(set(wanted))
-            if isinstance(reader, TarReader):
+            if isinstance(reader, (TarReader, MdsReader)):
                 found = reader.read(unique)
             else:
                 found = reader.read(unique, list(self.shards.groups[s]))
@@ -249,7 +255,7 @@ class ShardData(DecodedData):
                 out[position] = (f"{name}:{member}", data)
         return out
 
-    def _reader(self, shard: int) -> TarReader | ColumnarReader:
+    def _reader(self, shard: int) -> TarReader | ColumnarReader | MdsReader:
         if shard not in self._readers:
             self._readers[shard] = self.shards.reader(shard)
         return self._readers[shard]

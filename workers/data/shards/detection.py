@@ -6,6 +6,8 @@ How a source is told apart (docs/data.md, "Shards"):
   ``.parquet`` file (or a file starting with Parquet's magic bytes ``PAR1``: an upload), a
   ``save_to_disk`` folder: always shards;
 - a folder (or an ``s3://`` prefix) holding shard files and no images or arrays: shards;
+- a folder (or an ``s3://`` prefix) with MosaicML Streaming's ``index.json``, or that file
+  itself: the MDS shards it lists, in its order (``workers.data.formats.mds``);
 - a tar (``.tar``, ``.tar.gz``, an uploaded blob) is a WebDataset shard when its first 64
   members are grouped by key (a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside
   a non-image member of its key such as ``KEY.json``), and a tar of shards when every file in it
@@ -40,6 +42,7 @@ from bnrecal.workers.data.shards.listing import (
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
+from bnrecal.workers.data.formats.mds import MDS_INDEX, index_beside, is_mds_index, read_index_bytes, read_mds_index
 from bnrecal.errors import DatasetError
 
 PARQUET_MAGIC = b"PAR1"
@@ -57,11 +60,19 @@ def local_shards(
     if source.is_dir():
         if is_save_to_disk(source):
             return "arrow", save_to_disk_files(source, shown, role)
+        if (source / MDS_INDEX).is_file():
+            found = _mds_shards(str(source / MDS_INDEX), f"{shown}/{MDS_INDEX}", role, endpoint_url, cache_root)
+            if found is not None:
+                return found
         files = shard_files_in(source)
         return None if files is None else _format_of([local_ref(source / f, f) for f in files])
     if not source.is_file():
         return None
     lower = source.name.lower()
+    if lower == MDS_INDEX:
+        found = _mds_shards(str(source), shown, role, endpoint_url, cache_root)
+        if found is not None:
+            return found
     if is_manifest_name(lower):
         if source.stat().st_size > MAX_MANIFEST_BYTES:
             raise DatasetError(f"manifest {shown} is larger than {MAX_MANIFEST_BYTES} bytes")
@@ -93,9 +104,18 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
         objects = list_prefix(remote, role, cache_root)
         if is_save_to_disk_listing([name for name in objects if "/" not in name]):
             return "arrow", _remote_save_to_disk(remote, objects, role)
+        if MDS_INDEX in objects:
+            found = _mds_shards(f"{remote.uri.rstrip('/')}/{MDS_INDEX}", f"{remote.uri.rstrip('/')}/{MDS_INDEX}", role,
+                                remote.endpoint_url, cache_root)
+            if found is not None:
+                return found
         refs = prefix_shards(remote, objects)
         return None if refs is None else _format_of(refs)
     lower = remote.name.lower()
+    if lower == MDS_INDEX:
+        found = _mds_shards(remote.uri, remote.uri, role, remote.endpoint_url, cache_root)
+        if found is not None:
+            return found
     fs = remote.filesystem()
     if is_manifest_name(lower):
         try:
@@ -118,6 +138,25 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
     if classify_members(_member_names(head, lower.endswith((".tar.gz", ".tgz")))) != "webdataset":
         return None
     return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
+
+
+def _mds_shards(
+    index: str, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None,
+) -> tuple[str, list[ShardRef]] | None:
+    """The MDS shards a Streaming ``index.json`` (a local path or URI) lists, beside it, in
+    its order; None when the file is another ``index.json``."""
+    raw = read_index_bytes(index, endpoint_url, f"{role}: {shown}")
+    if not is_mds_index(raw):
+        return None
+    listed = read_mds_index(raw, f"{role}: {shown}")
+    base = index.rsplit("/", 1)[0]
+    locations = [f"{base}/{name}" for name in listed.basenames]
+    if is_data_uri(index):
+        return "mds", refs_of(locations, role, endpoint_url, cache_root)
+    missing = [name for name, location in zip(listed.basenames, locations) if not Path(location).is_file()]
+    if missing:
+        raise DatasetError(f"{role}: {shown} lists shard {missing[0]}, which is not beside it")
+    return "mds", [local_ref(Path(location), name) for name, location in zip(listed.basenames, locations)]
 
 
 def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, StoredObject], role: str) -> list[ShardRef]:
@@ -204,9 +243,22 @@ def describe_shards(
     if data_format == "webdataset" and not strict_columns:
         image_column = label_column = None
     if data_format == "webdataset" and (image_column is not None or label_column is not None):
-        raise DatasetOptionError("image_column and label_column apply to Parquet and Arrow data, not tar shards",
+        raise DatasetOptionError("image_column and label_column apply to Parquet, Arrow and MDS data, not tar shards",
                                  field="image_column")
     resolved = resolve_transform(transform)  # bad options fail before any read
+    if data_format == "mds":
+        shown = index_beside(refs[0])
+        listed = read_mds_index(read_index_bytes(shown, endpoint_url, f"{role}: {shown}"), f"{role}: {shown}")
+        if listed.basenames != tuple(ref.name for ref in refs):
+            raise DatasetError(f"{role}: {shown} changed while it was read")
+        shards = ShardSet(
+            format="mds", shards=tuple(refs), counts=listed.counts,
+            image_column=listed.columns.image_column(image_column, f"{role}: {shown}"), label_column=label_column,
+            mds=listed.columns, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
+        )
+        if shards.total == 0:
+            raise DatasetError(f"{role}: the shards hold no samples ({refs[0].name} is empty)")
+        return _with_first_sample(shards, transform, resolved, refs)
 
     def count(ref: ShardRef) -> tuple[int, tuple[int, ...], str | None]:
         if data_format == "webdataset":
@@ -235,6 +287,14 @@ def describe_shards(
         groups=tuple(groups for _, groups, _ in counted), image_column=columns.pop() if columns else None,
         label_column=label_column, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
     )
+    return _with_first_sample(shards, transform, resolved, refs)
+
+
+def _with_first_sample(
+    shards: ShardSet, transform: Mapping[str, Any] | None, resolved: ImageTransform, refs: list[ShardRef],
+) -> tuple[ShardSet, ImageTransform | None, tuple[int, ...]]:
+    """The described shards with their transform (None for arrays) and sample shape, from
+    the first sample, read and decoded: a dataset whose first sample is broken fails here."""
     first = ShardData(shards, np.zeros(1, np.int64), resolved, (), False)
     try:
         (name, data), = first.load_encoded(0, 1)

@@ -1,0 +1,76 @@
+"""MDS shards as MosaicML Streaming writes them: ``streaming.MDSWriter`` itself, run in a
+process of its own from ``.streaming-writer/`` (``make test`` installs it there: Streaming's
+pins conflict with the project's numpy and transformers, see the Makefile).
+
+The photos of :mod:`tests.shards` go in as the column encoding asked for: ``bytes`` (the
+JPEG file's bytes), ``jpeg`` (a ``PIL`` image opened from the file, which Streaming stores as
+that file's bytes), ``png`` (Streaming re-encodes the decoded pixels) or ``pil`` (the raw
+pixels); a ``label`` column (``int``) unless ``labels`` is off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WRITER = REPO / ".streaming-writer"
+
+_SCRIPT = """
+import json, sys
+from PIL import Image
+from streaming import MDSWriter
+
+for job in json.loads(sys.argv[1]):
+    columns = {"image": job["encoding"]}
+    if job["labels"]:
+        columns["label"] = "int"
+    extra = {"compression": job["compression"]} if job["compression"] else {}
+    with MDSWriter(out=job["out"], columns=columns, size_limit=job["size_limit"], **extra) as writer:
+        for path, label in job["items"]:
+            if job["encoding"] == "bytes":
+                with open(path, "rb") as handle:
+                    image = handle.read()
+            else:
+                image = Image.open(path)
+                if job["encoding"] != "jpeg":
+                    image = image.convert("RGB")
+            writer.write({"image": image, **({"label": label} if job["labels"] else {})})
+"""
+
+
+@dataclass(frozen=True)
+class MdsSet:
+    """One dataset to write: ``MDSWriter(out=folder, ...)`` of the photos in their order, the
+    image column in ``encoding``, shards of at most ``size_limit`` bytes."""
+
+    folder: Path
+    items: list[tuple[str, bytes, int]]
+    encoding: str
+    size_limit: int = 1 << 16
+    labels: bool = True
+    compression: str | None = None
+
+
+def write_mds(*sets: MdsSet) -> list[Path]:
+    """Write each set (``folder/index.json`` and its shards) in one process of Streaming's
+    (its import takes seconds); their folders."""
+    if not (WRITER / ".installed").is_file():
+        raise RuntimeError(f"MosaicML Streaming's writer is not installed in {WRITER}: run make test (or make check)")
+    jobs = []
+    for one in sets:
+        files = one.folder.parent / f"{one.folder.name}-files"
+        files.mkdir(parents=True, exist_ok=True)
+        listed = []
+        for name, data, label in one.items:
+            (files / f"{name}.jpg").write_bytes(data)
+            listed.append((str(files / f"{name}.jpg"), label))
+        jobs.append({"out": str(one.folder), "encoding": one.encoding, "labels": one.labels,
+                     "size_limit": one.size_limit, "compression": one.compression, "items": listed})
+    env = {**os.environ, "PYTHONPATH": str(WRITER)}
+    subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(jobs)], check=True, env=env, timeout=300)
+    return [one.folder for one in sets]

@@ -1,0 +1,118 @@
+"""MosaicML Streaming's MDS shards, written by ``streaming.MDSWriter`` itself: the same photos
+as a folder read as the same samples and labels, whatever the image column's encoding
+(the file's bytes, ``jpeg``, ``png``, raw ``pil`` pixels), locally and from S3, where each
+rank fetches only its own samples with ranged GETs; what cannot be read in place fails
+before any work, naming the shard or the column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bnrecal.errors import DatasetError, DatasetOptionError
+from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
+from bnrecal.workers.data.shards import reads as shard_reads
+from bnrecal.workers.ranks.sharding import rank_ranges
+
+from tests.s3 import S3Server
+from tests.shards import folder_order, photos, write_folder
+from tests.streaming_writer import MdsSet, write_mds
+
+TRANSFORM = {"resize": 24, "crop": 24}
+BUCKET = "mds-data"
+ENCODINGS = ("bytes", "jpeg", "png", "pil")
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mds")
+    items = photos(40, size=32)
+    ordered = folder_order(items)
+    write_folder(root / "folder", items)
+    sets = [MdsSet(root / encoding, ordered, encoding, size_limit=12_000) for encoding in ENCODINGS]  # several shards
+    sets += [MdsSet(root / "unlabelled", ordered[:8], "jpeg", labels=False),
+             MdsSet(root / "zstd", ordered[:8], "jpeg", compression="zstd")]
+    write_mds(*sets)
+    return {"folder": root / "folder"} | {one.folder.name: one.folder for one in sets}
+
+
+def read(source: Path | str, tmp_path: Path, endpoint: str | None = None, **options: object):
+    spec = describe_dataset(source, ReadOptions(transform=TRANSFORM, **options),
+                            DataAccess(unpack_root=tmp_path / "u", endpoint_url=endpoint))
+    with spec.open() as data:
+        return spec, data.load(0, len(data)), read_labels(spec)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_mds_shards_read_as_the_same_photos_in_a_folder(written, encoding, tmp_path):
+    assert len(list(written[encoding].glob("shard.*.mds"))) >= 2
+    spec, samples, labels = read(written[encoding], tmp_path, order="shuffled", seed=3)
+    _, expected, expected_labels = read(written["folder"], tmp_path, order="shuffled", seed=3)
+    summary = spec.summary()
+    assert spec.kind == "shards" and summary.format == "mds" and summary.image_column == "image"
+    assert torch.equal(samples, expected) and np.array_equal(labels, expected_labels)
+
+
+def test_the_index_file_itself_names_the_same_data(written, tmp_path):
+    _, samples, _ = read(written["jpeg"] / "index.json", tmp_path)
+    _, expected, _ = read(written["jpeg"], tmp_path)
+    assert torch.equal(samples, expected)
+
+
+def test_what_cannot_be_read_in_place_fails_naming_the_shard_or_column(written, tmp_path):
+    with pytest.raises(DatasetError, match=r"shard shard\.00000\.mds(\.zstd)? is compressed \(zstd\).*compression=None"):
+        read(written["zstd"], tmp_path)
+    with pytest.raises(DatasetOptionError, match="no label column 'label'.*set label_column") as refused:
+        read(written["unlabelled"], tmp_path)
+    assert refused.value.field == "label_column"
+    with pytest.raises(DatasetOptionError, match="no image column 'photo'.*image columns: image") as refused:
+        read(written["jpeg"], tmp_path, image_column="photo")
+    assert refused.value.field == "image_column"
+    broken = tmp_path / "broken"  # a shard cut short after the index was written
+    broken.mkdir()
+    for part in written["jpeg"].iterdir():
+        broken.joinpath(part.name).write_bytes(part.read_bytes())
+    shard = broken / "shard.00001.mds"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(DatasetError, match="shard shard.00001.mds"):
+        read(broken, tmp_path)
+
+
+def test_an_unsafe_or_foreign_index_is_not_read(written, tmp_path):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    index = json.loads((written["jpeg"] / "index.json").read_text())
+    for shard in index["shards"]:
+        shard["column_encodings"] = ["pkl", "int"]
+    (pickled / "index.json").write_text(json.dumps(index))
+    for part in written["jpeg"].glob("*.mds"):
+        pickled.joinpath(part.name).write_bytes(part.read_bytes())
+    with pytest.raises(DatasetError, match="pickled.*never read"):
+        read(pickled, tmp_path)
+
+
+def test_mds_in_s3_reads_as_the_local_folder_each_rank_fetching_only_its_samples(
+    s3_server: S3Server, written, tmp_path, monkeypatch,
+):
+    s3_server.put_tree(BUCKET, "pil", written["pil"])
+    monkeypatch.setattr(shard_reads, "GATHER_GAP_BYTES", 0)  # one request per sample, to count them
+    spec, samples, labels = read(f"s3://{BUCKET}/pil", tmp_path, s3_server.endpoint, order="shuffled", seed=5)
+    _, expected, expected_labels = read(written["folder"], tmp_path, order="shuffled", seed=5)
+    assert spec.remote is not None and torch.equal(samples, expected) and np.array_equal(labels, expected_labels)
+
+    ranges = rank_ranges(spec.num_samples, 4, 2, 1)  # rank 1 of 2
+    before = len(s3_server.requests)
+    with spec.open() as data:
+        data.plan_reads(ranges)
+        torch.cat([data.load(a, b) for a, b in ranges])
+    gets = [r for r in s3_server.requests[before:] if r.method == "GET"]
+    own = {int(row) for a, b in ranges for row in spec.sample_rows()[a:b]}
+    shards = {r.path for r in gets}
+    assert all(r.range is not None and "/shard." in r.path for r in gets)
+    # each shard's offset table once, then one GET per own sample (adjacent ones merged), about half the bytes
+    assert len(shards) < len(gets) <= len(own) + len(shards)
+    assert sum(r.sent for r in gets) < 0.75 * sum(p.stat().st_size for p in written["pil"].glob("*.mds"))

@@ -1,0 +1,280 @@
+"""MosaicML Streaming's MDS shards (``streaming.MDSWriter``), read in place, without Streaming.
+
+A dataset written by ``MDSWriter(out=DIR, columns=...)`` is ``DIR/index.json`` (format
+version 2) and its shards ``shard.00000.mds``, ... beside it; this module reads both as
+Streaming lays them out (docs/data.md, "MosaicML Streaming"): the index lists each shard
+with its sample count and its columns (names sorted, encodings, fixed sizes); a shard is
+``[samples: u32][offsets: u32 x (samples + 1)]`` then the samples, sample ``i`` the bytes
+``[offsets[i], offsets[i + 1])``: the sizes (u32) of its variable-size columns, then every
+column's bytes in the index's column order. So a rank reads only its own samples: the
+offset table once per shard, then one ranged read per sample (local ``pread``, S3 range
+GETs, as for tar shards).
+
+The images are the ``image`` column (or the one column of images: ``jpeg``, ``png``,
+``pil``, or ``bytes`` holding an encoded image), set by ``image_column``; ``jpeg`` and
+``png`` cells are the encoded file and decode as that file does, a ``pil`` cell (raw
+pixels) is handed on as a lossless PNG of those pixels, so the same images give the same
+statistics as a folder of them. Labels are the ``label`` column (``label_column``), an
+integer encoding. Compressed shards (``compression=``) and unsafe encodings are refused,
+naming the shard.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bnrecal.errors import DatasetError, DatasetOptionError
+from bnrecal.workers.data.shards.listing import ShardRef
+from bnrecal.workers.data.shards.reads import read_ranges
+
+MDS_INDEX = "index.json"
+"""The index Streaming writes beside its shards."""
+
+MAX_INDEX_BYTES = 64 * 2**20
+
+IMAGE_ENCODINGS = ("jpeg", "png", "pil")
+"""Encodings whose cells are one image each."""
+
+_INTEGERS = {"int": np.int64, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+             "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64}
+"""Encodings that hold one integer (fixed size, little-endian), what a label column may be."""
+
+DEFAULT_IMAGE_COLUMN = "image"
+DEFAULT_LABEL_COLUMN = "label"
+
+
+@dataclass(frozen=True)
+class MdsColumns:
+    """The columns every shard of a dataset has: names (in the index's order, which is the
+    order of a sample's bytes), encodings, and fixed sizes (None: variable, a u32 size in
+    each sample's head)."""
+
+    names: tuple[str, ...]
+    encodings: tuple[str, ...]
+    sizes: tuple[int | None, ...]
+
+    def image_column(self, wanted: str | None, where: str) -> str:
+        """The column holding the images: ``wanted``, else ``image``, else the only column
+        of images (``jpeg``/``png``/``pil``); a miss names the columns and the option."""
+        if wanted is not None and wanted in self.names:
+            column = wanted
+        elif wanted is None and DEFAULT_IMAGE_COLUMN in self.names:
+            column = DEFAULT_IMAGE_COLUMN
+        else:
+            images = [n for n, e in zip(self.names, self.encodings) if e in IMAGE_ENCODINGS]
+            if wanted is None and len(images) == 1:
+                return images[0]
+            missing = f"no image column {wanted!r}" if wanted is not None else f"no column {DEFAULT_IMAGE_COLUMN!r}"
+            fix = (f"set image_column to the one holding the images (image columns: {', '.join(images)})" if images
+                   else "set image_column to the column of encoded images")
+            raise DatasetOptionError(f"{where} has {missing} (columns: {self._listed()}); {fix}", field="image_column")
+        encoding = self.encodings[self.names.index(column)]
+        if encoding not in (*IMAGE_ENCODINGS, "bytes"):
+            raise DatasetOptionError(
+                f"{where}: column {column!r} is {encoding}, not images (jpeg, png, pil, or bytes of an encoded image)",
+                field="image_column",
+            )
+        return column
+
+    def unlabelled(self, column: str, where: str) -> DatasetError | None:
+        """Why ``column`` cannot give each sample's class (absent, not an integer), or None."""
+        if column not in self.names:
+            return DatasetOptionError(f"{where} has no label column {column!r} (columns: {self._listed()}); set "
+                                      "label_column to its column of integer classes", field="label_column")
+        encoding = self.encodings[self.names.index(column)]
+        if encoding not in _INTEGERS:
+            return DatasetOptionError(f"{where}: label column {column!r} is {encoding}, not integer classes "
+                                      f"({', '.join(_INTEGERS)})", field="label_column")
+        return None
+
+    def cell(self, sample: bytes, column: str) -> bytes:
+        """The bytes of ``column`` in one sample's bytes."""
+        variable = [i for i, size in enumerate(self.sizes) if size is None]
+        head = 4 * len(variable)
+        if len(sample) < head:
+            raise ValueError("sample shorter than its column sizes")
+        sizes = list(self.sizes)
+        for i, size in zip(variable, np.frombuffer(sample[:head], "<u4").tolist()):
+            sizes[i] = int(size)
+        wanted = self.names.index(column)
+        start = head + sum(int(s or 0) for s in sizes[:wanted])
+        end = start + int(sizes[wanted] or 0)
+        if end > len(sample):
+            raise ValueError("sample shorter than its columns")
+        return sample[start:end]
+
+    def _listed(self) -> str:
+        return ", ".join(f"{n} ({e})" for n, e in zip(self.names, self.encodings))
+
+
+@dataclass(frozen=True)
+class MdsIndex:
+    """A dataset's ``index.json``: its shards' file names and sample counts, and their columns."""
+
+    basenames: tuple[str, ...]
+    counts: tuple[int, ...]
+    columns: MdsColumns
+
+
+def is_mds_index(raw: bytes) -> bool:
+    """Whether the bytes of an ``index.json`` are Streaming's (shards of format ``mds``)."""
+    try:
+        index = json.loads(raw)
+    except ValueError:
+        return False
+    shards = index.get("shards") if isinstance(index, dict) else None
+    return isinstance(shards, list) and bool(shards) and all(
+        isinstance(s, dict) and s.get("format") == "mds" for s in shards)
+
+
+def read_mds_index(raw: bytes, where: str) -> MdsIndex:
+    """The shards and columns of Streaming's ``index.json`` (``where`` names it in errors);
+    compressed shards, an unsafe encoding, or shards whose columns differ are refused."""
+    try:
+        index = json.loads(raw)
+        shards = index["shards"]
+        if index.get("version") != 2:
+            raise DatasetError(f"{where}: index version {index.get('version')!r}; Streaming's version 2 is read")
+        basenames, counts, layouts = [], [], set()
+        for shard in shards:
+            name = shard["raw_data"]["basename"]
+            if shard.get("zip_data") or shard.get("compression"):
+                raise DatasetError(
+                    f"{where}: shard {name} is compressed ({shard.get('compression')}); compressed MDS shards are not "
+                    "read in place: write them with MDSWriter(compression=None)"
+                )
+            if shard.get("version") != 2:
+                raise DatasetError(f"{where}: shard {name} has version {shard.get('version')!r}; version 2 is read")
+            if "/" in name or name in (".", ".."):
+                raise DatasetError(f"{where}: shard name {name!r} is not a file beside the index")
+            basenames.append(name)
+            counts.append(int(shard["samples"]))
+            layouts.add((tuple(shard["column_names"]), tuple(shard["column_encodings"]),
+                         tuple(None if s is None else int(s) for s in shard["column_sizes"])))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise DatasetError(f"{where} is not a readable MosaicML Streaming index: {type(exc).__name__}: {exc}") from exc
+    if not basenames:
+        raise DatasetError(f"{where} lists no shards")
+    if len(layouts) > 1:
+        raise DatasetError(f"{where}: the shards' columns differ; write every shard with the same columns")
+    names, encodings, sizes = layouts.pop()
+    if not len(names) == len(encodings) == len(sizes):
+        raise DatasetError(f"{where}: column names, encodings and sizes do not match")
+    unsafe = [n for n, e in zip(names, encodings) if e == "pkl"]
+    if unsafe:
+        raise DatasetError(f"{where}: column {unsafe[0]!r} is pickled (pkl), which is never read: it runs code")
+    return MdsIndex(tuple(basenames), tuple(counts), MdsColumns(tuple(names), tuple(encodings), tuple(sizes)))
+
+
+class MdsReader:
+    """Samples of one MDS shard: the image cells of the rows asked for, and the labels."""
+
+    def __init__(self, ref: ShardRef, columns: MdsColumns, count: int, image_column: str,
+                 label_column: str | None, endpoint_url: str | None) -> None:
+        self.ref, self.columns, self.count = ref, columns, count
+        self.image_column, self.label_column = image_column, label_column or DEFAULT_LABEL_COLUMN
+        self.endpoint_url = endpoint_url
+        self._offsets: np.ndarray | None = None
+
+    def read(self, rows: Sequence[int]) -> list[tuple[str, bytes]]:
+        """``(row, encoded image)`` of each sample at ``rows`` (ascending)."""
+        offsets = self._offset_table()
+        ranges = [(int(offsets[r]), int(offsets[r + 1])) for r in rows]
+        encoding = self.columns.encodings[self.columns.names.index(self.image_column)]
+        out = []
+        for row, sample in zip(rows, read_ranges(self.ref, ranges, self.endpoint_url)):
+            try:
+                cell = self.columns.cell(sample, self.image_column)
+            except ValueError as exc:
+                raise DatasetError(f"shard {self.ref.name} is corrupt at sample {row}: {exc}") from exc
+            out.append((str(row), _pil_as_png(cell, f"{self.ref.name}:{row}") if encoding == "pil" else cell))
+        return out
+
+    def labels(self) -> np.ndarray:
+        """Each sample's class (the label column's integer), reading the whole shard once."""
+        offsets = self._offset_table()
+        (body,) = read_ranges(self.ref, [(0, int(offsets[-1]))], self.endpoint_url)
+        dtype = _INTEGERS[self.columns.encodings[self.columns.names.index(self.label_column)]]
+        values = []
+        for row in range(self.count):
+            try:
+                cell = self.columns.cell(body[int(offsets[row]):int(offsets[row + 1])], self.label_column)
+            except ValueError as exc:
+                raise DatasetError(f"shard {self.ref.name} is corrupt at sample {row}: {exc}") from exc
+            values.append(int(np.frombuffer(cell, np.dtype(dtype).newbyteorder("<"))[0]))
+        labels = np.asarray(values, np.int64)
+        if len(labels) and labels.min() < 0:
+            raise DatasetError(f"{self.ref.name}: label column {self.label_column!r} holds {int(labels.min())}; "
+                               "classes are >= 0")
+        return labels
+
+    def unlabelled(self, role: str) -> DatasetError | None:
+        """Why evaluation cannot read this shard's labels (no integer label column), or None."""
+        return self.columns.unlabelled(self.label_column, f"{role}: {self.ref.name}")
+
+    def close(self) -> None:
+        """Nothing stays open between reads."""
+
+    def _offset_table(self) -> np.ndarray:
+        """The shard's sample offsets, read once; a count other than the index's means the shard changed."""
+        if self._offsets is None:
+            (raw,) = read_ranges(self.ref, [(0, 4 * (self.count + 2))], self.endpoint_url)
+            table = np.frombuffer(raw, "<u4").astype(np.int64)
+            if int(table[0]) != self.count:
+                raise DatasetError(f"shard {self.ref.name} holds {int(table[0])} samples, its index says {self.count} "
+                                   "(it changed since the index was written)")
+            offsets = table[1:]
+            if (np.diff(offsets) < 0).any() or int(offsets[-1]) > self.ref.size:
+                raise DatasetError(f"shard {self.ref.name} is corrupt: its offsets run past its {self.ref.size} bytes")
+            self._offsets = offsets
+        return self._offsets
+
+
+def _pil_as_png(cell: bytes, name: str) -> bytes:
+    """A ``pil`` cell (``[width][height][mode size][mode][raw pixels]``) as a lossless PNG of
+    its pixels in RGB, so it decodes as an image file does."""
+    from PIL import Image
+
+    from bnrecal.workers.data.formats.transform import to_rgb
+
+    try:
+        width, height, mode_size = np.frombuffer(cell[:12], "<u4").tolist()
+        mode = cell[12:12 + mode_size].decode("utf-8")
+        image = Image.frombytes(mode, (width, height), cell[12 + mode_size:])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"cannot decode image {name}: {exc}") from exc
+    out = io.BytesIO()
+    to_rgb(image).save(out, format="PNG", compress_level=0)
+    return out.getvalue()
+
+
+def read_index_bytes(location: str, endpoint_url: str | None, where: str) -> bytes:
+    """The bytes of an ``index.json`` at a local path or an ``s3://`` URI, at most
+    :data:`MAX_INDEX_BYTES`."""
+    from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
+
+    try:
+        if is_data_uri(location):
+            remote = RemoteSource(location, endpoint_url)
+            try:
+                raw = bytes(remote.filesystem().cat_file(remote.key, start=0, end=MAX_INDEX_BYTES + 1))
+            except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+                raise remote_error(exc, remote, where) from exc
+        else:
+            with open(location, "rb") as stream:
+                raw = stream.read(MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise DatasetError(f"cannot read {where}: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_INDEX_BYTES:
+        raise DatasetError(f"{where} is larger than {MAX_INDEX_BYTES} bytes")
+    return raw
+
+
+def index_beside(ref: ShardRef) -> str:
+    """Where the ``index.json`` of a shard lies: beside it."""
+    return ref.location.rsplit("/", 1)[0] + "/" + MDS_INDEX
