@@ -28,7 +28,7 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, not installe
 
 _HOMES = {
     "service.client": ("BnrecalClient",),
-    "service.jobserver.jobs.views": ("JobStatus", "JobView"),  # what the client's job calls return
+    "service.jobserver.records.views": ("JobStatus", "JobView"),  # what the client's job calls return
     "service.live": ("CellResult", "RecalibrationReport", "export_onnx", "quantize", "recalibrate", "recalibrate_many"),
     "service.export.report_sections": ("Int8Section", "OnnxSection"),  # what export_onnx and quantize return
     "service.export.int8.options": ("Int8Options",),  # quantize's options, typed
@@ -40,7 +40,7 @@ __getattr__, __all__ = lazy_exports(__name__, _HOMES)
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name loads on first use
     from bnrecal.errors import *  # noqa: F403 - the names bnrecal.errors.__all__ lists
     from bnrecal.service.client import BnrecalClient
-    from bnrecal.service.jobserver.jobs.views import JobStatus, JobView
+    from bnrecal.service.jobserver.records.views import JobStatus, JobView
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.export.report_sections import Int8Section, OnnxSection
     from bnrecal.service.run.options import RecalibrationOptions

@@ -45,12 +45,12 @@ from bnrecal.errors import (
 )
 from bnrecal.workers.files import atomic_write, file_digest
 
-from .jobserver.jobs.views import JobList, JobView
+from .jobserver.records.views import JobList, JobView
 from .jobserver.storage.blobs import MAX_FILENAME_CHARS, BlobInfo  # the longest file name the server keeps
 from .jobserver.problems import Problem, error_classes, http_status
 
 if TYPE_CHECKING:
-    from .jobserver.jobs.spec import JobSpec  # the typed spec the CLI and the Python API build
+    from .jobserver.records.spec import JobSpec  # the typed spec the CLI and the Python API build
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 COUNTED_PHASES = ("calibrating", "evaluating")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import bnrecal
 from bnrecal.service.client import BnrecalClient
-from bnrecal.service.jobserver.jobs.views import JobView
+from bnrecal.service.jobserver.records.views import JobView
 import bnrecal.errors as errors
 
 ROOT = Path(__file__).resolve().parents[1]

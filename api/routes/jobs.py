@@ -14,8 +14,8 @@ from bnrecal.api.files import blob_response
 from bnrecal.api.json_body import JsonBodyRoute
 from bnrecal.api.problems import PROBLEM_RESPONSES, problem_responses
 from bnrecal.service.jobserver.jobs.events import job_event_stream, tenant_event_stream
-from bnrecal.service.jobserver.jobs.spec import JobSpec
-from bnrecal.service.jobserver.jobs.views import JobList, JobStatus, JobView
+from bnrecal.service.jobserver.records.spec import JobSpec
+from bnrecal.service.jobserver.records.views import JobList, JobStatus, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES, route_class=JsonBodyRoute)
 

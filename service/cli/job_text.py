@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from ..jobserver.jobs.views import JobView
+from ..jobserver.records.views import JobView
 from .console import evaluation_line
 
 HEADER = ("ID", "STATUS", "PHASE OR RESULT", "CREATED", "MODEL", "DATA")

@@ -22,7 +22,7 @@ from .jobs import cancel_and_wait
 
 if TYPE_CHECKING:
     from ..client import BnrecalClient
-    from ..jobserver.jobs.views import JobView
+    from ..jobserver.records.views import JobView
 
 APP_FACTORY = "bnrecal.api.app:create_app"
 """The HTTP app, started by name: the HTTP layer imports the service core, not the reverse."""
@@ -144,7 +144,7 @@ def submit(
     inputs = {name: source for name, source in (("checkpoint", flags.checkpoint), ("program", flags.program),
                                                 ("data", data_source), ("eval.data", eval_source))
               if source is not None}
-    from bnrecal.service.jobserver.jobs.spec import JobSpec
+    from bnrecal.service.jobserver.records.spec import JobSpec
 
     from ..client import input_digests, run_remote_job
 

@@ -11,7 +11,7 @@ from typing import Any
 from bnrecal.errors import RunError
 
 from bnrecal.service.export.int8.options import Int8Options
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.sweep.matrix import SweepReport

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.records.views import JobStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -42,14 +42,15 @@ from bnrecal.service.run.cluster import embedded_gcs_process, ensure_ray, kill_e
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobInfo, BlobStore, open_blob_store
 from bnrecal.service.jobserver.cluster.health import ClusterHealth
-from bnrecal.service.jobserver.storage.disk import check_reserve
+from bnrecal.service.jobserver.disk import check_reserve
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
-from bnrecal.service.jobserver.jobs.spec import (
-    ARTIFACT_NAMES, SWEEP_ARTIFACT_NAMES, JobRecord, JobSpec, is_artifact_name, spec_digests,
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.spec import (
+    ARTIFACT_NAMES, SWEEP_ARTIFACT_NAMES, JobSpec, is_artifact_name, spec_digests,
 )
 from bnrecal.service.jobserver.jobs.submission import check_submission
-from bnrecal.service.jobserver.jobs.views import JobView
+from bnrecal.service.jobserver.records.views import JobView
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import is_postgres
 from bnrecal.service.jobserver.jobs.ledger_watch import LedgerWatcher

@@ -28,7 +28,7 @@ from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.errors import SpecError
 
 from bnrecal.service.run.options import RecalibrationOptions, RunOptions
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 
 from ..client import BnrecalClient, input_digests, run_remote_job
 from ..settings import Settings

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.records.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from tests.api.conftest import submit, upload, wait_for, write_samples
 from tests.api.server_process import ServerProcess, servers  # noqa: F401 - servers is a fixture

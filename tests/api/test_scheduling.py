@@ -15,7 +15,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 
 from bnrecal.service.client import parse_events
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 
 from tests.api.conftest import submit, upload, wait_for, write_samples
 from tests.api.test_storage import KEY, OTHER_KEY, client_of, serve

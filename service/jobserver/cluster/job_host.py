@@ -38,8 +38,8 @@ from bnrecal.service.run.report_html import JobLabel
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.sweep.cells import SweepFiles
-from bnrecal.service.jobserver.jobs.work import Event, HostedWork, JobFiles, run_job, run_sweep_job
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.cluster.hosted_work import Event, HostedWork, JobFiles, run_job, run_sweep_job
+from bnrecal.service.jobserver.records.spec import JobSpec
 
 log = logging.getLogger("bnrecal.job_host")
 

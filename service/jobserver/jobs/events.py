@@ -22,8 +22,8 @@ from starlette.concurrency import run_in_threadpool
 
 from bnrecal.errors import TooManyStreamsError
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import JobStatus, JobView, Progress
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.views import JobStatus, JobView, Progress
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.problems import Problem
 

@@ -12,7 +12,8 @@ from bnrecal.service.sweep.cells import CalibrationSet, SweepFiles, SweepModel, 
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore
-from bnrecal.service.jobserver.jobs.spec import DataPath, DataUri, JobRecord, JobSpec
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.spec import DataPath, DataUri, JobSpec
 from bnrecal.service.jobserver.jobs.submission import check_data_uri, resolve_data_path
 
 

@@ -30,8 +30,8 @@ from sqlalchemy import update as sql_update
 
 from bnrecal.errors import InsufficientStorageError
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import JobRow, Ledger, outcome_values, start_values
 from bnrecal.service.jobserver.problems import Problem
 from bnrecal.service.jobserver.ledger.engines import is_postgres

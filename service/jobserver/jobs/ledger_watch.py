@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import or_, select
 
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.records.views import JobStatus
 from bnrecal.service.jobserver.ledger import JobRow, Ledger
 from bnrecal.service.jobserver.periodic import Periodic
 

@@ -13,7 +13,7 @@ from bnrecal.errors import InsufficientStorageError
 from bnrecal.service.run.options import STARTING_PHASE
 
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
-from bnrecal.service.jobserver.jobs.work import CellDone, Event
+from bnrecal.service.jobserver.cluster.hosted_work import CellDone, Event
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.metrics import ServiceMetrics
 

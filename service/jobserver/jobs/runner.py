@@ -47,18 +47,19 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, rank_resources
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobInfo, BlobStore
 from bnrecal.service.jobserver.cluster.health import ClusterHealth
-from bnrecal.service.jobserver.storage.disk import check_reserve, disk_full_error
+from bnrecal.service.jobserver.disk import check_reserve, disk_full_error
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.progress import JobProgress
 from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.jobserver.jobs.inputs import job_request, sweep_files
-from bnrecal.service.jobserver.jobs.work import CellDone, sweep_rank_by
+from bnrecal.service.jobserver.cluster.hosted_work import CellDone, sweep_rank_by
 from bnrecal.service.sweep.matrix import SweepReport
 from bnrecal.service.sweep.cells import SweepFiles
-from bnrecal.service.jobserver.jobs.spec import JobRecord, JobSpec
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.spec import JobSpec
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.metrics import ServiceMetrics
 from bnrecal.service.jobserver.problems import problem_of

@@ -24,7 +24,7 @@ from bnrecal.service.sweep.matrix import check_metric
 from bnrecal.service.jobserver.cluster.capacity import Node, check_fits_cluster
 from bnrecal.service.jobserver.storage.blobs import BlobStore
 
-from .spec import DataPath, DataUri, JobSpec
+from bnrecal.service.jobserver.records.spec import DataPath, DataUri, JobSpec
 
 
 def check_submission(

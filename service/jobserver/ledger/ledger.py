@@ -26,9 +26,9 @@ from bnrecal.errors import ConflictError, InputError, InsufficientStorageError, 
 
 from bnrecal.service.run.options import STARTING_PHASE
 
-from bnrecal.service.jobserver.storage.disk import FREE_SPACE_HINT, is_disk_full
-from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus, PhaseEntry
+from bnrecal.service.jobserver.disk import FREE_SPACE_HINT, is_disk_full
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus, PhaseEntry
 from bnrecal.service.jobserver.ledger.engines import lock_tenant, make_engine, prepare_schema
 from bnrecal.service.jobserver.ledger.table import Base, JobRow
 from bnrecal.service.jobserver.problems import Problem

@@ -13,8 +13,8 @@ from sqlalchemy import JSON, DateTime, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from bnrecal.service.jobserver.jobs.spec import JobRecord
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus, PhaseEntry
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus, PhaseEntry
 from bnrecal.service.jobserver.problems import Problem
 
 

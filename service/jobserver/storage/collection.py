@@ -37,8 +37,9 @@ from bnrecal.errors import ConflictError, NotFoundError
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.jobserver.storage.blobs import BlobStore, is_digest
-from bnrecal.service.jobserver.jobs.spec import JobRecord, spec_digests, spec_inputs
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.records.record import JobRecord
+from bnrecal.service.jobserver.records.spec import spec_digests, spec_inputs
+from bnrecal.service.jobserver.records.views import JobStatus
 from bnrecal.service.jobserver.ledger import Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
 from bnrecal.service.jobserver.periodic import Periodic

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger, sqlite_url
 from bnrecal.service.jobserver.ledger.engines import normalise_url
 from bnrecal.errors import ConflictError, NotFoundError, SpecError, TooManyJobsError

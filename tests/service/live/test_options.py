@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
 from bnrecal.errors import SpecError
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 from bnrecal.service.run.options import RunOptions
 
 from tests.nets import mixed_net, perturbed

@@ -19,7 +19,7 @@ from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
 from bnrecal.workers.ranks.plan import GroupOptions
 from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
 
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state

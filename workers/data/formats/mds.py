@@ -2,7 +2,7 @@
 
 A dataset written by ``MDSWriter(out=DIR, columns=...)`` is ``DIR/index.json`` (format
 version 2) and its shards ``shard.00000.mds``, ... beside it; this module reads both as
-Streaming lays them out (docs/data.md, "MosaicML Streaming"): the index lists each shard
+Streaming lays them out (docs/data.md, "MosaicML Streaming (MDS)"): the index lists each shard
 with its sample count and its columns (names sorted, encodings, fixed sizes); a shard is
 ``[samples: u32][offsets: u32 x (samples + 1)]`` then the samples, sample ``i`` the bytes
 ``[offsets[i], offsets[i + 1])``: the sizes (u32) of its variable-size columns, then every

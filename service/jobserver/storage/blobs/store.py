@@ -23,8 +23,7 @@ from typing import BinaryIO, Protocol
 
 from bnrecal.errors import BnrecalError, CorruptBlobError
 
-DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
-"""A blob's name: ``sha256:`` and the 64 lowercase hex digits of its bytes' SHA-256."""
+from bnrecal.service.jobserver.digests import DIGEST_PATTERN
 
 MAX_FILENAME_CHARS = 255
 """The longest file name a store keeps for a blob (longer ones are cut)."""

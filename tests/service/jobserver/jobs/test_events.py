@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from bnrecal.service.jobserver.jobs.events import (
     CellEvent, DeletedEvent, ReadyEvent, cell_events, event_payload, format_event,
 )
-from bnrecal.service.jobserver.jobs.views import JobStatus, Progress
+from bnrecal.service.jobserver.records.views import JobStatus, Progress
 from bnrecal.service.jobserver.problems import FieldProblem, Problem
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import INTERRUPTED, Ledger
 from bnrecal.service.jobserver.ledger.engines import exclusive_turn
 from bnrecal.service.jobserver.problems import Problem

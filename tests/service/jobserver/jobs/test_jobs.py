@@ -11,9 +11,9 @@ import torch
 from pydantic import ValidationError
 
 from bnrecal.service.jobserver.storage.blobs import BlobStore, FileBlobStore
-from bnrecal.service.jobserver.jobs.spec import DataPath, JobSpec
+from bnrecal.service.jobserver.records.spec import DataPath, JobSpec
 from bnrecal.service.jobserver.jobs.submission import check_data_uri, check_submission, resolve_data_path
-from bnrecal.service.jobserver.jobs.views import TERMINAL_STATUSES, JobStatus
+from bnrecal.service.jobserver.records.views import TERMINAL_STATUSES, JobStatus
 from bnrecal.service.settings import Settings
 from tests.nets import mixed_net
 from bnrecal.errors import ArchitectureError, CheckpointError, SpecError

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from bnrecal.service.cli.main import main
 from bnrecal.service.jobserver.storage.blobs import FileBlobStore
-from bnrecal.service.jobserver.jobs.views import Artifact, JobStatus
+from bnrecal.service.jobserver.records.views import Artifact, JobStatus
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.service.jobserver.storage.collection import STALE_STAGING_S, StorageCollector, folder_bytes
 from bnrecal.service.settings import Settings

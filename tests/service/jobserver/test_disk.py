@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnrecal.service.jobserver.storage.disk import check_reserve, disk_full_error, free_bytes
+from bnrecal.service.jobserver.disk import check_reserve, disk_full_error, free_bytes
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
-from bnrecal.service.jobserver.jobs.views import JobStatus
+from bnrecal.service.jobserver.records.views import JobStatus
 from bnrecal.service.jobserver.problems import Problem, http_status
 from bnrecal.service.jobserver.ledger import Ledger, sqlite_url
 from bnrecal.errors import InsufficientStorageError

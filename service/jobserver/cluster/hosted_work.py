@@ -30,7 +30,7 @@ from bnrecal.service.sweep.running import CELL_FILES, CellResult, SweepRun, cell
 from bnrecal.errors import RunError
 
 from bnrecal.service.settings import Settings
-from bnrecal.service.jobserver.jobs.spec import JobSpec
+from bnrecal.service.jobserver.records.spec import JobSpec
 
 OCTET_STREAM = "application/octet-stream"
 TAR = "application/x-tar"
