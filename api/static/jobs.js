@@ -249,7 +249,9 @@ async function describe(state) {
     label_column: textField("label-column"),
     outputs: document.getElementById("onnx").checked ? [kind, "onnx"] : [kind],
   };
-  if (document.getElementById("int8").checked) {
+  const int8 = document.getElementById("int8").checked;
+  if (document.getElementById("openvino").checked) spec.outputs.push(...(int8 ? ["openvino", "openvino_int8"] : ["openvino"]));
+  if (int8) {
     spec.outputs.push("onnx_int8");
     spec.int8 = { method: document.getElementById("int8-method").value };
     const target = document.getElementById("int8-target").value;
@@ -369,6 +371,7 @@ async function editFrom(jobId) {
   document.getElementById("mode").value = spec.mode;
   document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
   document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");
+  document.getElementById("openvino").checked = (spec.outputs || []).includes("openvino");
   document.getElementById("int8-method").value = (spec.int8 && spec.int8.method) || "minmax";
   document.getElementById("int8-target").value = (spec.int8 && spec.int8.target) || "onnxruntime";
   for (const [id, field] of Object.entries(FILE_FIELDS)) {

@@ -46,6 +46,8 @@ def test_a_job_ships_openvino_ir_of_the_fp32_and_int8_models(live_server, tmp_pa
         job = client.wait(client.submit(spec).id)
         assert job.status == "succeeded", job.error
         assert set(job.artifacts) == {"checkpoint", "openvino", "openvino_int8", "report", "report.html"}
+        assert job.artifacts["openvino"].filename == "recalibrated-openvino.tar"  # what a download is called
+        assert job.artifacts["openvino_int8"].filename == "recalibrated-openvino-int8.tar"
         for name in ("openvino", "openvino_int8"):
             client.download(job.id, name, tmp_path / f"{name}.tar")
             payload = (tmp_path / f"{name}.tar").read_bytes()
@@ -128,6 +130,8 @@ def test_a_sweep_writes_the_ir_of_every_cell_here_and_on_a_server_alike(live_ser
             assert checked["max_abs_diff_to_onnx_in_openvino"] <= 1e-4 * max(1.0, checked["outputs_max_abs"])
     with BnrecalClient(live_server.url, KEYS[KEY]) as client:  # each cell's IR, one artifact each
         job = client.job(job_id)
+        assert {job.artifacts[f"m1/a/{name}"].filename for name in ("openvino", "openvino_int8")} == {
+            "openvino.tar", "openvino-int8.tar"}
         for name, stem in (("openvino", "model"), ("openvino_int8", "model.int8")):
             client.download(job.id, f"m1/a/{name}", tmp_path / f"{name}.tar")
             with tarfile.open(tmp_path / f"{name}.tar") as tar:

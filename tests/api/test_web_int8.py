@@ -45,6 +45,7 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     page.check("#int8")
     page.select_option("#int8-method", "percentile")
     page.select_option("#int8-target", "tensorrt")
+    page.check("#openvino")  # with INT8: OpenVINO IR of both models
     page.click("#submit-button")
     expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=30_000)
     job_id = page.locator("#jobs-body tr").first.get_attribute("data-job-id")
@@ -53,6 +54,7 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     assert job["status"] == "succeeded", job["error"]
     assert job["spec"]["int8"]["method"] == "percentile" and "onnx_int8" in job["spec"]["outputs"]
     assert job["spec"]["int8"]["target"] == "tensorrt"
+    assert {"openvino", "openvino_int8"} <= set(job["spec"]["outputs"]) and "openvino_int8" in job["artifacts"]
     page.goto(f"{live_server.url}/jobs/{job_id}")
     expect(page.locator("#job-status")).to_have_text("succeeded", timeout=JOB_TIMEOUT_MS)
     expect(page.locator("#job-spec")).to_contain_text("for tensorrt, percentile ranges")
@@ -63,5 +65,8 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     with page.expect_download() as download:
         page.click("[data-artifact='onnx_int8']")
     assert download.value.suggested_filename == f"{job_id[:12]}-recalibrated-int8.onnx"
+    with page.expect_download() as download:
+        page.click("[data-artifact='openvino_int8']")
+    assert download.value.suggested_filename == f"{job_id[:12]}-recalibrated-openvino-int8.tar"
     screenshot(page, "job-page-int8.png")
     assert tab.problems == []

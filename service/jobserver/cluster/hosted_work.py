@@ -108,9 +108,9 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     if outputs.int8 is not None and result.int8_failed is None:  # else no INT8 artifact; the report says why
         files["onnx_int8"] = (outputs.int8, OCTET_STREAM)
     if outputs.openvino is not None:
-        files["openvino"] = (_ir_archive(outputs.openvino), TAR)
+        files["openvino"] = (_ir_archive(outputs.openvino, workdir / "recalibrated-openvino.tar"), TAR)
     if outputs.openvino_int8 is not None and result.int8_failed is None:
-        files["openvino_int8"] = (_ir_archive(outputs.openvino_int8), TAR)
+        files["openvino_int8"] = (_ir_archive(outputs.openvino_int8, workdir / "recalibrated-openvino-int8.tar"), TAR)
     for name in ("checkpoint", "program"):  # named by what was uploaded: .pt, .safetensors, .pt2
         if name in spec.outputs:
             model_file = workdir / f"recalibrated{result.loaded.suffix}"
@@ -121,13 +121,12 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     return JobFiles(files, result.report.to_dict())
 
 
-def _ir_archive(xml: Path) -> Path:
-    """One downloadable file of OpenVINO's two: a tar of ``model.xml`` and ``model.bin`` (by
-    those names whatever ``xml`` is called), as ``xml`` with ``.tar`` for its suffix (names
-    fixed, no times: the same files, the same bytes)."""
+def _ir_archive(xml: Path, archive: Path) -> Path:
+    """One downloadable file of OpenVINO's two, ``archive``: a tar of ``model.xml`` and
+    ``model.bin`` (by those names whatever ``xml`` is called; no times: the same files, the
+    same bytes)."""
     import tarfile
 
-    archive = xml.with_suffix(".tar")
     with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
         for part, name in ((xml, "model.xml"), (xml.with_suffix(".bin"), "model.bin")):
             info = tarfile.TarInfo(name)
@@ -170,8 +169,7 @@ def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
         cells.append(key)
         program = sweep.models[result.cell.model_index].program is not None
         made = {f"{key}/{name}": file for name, file in _cell_files(result, spec, program).items()}
-        archive.add(part for path, media in made.values()  # OpenVINO's files as written, not their tar
-                    for part in ((path.with_suffix(".xml"), path.with_suffix(".bin")) if media == TAR else (path,)))
+        archive.add(_laid_out(made.values(), result.folder))
         report(CellDone(cell_summary(result, workdir), made))
 
     try:
@@ -219,6 +217,19 @@ class _Archive:
         self._zip.close()
 
 
+def _laid_out(files: Iterable[tuple[Path, str]], folder: Path) -> list[Path]:
+    """A cell's artifact files as ``bnrecal sweep`` lays them out: OpenVINO's files as
+    written (``model.xml`` and ``.bin``, ``model.int8.xml`` and ``.bin``), not their tars."""
+    laid_out = []
+    for path, _ in files:
+        if path.suffix == ".tar":
+            xml = folder / CELL_FILES["openvino" if path.stem == "openvino" else "openvino_int8"]
+            laid_out += [xml, xml.with_suffix(".bin")]
+        else:
+            laid_out.append(path)
+    return laid_out
+
+
 def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, tuple[Path, str]]:
     """A finished cell's artifacts by name (as a single job's): the files it wrote."""
     folder = result.folder
@@ -230,7 +241,8 @@ def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, t
         path = folder / CELL_FILES[name]
         if not path.is_file():  # an INT8 file its guard refused: the cell's report says why
             continue
-        found[name] = (_ir_archive(path), TAR) if name.startswith("openvino") else (path, OCTET_STREAM)
+        tar = folder / f"{name.replace('_', '-')}.tar"  # openvino.tar, openvino-int8.tar
+        found[name] = (_ir_archive(path, tar), TAR) if name.startswith("openvino") else (path, OCTET_STREAM)
     if result.model_file is not None and result.model_file.is_file():
         kind = "program" if program else "checkpoint"
         if kind in spec.outputs:
