@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from bnrecal.workers.ranks.plan import GroupPass
 from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.products import PRODUCT_NAMES
 from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
 from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
@@ -55,6 +57,14 @@ class RunOutputs:
         if self.quantizes and self.int8_options is None:
             raise ValueError("an INT8 output needs its Int8Options")
 
+    @classmethod
+    def named(cls, files: Mapping[str, Path], export: ExportOptions, int8_options: Int8Options | None) -> RunOutputs:
+        """The outputs at ``files``, by product name (``service.export.products``)."""
+        unknown = sorted(set(files) - _FIELDS.keys())
+        if unknown:
+            raise ValueError(f"no such export: {', '.join(unknown)}")
+        return cls(**{_FIELDS[name]: path for name, path in files.items()}, export=export, int8_options=int8_options)
+
     @property
     def quantizes(self) -> bool:
         """Whether the run has an INT8 phase: an INT8 file, or OpenVINO's files of one."""
@@ -64,6 +74,11 @@ class RunOutputs:
     def any(self) -> bool:
         """Whether there is anything to make."""
         return self.onnx is not None or self.openvino is not None or self.quantizes
+
+
+_FIELDS = {"onnx": "onnx", "onnx_int8": "int8", "openvino": "openvino", "openvino_int8": "openvino_int8"}
+"""Each product's field (``service.export.products.PRODUCT_NAMES``)."""
+assert set(_FIELDS) == set(PRODUCT_NAMES), "every exported file is a field of RunOutputs"
 
 
 def make_outputs(

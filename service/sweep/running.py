@@ -25,6 +25,7 @@ from bnrecal.workers.ranks.pool import WarmPool
 from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.products import PRODUCTS, products_of
 from bnrecal.service.run.core import KeepBudget, ProgressCallback, decoding_report
 from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import ExportOptions, RunOptions
@@ -39,14 +40,10 @@ from .matrix import CellSummary, SweepReport, relative_link, write_sweep_report
 
 REPORT_NAMES = ("sweep.json", "sweep.csv", "sweep.html")
 
-CELL_FILES = {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx", "openvino": "model.xml",
-              "openvino_int8": "model.int8.xml"}
-"""The files a cell writes besides its model and reports, by output name (the job spec's):
-the folded ONNX export, the INT8 file, and OpenVINO's files of each (an ``.xml`` and the
-``.bin`` beside it)."""
-
-_RUN_OUTPUTS = {"onnx": "onnx", "onnx_int8": "int8", "openvino": "openvino", "openvino_int8": "openvino_int8"}
-"""Each cell output's field in ``RunOutputs``."""
+CELL_FILES = {product.name: product.cell_file for product in PRODUCTS}
+"""The files a cell writes besides its model and reports, by product name (the job spec's
+outputs): the folded ONNX export, the INT8 file, and OpenVINO's files of each (an ``.xml``
+and the ``.bin`` beside it)."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +66,12 @@ class SweepRun:
         unknown = sorted(self.outputs - CELL_FILES.keys())
         if unknown:
             raise ValueError(f"no such cell output: {', '.join(unknown)} (one of {', '.join(CELL_FILES)})")
-        if (self.int8 is not None) != bool({"onnx_int8", "openvino_int8"} & self.outputs):
+        if (self.int8 is not None) != any(product.int8 for product in products_of(self.outputs)):
             raise ValueError("the INT8 options go with an INT8 output (onnx_int8, openvino_int8), and only with one")
 
     def cell_outputs(self, folder: Path) -> RunOutputs:
         """What one cell makes, in its ``folder``."""
-        return RunOutputs(**{_RUN_OUTPUTS[name]: folder / CELL_FILES[name] for name in self.outputs},
-                          int8_options=self.int8, export=self.export)
+        return RunOutputs.named({name: folder / CELL_FILES[name] for name in self.outputs}, self.export, self.int8)
 
 
 @dataclass

@@ -26,7 +26,8 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, reca
 from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.sweep.matrix import CellSummary, check_metric
 from bnrecal.service.sweep.cells import SweepFiles
-from bnrecal.service.sweep.running import CELL_FILES, CellResult, SweepRun, cell_summary, sweep_to_files
+from bnrecal.service.sweep.running import CellResult, SweepRun, cell_summary, sweep_to_files
+from bnrecal.service.export.products import PRODUCTS, ExportProduct, products_of
 from bnrecal.errors import RunError
 
 from bnrecal.service.settings import Settings
@@ -87,30 +88,17 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     workdir.mkdir(parents=True, exist_ok=True)
     if request.max_retries is None:  # a server job rides out a lost rank by default (docs/api.md)
         request = request.model_copy(update={"max_retries": settings.job_max_retries})
-    int8 = "onnx_int8" in spec.outputs or "openvino_int8" in spec.outputs
-    outputs = RunOutputs(
-        onnx=workdir / "recalibrated.onnx" if "onnx" in spec.outputs else None,
-        int8=workdir / "recalibrated-int8.onnx" if "onnx_int8" in spec.outputs else None,
-        export=export_options(spec),
-        int8_options=int8_options(spec.int8) if int8 else None,
-        openvino=workdir / "openvino" / "model.xml" if "openvino" in spec.outputs else None,
-        openvino_int8=workdir / "openvino-int8" / "model.xml" if "openvino_int8" in spec.outputs else None,
-    )
-    for xml in (outputs.openvino, outputs.openvino_int8):
-        if xml is not None:
-            xml.parent.mkdir(parents=True, exist_ok=True)
+    asked = products_of(spec.outputs)
+    paths = {product.name: workdir / product.job_file for product in asked}
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    quantizes = any(product.int8 for product in asked)
+    outputs = RunOutputs.named(paths, export_options(spec), int8_options(spec.int8) if quantizes else None)
     run_files = RunFiles(report=workdir / "report.json", report_html=workdir / "report.html", job=label)
     result = recalibrate_to_files(request, settings, outputs, run_files, on_progress=_events(report), cancel=cancel,
                                   pool=pool)
-    files: dict[str, tuple[Path, str]] = {}
-    if outputs.onnx is not None:
-        files["onnx"] = (outputs.onnx, OCTET_STREAM)
-    if outputs.int8 is not None and result.int8_failed is None:  # else no INT8 artifact; the report says why
-        files["onnx_int8"] = (outputs.int8, OCTET_STREAM)
-    if outputs.openvino is not None:
-        files["openvino"] = (_ir_archive(outputs.openvino, workdir / "recalibrated-openvino.tar"), TAR)
-    if outputs.openvino_int8 is not None and result.int8_failed is None:
-        files["openvino_int8"] = (_ir_archive(outputs.openvino_int8, workdir / "recalibrated-openvino-int8.tar"), TAR)
+    files = {product.name: _shipped(product, paths[product.name], workdir, cell=False)
+             for product in asked if not (product.int8 and result.int8_failed)}  # else the report says why
     for name in ("checkpoint", "program"):  # named by what was uploaded: .pt, .safetensors, .pt2
         if name in spec.outputs:
             model_file = workdir / f"recalibrated{result.loaded.suffix}"
@@ -119,6 +107,12 @@ def run_job(request: RecalibrationRequest, work: HostedWork, label: JobLabel | N
     files["report"] = (workdir / "report.json", "application/json")
     files["report.html"] = (workdir / "report.html", "text/html; charset=utf-8")
     return JobFiles(files, result.report.to_dict())
+
+
+def _shipped(product: ExportProduct, path: Path, folder: Path, *, cell: bool) -> tuple[Path, str]:
+    """The artifact of an exported file: the file itself, or for OpenVINO's IR the tar of it."""
+    download = product.download(cell=cell)
+    return (_ir_archive(path, folder / download), TAR) if download is not None else (path, OCTET_STREAM)
 
 
 def _ir_archive(xml: Path, archive: Path) -> Path:
@@ -155,10 +149,11 @@ def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
     options = spec.model_copy(update={"max_retries": spec.max_retries if spec.max_retries is not None
                                       else settings.job_max_retries})
     labelled = any(s.eval_data is not None for s in sweep.sets)
-    made_by_cells = frozenset(CELL_FILES) & set(spec.outputs)
-    int8 = bool({"onnx_int8", "openvino_int8"} & made_by_cells)
+    made_by_cells = products_of(spec.outputs)
+    int8 = any(product.int8 for product in made_by_cells)
     run = SweepRun(
-        options=options, rank_by=sweep_rank_by(spec, labelled), outputs=made_by_cells,
+        options=options, rank_by=sweep_rank_by(spec, labelled),
+        outputs=frozenset(product.name for product in made_by_cells),
         int8=int8_options(spec.int8) if int8 else None, export=export_options(spec), cells_at_once=spec.cells_at_once,
     )
     cells: list[str] = []
@@ -223,7 +218,8 @@ def _laid_out(files: Iterable[tuple[Path, str]], folder: Path) -> list[Path]:
     laid_out = []
     for path, _ in files:
         if path.suffix == ".tar":
-            xml = folder / CELL_FILES["openvino" if path.stem == "openvino" else "openvino_int8"]
+            product = next(p for p in PRODUCTS if p.download(cell=True) == path.name)
+            xml = folder / product.cell_file
             laid_out += [xml, xml.with_suffix(".bin")]
         else:
             laid_out.append(path)
@@ -237,12 +233,10 @@ def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, t
     if result.report is None:
         return found
     found["report"] = (folder / "report.json", JSON)
-    for name in CELL_FILES.keys() & set(spec.outputs):
-        path = folder / CELL_FILES[name]
-        if not path.is_file():  # an INT8 file its guard refused: the cell's report says why
-            continue
-        tar = folder / f"{name.replace('_', '-')}.tar"  # openvino.tar, openvino-int8.tar
-        found[name] = (_ir_archive(path, tar), TAR) if name.startswith("openvino") else (path, OCTET_STREAM)
+    for product in products_of(spec.outputs):
+        path = folder / product.cell_file
+        if path.is_file():  # else an INT8 file its guard refused: the cell's report says why
+            found[product.name] = _shipped(product, path, folder, cell=True)
     if result.model_file is not None and result.model_file.is_file():
         kind = "program" if program else "checkpoint"
         if kind in spec.outputs:

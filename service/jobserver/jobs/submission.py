@@ -24,6 +24,7 @@ from bnrecal.service.sweep.matrix import check_metric
 from bnrecal.service.jobserver.cluster.capacity import Node, check_fits_cluster
 from bnrecal.service.jobserver.storage.blobs import BlobStore
 
+from bnrecal.service.export.products import products_of
 from bnrecal.service.jobserver.records.spec import DataPath, DataUri, JobSpec
 
 
@@ -141,9 +142,10 @@ def _check_outputs(spec: JobSpec) -> None:
     if spec.outputs is not None and wrong in spec.outputs and not spec.is_sweep:  # a sweep's cells: each its own
         have = "program" if spec.program is not None else "checkpoint"
         raise SpecError(f"outputs: a job on a {have} gives a {have}, not a {wrong}", field="outputs")
-    if spec.int8 is not None and not {"onnx_int8", "openvino_int8"} & set(spec.outputs or []):
+    asked = products_of(spec.outputs)
+    if spec.int8 is not None and not any(product.int8 for product in asked):
         raise SpecError('int8: the INT8 options go with "onnx_int8" or "openvino_int8" in outputs', field="int8")
-    openvino = [name for name in ("openvino", "openvino_int8") if name in (spec.outputs or [])]
+    openvino = [product.name for product in asked if product.openvino_ir]
     if openvino:
         from bnrecal.service.export.runtimes import openvino_version
 

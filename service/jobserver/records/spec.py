@@ -23,12 +23,15 @@ from pydantic import (
 
 
 from bnrecal.service.export.int8.options import Int8Options
+from bnrecal.service.export.products import PRODUCT_NAMES, PRODUCTS
 from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions
 
 from bnrecal.service.sweep.cells import NAME
 from bnrecal.service.jobserver.digests import DIGEST_PATTERN
 
-ARTIFACT_NAMES = ("checkpoint", "program", "onnx", "onnx_int8", "openvino", "openvino_int8", "report", "report.html")
+OutputName = Literal[("checkpoint", "program", *PRODUCT_NAMES)]  # type: ignore[misc]
+"""What a job may make besides its report: the model in its form, and the exported files."""
+ARTIFACT_NAMES = ("checkpoint", "program", *PRODUCT_NAMES, "report", "report.html")
 """A single job's artifacts; a sweep's cells have the same under ``<model>/<set>/`` (docs/sweeps.md)."""
 SWEEP_ARTIFACT_NAMES = ("sweep", "sweep.csv", "sweep.html", "archive")
 """A sweep's own artifacts: the matrix report (JSON, CSV, HTML) and one archive of every file."""
@@ -151,11 +154,11 @@ class JobSpec(RunOptions):
         "a tar of shards, a Parquet file), {'path': ...} on the server, or {'uri': 's3://bucket/key-or-prefix'} in "
         "object storage; a path or URI may be a folder or prefix of shards or a brace pattern (train-{000..146}.tar)."
     )
-    outputs: list[Literal["checkpoint", "program", "onnx", "onnx_int8", "openvino", "openvino_int8"]] | None = Field(
+    outputs: list[OutputName] | None = Field(  # type: ignore[valid-type]
         default=None,
         max_length=8,
-        description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program); "
-        "openvino and openvino_int8 are OpenVINO IR, a tar of model.xml and model.bin (not in a sweep yet).",
+        description="Artifacts to produce besides the report (default: the recalibrated checkpoint, or program): "
+        + "; ".join(f"{product.name}, {product.description}" for product in PRODUCTS) + ".",
     )
     onnx: OnnxOptions = Field(default_factory=OnnxOptions, description="ONNX export options.")
     int8: Int8Options | None = Field(

@@ -1,0 +1,54 @@
+"""The files a run exports beside the recalibrated model, in one table: each one's name (an
+entry of a job spec's ``outputs`` and the artifact it gives), the file a single job and a
+sweep's cell write, and what it is (docs/api.md, "Jobs"; docs/sweeps.md). Light to import:
+the job spec's schema is built from it without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExportProduct:
+    """One exported file: its ``name``, the file a job writes in its work folder
+    (``job_file``) and a sweep's cell in its own (``cell_file``), whether the INT8 phase makes
+    it (``int8``), and whether it is OpenVINO's IR (an ``.xml`` with its ``.bin`` beside,
+    shipped over HTTP as one tar named ``download``)."""
+
+    name: str
+    job_file: str
+    cell_file: str
+    int8: bool
+    openvino_ir: bool
+    description: str
+
+    def download(self, *, cell: bool) -> str | None:
+        """The file name an IR's tar is downloaded as (a job's, or a cell's); None for an ONNX file
+        (downloaded as it is)."""
+        if not self.openvino_ir:
+            return None
+        stem = self.name.replace("_", "-")
+        return f"{stem}.tar" if cell else f"recalibrated-{stem}.tar"
+
+
+PRODUCTS = (
+    ExportProduct("onnx", "recalibrated.onnx", "model.onnx", False, False,
+                  "the folded model in ONNX (FP32, or FP16 by onnx.dtype)"),
+    ExportProduct("onnx_int8", "recalibrated-int8.onnx", "model.int8.onnx", True, False,
+                  "the folded model in INT8 (QDQ ONNX)"),
+    ExportProduct("openvino", "openvino/model.xml", "model.xml", False, True,
+                  "OpenVINO IR of the FP32 model: a tar of model.xml and model.bin"),
+    ExportProduct("openvino_int8", "openvino-int8/model.xml", "model.int8.xml", True, True,
+                  "OpenVINO IR of the INT8 model: a tar of model.xml and model.bin"),
+)
+
+PRODUCT_NAMES = tuple(product.name for product in PRODUCTS)
+"""Every exported file's name, in the order reports and listings give them."""
+
+
+def products_of(names: Iterable[str] | None) -> tuple[ExportProduct, ...]:
+    """The products among ``names`` (a job's ``outputs``: the model's name may be there too), in table order."""
+    asked = set(names or ())
+    return tuple(product for product in PRODUCTS if product.name in asked)
