@@ -63,7 +63,8 @@ ProgramOpt = Annotated[
     typer.Option(help="A torch.export program (.pt2, from torch.export.save), instead of --arch and --checkpoint."),
 ]
 DataOpt = Annotated[
-    str, typer.Option(help="Calibration data: .npy/.npz, image dir or archive, local or s3://bucket/key-or-prefix.")
+    str, typer.Option(help="Calibration data: .npy/.npz, image dir or archive, shards (WebDataset, Parquet, MDS), "
+                           "local or s3://bucket/key-or-prefix.")
 ]
 OutOpt = Annotated[Path, typer.Option(help="Where to write the recalibrated checkpoint (or program, with --program).")]
 ModelKwargsOpt = Annotated[str | None, typer.Option(help=description("model_kwargs") + " (JSON object)")]

@@ -115,7 +115,7 @@ def test_an_oversize_json_body_is_413(live_server):
 
 UNKNOWN_FORMAT = (
     "unknown {role} format {name} ({extension}); expected a .npy or .npz file, an image folder, "
-    "a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files or a manifest of shards"
+    "a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files, a MosaicML Streaming (MDS) folder or a manifest of shards"
 )
 
 

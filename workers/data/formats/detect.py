@@ -17,7 +17,7 @@ SUFFIX_FORMATS = (
 )
 EXPECTED = (
     "a .npy or .npz file, an image folder, a .tar, .tar.gz/.tgz or .zip archive of images, "
-    "WebDataset .tar shards, Parquet files or a manifest of shards"
+    "WebDataset .tar shards, Parquet files, a MosaicML Streaming (MDS) folder or a manifest of shards"
 )
 
 
