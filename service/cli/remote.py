@@ -52,7 +52,7 @@ def serve(
         os.environ["BNRECAL_RAY_ADDRESS"] = ray_address
     get_settings.cache_clear()
     data = Path(Settings().data_dir).absolute()
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server_class()(uvicorn.Config(
         APP_FACTORY, factory=True, http=HTTP_PROTOCOL, host=host, port=port, log_level=log_level,
         timeout_graceful_shutdown=10,
     ))
@@ -62,11 +62,25 @@ def serve(
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C's SIGINT again once it has stopped
-        code = 128 + signal.SIGINT
-    else:
-        code = 0
+        pass
     _leave_ray()
-    _end_process(code)
+    _end_process(128 + signal.SIGINT if server.interrupted else 0)
+
+
+def _server_class() -> Any:
+    """uvicorn's server, noting whether Ctrl-C (SIGINT) stopped it: uvicorn raises the signal
+    again once it has stopped, which does nothing where SIGINT was ignored when the process
+    started (a shell's background job), so the exit code cannot come from that alone."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        interrupted = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def _say_when_serving(server: Any, line: str) -> None:

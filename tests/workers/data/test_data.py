@@ -233,8 +233,8 @@ def test_a_stored_blob_is_named_as_uploaded_but_read_by_its_content(tmp_path: Pa
         describe_dataset(stored, ReadOptions(name="calib.txt"))
     assert str(caught.value) == (
         "unknown calibration data format 'calib.txt' (extension .txt); expected a .npy or .npz file, "
-        "an image folder, a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files "
-        "or a manifest of shards"
+        "an image folder, a .tar, .tar.gz/.tgz or .zip archive of images, WebDataset .tar shards, Parquet files, "
+        "a MosaicML Streaming (MDS) folder or a manifest of shards"
     )  # a blob is never read as a manifest, whatever its upload was called
     with pytest.raises(DatasetError, match=f"format 'sha256:{stored.name}' \\(no extension\\)"):
         describe_dataset(stored, ReadOptions(name=f"sha256:{stored.name}"))  # a blob uploaded without a name
