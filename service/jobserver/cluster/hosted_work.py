@@ -27,7 +27,7 @@ from bnrecal.service.run.report_html import JobLabel
 from bnrecal.service.sweep.matrix import CellSummary, check_metric
 from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.sweep.running import CellResult, SweepRun, cell_summary, sweep_to_files
-from bnrecal.service.export.products import PRODUCTS, ExportProduct, products_of
+from bnrecal.service.export.products import ExportProduct, products_of
 from bnrecal.errors import RunError
 
 from bnrecal.service.settings import Settings
@@ -163,8 +163,9 @@ def run_sweep_job(sweep: SweepFiles, work: HostedWork) -> JobFiles:
         key = result.cell.key
         cells.append(key)
         program = sweep.models[result.cell.model_index].program is not None
-        made = {f"{key}/{name}": file for name, file in _cell_files(result, spec, program).items()}
-        archive.add(_laid_out(made.values(), result.folder))
+        artifacts, written = _cell_files(result, spec, program)
+        made = {f"{key}/{name}": file for name, file in artifacts.items()}
+        archive.add(written)
         report(CellDone(cell_summary(result, workdir), made))
 
     try:
@@ -212,36 +213,26 @@ class _Archive:
         self._zip.close()
 
 
-def _laid_out(files: Iterable[tuple[Path, str]], folder: Path) -> list[Path]:
-    """A cell's artifact files as ``bnrecal sweep`` lays them out: OpenVINO's files as
-    written (``model.xml`` and ``.bin``, ``model.int8.xml`` and ``.bin``), not their tars."""
-    laid_out = []
-    for path, _ in files:
-        if path.suffix == ".tar":
-            product = next(p for p in PRODUCTS if p.download(cell=True) == path.name)
-            xml = folder / product.cell_file
-            laid_out += [xml, xml.with_suffix(".bin")]
-        else:
-            laid_out.append(path)
-    return laid_out
-
-
-def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> dict[str, tuple[Path, str]]:
-    """A finished cell's artifacts by name (as a single job's): the files it wrote."""
+def _cell_files(result: CellResult, spec: JobSpec, program: bool) -> tuple[dict[str, tuple[Path, str]], list[Path]]:
+    """A finished cell's artifacts by name (as a single job's), and the files it wrote as
+    ``bnrecal sweep`` lays them out (OpenVINO's ``.xml`` and ``.bin``, not their tar)."""
     folder = result.folder
     found: dict[str, tuple[Path, str]] = {}
     if result.report is None:
-        return found
+        return found, []
     found["report"] = (folder / "report.json", JSON)
+    written = [folder / "report.json"]
     for product in products_of(spec.outputs):
         path = folder / product.cell_file
         if path.is_file():  # else an INT8 file its guard refused: the cell's report says why
             found[product.name] = _shipped(product, path, folder, cell=True)
+            written += [path, path.with_suffix(".bin")] if product.openvino_ir else [path]
     if result.model_file is not None and result.model_file.is_file():
         kind = "program" if program else "checkpoint"
         if kind in spec.outputs:
             found[kind] = (result.model_file, OCTET_STREAM)
-    return found
+            written.append(result.model_file)
+    return found, written
 
 
 def _events(report: Callable[[Event], None]) -> Callable[[int, int | None, str], None]:
