@@ -26,9 +26,9 @@ from PIL import Image
 from streaming import MDSWriter
 
 for job in json.loads(sys.argv[1]):
-    columns = {"image": job["encoding"]}
+    columns = {job["image_name"]: job["encoding"]}
     if job["labels"]:
-        columns["label"] = "int"
+        columns[job["label_name"]] = "int"
     extra = {"compression": job["compression"]} if job["compression"] else {}
     with MDSWriter(out=job["out"], columns=columns, size_limit=job["size_limit"], **extra) as writer:
         for path, label in job["items"]:
@@ -39,7 +39,7 @@ for job in json.loads(sys.argv[1]):
                 image = Image.open(path)
                 if job["encoding"] != "jpeg":
                     image = image.convert("RGB")
-            writer.write({"image": image, **({"label": label} if job["labels"] else {})})
+            writer.write({job["image_name"]: image, **({job["label_name"]: label} if job["labels"] else {})})
 """
 
 
@@ -54,6 +54,8 @@ class MdsSet:
     size_limit: int = 1 << 16
     labels: bool = True
     compression: str | None = None
+    image_name: str = "image"
+    label_name: str = "label"
 
 
 def write_mds(*sets: MdsSet) -> list[Path]:
@@ -70,7 +72,8 @@ def write_mds(*sets: MdsSet) -> list[Path]:
             (files / f"{name}.jpg").write_bytes(data)
             listed.append((str(files / f"{name}.jpg"), label))
         jobs.append({"out": str(one.folder), "encoding": one.encoding, "labels": one.labels,
-                     "size_limit": one.size_limit, "compression": one.compression, "items": listed})
+                     "size_limit": one.size_limit, "compression": one.compression, "items": listed,
+                     "image_name": one.image_name, "label_name": one.label_name})
     env = {**os.environ, "PYTHONPATH": str(WRITER)}
     subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(jobs)], check=True, env=env, timeout=300)
     return [one.folder for one in sets]

@@ -35,7 +35,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_folder(root / "folder", items)
     sets = [MdsSet(root / encoding, ordered, encoding, size_limit=12_000) for encoding in ENCODINGS]  # several shards
     sets += [MdsSet(root / "unlabelled", ordered[:8], "jpeg", labels=False),
-             MdsSet(root / "zstd", ordered[:8], "jpeg", compression="zstd")]
+             MdsSet(root / "zstd", ordered[:8], "jpeg", compression="zstd"),
+             MdsSet(root / "named", ordered, "png", image_name="photo", label_name="klass")]
     write_mds(*sets)
     return {"folder": root / "folder"} | {one.folder.name: one.folder for one in sets}
 
@@ -61,6 +62,15 @@ def test_the_index_file_itself_names_the_same_data(written, tmp_path):
     _, samples, _ = read(written["jpeg"] / "index.json", tmp_path)
     _, expected, _ = read(written["jpeg"], tmp_path)
     assert torch.equal(samples, expected)
+
+
+def test_columns_of_other_names_are_read_by_option(written, tmp_path):
+    _, samples, labels = read(written["named"], tmp_path, image_column="photo", label_column="klass")
+    _, expected, expected_labels = read(written["folder"], tmp_path)
+    assert torch.equal(samples, expected) and np.array_equal(labels, expected_labels)
+    spec = describe_dataset(written["named"], ReadOptions(transform=TRANSFORM), DataAccess(unpack_root=tmp_path / "u"))
+    with spec.open() as data:  # the only image column, found without the option
+        assert torch.equal(data.load(0, len(data)), expected)
 
 
 def test_what_cannot_be_read_in_place_fails_naming_the_shard_or_column(written, tmp_path):
