@@ -1,7 +1,8 @@
 """The ``bnrecal`` command line, in a room of its own: ``main`` (the app and entry point),
 ``local`` (calibrate, export), ``remote`` (serve, submit), ``jobs`` and ``job_text`` (the
 job commands and what they print), ``storage`` (gc, delete), ``options`` (the flags the
-commands share) and ``console`` (one-line errors, summaries).
+commands share), ``console`` (one-line errors, summaries) and ``collector`` (Python's cycle
+collector over a job command's start-up).
 
 Declaring the commands imports no torch, Ray or run pipeline (see ``options``), so
 ``bnrecal --help``, the job commands and every argument error answer in a fraction of a
@@ -9,6 +10,17 @@ second; a command imports what runs a model inside its function, once its flags 
 
 from __future__ import annotations
 
+import sys
+
+from . import collector
 from .main import app, main
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "script"]
+
+
+def script() -> None:
+    """The ``bnrecal`` executable (and ``python -m bnrecal.service.cli``): ``main`` on the
+    process's arguments, in a process of its own, so a job command's start-up may run with
+    the cycle collector paused (``collector``)."""
+    collector.pause()
+    main(sys.argv[1:])

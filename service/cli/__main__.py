@@ -1,7 +1,5 @@
 """``python -m bnrecal.service.cli``: the ``bnrecal`` command line."""
 
-import sys
+from . import script
 
-from .main import main
-
-main(sys.argv[1:])
+script()

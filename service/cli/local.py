@@ -16,6 +16,7 @@ from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.run.progress import progress_bar
 from bnrecal.service.tracking import ending
 
+from . import collector
 from . import options as opt
 from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
@@ -90,7 +91,8 @@ def _calibrate(request: RecalibrationRequest, settings: Settings, outputs: RunOu
     cancel = threading.Event()
     in_process = request.workers == 1 and not settings.ray_address  # no Ray for one worker (docs/cli.md, "One worker, no Ray")
     connected_before = in_process or ray_connected()
-    with progress_bar(STARTING_PHASE) as update:
+    with progress_bar(STARTING_PHASE) as shown:
+        update = collector.resumed_at_first_phase(shown)
         # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.job_gang).
         try:
             result = recalibrate_to_files(

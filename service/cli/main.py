@@ -12,7 +12,7 @@ import typer
 
 from bnrecal.errors import BnrecalError, first_line
 
-from . import jobs, local, remote, storage, sweep
+from . import collector, jobs, local, remote, storage, sweep
 from .console import exit_code, fail
 from .options import flag_message
 
@@ -40,10 +40,13 @@ def _version(asked: bool) -> None:
 
 @app.callback()
 def _commands(
+    context: typer.Context,
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=_version,
                                  is_eager=True),
 ) -> None:
     """Recalibrate BatchNorm statistics on Ray; serve and submit jobs over HTTP."""
+    if context.invoked_subcommand not in collector.JOB_COMMANDS:
+        collector.resume()  # only a job command keeps it paused over its start-up (collector.py)
 
 
 app.command()(local.calibrate)

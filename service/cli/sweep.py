@@ -15,6 +15,7 @@ from bnrecal.errors import InputError, SpecError
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.tracking import ending
 
+from . import collector
 from . import options as opt
 from .console import print_line
 
@@ -173,7 +174,8 @@ def _sweep_here(flags: SweepFlags, sweep_files: SweepFiles, options: RunOptions,
                    cells_at_once=flags.cells_at_once)
     cancel = threading.Event()
     connected_before = (options.workers == 1 and flags.cells_at_once == 1 and not settings.ray_address) or ray_connected()
-    with progress_bar(STARTING_PHASE) as update:
+    with progress_bar(STARTING_PHASE) as shown:
+        update = collector.resumed_at_first_phase(shown)
         try:
             report = sweep_to_files(sweep_files, run, settings, flags.out_dir, on_progress=update, cancel=cancel)
         except KeyboardInterrupt:

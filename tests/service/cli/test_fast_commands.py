@@ -15,13 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("torch", "ray", "numpy")
 
-# Runs the real entry point and, at exit (after SystemExit too), reports which heavy modules
-# the process imported, on a line of its own on stderr.
+# Runs the real entry point (the installed script's) and, at exit (after SystemExit too),
+# reports which heavy modules the process imported, on a line of its own on stderr.
 WRAPPER = """
 import atexit, json, sys
 atexit.register(lambda: sys.stderr.write("\\nIMPORTED " + json.dumps([m for m in HEAVY if m in sys.modules]) + "\\n"))
-from bnrecal.service.cli import main
-main(sys.argv[1:])
+from bnrecal.service.cli import script
+script()
 """
 
 
