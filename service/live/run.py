@@ -24,7 +24,7 @@ from bnrecal.errors import ModelInputError, SpecError, first_line
 from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.run.core import (
-    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunPlan, SharedScope, run,
+    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunControl, RunPlan, SharedScope, run,
 )
 from bnrecal.service.run.executors import InProcess, ProcessGroupRanks, RayRanks
 from bnrecal.service.run.options import AUTO, STARTING_PHASE, RecalibrationOptions, RunOptions
@@ -262,7 +262,7 @@ def run_live(
         release=shipped.restore, later=LaterPhases(keep=where.keep, shared=where.shared),
     )
     try:
-        result = run(plan, where.executor, policy=FailurePolicy(where.settings.max_retries), on_progress=on_progress)
+        result = run(plan, where.executor, RunControl(FailurePolicy(where.settings.max_retries)), on_progress)
     except ModelInputError as exc:
         raise _dtype_advice(model, sample, forward) or exc from None
     except TypeError as exc:  # Ray could not pickle the model or the data for the ranks

@@ -1,18 +1,20 @@
-"""The one run core: ``run(plan, executor)``, for the command line, the job server and the
-Python API alike.
+"""The one run core: ``running(plan, executor)`` (and ``run``, the statistics alone), for
+the command line, the job server and the Python API alike.
 
 A :class:`RunPlan` says what a surface has prepared: the driver's model (its BN buffers
 receive the statistics), how the ranks build it (a model source and the weights
 that travel), the data, the evaluation, and the run options. An executor says where the
 ranks run (``service.run.executors``): ``InProcess`` (one rank in the calling process, no
 Ray) or ``RayRanks`` (a rank group on Ray, warm from a pool when there is one). A
-:class:`FailurePolicy` decides whether a failed pass runs again. The core finds the BN
+:class:`RunControl` holds how the run fails and stops: its :class:`FailurePolicy` (whether
+a failed pass runs again), the failures retried, the cancel token. The core finds the BN
 layers, checks the model on the first batch (its call order, what the evaluation can
 measure: here, or on a sweep's ranks), runs the pass (statistics, and the evaluation after
 them, fused on the ranks), writes the statistics into the driver's model
 and builds the typed report (docs/report.md). What each surface does before (load a
 checkpoint, ship a live model) and after (save, export, write back into a caller's
-model) stays with the surface.
+model) stays with the surface, which runs its later phases inside ``running``'s block,
+while the ranks are up: the core never calls back into a surface.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -57,10 +60,6 @@ log = logging.getLogger("bnrecal.run")
 
 Feed = Callable[[nn.Module, Any], Any]
 T = TypeVar("T")
-Then = Callable[["RunResult", "Executor"], T]
-"""What a surface makes of the finished statistics while the run's ranks are still up (its
-export and INT8 file: ``service.run.outputs``), given them and the run's executor; ``run``
-returns what it returns."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +183,44 @@ class FailurePolicy:
         return FailureDecision.RETRY if len(failures) < self.max_retries else FailureDecision.RAISE
 
 
+@dataclass
+class RunControl:
+    """How a run's phases on the ranks fail and stop, one object they share: the failure
+    policy, the failures it retried (in order: the report's ``retried_failures``), and the
+    cancel token a surface sets to stop the run between steps. The statistics have theirs;
+    the phases after them (the exports, the INT8 passes) share another (``later``), so each
+    has the policy's retries."""
+
+    policy: FailurePolicy = field(default_factory=FailurePolicy)
+    cancel: threading.Event | None = None
+    failures: list[str] = field(default_factory=list)
+
+    def later(self) -> RunControl:
+        """The control of the phases after the statistics: the same policy and token, no failures yet."""
+        return RunControl(self.policy, self.cancel)
+
+    def check_cancel(self) -> None:
+        """Stop between steps when the run was cancelled (``CancelledError``)."""
+        check_cancel(self.cancel)
+
+    def retried(self, call: Callable[[], T], on_retry: Callable[[str], None] | None = None) -> T:
+        """``call()`` under the policy, for every phase on the ranks (the statistics, the
+        INT8 range pass, a later phase's work): a failure the policy retries runs the phase
+        again (``failures`` and ``on_retry`` hear why), the last one is raised saying how
+        many retries it had."""
+        while True:
+            try:
+                return call()
+            except RunError as exc:
+                if self.policy.make_decision(exc, self.failures) is FailureDecision.RAISE:
+                    if self.failures and not isinstance(exc, CancelledError):
+                        raise type(exc)(f"{exc.message} (after {len(self.failures)} retries)", exc.rank, exc.node) from exc
+                    raise
+                self.failures.append(exc.message)
+                if on_retry is not None:
+                    on_retry(exc.message)
+
+
 class Executor(Protocol):
     """Where the ranks of a run execute."""
 
@@ -206,43 +243,35 @@ class Executor(Protocol):
         passes decoded and reused (idempotent: zeros the second time)."""
 
     def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
-                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+                    control: RunControl, on_phase: Callable[[str], None] | None,
+                    record: PassRecorder | None) -> OnnxPasses:
         """Where the run's onnxruntime passes run, on its ranks: over the first ``samples`` of
-        ``dataset`` with the calibration's sharding, and over the evaluation data."""
+        ``dataset`` with the calibration's sharding, and over the evaluation data, under ``control``."""
 
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
-            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
+            on_phase: Callable[[str], None] | None) -> list[T]:
         """``work(*args)`` for each of ``calls`` where the ranks run, spread over them (a later
-        phase's own computing: the exports), retried under ``policy``; results in order."""
+        phase's own computing: the exports), retried under ``control``; results in order."""
 
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""
 
 
-@overload
-def run(plan: RunPlan, executor: Executor, *, policy: FailurePolicy | None = ..., on_progress: ProgressCallback | None = ...,
-        cancel: threading.Event | None = ..., then: None = ...) -> RunResult: ...
-
-
-@overload
-def run(plan: RunPlan, executor: Executor, *, policy: FailurePolicy | None = ..., on_progress: ProgressCallback | None = ...,
-        cancel: threading.Event | None = ..., then: Then[T]) -> T: ...
-
-
-def run(
+@contextmanager
+def running(
     plan: RunPlan,
     executor: Executor,
-    *,
-    policy: FailurePolicy | None = None,
+    control: RunControl | None = None,
     on_progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
-    then: Then[Any] | None = None,
-) -> Any:
-    """Recompute every BN layer's running statistics of ``plan.model`` on the executor's
-    ranks (docs/calibration.md) and evaluate when the plan says so; return the result with
-    the report, or, given ``then`` (the export and INT8 files: ``service.run.outputs``),
-    what ``then`` makes of it on the same executor while its ranks are up."""
+) -> Iterator[RunResult]:
+    """The run as a block: on entry, every BN layer's running statistics of ``plan.model``
+    recomputed on the executor's ranks (docs/calibration.md), and the evaluation when the
+    plan says so; the block gets the result, with the report, while the ranks are still up,
+    for the phases its surface runs after the statistics (the export and INT8 files:
+    ``service.run.outputs``, on the same executor), unless the run was cancelled as its pass
+    ended (``CancelledError``); on exit the ranks let go of what they kept, and the executor
+    is closed."""
+    control = control or RunControl()
     options = plan.options
     shared = plan.later.shared
     scope = shared.scope if shared is not None else uuid.uuid4().hex
@@ -263,7 +292,7 @@ def run(
                 checks=checks,
             ))
             started = time.monotonic()
-            result, failures = _attempts(plan, executor, rank_plan, policy or FailurePolicy(), on_progress, cancel)
+            result = _attempts(plan, executor, rank_plan, control, on_progress)
             wall = time.monotonic() - started
             if plan.evaluation is not None and plan.evaluation.target is None:  # the ranks decided it
                 if result.eval_target is None:
@@ -273,21 +302,26 @@ def run(
         finally:
             if plan.release is not None:
                 plan.release()
-        finished = _finish(plan, layers, skipped, old, stale, result, placement, failures)
+        finished = _finish(plan, layers, skipped, old, stale, result, placement, control.failures)
         finished.scope = scope
-        _time_the_pass(finished.report, plan, result, wall, len(failures) + 1)
-        made: Any = finished
-        if then is not None:  # on the same executor, while its world is up
-            check_cancel(cancel)
-            made = then(finished, executor)
+        _time_the_pass(finished.report, plan, result, wall, len(control.failures) + 1)
+        control.check_cancel()  # cancelled as the pass ended: no later phase starts
+        yield finished
         if plan.later.keep is not None and shared is None:  # a shared scope's owner reports its decoding
             finished.report.decoding = decoding_report(executor.release_decoded(scope), plan.later.keep)
-        return made
     finally:
         try:
             executor.release_decoded(scope)
         finally:
             executor.close()
+
+
+def run(
+    plan: RunPlan, executor: Executor, control: RunControl | None = None, on_progress: ProgressCallback | None = None,
+) -> RunResult:
+    """The statistics alone (``running`` with nothing after them): the result, with the report."""
+    with running(plan, executor, control, on_progress) as finished:
+        return finished
 
 
 def _check_model(plan: RunPlan, layers: list[BatchNormLayer]) -> tuple[RunPlan, tuple[int, ...], ModelChecks | None]:
@@ -377,46 +411,26 @@ def _attempts(
     plan: RunPlan,
     executor: Executor,
     rank_plan: RankPlan,
-    policy: FailurePolicy,
+    control: RunControl,
     on_progress: ProgressCallback | None,
-    cancel: threading.Event | None,
-) -> tuple[GroupResult, list[str]]:
+) -> GroupResult:
     """Run the pass until it succeeds or the policy says to stop; the messages of the
-    failures that were retried come back with the result."""
-    failures: list[str] = []
+    failures that were retried are in ``control.failures``."""
 
     def attempt() -> GroupResult:
         progress = _phase_ordered_progress(plan, on_progress)
         if on_progress is not None:  # the samples to calibrate are known before any worker starts
             # a retry says so, and why, where the user watches (the terminal, the job's phase)
+            failures = control.failures
             phase = f"{STARTING_PHASE} again after: {failures[-1]}" if failures else STARTING_PHASE
             on_progress(0, plan.data.num_samples, phase)
         try:
-            return executor.execute(rank_plan, plan, progress, cancel)
+            return executor.execute(rank_plan, plan, progress, control.cancel)
         except DatasetError:
             _discard_unpacked(plan)
             raise
 
-    return with_retries(attempt, policy, failures), failures
-
-
-def with_retries(
-    call: Callable[[], T], policy: FailurePolicy, failures: list[str], on_retry: Callable[[str], None] | None = None
-) -> T:
-    """``call()`` under the failure policy, for every phase on the ranks (the statistics, the
-    INT8 range pass): a failure the policy retries runs the phase again (``failures`` and
-    ``on_retry`` hear why), the last one is raised saying how many retries it had."""
-    while True:
-        try:
-            return call()
-        except RunError as exc:
-            if policy.make_decision(exc, failures) is FailureDecision.RAISE:
-                if failures and not isinstance(exc, CancelledError):
-                    raise type(exc)(f"{exc.message} (after {len(failures)} retries)", exc.rank, exc.node) from exc
-                raise
-            failures.append(exc.message)
-            if on_retry is not None:
-                on_retry(exc.message)
+    return control.retried(attempt)
 
 
 def _phase_ordered_progress(plan: RunPlan, on_progress: ProgressCallback | None) -> Callable[[str, int], None]:

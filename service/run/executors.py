@@ -26,7 +26,7 @@ from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
 from bnrecal.workers.ranks.scoped import release_scope
 
-from bnrecal.service.run.core import FailurePolicy, RunPlan, check_cancel, with_retries
+from bnrecal.service.run.core import RunControl, RunPlan
 from bnrecal.service.run.onnx_passes import (
     CALIBRATION, InProcessPasses, OnnxPasses, PassRecorder, described_evaluation, samples_read,
 )
@@ -65,13 +65,13 @@ class InProcess:
         return Placement(IN_PROCESS, IN_PROCESS, "remote" if remote else IN_PROCESS, float(torch.get_num_threads()), False)
 
     def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
-                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+                    control: RunControl, on_phase: Callable[[str], None] | None,
+                    record: PassRecorder | None) -> OnnxPasses:
         """The run's onnxruntime passes, here (a world of one, as the statistics were)."""
         return InProcessPasses(dataset, batch_size, samples, evaluation=evaluation, record=record)
 
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
-            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
+            on_phase: Callable[[str], None] | None) -> list[T]:
         """A later phase's work, here, in order (the one rank is this process)."""
         return [work(*args) for args in calls]
 
@@ -201,21 +201,21 @@ class RayRanks:
         )
 
     def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
-                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+                    control: RunControl, on_phase: Callable[[str], None] | None,
+                    record: PassRecorder | None) -> OnnxPasses:
         """The run's onnxruntime passes on its ranks (the job's gang) with their placement,
-        sharding and shipped shards, under the run's failure policy."""
+        sharding and shipped shards, under the run's ``control``."""
         return RankPasses(
             dataset, batch_size, samples, evaluation, workers=self.options.workers, device=self.options.device,
-            group=self.group, shards=self.shards, eval_shards=self.eval_shards, pool=self.gang, cancel=cancel,
-            policy=policy, failures=failures, on_phase=on_phase, record=record,
+            group=self.group, shards=self.shards, eval_shards=self.eval_shards, pool=self.gang, control=control,
+            on_phase=on_phase, record=record,
         )
 
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
-            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
+            on_phase: Callable[[str], None] | None) -> list[T]:
         """A later phase's work in the run's rank processes, spread over them (``map_on_ranks``)."""
         return map_on_ranks(work, calls, self.options.workers, self.options.device, self.group, pool=self.gang,
-                            cancel=cancel, policy=policy, failures=failures, on_phase=on_phase)
+                            control=control, on_phase=on_phase)
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """The run is over: its ranks drop the samples they kept and go back to the pool (or
@@ -236,21 +236,20 @@ class RankPasses(OnnxPasses):
     """Passes on Ray rank actors (``workers.ranks.ort.group``): over the first ``samples``
     of ``dataset`` by the calibration's sharding at ``batch_size``, and over the evaluation
     data by its own, placed and fed like the calibration's ranks (``shards``, one per rank,
-    carry data through the object store). A lost rank re-runs that pass only, as ``policy``
-    (the run's) allows; ``failures`` collects why, ``on_phase`` shows it."""
+    carry data through the object store). A lost rank re-runs that pass only, as ``control``'s
+    policy (the run's) allows; its ``failures`` collect why, ``on_phase`` shows it."""
 
     def __init__(
         self, dataset: DatasetSpec, batch_size: int, samples: int | None, evaluation: EvalPlan | None, *,
         workers: int, device: str, group: Any, shards: list[Any] | None = None, eval_shards: list[Any] | None = None,
-        pool: WarmPool | JobGang | None = None, cancel: threading.Event | None = None,
-        policy: FailurePolicy | None = None, failures: list[str] | None = None,
+        pool: WarmPool | JobGang | None = None, control: RunControl | None = None,
         on_phase: Callable[[str], None] | None = None, record: PassRecorder | None = None,
     ) -> None:
         self.dataset, self.batch_size, self.samples = dataset, batch_size, samples_read(dataset, samples)
         self.evaluation = evaluation
         self.workers, self.device, self.group = workers, device, group
-        self.shards, self.eval_shards, self.pool, self.cancel = shards, eval_shards, pool, cancel
-        self.policy, self.failures, self.on_phase = policy or FailurePolicy(), failures if failures is not None else [], on_phase
+        self.shards, self.eval_shards, self.pool = shards, eval_shards, pool
+        self.control, self.on_phase = control or RunControl(), on_phase
         super().__init__(*described_evaluation(dataset, self.samples, evaluation), record=record)
 
     def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
@@ -266,45 +265,43 @@ class RankPasses(OnnxPasses):
         phase = pass_phase(request)
 
         def attempt() -> GroupPass:
-            check_cancel(self.cancel)
+            self.control.check_cancel()
             return run_onnx_pass_group(
                 request, dataset, batch, self.workers, self.device, backend_for_device(self.device), self.group,
-                num_samples=total, shards=shards, pool=self.pool, cancel=self.cancel,
+                num_samples=total, shards=shards, pool=self.pool, cancel=self.control.cancel,
             )
 
         retried = (lambda why: self.on_phase(f"running the {phase} pass again after: {why}")) if self.on_phase else None
-        return with_retries(attempt, self.policy, self.failures, retried)
+        return self.control.retried(attempt, retried)
 
     def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
         """``work(*args)`` for each of ``calls`` in the ranks' processes, spread over them, retried as
         the policy allows when a rank is lost (``workers.ranks.offload``)."""
-        return map_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, cancel=self.cancel,
-                            policy=self.policy, failures=self.failures, on_phase=self.on_phase)
+        return map_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, control=self.control,
+                            on_phase=self.on_phase)
 
 
 def map_on_ranks(
     work: Callable[..., T], calls: Sequence[tuple[Any, ...]], workers: int, device: str, group: Any, *,
-    pool: WarmPool | JobGang | None, cancel: threading.Event | None, policy: FailurePolicy, failures: list[str],
-    on_phase: Callable[[str], None] | None,
+    pool: WarmPool | JobGang | None, control: RunControl, on_phase: Callable[[str], None] | None,
 ) -> list[T]:
     """``work(*args)`` for each of ``calls`` on a job's ``workers`` ranks (``workers.ranks.offload``),
-    under the run's failure policy: a lost rank runs the calls again on a fresh gang
-    (``failures`` and ``on_phase`` hear why)."""
+    under the run's ``control``: a lost rank runs the calls again on a fresh gang (its
+    ``failures`` and ``on_phase`` hear why)."""
     from bnrecal.workers.ranks.offload import run_on_ranks
 
     def attempt() -> list[T]:
-        check_cancel(cancel)
-        return run_on_ranks(work, calls, workers, device, group, pool=pool, cancel=cancel)
+        control.check_cancel()
+        return run_on_ranks(work, calls, workers, device, group, pool=pool, cancel=control.cancel)
 
     retried = (lambda why: on_phase(f"running the later phase's work again after: {why}")) if on_phase else None
-    return with_retries(attempt, policy, failures, retried)
+    return control.retried(attempt, retried)
 
 
 def on_ranks(
     dataset: DatasetSpec, batch_size: int, workers: int, device: str, settings: Settings, *,
     placement: str | None = None, samples: int | None = None, evaluation: EvalPlan | None = None,
-    pool: WarmPool | None = None, cancel: threading.Event | None = None, policy: FailurePolicy | None = None,
-    failures: list[str] | None = None, on_phase: Callable[[str], None] | None = None,
+    pool: WarmPool | None = None, control: RunControl | None = None, on_phase: Callable[[str], None] | None = None,
 ) -> RankPasses:
     """Passes on ``workers`` Ray rank actors outside a run (a bench, a test): placed and fed
     like a calibration's ranks, by the settings."""
@@ -316,7 +313,7 @@ def on_ranks(
     return RankPasses(
         dataset, batch_size, samples, evaluation, workers=workers, device=device,
         group=group_options(settings, workers, device, placement), shards=shards, eval_shards=eval_shards, pool=pool,
-        cancel=cancel, policy=policy, failures=failures, on_phase=on_phase,
+        control=control, on_phase=on_phase,
     )
 
 

@@ -9,7 +9,6 @@ under the run's failure policy. Each surface only says where the files go.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.products import PRODUCT_NAMES
-from bnrecal.service.run.core import Executor, FailurePolicy, ProgressCallback, check_cancel
+from bnrecal.service.run.core import Executor, ProgressCallback, RunControl
 from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.int8 import quantize_export
@@ -86,10 +85,8 @@ def make_outputs(
     request: RecalibrationRequest,
     outputs: RunOutputs,
     executor: Executor,
-    policy: FailurePolicy,
-    *,
+    control: RunControl,
     on_progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
 ) -> None:
     """Write ``outputs`` for a finished recalibration, setting the report's ``onnx`` and
     ``int8`` sections. An INT8 file that fails its guard is not written: the report says
@@ -99,14 +96,14 @@ def make_outputs(
     The exports run where the ranks run (docs/onnx.md, "Where the export runs"): every export
     the outputs need (the ONNX file, the FP32 model an INT8 file is quantized from, the
     stale model's) in one call to one rank, which builds the model from its source and
-    weights with the new statistics and traces it once."""
+    weights with the new statistics and traces it once. Their retries and their cancel are
+    ``control``'s (the run's control's ``later()``)."""
     progress = on_progress or (lambda done, total, phase: None)
     report, where = result.report, where_ranks_ran(result.report)
-    failures: list[str] = []
     passes = None
     if outputs.quantizes:
-        passes = _int8_passes(result, request, executor, policy, failures, progress, cancel)
-    check_cancel(cancel)
+        passes = _int8_passes(result, request, executor, control, progress)
+    control.check_cancel()
     progress(0, None, EXPORTING_PHASE)
     read = result.read_here
     asks = export_asks(outputs, passes is not None and _wants_stale(result, passes))  # INT8_BASE: the ONNX file when float32
@@ -117,7 +114,7 @@ def make_outputs(
     made = executor.map(
         export_models, [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch,
                                     result.scope),) for part in parts],
-        policy=policy, failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel,
+        control=control, on_phase=lambda phase: progress(0, None, phase),
     )
     wall = time.monotonic() - started
     exported = dict(zip([ask for part in parts for ask in part], [file for files in made for file in files], strict=True))
@@ -136,10 +133,9 @@ def make_outputs(
             beyond = wall - exported[onnx_file].seconds if outputs.onnx is not None else wall
             add_to_timeline(report, "INT8 FP32 exports", max(0.0, beyond), 0, 0, where)
         stale = exported.get(STALE_BASE)
-        check_cancel(cancel)
+        control.check_cancel()
         progress(0, None, QUANTIZING_PHASE)
-        _make_int8(result, outputs, passes, failures, exported[INT8_BASE], stale.model if stale else None,
-                   progress, cancel)
+        _make_int8(result, outputs, passes, control, exported[INT8_BASE], stale.model if stale else None, progress)
 
 
 INT8_BASE = ExportAsk(stale=False, dtype="float32", openvino=True)
@@ -177,8 +173,8 @@ def _wants_stale(result: Recalibration, passes: OnnxPasses) -> bool:
 
 
 def _int8_passes(
-    result: Recalibration, request: RecalibrationRequest, executor: Executor, policy: FailurePolicy,
-    failures: list[str], progress: ProgressCallback, cancel: threading.Event | None,
+    result: Recalibration, request: RecalibrationRequest, executor: Executor, control: RunControl,
+    progress: ProgressCallback,
 ) -> OnnxPasses:
     """The INT8 phase's passes on the run's ranks, each recorded in the report's timeline."""
     report, where = result.report, where_ranks_ran(result.report)
@@ -191,14 +187,14 @@ def _int8_passes(
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
     return executor.onnx_passes(
-        result.dataset, request.batch_size, int(report["samples"]), result.evaluation, policy=policy,
-        failures=failures, on_phase=lambda phase: progress(0, None, phase), cancel=cancel, record=record,
+        result.dataset, request.batch_size, int(report["samples"]), result.evaluation, control=control,
+        on_phase=lambda phase: progress(0, None, phase), record=record,
     )
 
 
 def _make_int8(
-    result: Recalibration, outputs: RunOutputs, passes: OnnxPasses, failures: list[str], fp32: ExportedFile,
-    stale: bytes | None, progress: ProgressCallback, cancel: threading.Event | None,
+    result: Recalibration, outputs: RunOutputs, passes: OnnxPasses, control: RunControl, fp32: ExportedFile,
+    stale: bytes | None, progress: ProgressCallback,
 ) -> None:
     """The INT8 phase: its passes and its work on the run's ranks, the file, its report
     section (and the evaluation before and after, when it was left to this phase)."""
@@ -226,14 +222,14 @@ def _make_int8(
         result.report.int8, result.int8_failed = failed.section, failed
         return
     worked()
-    check_cancel(cancel)
+    control.check_cancel()
     if outputs.int8 is not None:
         quantized.write(outputs.int8)
     if outputs.openvino_int8 is not None:
         _write_openvino(result, outputs, quantized.model, outputs.openvino_int8, int8=True)
     section = quantized.section
-    section.attempts = len(failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
-    section.retried_failures = failures
+    section.attempts = len(control.failures) + 1  # attempts of its passes on the ranks, as the report's top level counts
+    section.retried_failures = control.failures
     result.report.int8 = section
 
 

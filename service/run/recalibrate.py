@@ -22,7 +22,7 @@ from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.workers.ranks.warm_context import current_pool
 
 from bnrecal.service.run.core import (
-    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunResult, RunPlan, check_cancel, run,
+    Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunControl, RunPlan, check_cancel, running,
 )
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
@@ -120,10 +120,8 @@ def recalibrate(
         executor = RayRanks(settings, address=settings.ray_address, pool=pool if pool is not None else current_pool(),
                             placement=request.placement)
     retries = settings.max_retries if request.max_retries is None else request.max_retries
-    policy = FailurePolicy(retries)
-
-    def with_files(result: RunResult, executor: Executor) -> Recalibration:
-        """The statistics as the files keep them; then the later phases, on the run's executor."""
+    control = RunControl(FailurePolicy(retries), cancel)
+    with running(plan, executor, control, on_progress) as result:  # the later phases run while the ranks are up
         recalibration = Recalibration(
             model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
             head=result.head, evaluation_later=later, scope=result.scope,
@@ -133,10 +131,8 @@ def recalibrate(
         if on_statistics is not None:
             on_statistics(result.report)
         if outputs is not None and outputs.any:
-            make_outputs(recalibration, request, outputs, executor, policy, on_progress=on_progress, cancel=cancel)
-        return recalibration
-
-    return run(plan, executor, policy=policy, on_progress=on_progress, cancel=cancel, then=with_files)
+            make_outputs(recalibration, request, outputs, executor, control.later(), on_progress)
+    return recalibration
 
 
 

@@ -25,7 +25,7 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
-from bnrecal.service.run.core import Executor, FailurePolicy, KeepBudget, RunPlan, SharedScope
+from bnrecal.service.run.core import Executor, KeepBudget, RunControl, RunPlan, SharedScope
 from bnrecal.service.run.report import Placement
 
 T = TypeVar("T")
@@ -104,16 +104,16 @@ class SharedRanks:
         return self.inner.placement(run)
 
     def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    policy: FailurePolicy, failures: list[str], on_phase: Callable[[str], None] | None,
-                    cancel: threading.Event | None, record: PassRecorder | None) -> OnnxPasses:
+                    control: RunControl, on_phase: Callable[[str], None] | None,
+                    record: PassRecorder | None) -> OnnxPasses:
         """A run's onnxruntime passes, on the shared ranks."""
-        return self.inner.onnx_passes(dataset, batch_size, samples, evaluation, policy=policy, failures=failures,
-                                      on_phase=on_phase, cancel=cancel, record=record)
+        return self.inner.onnx_passes(dataset, batch_size, samples, evaluation, control=control, on_phase=on_phase,
+                                      record=record)
 
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, policy: FailurePolicy,
-            failures: list[str], on_phase: Callable[[str], None] | None, cancel: threading.Event | None) -> list[T]:
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
+            on_phase: Callable[[str], None] | None) -> list[T]:
         """A run's later-phase work, on the shared ranks."""
-        return self.inner.map(work, calls, policy=policy, failures=failures, on_phase=on_phase, cancel=cancel)
+        return self.inner.map(work, calls, control=control, on_phase=on_phase)
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """A run is over: what it decoded stays for the next (counted at :meth:`close`)."""

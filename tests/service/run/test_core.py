@@ -14,7 +14,7 @@ import torch
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import LiveModuleSource
 
-from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunPlan, run
+from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunControl, RunPlan, run, running
 from bnrecal.service.run.executors import InProcess
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.report import Report
@@ -86,7 +86,7 @@ def test_a_lost_pass_runs_again_and_gives_the_same_statistics(stale):
     clean = run(plan_for(copy.deepcopy(model), samples), InProcess())
     executor = LosesPasses(losses=1)
     phases: list[str] = []
-    result = run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=1),
+    result = run(plan_for(model, samples), executor, RunControl(FailurePolicy(max_retries=1)),
                  on_progress=lambda done, total, phase: phases.append(phase))
     assert executor.passes == 2
     assert "starting workers again after: rank 0 was lost in pass 1" in phases  # the user sees the retry
@@ -99,7 +99,7 @@ def test_the_error_after_the_last_retry_says_how_many_and_nothing_is_written(sta
     model, samples = stale
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RunError, match=r"rank 0 was lost in pass 3 \(after 2 retries\)") as caught:
-        run(plan_for(model, samples), LosesPasses(losses=5), policy=FailurePolicy(max_retries=2))
+        run(plan_for(model, samples), LosesPasses(losses=5), RunControl(FailurePolicy(max_retries=2)))
     assert caught.value.rank == 0 and caught.value.node == "node-a"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -110,7 +110,7 @@ def test_a_cancelled_pass_is_not_retried(stale):
     cancel.set()
     executor = LosesPasses(losses=0)
     with pytest.raises(CancelledError):
-        run(plan_for(model, samples), executor, policy=FailurePolicy(max_retries=3), cancel=cancel)
+        run(plan_for(model, samples), executor, RunControl(FailurePolicy(max_retries=3), cancel))
     assert executor.passes == 0
 
 
@@ -135,32 +135,45 @@ class Watched(InProcess):
 
 
 def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
-    """The export and INT8 phases of a run see the statistics written and the executor's
-    world still up (its onnxruntime passes are theirs), and a failing phase still closes it."""
+    """The export and INT8 phases of a run, in ``running``'s block, see the statistics
+    written and the executor's world still up (its onnxruntime passes are theirs), and a
+    failing phase still closes it."""
     model, samples = stale
     reference = reference_statistics(model, samples, batch_size=8)
-    executor, seen = Watched(), []
-
-    def phase(result, running):
-        assert running is executor and not executor.closed
-        assert_matches_reference(model, reference)  # the statistics are in the driver's model already
-        passes = running.onnx_passes(running_data, 8, 16, None, policy=FailurePolicy(), failures=[], on_phase=None,
-                                     cancel=None, record=None)
-        seen.append((result.report.samples, callable(passes.over_calibration)))
-        return "made"
-
+    executor = Watched()
     plan = plan_for(model, samples)
-    running_data = plan.data
-    made = run(plan, executor, then=phase)
-    assert seen == [(29, True)] and executor.closed and made == "made"
-
-    def failing(result, running):
-        raise RunError("the INT8 ranks were lost")
+    with running(plan, executor) as result:
+        assert not executor.closed
+        assert_matches_reference(model, reference)  # the statistics are in the driver's model already
+        passes = executor.onnx_passes(plan.data, 8, 16, None, control=RunControl(), on_phase=None, record=None)
+        assert result.report.samples == 29 and callable(passes.over_calibration)
+    assert executor.closed
 
     executor = Watched()
     with pytest.raises(RunError, match="INT8 ranks were lost"):
-        run(plan_for(model, samples), executor, then=failing)
+        with running(plan_for(model, samples), executor):
+            raise RunError("the INT8 ranks were lost")
     assert executor.closed
+
+
+def test_the_later_phases_control_has_the_runs_policy_and_token_and_failures_of_its_own():
+    cancel = threading.Event()
+    control = RunControl(FailurePolicy(max_retries=1), cancel, ["rank 0 died"])
+    later = control.later()
+    assert (later.policy, later.cancel, later.failures) == (control.policy, cancel, [])
+    lost = iter([RunError("rank 1 died", rank=1)])
+
+    def flaky() -> str:
+        error = next(lost, None)
+        if error is not None:
+            raise error
+        return "done"
+
+    assert later.retried(flaky) == "done" and later.failures == ["rank 1 died"]
+    assert control.failures == ["rank 0 died"]  # the statistics' failures stay theirs
+    cancel.set()
+    with pytest.raises(CancelledError):
+        later.check_cancel()
 
 
 class CancelledAfterThePass(InProcess):
@@ -180,5 +193,6 @@ def test_a_run_cancelled_after_its_statistics_runs_no_later_phase(stale):
     model, samples = stale
     cancel, ran = threading.Event(), []
     with pytest.raises(CancelledError):
-        run(plan_for(model, samples), CancelledAfterThePass(cancel), cancel=cancel, then=lambda *_: ran.append(True))
+        with running(plan_for(model, samples), CancelledAfterThePass(cancel), RunControl(cancel=cancel)):
+            ran.append(True)
     assert ran == []

@@ -70,13 +70,14 @@ def test_a_rank_lost_in_the_quantizers_work_runs_that_work_again(tmp_path, warm_
     """A rank killed while it runs a piece of the INT8 export's work: the piece runs again on
     a fresh gang under the run's failure policy (the passes before it are not redone), the
     failure names the rank, and the progress says so."""
-    from bnrecal.service.run.core import FailurePolicy
+    from bnrecal.service.run.core import FailurePolicy, RunControl
 
     dataset = array_dataset(tmp_path / "x.npy", torch.randn(8, 3, 8, 8))
-    failures: list[str] = []
+    control = RunControl(FailurePolicy(max_retries=1))
+    failures = control.failures
     phases: list[str] = []
     passes = on_ranks(dataset, 4, 2, "cpu", Settings(cpus_per_worker=1), pool=warm_pool,
-                      policy=FailurePolicy(max_retries=1), failures=failures, on_phase=phases.append)
+                      control=control, on_phase=phases.append)
     pids = passes.map(dies_once, [(str(tmp_path / "a"),), (str(tmp_path / "b"),)])
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert len(failures) == 1 and "rank 0 died in a later phase's work" in failures[0], failures

@@ -189,7 +189,7 @@ def test_a_rank_lost_in_a_range_pass_reruns_that_pass_only_and_gives_the_same_ra
     import threading
     import time
 
-    from bnrecal.service.run.core import FailurePolicy
+    from bnrecal.service.run.core import FailurePolicy, RunControl
     from bnrecal.service.run.executors import on_ranks as passes_on_ranks
     from bnrecal.service.settings import Settings
 
@@ -201,10 +201,11 @@ def test_a_rank_lost_in_a_range_pass_reruns_that_pass_only_and_gives_the_same_ra
     models = [PassModel(prepared.model, range_request(prepared, Int8Options()))]
     clean = InProcessPasses(dataset, 8).over_calibration(models).result
 
-    failures: list[str] = []
+    control = RunControl(FailurePolicy(max_retries=1))
+    failures = control.failures
     phases: list[str] = []
-    passes = passes_on_ranks(dataset, 8, 2, "cpu", Settings(cpus_per_worker=1), policy=FailurePolicy(max_retries=1),
-                             failures=failures, on_phase=phases.append)
+    passes = passes_on_ranks(dataset, 8, 2, "cpu", Settings(cpus_per_worker=1), control=control,
+                             on_phase=phases.append)
     outcome: dict = {}
     worker = threading.Thread(target=lambda: outcome.update(result=passes.over_calibration(models)))
     worker.start()
