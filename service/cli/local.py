@@ -40,8 +40,7 @@ def calibrate(
     flags.check_model()
     opt.check_paths(
         {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": flags.data, "--eval-data": flags.eval_data},
-        {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
-         "--report-html": flags.report_html, "--openvino": flags.openvino, "--openvino-int8": flags.openvino_int8},
+        flags.output_paths(),
     )
     flags.check_openvino(here=True)
     int8_options = flags.int8_options()
@@ -60,22 +59,19 @@ def calibrate(
         data=opt.data_source(flags.data, "--data"), eval_data=opt.data_source(flags.eval_data, "--eval-data"),
         eval_max_samples=flags.eval_max_samples,
     )
-    outputs = RunOutputs(
-        onnx=flags.onnx, int8=flags.onnx_int8, int8_options=int8_options,
-        export=ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value),
-        openvino=flags.openvino, openvino_int8=flags.openvino_int8,
-    )
+    exports = flags.exports()
+    outputs = RunOutputs.named({product.name: path for product, path in exports.items()},
+                               ExportOptions(opset=flags.onnx_opset, dtype=flags.onnx_dtype.value), int8_options)
     tracking = opt.start_tracking(mlflow, flags.out.name, flags)  # before any worker: a store it cannot reach is exit 2
     with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
         files = RunFiles(model=flags.out, report=report_path, report_html=page_path)
         with ending(tracking):
             result = _calibrate(request, settings, outputs, files)
         if tracking is not None:
-            tracking.finish(result.report, [flags.out, flags.onnx, flags.onnx_int8, flags.openvino,
-                                            flags.openvino_int8, report_path, page_path])
+            tracking.finish(result.report, [flags.out, *exports.values(), report_path, page_path])
     int8_failed = result.int8_failed
-    written_int8 = (flags.onnx_int8, flags.openvino_int8) if int8_failed is None else (None, None)
-    also_wrote = (flags.onnx, flags.openvino, *written_int8, flags.report, flags.report_html)
+    written = [path for product, path in exports.items() if int8_failed is None or not product.int8]
+    also_wrote = (*written, flags.report, flags.report_html)
     for line in summary_lines(result.report, flags.out, also_wrote=also_wrote):
         print_line(line)
     if tracking is not None:

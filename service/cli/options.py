@@ -30,6 +30,7 @@ from typing import Annotated, Any, get_args, get_type_hints
 import typer
 
 from bnrecal.errors import BnrecalError, SpecError
+from bnrecal.service.export.products import PRODUCTS, ExportProduct, product_named
 from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice, default, description, flag_of
 from bnrecal.service.run.options import Device as DeviceChoice
 from bnrecal.service.run.options import Order as OrderChoice
@@ -82,23 +83,24 @@ DeviceOpt = Annotated[Device, typer.Option(help=description("device"))]
 TransformOpt = Annotated[str | None, typer.Option(help=description("transform") + " (JSON object)")]
 PlacementOpt = Annotated[Placement | None, typer.Option(help=description("placement"))]
 MaxRetriesOpt = Annotated[int | None, typer.Option(help=description("max_retries"))]
-OnnxOpt = Annotated[Path | None, typer.Option(help="Also export the model folded to ONNX here.")]
 OnnxOpsetOpt = Annotated[int, typer.Option(help="ONNX opset of the export.")]
 OnnxDtypeOpt = Annotated[OnnxDtype, typer.Option(help="Float type of the exported graph.")]
-OnnxInt8Opt = Annotated[
-    Path | None,
-    typer.Option("--onnx-int8", help="Also export the folded model in INT8 (QDQ) here, ranges from the calibration data."),
-]
-OpenVinoOpt = Annotated[
-    Path | None,
-    typer.Option("--openvino", help="Also write the folded FP32 model as OpenVINO IR here (PATH.xml, the .bin beside).",
-                 metavar="PATH.xml"),
-]
-OpenVinoInt8Opt = Annotated[
-    Path | None,
-    typer.Option("--openvino-int8", help="Also write the INT8 model as OpenVINO IR here (PATH.xml, the .bin beside).",
-                 metavar="PATH.xml"),
-]
+
+
+def export_flag(product: ExportProduct) -> Any:
+    """An exported file's flag on ``calibrate``, ``submit`` and ``export``: the path it is
+    written to (an IR's ``.xml``, its ``.bin`` beside), spelt and described by its product
+    (``service.export.products``)."""
+    return Annotated[Path | None, typer.Option(product.flag, help=product.path_help,
+                                               **({"metavar": "PATH.xml"} if product.openvino_ir else {}))]
+
+
+def cell_flag(product: ExportProduct) -> Any:
+    """An exported file's flag on ``sweep``: whether every cell writes it (its ``cell_file``)."""
+    return Annotated[bool, typer.Option(product.flag, help=product.cell_help)]
+
+
+OnnxInt8Opt = export_flag(product_named("onnx_int8"))
 Int8Opt = Annotated[
     str | None,
     typer.Option(
@@ -276,7 +278,17 @@ class _RunFlagsMethods(RunOptionFlags):
         """The ``--int8`` options checked (see :func:`int8_options`), or None without an INT8
         output (``--onnx-int8``, ``--openvino-int8``)."""
         flags: Any = self
-        return int8_options(flags.onnx_int8 or flags.openvino_int8, flags.int8)
+        return int8_options(next((path for product, path in self.exports().items() if product.int8), None), flags.int8)
+
+    def exports(self) -> dict[ExportProduct, Path]:
+        """The exported files asked for, each with the path its flag gives, in the products' order."""
+        return {product: path for product in PRODUCTS if (path := getattr(self, product.name)) is not None}
+
+    def output_paths(self) -> dict[str, Path | None]:
+        """Every file the command may write, by flag: the model, the exports, the reports."""
+        flags: Any = self
+        return {"--out": flags.out, **{product.flag: getattr(self, product.name) for product in PRODUCTS},
+                "--report": flags.report, "--report-html": flags.report_html}
 
     def check_openvino(self, *, here: bool) -> None:
         """Refuse an OpenVINO IR output that cannot be written: a path not ending ``.xml``
@@ -284,9 +296,9 @@ class _RunFlagsMethods(RunOptionFlags):
         worker starts or anything is uploaded."""
         from bnrecal.service.export.runtimes import openvino_version
 
-        flags: Any = self
-        for flag, path in (("--openvino", flags.openvino), ("--openvino-int8", flags.openvino_int8)):
-            if path is None:
+        for product, path in self.exports().items():
+            flag = product.flag
+            if not product.openvino_ir:
                 continue
             if path.suffix != ".xml":
                 raise SpecError(f"{flag} names the IR's .xml file (its .bin goes beside): {path}", field=flag)
@@ -307,17 +319,14 @@ RunFlags = flags_class(
         ("program", ProgramOpt, None),
         ("model_kwargs", ModelKwargsOpt, None),
         *RECALIBRATION_FLAGS,
-        ("onnx", OnnxOpt, None),
-        ("onnx_opset", OnnxOpsetOpt, OPSET),
-        ("onnx_dtype", OnnxDtypeOpt, OnnxDtype.float32),
         ("report", ReportOpt, None),
         ("report_html", ReportHtmlOpt, None),
         ("eval_data", EvalDataOpt, None),
         ("eval_max_samples", EvalMaxSamplesOpt, None),
-        ("onnx_int8", OnnxInt8Opt, None),
+        *((product.name, export_flag(product), None) for product in PRODUCTS),  # --onnx, --onnx-int8, ...
+        ("onnx_opset", OnnxOpsetOpt, OPSET),
+        ("onnx_dtype", OnnxDtypeOpt, OnnxDtype.float32),
         ("int8", Int8Opt, None),
-        ("openvino", OpenVinoOpt, None),
-        ("openvino_int8", OpenVinoInt8Opt, None),
     ],
     _RunFlagsMethods,
 )

@@ -148,12 +148,12 @@ def submit(
     data_source, eval_source = opt.data_source(flags.data, "--data"), opt.data_source(flags.eval_data, "--eval-data")
     opt.check_paths(
         {"--checkpoint": flags.checkpoint, "--program": flags.program, "--data": data_source, "--eval-data": eval_source},
-        {"--out": flags.out, "--onnx": flags.onnx, "--onnx-int8": flags.onnx_int8, "--report": flags.report,
-         "--report-html": flags.report_html, "--openvino": flags.openvino, "--openvino-int8": flags.openvino_int8},
+        flags.output_paths(),
     )
     flags.check_openvino(here=False)  # the server makes them (and says if it cannot)
     options = flags.run_options()
     int8_options = flags.int8_options()
+    exports = flags.exports()
     model_output = "program" if flags.program is not None else "checkpoint"
     inputs = {name: source for name, source in (("checkpoint", flags.checkpoint), ("program", flags.program),
                                                 ("data", data_source), ("eval.data", eval_source))
@@ -165,10 +165,7 @@ def submit(
     named = input_digests(inputs)
     spec = JobSpec.checked(  # the typed spec, checked here as the server checks its fields (a SpecError names one)
         **options.run_options(), checkpoint=named.get("checkpoint"), program=named.get("program"), data=named["data"],
-        outputs=[model_output] + (["onnx"] if flags.onnx is not None else [])
-        + (["onnx_int8"] if flags.onnx_int8 is not None else [])
-        + (["openvino"] if flags.openvino is not None else [])
-        + (["openvino_int8"] if flags.openvino_int8 is not None else []),
+        outputs=[model_output, *(product.name for product in exports)],
         onnx={"opset": flags.onnx_opset, "dtype": flags.onnx_dtype.value}, int8=int8_options,
         eval={"data": named["eval.data"], "max_samples": flags.eval_max_samples} if eval_source is not None else None,
     )
@@ -177,10 +174,9 @@ def submit(
     with opt.tracked_files(tracking, flags.report, flags.report_html) as (report_path, page_path):
         def downloads(job: JobView) -> list[tuple[str, Path]]:
             failed = _int8_failed(job)
-            wanted = [(model_output, flags.out), ("onnx", flags.onnx), ("onnx_int8", None if failed else flags.onnx_int8),
-                      ("openvino", ir_archive(flags.openvino)),
-                      ("openvino_int8", None if failed else ir_archive(flags.openvino_int8)),
-                      ("report", report_path), ("report.html", page_path)]
+            files = [(product.name, ir_archive(path) if product.openvino_ir else path)  # an IR comes as one tar
+                     for product, path in exports.items() if not (failed and product.int8)]
+            wanted = [(model_output, flags.out), *files, ("report", report_path), ("report.html", page_path)]
             return [(name, path) for name, path in wanted if path is not None]
 
         with connect(server, api_key) as client, ending(tracking):
@@ -196,14 +192,13 @@ def submit(
 
         report = Report.from_dict(job.report or {})
         int8_failed = _int8_failed(job)
-        unpack_ir(flags.openvino)
-        if not int8_failed:
-            unpack_ir(flags.openvino_int8)
+        made = {product: path for product, path in exports.items() if not (int8_failed and product.int8)}
+        for product, path in made.items():
+            if product.openvino_ir:
+                unpack_ir(path)
         if tracking is not None:
-            tracking.finish(report, [flags.out, flags.onnx, flags.onnx_int8, flags.openvino, flags.openvino_int8,
-                                     report_path, page_path])
-    written_int8 = (None, None) if int8_failed else (flags.onnx_int8, flags.openvino_int8)
-    also_wrote = (flags.onnx, flags.openvino, *written_int8, flags.report, flags.report_html)
+            tracking.finish(report, [flags.out, *exports.values(), report_path, page_path])
+    also_wrote = (*made.values(), flags.report, flags.report_html)
     for line in summary_lines(report, flags.out, job.id, also_wrote=also_wrote):
         print_line(line)
     if tracking is not None:

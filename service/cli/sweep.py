@@ -12,6 +12,7 @@ import typer
 
 from bnrecal.errors import InputError, SpecError
 
+from bnrecal.service.export.products import PRODUCTS, ExportProduct
 from bnrecal.service.run.options import STARTING_PHASE
 from bnrecal.service.tracking import ending
 
@@ -40,12 +41,6 @@ EvalSetsOpt = Annotated[
 OutDirOpt = Annotated[Path, typer.Option(help="Folder for every cell's files (<model>/<set>/) and sweep.json, "
                                               "sweep.csv, sweep.html.")]
 PairsOpt = Annotated[Path | None, typer.Option(metavar="FILE", help="Run only these cells: one 'MODEL SET' (names) a line.")]
-OnnxFlag = Annotated[bool, typer.Option("--onnx", help="Also export each cell's model folded to ONNX (model.onnx).")]
-Int8Flag = Annotated[bool, typer.Option("--onnx-int8", help="Also export each cell's model in INT8 QDQ (model.int8.onnx).")]
-OpenVinoFlag = Annotated[bool, typer.Option(
-    "--openvino", help="Also write each cell's folded FP32 model as OpenVINO IR (model.xml, model.bin).")]
-OpenVinoInt8Flag = Annotated[bool, typer.Option(
-    "--openvino-int8", help="Also write each cell's INT8 model as OpenVINO IR (model.int8.xml, model.int8.bin).")]
 CellsAtOnceOpt = Annotated[int, typer.Option(
     min=1, max=64, metavar="N", help="Run N cells side by side, each on its own --workers ranks (N x --workers in all).")]
 RankByOpt = Annotated[str | None, typer.Option(
@@ -66,12 +61,9 @@ SweepFlags = opt.flags_class(
         ("model_kwargs", opt.ModelKwargsOpt, None),
         *opt.RECALIBRATION_FLAGS,
         ("eval_max_samples", opt.EvalMaxSamplesOpt, None),
-        ("onnx", OnnxFlag, False),
+        *((product.name, opt.cell_flag(product), False) for product in PRODUCTS),  # --onnx, --onnx-int8, ...
         ("onnx_opset", opt.OnnxOpsetOpt, opt.OPSET),
         ("onnx_dtype", opt.OnnxDtypeOpt, opt.OnnxDtype.float32),
-        ("onnx_int8", Int8Flag, False),
-        ("openvino", OpenVinoFlag, False),
-        ("openvino_int8", OpenVinoInt8Flag, False),
         ("int8", opt.Int8Opt, None),
         ("rank_by", RankByOpt, None),
         ("cells_at_once", CellsAtOnceOpt, 1),
@@ -119,7 +111,7 @@ def sweep(
     pairs = read_pairs(flags.pairs, names, [name for name, _, _ in sets]) if flags.pairs is not None else None
     labelled = any(evaluation for _, _, evaluation in sets)
     rank_by = check_metric(flags.rank_by or ("after_top1" if labelled else "worst_drift"), "--rank-by")
-    quantizes = flags.onnx_int8 or flags.openvino_int8
+    quantizes = any(product.int8 for product in _products(flags))
     if flags.int8 is not None and not quantizes:
         raise SpecError("--int8 sets the INT8 export's options: give --onnx-int8 or --openvino-int8 too", field="--int8")
     if server is None:
@@ -187,20 +179,23 @@ def _sweep_here(flags: SweepFlags, sweep_files: SweepFiles, options: RunOptions,
     return report
 
 
+def _products(flags: SweepFlags) -> tuple[ExportProduct, ...]:
+    """The files each cell writes besides its model and reports, by their flags."""
+    return tuple(product for product in PRODUCTS if getattr(flags, product.name))
+
+
 def _outputs(flags: SweepFlags) -> frozenset[str]:
-    """The files each cell writes besides its model and reports (``sweep.running.CELL_FILES``'s names)."""
-    asked = {"onnx": flags.onnx, "onnx_int8": flags.onnx_int8, "openvino": flags.openvino,
-             "openvino_int8": flags.openvino_int8}
-    return frozenset(name for name, given in asked.items() if given)
+    """The names of the files each cell writes besides its model and reports."""
+    return frozenset(product.name for product in _products(flags))
 
 
 def _check_openvino(flags: SweepFlags) -> None:
     """Refuse OpenVINO IR cells when OpenVINO is not installed here, before any work."""
     from bnrecal.service.export.runtimes import openvino_version
 
-    for flag, given in (("--openvino", flags.openvino), ("--openvino-int8", flags.openvino_int8)):
-        if given and openvino_version() is None:
-            raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
+    for product in _products(flags):
+        if product.openvino_ir and openvino_version() is None:
+            raise SpecError(f"{product.flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=product.flag)
 
 
 def _check_architectures(models: list[SweepModel], settings: Settings) -> None:
