@@ -12,8 +12,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import ray
-import torch
+from bnrecal.workers.ranks import start_up
+
+start_up.pause()  # before the heavy imports, in a rank's own process only (start_up.py)
+
+import ray  # noqa: E402
+import torch  # noqa: E402
 
 from bnrecal.workers.data import CalibrationData
 from bnrecal.workers.data.reading.kept import STORE, KeptCounts, keep_one_scope
@@ -92,6 +96,7 @@ class CalibrationRank:
         self._groups: list[str] = []
         self.jobs = 0
         keep_one_scope()  # what it keeps of a job's samples, it keeps for that job only
+        start_up.resume()
 
     def release_kept(self, scope: str) -> KeptCounts:
         """Drop the samples and objects this rank kept for the job ``scope`` (``workers.ranks.scoped``)

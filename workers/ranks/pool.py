@@ -42,6 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.ranks.actor import CalibrationActor
 from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.start_up import RANK_PROCESS
 
 if TYPE_CHECKING:
     from bnrecal.workers.ranks.plan import GroupOptions
@@ -110,7 +111,7 @@ class Gang:
                         num_gpus=key.gpus_per_worker,
                         max_restarts=0,
                         max_task_retries=0,
-                        runtime_env={"env_vars": RANK_ENV_VARS},
+                        runtime_env={"env_vars": {**RANK_ENV_VARS, **RANK_PROCESS}},
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=group, placement_group_bundle_index=rank
                         ),
