@@ -110,7 +110,7 @@ def ranks(folder: Path, workers: int) -> None:
     from bnrecal.service.export.int8.options import Int8Options
     from bnrecal.service.run.cluster import ensure_ray
     from bnrecal.service.run.executors import on_ranks
-    from bnrecal.service.run.int8 import quantize_export
+    from bnrecal.service.run.outputs.int8 import quantize_export
     from bnrecal.service.settings import Settings
 
     ensure_ray(None, min_cpus=workers)
@@ -159,8 +159,8 @@ def latency(folder: Path, repeats: int, threads: int) -> None:
     import onnxruntime
 
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.run.int8 import quantize_export
-    from bnrecal.service.run.onnx_passes import InProcessPasses
+    from bnrecal.service.run.outputs.int8 import quantize_export
+    from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
     from bnrecal.workers.data import describe_dataset
 
     rows = []
@@ -207,8 +207,8 @@ def _quantizers(folder: Path) -> dict[str, bytes]:
     from bnrecal.workers.data import describe_dataset
 
     from bnrecal.service.export.int8.options import int8_options
-    from bnrecal.service.run.int8 import quantize_export
-    from bnrecal.service.run.onnx_passes import InProcessPasses
+    from bnrecal.service.run.outputs.int8 import quantize_export
+    from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
 
     fp32 = (folder / "fp32.onnx").read_bytes()
     calib = np.load(folder / "calib.npy").astype(np.float32)
@@ -369,8 +369,8 @@ def weights(folder: Path, repeats: int) -> None:
     from bnrecal.service.export.cpu import cpu_features
     from bnrecal.service.export.int8.options import int8_options
     from bnrecal.service.export.int8.quantizer import prepare
-    from bnrecal.service.run.int8 import quantize_export
-    from bnrecal.service.run.onnx_passes import InProcessPasses
+    from bnrecal.service.run.outputs.int8 import quantize_export
+    from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
     from bnrecal.workers.data import describe_dataset
 
     print(f"CPU: {cpu_features().describe()}; onnxruntime {onnxruntime.__version__}, 1 thread, median of "

@@ -33,7 +33,7 @@ import torchvision
 from bnrecal.service.export import export_folded_onnx
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare
-from bnrecal.service.run.int8 import range_request
+from bnrecal.service.run.outputs.int8 import range_request
 from bnrecal.workers.engine.ranges import MinMaxAccumulator
 from bnrecal.workers.ranks.ort.rank_pass import calibration_session, with_outputs
 from bnrecal.workers.ranks.ort.pieces import PieceRunner

@@ -10,7 +10,7 @@ from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
     "run.recalibrate": ("Recalibration", "RecalibrationRequest", "recalibrate"),
-    "run.exporting": ("export_checkpoint", "export_recalibrated"),
+    "run.outputs.exports": ("export_checkpoint", "export_recalibrated"),
     "settings": ("Settings", "get_settings"),
     "client": ("BnrecalClient",),
 }

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from bnrecal.errors import SpecError, TrackingError, first_line
 
 if TYPE_CHECKING:
-    from bnrecal.service.run.report import Report
+    from bnrecal.service.run.report.document import Report
     from bnrecal.service.sweep.matrix import SweepReport
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: its UI nests a child run under it
@@ -182,7 +182,7 @@ def log_sweep(parent: MlflowRun, report: SweepReport, out_dir: Path, params: Map
     """Log a sweep that ran: a child run of ``parent`` per cell (its model and set as params
     besides ``params``, its report's figures, its folder's files), then ``parent`` with the
     matrix's counts and ``sweep.json``, ``sweep.csv``, ``sweep.html``."""
-    from bnrecal.service.run.report import Report
+    from bnrecal.service.run.report.document import Report
     from bnrecal.service.sweep.cells import CellStatus
 
     try:

@@ -10,7 +10,7 @@ Every import statement counts, also one inside a function: a lazy import is stil
 dependency. The graph is read from the source with ``ast``; nothing is imported. The
 folders install as ``bnrecal.service``, ``bnrecal.workers`` and ``bnrecal.api`` (one
 top-level name, docs/architecture.md), so the code imports them by those names only; the
-graph names a module by its folder (``service.run.report``).
+graph names a module by its folder (``service.run.report.document``).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ export function resultText(job) {
 }
 
 /** What a standard error of the statistics means, said beside it (as the CLI and the HTML
- * report say it: service/run/report_html.py, STANDARD_ERROR_MEANING). */
+ * report say it: service/run/report/page.py, STANDARD_ERROR_MEANING). */
 export const STANDARD_ERROR_MEANING = "about how far more data of the same kind would move them";
 
 /** How precise the statistics are, in the words of the CLI's summary: where max_samples "auto"

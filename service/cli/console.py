@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from bnrecal.errors import BnrecalError, InputError, SpecError
 
 from bnrecal.service.run.progress import stderr
-from bnrecal.service.run.report_html import STANDARD_ERROR_MEANING as MEANING
+from bnrecal.service.run.report.page import STANDARD_ERROR_MEANING as MEANING
 
 if TYPE_CHECKING:
     from bnrecal.service.export.report_sections import Int8Section
-    from bnrecal.service.run.report import EvaluationSection, Report
+    from bnrecal.service.run.report.document import EvaluationSection, Report
 
     from ..client import BnrecalClient
 

@@ -21,7 +21,7 @@ from . import options as opt
 from .console import int8_line, parse_json_object, parse_shape, print_line, summary_lines
 
 if TYPE_CHECKING:
-    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.outputs.later_phases import RunOutputs
     from bnrecal.service.run.recalibrate import Recalibration, RecalibrationRequest, RunFiles
     from bnrecal.service.settings import Settings
 
@@ -51,7 +51,7 @@ def calibrate(
         settings = settings.model_copy(update={"ray_address": ray_address})
     options = flags.run_options()
     from bnrecal.service.run.options import ExportOptions
-    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.outputs.later_phases import RunOutputs
     from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles  # the flags are fine: now load torch
 
     request = RecalibrationRequest(
@@ -149,15 +149,15 @@ def export_command(
         raise SpecError("--onnx-int8 needs --data: the samples its activation ranges come from", field="--data")
     if onnx_int8 is not None and onnx_dtype.value != "float32":
         raise SpecError("--onnx-int8 quantizes a float32 export: drop --onnx-dtype float16", field="--onnx-dtype")
-    from bnrecal.service.run.exporting import export_checkpoint  # the flags are fine: now load torch
-    from bnrecal.service.run.report import write_report
+    from bnrecal.service.run.outputs.exports import export_checkpoint  # the flags are fine: now load torch
+    from bnrecal.service.run.report.document import write_report
 
     result = export_checkpoint(
         arch, checkpoint, out, Settings(), model_kwargs=kwargs, data=data, transform=transform_values, input_shape=shape,
         opset=opset, dtype=onnx_dtype.value,
     )
     if onnx_int8 is not None:
-        from bnrecal.service.run.int8 import quantize_file
+        from bnrecal.service.run.outputs.int8 import quantize_file
 
         assert data is not None
         result.int8 = quantize_file(

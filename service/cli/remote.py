@@ -188,7 +188,7 @@ def submit(
                 client, spec, inputs, follow=progress_bar, downloads=downloads, on_submitted=submitted,
                 on_interrupt=lambda job_id: cancel_on_interrupt(client, job_id),
             )
-        from bnrecal.service.run.report import Report  # the report's types: torch, once the job is done
+        from bnrecal.service.run.report.document import Report  # the report's types: torch, once the job is done
 
         report = Report.from_dict(job.report or {})
         int8_failed = _int8_failed(job)

@@ -33,7 +33,7 @@ from torch import nn
 from bnrecal.errors import SpecError, first_line
 from bnrecal.workers.models.sources import LiveModuleSource, ModelSource, ProgramSource
 
-from bnrecal.service.run.report import ModelSection
+from bnrecal.service.run.report.document import ModelSection
 
 IN_PROCESS = "in-process"
 

@@ -73,8 +73,8 @@ def quantize(
 
     from ..export.int8.checks import LabelledBatches
     from ..export.int8.options import int8_options
-    from ..run.int8 import quantize_export
-    from ..run.onnx_passes import InProcessPasses
+    from ..run.outputs.int8 import quantize_export
+    from ..run.outputs.onnx_passes import InProcessPasses
 
     checked = int8_options(options, "options")
     if checked.max_top1_drop is not None and eval_data is None:

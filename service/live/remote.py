@@ -34,7 +34,7 @@ from ..client import BnrecalClient, input_digests, run_remote_job
 from ..settings import Settings
 from .data import describe_python_data
 from .model import export_program, on_cpu, program_bytes
-from bnrecal.service.run.report import ModelSection
+from bnrecal.service.run.report.document import ModelSection
 
 from .report import RecalibrationReport
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bnrecal.service.run.report import Report, write_report
+from bnrecal.service.run.report.document import Report, write_report
 
 
 class RecalibrationReport(Report):
-    """The run report (docs/report.md): the typed :class:`~bnrecal.service.run.report.Report`
+    """The run report (docs/report.md): the typed :class:`~bnrecal.service.run.report.document.Report`
     the run core builds, read by attribute (``report.samples``) or by ``report.json``'s
     keys (``report["samples"]``), whose ``repr`` is a short summary; :meth:`save`
     writes it as ``report.json``."""

@@ -29,7 +29,7 @@ from bnrecal.service.run.core import (
 from bnrecal.service.run.executors import InProcess, ProcessGroupRanks, RayRanks
 from bnrecal.service.run.options import AUTO, STARTING_PHASE, RecalibrationOptions, RunOptions
 from bnrecal.service.run.progress import progress_bar
-from bnrecal.service.run.report import DataSummary
+from bnrecal.service.run.report.document import DataSummary
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bnrecal.service.run.options import RecalibrationOptions
-from bnrecal.service.run.report import Report, write_report
+from bnrecal.service.run.report.document import Report, write_report
 from bnrecal.service.tracking import MlflowRun, ending
 
 from .many import CellResult
@@ -66,7 +66,7 @@ def _report_params(report: Report, options: RecalibrationOptions | None) -> dict
 @contextmanager
 def _report_files(report: Report) -> Iterator[list[Path]]:
     """``report.json`` and ``report.html`` written into a temporary folder, for the run's artifacts."""
-    from bnrecal.service.run.report_html import write_html_report  # jinja2 and matplotlib: only for the page
+    from bnrecal.service.run.report.page import write_html_report  # jinja2 and matplotlib: only for the page
 
     with tempfile.TemporaryDirectory(prefix="bnrecal-mlflow-") as folder:
         written = [Path(folder) / "report.json", Path(folder) / "report.html"]

@@ -43,13 +43,13 @@ from bnrecal.workers.ranks.local import IN_PROCESS, check_model
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, ModelChecks, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
-from bnrecal.service.run.report import (
+from bnrecal.service.run.report.document import (
     PYTORCH_RUNTIME, DataSummary, DecodingReport, EvaluationSection, LayerDrift, Placement, Report, add_to_timeline,
     build_report, where_ranks_ran,
 )
 
 if TYPE_CHECKING:
-    from bnrecal.service.run.onnx_passes import OnnxPasses, PassRecorder
+    from bnrecal.service.run.outputs.onnx_passes import OnnxPasses, PassRecorder
 
 ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
@@ -268,7 +268,7 @@ def running(
     recomputed on the executor's ranks (docs/calibration.md), and the evaluation when the
     plan says so; the block gets the result, with the report, while the ranks are still up,
     for the phases its surface runs after the statistics (the export and INT8 files:
-    ``service.run.outputs``, on the same executor), unless the run was cancelled as its pass
+    ``service.run.outputs.later_phases``, on the same executor), unless the run was cancelled as its pass
     ended (``CancelledError``); on exit the ranks let go of what they kept, and the executor
     is closed."""
     control = control or RunControl()

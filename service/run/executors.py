@@ -27,10 +27,10 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPla
 from bnrecal.workers.ranks.scoped import release_scope
 
 from bnrecal.service.run.core import RunControl, RunPlan
-from bnrecal.service.run.onnx_passes import (
+from bnrecal.service.run.outputs.onnx_passes import (
     CALIBRATION, InProcessPasses, OnnxPasses, PassRecorder, described_evaluation, samples_read,
 )
-from bnrecal.service.run.report import Placement
+from bnrecal.service.run.report.document import Placement
 from bnrecal.service.settings import Settings
 
 T = TypeVar("T")

@@ -27,8 +27,8 @@ from bnrecal.service.run.core import (
 from bnrecal.service.run.executors import InProcess, RayRanks, cpus_per_worker
 from bnrecal.service.run.model_source import load_model
 from bnrecal.service.run.options import RunOptions
-from bnrecal.service.run.outputs import RunOutputs, make_outputs
-from bnrecal.service.run.report import ProgramSection, Report
+from bnrecal.service.run.outputs.later_phases import RunOutputs, make_outputs
+from bnrecal.service.run.report.document import ProgramSection, Report
 from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.run.request import (  # noqa: F401 - the request and result types, where runs are
     Recalibration,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in th
 
     from bnrecal.workers.ranks.pool import WarmPool
 
-    from bnrecal.service.run.report_html import JobLabel
+    from bnrecal.service.run.report.page import JobLabel
     from bnrecal.service.run.shared import SharedRanks
 
 
@@ -68,7 +68,7 @@ def recalibrate(
     some, and stay warm for the next one. With ``in_process`` (``bnrecal calibrate
     --workers 1`` without a Ray address) the one rank runs in this process, without Ray.
     ``outputs`` are the files the run makes after the statistics (the ONNX export, the
-    INT8 file), later phases of the same run on its ranks (``service.run.outputs``); an
+    INT8 file), later phases of the same run on its ranks (``service.run.outputs.later_phases``); an
     INT8 file that failed its guard leaves ``int8_failed`` set on the result. With
     ``shared`` (a sweep's cell) the run is on the sweep's ranks and keeps what they decode
     of the data for the sweep's next models (``service.run.shared``).
@@ -174,7 +174,7 @@ def recalibrate_to_files(
     in seconds; every cell's INT8 phase still resolves them against its own graph)."""
     checked = shared is not None and not shared.first("int8 names")
     if outputs.int8 is not None and outputs.int8_options is not None and not checked:
-        from bnrecal.service.run.int8_names import check_int8_names  # the quantizer's imports: only for INT8
+        from bnrecal.service.run.outputs.int8_names import check_int8_names  # the quantizer's imports: only for INT8
 
         check_int8_names(request, settings, outputs.int8_options, field=int8_field, opset=outputs.export.opset)
     try:
@@ -183,7 +183,7 @@ def recalibrate_to_files(
                              on_statistics=predraw_charts if files.report_html is not None else None)
     except BaseException:
         if files.report_html is not None:  # a run that fails after its statistics: its charts' thread ends first
-            from bnrecal.service.run.report_charts import CHARTS
+            from bnrecal.service.run.report.charts import CHARTS
 
             CHARTS.settle()
         raise
@@ -193,13 +193,13 @@ def recalibrate_to_files(
     if files.model is not None:
         result.save_model(files.model)
     if files.job is not None:  # the report names its job, and the hosts its ranks ran on
-        from bnrecal.service.run.report_html import job_section
+        from bnrecal.service.run.report.page import job_section
 
         result.report.job = job_section(files.job, result.report.nodes)
     if files.report is not None:
         result.save_report(files.report)
     if files.report_html is not None:
-        from bnrecal.service.run.report_html import write_html_report  # jinja2: only for the page
+        from bnrecal.service.run.report.page import write_html_report  # jinja2: only for the page
 
         write_html_report(result.report, files.report_html)  # its charts drawn after the statistics (predraw_charts)
     return result
@@ -208,7 +208,7 @@ def recalibrate_to_files(
 def predraw_charts(report: Report) -> None:
     """Start drawing the report page's charts while the run's later phases keep its ranks busy
     (``report_charts.ChartMemo``): the page at the end takes them, the same bytes."""
-    from bnrecal.service.run.report_html import predraw_charts as predraw  # jinja2 and matplotlib: only for the page
+    from bnrecal.service.run.report.page import predraw_charts as predraw  # jinja2 and matplotlib: only for the page
 
     predraw(report)
 

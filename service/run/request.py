@@ -1,7 +1,7 @@
 """What a recalibration of files is: the request (run options, the checkpoint or program,
 the data as paths or URIs) and the finished :class:`Recalibration`, with the evaluation
 planned on the driver. The run itself is ``service.run.recalibrate``; the export phases
-(``service.run.outputs``, ``exporting``, ``int8``) read these types.
+(``service.run.outputs.later_phases``, ``exporting``, ``int8``) read these types.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bnrecal.workers.ranks.plan import EvalPlan
 
 from bnrecal.service.run.model_source import LoadedModel
 from bnrecal.service.run.options import RunOptions, check_model_choice
-from bnrecal.service.run.report import Report, write_report
+from bnrecal.service.run.report.document import Report, write_report
 from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.settings import Settings
 

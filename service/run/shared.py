@@ -26,12 +26,12 @@ from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 
 from bnrecal.service.run.core import Executor, KeepBudget, RunControl, RunPlan, SharedScope
-from bnrecal.service.run.report import Placement
+from bnrecal.service.run.report.document import Placement
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from bnrecal.service.run.onnx_passes import OnnxPasses, PassRecorder
+    from bnrecal.service.run.outputs.onnx_passes import OnnxPasses, PassRecorder
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from bnrecal.errors import SpecError
 from bnrecal.workers.files import atomic_write
 
 from bnrecal.service.report_part import ReportPart
-from bnrecal.service.run.report import DecodingReport, Report, write_report
+from bnrecal.service.run.report.document import DecodingReport, Report, write_report
 
 from .cells import Cell, CellStatus
 

@@ -29,9 +29,9 @@ from bnrecal.service.export.products import PRODUCTS, products_of
 from bnrecal.service.run.core import KeepBudget, ProgressCallback, decoding_report
 from bnrecal.service.run.executors import InProcess, RayRanks
 from bnrecal.service.run.options import ExportOptions, RunOptions
-from bnrecal.service.run.outputs import RunOutputs
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, recalibrate_to_files
-from bnrecal.service.run.report import DecodingReport, Report
+from bnrecal.service.run.report.document import DecodingReport, Report
 from bnrecal.service.run.shared import SharedRanks
 from bnrecal.service.settings import Settings
 
@@ -288,7 +288,7 @@ class _PageWriter:
         self._written: list[Future[None]] = []
 
     def write(self, report: Report, path: Path) -> None:
-        from bnrecal.service.run.report_html import write_html_report  # jinja2 and matplotlib: only for the pages
+        from bnrecal.service.run.report.page import write_html_report  # jinja2 and matplotlib: only for the pages
 
         self._written.append(self._pool.submit(write_html_report, report, path))
 

@@ -63,7 +63,7 @@ def _artifacts(run_id: str, path: str | None = None) -> list[str]:
 def test_calibrate_logs_a_run_with_its_flags_figures_and_files(capsys, tmp_path, inputs):
     """One run: every flag as a param, the report's figures as metrics (the numbers of the
     report.json it logged), the files written and the report page as artifacts."""
-    from bnrecal.service.run.report import Report
+    from bnrecal.service.run.report.document import Report
     from bnrecal.service.tracking import report_figures
 
     code, _, err = run_cli(

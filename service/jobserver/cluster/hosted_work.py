@@ -21,9 +21,9 @@ from bnrecal.workers.ranks.pool import WarmPool
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.run.core import check_cancel
 from bnrecal.service.run.options import ExportOptions
-from bnrecal.service.run.outputs import RunOutputs
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, RunFiles, recalibrate_to_files
-from bnrecal.service.run.report_html import JobLabel
+from bnrecal.service.run.report.page import JobLabel
 from bnrecal.service.sweep.matrix import CellSummary, check_metric
 from bnrecal.service.sweep.cells import SweepFiles
 from bnrecal.service.sweep.running import CellResult, SweepRun, cell_summary, sweep_to_files

@@ -34,7 +34,7 @@ from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
 from bnrecal.workers.ranks.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
-from bnrecal.service.run.report_html import JobLabel
+from bnrecal.service.run.report.page import JobLabel
 
 from bnrecal.service.settings import Settings
 from bnrecal.service.sweep.cells import SweepFiles

@@ -52,7 +52,7 @@ from bnrecal.service.jobserver.jobs.events import ChangeFeed
 from bnrecal.service.jobserver.cluster.job_host import JobHostClient
 from bnrecal.service.jobserver.jobs.leases import JobLeases, replica_id
 from bnrecal.service.jobserver.jobs.progress import JobProgress
-from bnrecal.service.run.report_html import JobLabel
+from bnrecal.service.run.report.page import JobLabel
 from bnrecal.service.jobserver.jobs.inputs import job_request, sweep_files
 from bnrecal.service.jobserver.cluster.hosted_work import CellDone, sweep_rank_by
 from bnrecal.service.sweep.matrix import SweepReport

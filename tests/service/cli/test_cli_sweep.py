@@ -99,7 +99,7 @@ def test_photos_are_decoded_once_for_every_model_and_int8_matches(capsys, tmp_pa
     """Each set's photos are decoded once for both models and their INT8 passes; a cell's INT8
     file is its single job's; the sweep's ``keep_float`` is checked against an exported graph
     on the host once (the first cell), not once per cell."""
-    import bnrecal.service.run.int8_names as int8_names
+    import bnrecal.service.run.outputs.int8_names as int8_names
 
     preflights: list[str] = []
     real = int8_names.check_int8_names

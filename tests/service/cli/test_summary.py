@@ -29,7 +29,7 @@ def test_the_standard_error_is_said_with_its_meaning_as_on_the_web_page():
     """The console, the HTML report and the job page say what "statistics +-x%" means beside
     it, in the same words (the page's script holds the same sentence)."""
     from bnrecal.service.cli.console import statistics_line
-    from bnrecal.service.run.report_html import STANDARD_ERROR_MEANING
+    from bnrecal.service.run.report.page import STANDARD_ERROR_MEANING
 
     worst = {"layer": "layer3.0.bn1", "statistic": "variance", "error": 0.059}
     line = statistics_line(report(standard_error_max=worst, samples=1437, order="shuffled", seed=0))

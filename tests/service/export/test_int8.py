@@ -20,8 +20,8 @@ from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.errors import Int8GuardError
 from bnrecal.service.export.int8.options import Int8Options, int8_options
 from bnrecal.service.export.int8.quantizer import prepare, ranges_as_minmax, tensors_data, write_qdq
-from bnrecal.service.run.int8 import quantize_export, range_request
-from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
+from bnrecal.service.run.outputs.int8 import quantize_export, range_request
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses, OnnxPasses
 from tests.service.export.int8_helpers import (
     OutlierNet,
     array_dataset,

@@ -25,8 +25,8 @@ from bnrecal.service.cli.console import int8_line
 from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.export.runtimes import run_openvino
-from bnrecal.service.run.int8 import quantize_export
-from bnrecal.service.run.onnx_passes import InProcessPasses
+from bnrecal.service.run.outputs.int8 import quantize_export
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
 from tests.service.export.int8_helpers import fp32_export
 
 BATCH = 64

@@ -20,8 +20,8 @@ from bnrecal.errors import SpecError
 
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.export.int8.targets import OPENVINO_OPS, TENSORRT_OPS
-from bnrecal.service.run.int8 import quantize_export
-from bnrecal.service.run.onnx_passes import InProcessPasses
+from bnrecal.service.run.outputs.int8 import quantize_export
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 

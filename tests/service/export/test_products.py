@@ -17,7 +17,7 @@ from bnrecal.service.export.products import PRODUCT_NAMES, PRODUCTS, product_nam
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.jobserver.records.spec import ARTIFACT_NAMES, OutputName
 from bnrecal.service.run.options import ExportOptions
-from bnrecal.service.run.outputs import RunOutputs
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 
 
 @pytest.mark.parametrize("command", ["calibrate", "submit", "sweep"])

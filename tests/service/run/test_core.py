@@ -17,7 +17,7 @@ from bnrecal.workers.models.sources import LiveModuleSource
 from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunControl, RunPlan, run, running
 from bnrecal.service.run.executors import InProcess
 from bnrecal.service.run.options import RunOptions
-from bnrecal.service.run.report import Report
+from bnrecal.service.run.report.document import Report
 from bnrecal.service.live.data import describe_python_data
 from bnrecal.service.settings import Settings
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from bnrecal.service.run.report import DataSummary
+from bnrecal.service.run.report.document import DataSummary
 from bnrecal.workers.data import DataAccess, DatasetSummary, ReadOptions, describe_dataset
 from bnrecal.workers.data.formats.loader import LoaderSpec
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from bnrecal.errors import NoBatchNormError, ProgramError, SpecError
 
-from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.outputs.exports import export_recalibrated
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array

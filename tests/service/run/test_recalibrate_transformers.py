@@ -22,7 +22,7 @@ from bnrecal.workers.engine.batchnorm import find_batchnorm_layers
 from bnrecal.errors import ArchitectureError
 
 from bnrecal.service.jobserver.jobs.submission import check_architecture
-from bnrecal.service.run.exporting import export_recalibrated
+from bnrecal.service.run.outputs.exports import export_recalibrated
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array

@@ -109,7 +109,7 @@ def test_int8_ranges_come_from_the_samples_auto_calibrated_on(mixed, settings, w
     so the file is the one a run told that many samples writes, and not the one over all the
     data."""
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.outputs.later_phases import RunOutputs
 
     _, samples, checkpoint, data = mixed
     options = dict(workers=workers, batch_size=16, seed=2)

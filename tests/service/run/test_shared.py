@@ -41,7 +41,7 @@ def test_the_next_models_export_reuses_the_trace_kept_for_the_scope_and_finish_d
     second checkpoint of the same architecture is not traced again, its file is byte for byte
     the file of its own single run, and ``finish`` drops the trace."""
     import bnrecal.service.export.folded_onnx as folded_onnx
-    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.outputs.later_phases import RunOutputs
     from bnrecal.workers.ranks.scoped import object_scopes
 
     traces: list[str] = []

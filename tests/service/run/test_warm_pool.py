@@ -267,7 +267,7 @@ def test_a_job_holds_its_ranks_across_its_passes_and_leaves_them_holding_nothing
     (the ranks' kept photos serve the later passes), and gives it back holding no kept sample
     and no spill file; the next job takes the same processes."""
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.run.outputs import RunOutputs
+    from bnrecal.service.run.outputs.later_phases import RunOutputs
     from tests.nets import classifier_net
     from tests.shards import photos, write_folder
 

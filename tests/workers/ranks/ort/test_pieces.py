@@ -18,7 +18,7 @@ from bnrecal.workers.ranks.ort.pieces import PieceRunner, piece_sizes
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare
-from bnrecal.service.run.int8 import range_request
+from bnrecal.service.run.outputs.int8 import range_request
 from tests.service.export.int8_helpers import fp32_export
 
 

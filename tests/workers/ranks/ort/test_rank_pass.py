@@ -28,8 +28,8 @@ from bnrecal.workers.ranks.sharding import rank_ranges
 from bnrecal.service.export.int8.checks import LabelledBatches
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.int8.quantizer import prepare, tensors_data, write_qdq
-from bnrecal.service.run.int8 import range_request
-from bnrecal.service.run.onnx_passes import InProcessPasses
+from bnrecal.service.run.outputs.int8 import range_request
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 
 SAMPLES, BATCH, CLASSES = 41, 16, 10  # the last step has one sample: ranks 1..K-1 take an empty slice

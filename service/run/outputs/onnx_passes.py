@@ -2,7 +2,7 @@
 samples: the calibration samples the statistics came from, with their sharding, or the
 evaluation data, with its own (docs/int8.md, "How the ranges are gathered").
 
-:class:`OnnxPasses` is what the INT8 phase (``service.run.int8``) asks for passes. It knows
+:class:`OnnxPasses` is what the INT8 phase (``service.run.outputs.int8``) asks for passes. It knows
 the evaluation's labels and whether the evaluation samples are the calibration samples (the
 same data given for both, ``workers.data.reading.alignment``): then one pass over them gathers the
 FP32 models' ranges and measures them too, each sample's label and part found by its

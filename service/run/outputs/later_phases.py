@@ -25,13 +25,13 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.products import PRODUCT_NAMES
 from bnrecal.service.run.core import Executor, ProgressCallback, RunControl
-from bnrecal.service.run.exporting import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
+from bnrecal.service.run.outputs.exports import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
-from bnrecal.service.run.int8 import quantize_export
-from bnrecal.service.run.onnx_passes import OnnxPasses
+from bnrecal.service.run.outputs.int8 import quantize_export
+from bnrecal.service.run.outputs.onnx_passes import OnnxPasses
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.request import Recalibration, RecalibrationRequest
-from bnrecal.service.run.report import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
+from bnrecal.service.run.report.document import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
 
 EXPORTING_PHASE = "exporting"
 QUANTIZING_PHASE = "quantizing to INT8"

@@ -3,8 +3,8 @@ side, and every op left in float with its reason (escaped, offline)."""
 
 from __future__ import annotations
 
-from bnrecal.service.run.report_html import render_html_report
-from tests.service.run.test_report_html import assert_offline, typed
+from bnrecal.service.run.report.page import render_html_report
+from tests.service.run.report.test_page import assert_offline, typed
 
 RANGES = {  # what every int8 section says of its range pass
     "target": "onnxruntime", "symmetric_activations": False, "per_channel": True, "reduce_range": False,

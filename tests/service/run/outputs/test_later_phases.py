@@ -1,10 +1,10 @@
-"""How a run's exports are handed to its ranks (service/run/outputs.py): one call with one
+"""How a run's exports are handed to its ranks (service/run/outputs/later_phases.py): one call with one
 trace for a world of one, one call per export where there is a rank for each."""
 
 from __future__ import annotations
 
-from bnrecal.service.run.exporting import ExportAsk
-from bnrecal.service.run.outputs import INT8_BASE, STALE_BASE, RunOutputs, export_asks, share_asks
+from bnrecal.service.run.outputs.exports import ExportAsk
+from bnrecal.service.run.outputs.later_phases import INT8_BASE, STALE_BASE, RunOutputs, export_asks, share_asks
 from bnrecal.service.export.int8.options import Int8Options
 
 ONNX = ExportAsk(dtype="float16")

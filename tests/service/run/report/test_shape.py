@@ -21,10 +21,10 @@ import torch
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.run.options import ExportOptions
-from bnrecal.service.run.outputs import RunOutputs
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 from bnrecal.service.run.recalibrate import RunFiles, recalibrate_to_files
 from bnrecal.service.run.request import RecalibrationRequest
-from bnrecal.service.run.report_html import JobLabel
+from bnrecal.service.run.report.page import JobLabel
 from bnrecal.service.settings import Settings
 from tests.conftest import save_array, save_state
 from tests.nets import classifier_net, perturbed

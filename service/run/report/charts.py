@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bnrecal.service.run.report import EvaluationSection, LayerReport, Report
+    from bnrecal.service.run.report.document import EvaluationSection, LayerReport, Report
 
 
 @dataclass(frozen=True)

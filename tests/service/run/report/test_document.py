@@ -14,10 +14,10 @@ from pydantic import BaseModel
 
 from bnrecal.service.export import report_sections
 from bnrecal.service.report_part import ReportPart
-from bnrecal.service.run import report as run_report
-from bnrecal.service.run.report import LayerReport, Report
+from bnrecal.service.run.report import document as run_report
+from bnrecal.service.run.report.document import LayerReport, Report
 
-DOCS = Path(__file__).resolve().parents[3] / "docs"
+DOCS = Path(__file__).resolve().parents[4] / "docs"
 
 PAGE: dict[str, str] = {}  # a part described on a page of its own, by class name (none: all are on report.md)
 

@@ -6,10 +6,10 @@ and the stale model quantized alike, and guarded.
 ``quantize_export`` is the one path, in the fewest passes over the samples: the FP32 models'
 ranges in one pass over the calibration samples (which also scores them, and measures the
 evaluation before and after, where the evaluation samples are those samples), then one pass
-scoring the INT8 models. Where the passes run is an ``OnnxPasses`` (``service.run.onnx_passes``):
+scoring the INT8 models. Where the passes run is an ``OnnxPasses`` (``service.run.outputs.onnx_passes``):
 a run's executor's (its Ray ranks, or this process for a one-worker run), or this process
 as the world of one (``bnrecal export``, the Python API), which gives the same file. A run's
-INT8 file is one of its later phases (``service.run.outputs``).
+INT8 file is one of its later phases (``service.run.outputs.later_phases``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from bnrecal.service.export.report_sections import (
     TopScores,
 )
 from bnrecal.service.export.verification import VERIFY_SAMPLES
-from bnrecal.service.run.onnx_passes import InProcessPasses, OnnxPasses
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses, OnnxPasses
 from bnrecal.service.settings import Settings
 
 MODEL, STALE = 0, 1

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bnrecal.service.cli import main
-from bnrecal.service.run.report import Report
-from bnrecal.service.run.report_html import render_html_report
+from bnrecal.service.run.report.document import Report
+from bnrecal.service.run.report.page import render_html_report
 
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
@@ -76,7 +76,7 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
     assert_offline(page)
     # Its charts were drawn after the statistics, beside the export (ChartMemo.predraw): the page
     # is byte for byte the one its report.json draws anew, the charts included.
-    from bnrecal.service.run import report_charts
+    from bnrecal.service.run.report import charts as report_charts
 
     fresh = report_charts.ChartMemo()
     drawn = fresh.charts(Report.model_validate(summary), precision=True)
@@ -87,7 +87,7 @@ def test_calibrate_writes_a_self_contained_html_report(tmp_path, capsys):
 def test_the_same_report_draws_the_same_page_and_predrawn_charts_are_its_charts(monkeypatch):
     """The charts' SVG ids are salted by chart, not random: the same report is the same page,
     byte for byte, whether its charts were drawn at the end or earlier in a thread of their own."""
-    from bnrecal.service.run import report_charts, report_html
+    from bnrecal.service.run.report import charts as report_charts, page as report_html
 
     report = typed({"layers": [
         {"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5, "var_ratio_min": 0.5,
@@ -113,7 +113,7 @@ def test_the_page_waits_for_the_charts_drawn_ahead_and_leaves_no_thread_drawing(
     import threading
     import time
 
-    from bnrecal.service.run import report_charts, report_html
+    from bnrecal.service.run.report import charts as report_charts, page as report_html
 
     report = typed({"layers": [{"name": "bn1", "class": "BatchNorm2d", "channels": 2, "calls": 1, "mean_shift": 0.5,
                                 "var_ratio_min": 0.5, "var_ratio_max": 2.0}]})
@@ -140,7 +140,7 @@ def test_a_page_written_while_another_jobs_charts_start_waits_for_them(monkeypat
     import time
     import types
 
-    from bnrecal.service.run import report_charts, report_html
+    from bnrecal.service.run.report import charts as report_charts, page as report_html
 
     class SlowToStart(threading.Thread):
         def start(self) -> None:
@@ -176,8 +176,8 @@ def test_names_are_escaped_and_missing_values_shown():
 def test_a_jobs_report_names_the_job_and_its_legends_sit_outside_the_axes():
     from datetime import UTC, datetime
 
-    from bnrecal.service.run.report_charts import accuracy_figure, drift_figure
-    from bnrecal.service.run.report_html import JobLabel, job_section
+    from bnrecal.service.run.report.charts import accuracy_figure, drift_figure
+    from bnrecal.service.run.report.page import JobLabel, job_section
 
     digest = "sha256:" + "ab" * 32
     report = {

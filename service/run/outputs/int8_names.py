@@ -35,7 +35,7 @@ def check_int8_names(request: RecalibrationRequest, settings: Settings, options:
     from bnrecal.workers.data import ReadOptions, describe_dataset
 
     from bnrecal.service.export import export_folded_onnx
-    from bnrecal.service.run.int8 import fp32_bytes_for
+    from bnrecal.service.run.outputs.int8 import fp32_bytes_for
     from bnrecal.service.run.model_source import load_model
     from bnrecal.service.run.options import DEFAULT_OPSET
 

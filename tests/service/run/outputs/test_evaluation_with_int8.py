@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bnrecal.service.export.int8.options import Int8Options
-from bnrecal.service.run.outputs import RunOutputs
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state

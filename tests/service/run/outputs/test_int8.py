@@ -1,4 +1,4 @@
-"""The INT8 export's own computing on the ranks (``service.run.int8`` through
+"""The INT8 export's own computing on the ranks (``service.run.outputs.int8`` through
 ``workers.ranks.offload``): onnxruntime's pre-processing, the entropy search, the quantizer
 and the file's checks run in the ranks' processes, none of it on the job's host, and the
 file and its section are byte for byte those of the same export in one process."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bnrecal.service.export.int8.options import Int8Options
-from bnrecal.service.run import int8
+from bnrecal.service.run.outputs import int8
 from bnrecal.service.run.executors import on_ranks
-from bnrecal.service.run.onnx_passes import InProcessPasses
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses
 from bnrecal.service.settings import Settings
 from tests.service.export.int8_helpers import array_dataset, fp32_export
 

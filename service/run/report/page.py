@@ -22,10 +22,10 @@ from jinja2 import Environment, select_autoescape
 
 from bnrecal.workers.files import atomic_write
 
-from bnrecal.service.run import report_charts
+from bnrecal.service.run.report import charts as report_charts
 
 if TYPE_CHECKING:  # the page's module stays light: the console imports its wording, without torch
-    from bnrecal.service.run.report import JobSection, Report
+    from bnrecal.service.run.report.document import JobSection, Report
 
 _TEMPLATE = """<!doctype html>
 <html lang="en">
@@ -238,7 +238,7 @@ def job_section(label: JobLabel, nodes: list[str] | None = None) -> JobSection:
     """What names the job in its report: its id, when it was submitted and the report
     written, its inputs (file name and digest by spec field), the software versions, and
     the host name of each Ray node its ranks ran on (``nodes``: their ids)."""
-    from bnrecal.service.run.report import InputFile, JobSection, Versions
+    from bnrecal.service.run.report.document import InputFile, JobSection, Versions
 
     return JobSection(
         id=label.id,
