@@ -92,7 +92,7 @@ sys.path.insert(0, sys.argv[1])
 started = time.perf_counter()
 import ray
 from bnrecal.service.run.cluster import ensure_ray, shutdown_embedded
-from bnrecal.workers.ranks.pool import Gang, GangKey
+from bnrecal.workers.ranks.gangs.pool import Gang, GangKey
 workers = int(sys.argv[2])
 ensure_ray(None, min_cpus=workers)
 gang = Gang.start(GangKey(workers, 1.0, 0.0, "SPREAD", "cpu"), 60, None)

@@ -12,7 +12,7 @@ its own new process, best of ``--repeats`` (two by default):
 - ``bnrecal calibrate`` (the real command, embedded Ray) with 1 worker x every thread,
   and for resnet18 2 workers x 1 thread in sync and local mode;
 - the floor: the channels-last eval forward again, in the environment bnrecal's ranks
-  run in (glibc malloc keeping freed memory mapped, ``workers.ranks.allocator``), to show
+  run in (glibc malloc keeping freed memory mapped, ``workers.ranks.process.allocator``), to show
   what that gives a plain forward and how close to it calibration comes.
 
 A script's rate is over its loop (the first batch, reading the file and torch's kernel
@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.process.allocator import RANK_ENV_VARS
 
 MODELS = {"resnet18": "torchvision:resnet18", "efficientnet_b0": "timm:efficientnet_b0"}
 BIN = Path(sys.executable).parent
 TUNED_EVAL = "eval forward, channels-last, ranks' allocator settings (floor)"
 """The floor: the fastest eval forward with the environment bnrecal's ranks run in
-(``workers.ranks.allocator``), so the table shows what the allocator gives and what is left."""
+(``workers.ranks.process.allocator``), so the table shows what the allocator gives and what is left."""
 
 
 def build(arch: str) -> torch.nn.Module:

@@ -67,7 +67,7 @@ started = time.perf_counter()
 import ray
 imported = time.perf_counter()
 from bnrecal.service.run.cluster import ensure_ray, shutdown_embedded
-from bnrecal.workers.ranks.pool import Gang, GangKey
+from bnrecal.workers.ranks.gangs.pool import Gang, GangKey
 ready = time.perf_counter()
 ensure_ray(None, min_cpus=2)
 up = time.perf_counter()

@@ -51,7 +51,7 @@ def warm_pool(ray_cluster: None) -> Iterator[Any]:
     pays the ranks' start-up (a process importing torch, ~6 s here) once per shape and run,
     not once per call or module. A failed or cancelled job's ranks are killed, never reused.
     Tests about starting, losing or killing ranks start their own (``WarmPool`` or none)."""
-    from bnrecal.workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.gangs.pool import WarmPool
 
     pool = WarmPool(idle_s=1800)
     _SESSION_POOLS.append(pool)

@@ -286,4 +286,4 @@ def test_the_graph_sees_real_imports():
     assert "service.cli.local" in edges["service.cli.main"]
     assert "workers.engine.calibrator" in edges["workers.engine.statistics_pass"]
     assert "service.run.recalibrate" in edges["service.jobserver.cluster.hosted_work"]
-    assert room_of("workers.ranks.actor") == ("workers", "ranks") and room_of("workers.files") is None
+    assert room_of("workers.ranks.process.actor") == ("workers", "ranks") and room_of("workers.files") is None

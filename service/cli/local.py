@@ -89,7 +89,7 @@ def _calibrate(request: RecalibrationRequest, settings: Settings, outputs: RunOu
     connected_before = in_process or ray_connected()
     with progress_bar(STARTING_PHASE) as shown:
         update = collector.resumed_at_first_phase(shown)
-        # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.job_gang).
+        # The run holds its ranks from the statistics to its last INT8 pass (workers.ranks.gangs.job_gang).
         try:
             result = recalibrate_to_files(
                 request, settings, outputs, files, on_progress=update, cancel=cancel, in_process=in_process,

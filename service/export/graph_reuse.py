@@ -67,7 +67,7 @@ class TracedGraph:
 class GraphReuse:
     """Keeps the latest traced graph for the next export of the same structure (within one
     run: the stale model after the recalibrated one; within a sweep's scope on a rank, its
-    next cell: ``workers.ranks.scoped``)."""
+    next cell: ``workers.ranks.process.scoped``)."""
 
     def __init__(self) -> None:
         self.traced: TracedGraph | None = None

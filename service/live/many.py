@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from bnrecal.errors import BnrecalError, CancelledError, SpecError
-from bnrecal.workers.ranks.warm_context import current_pool
+from bnrecal.workers.ranks.gangs.warm_context import current_pool
 
 from bnrecal.service.run.core import KeepBudget
 from bnrecal.service.run.executors import InProcess, RayRanks

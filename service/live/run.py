@@ -21,7 +21,7 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.formats.loader import LoaderSpec, call_model, check_splittable, model_input
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
 from bnrecal.errors import ModelInputError, SpecError, first_line
-from bnrecal.workers.ranks.warm_context import current_pool
+from bnrecal.workers.ranks.gangs.warm_context import current_pool
 
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunControl, RunPlan, SharedScope, run,
@@ -38,7 +38,7 @@ from .process_group import agreed_report, fail_together, job_group, unwrapped
 from .report import RecalibrationReport
 
 if TYPE_CHECKING:
-    from bnrecal.workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.gangs.pool import WarmPool
 
 Forward = Callable[[nn.Module, Any], Any]
 

@@ -39,7 +39,7 @@ from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer, requi
 from bnrecal.workers.engine.statistics_pass import StopRule, apply_statistics
 from bnrecal.errors import CallOrderError, CancelledError, DatasetError, RunError
 from bnrecal.workers.models.sources import ModelSource
-from bnrecal.workers.ranks.local import IN_PROCESS, check_model
+from bnrecal.workers.ranks.process.work import IN_PROCESS, check_model
 from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, ModelChecks, RankPlan
 
 from bnrecal.service.run.options import STARTING_PHASE, RunOptions
@@ -152,7 +152,7 @@ class RunResult:
     """The first samples of the order as the ranks read them (``LaterPhases.head``)."""
     scope: str | None = None
     """The run's scope on its ranks (a sweep's, when shared): what its later phases keep
-    there between calls lives under it (``workers.ranks.scoped``)."""
+    there between calls lives under it (``workers.ranks.process.scoped``)."""
 
     @property
     def updates(self) -> dict[str, torch.Tensor]:

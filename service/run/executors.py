@@ -1,7 +1,7 @@
 """Where the ranks of a run execute (the run core's executors, ``service.run.core``).
 
 :class:`InProcess` runs the one rank in the calling process, without Ray
-(``workers.ranks.local``): ``bnrecal calibrate --workers 1`` and ``bnrecal.recalibrate(...,
+(``workers.ranks.process.work``): ``bnrecal calibrate --workers 1`` and ``bnrecal.recalibrate(...,
 workers=1)`` without a Ray address. :class:`RayRanks` runs a rank group on Ray
 (``workers.ranks.group``), warm from a pool when there is one: it starts or joins Ray,
 decides how the data reaches the ranks, and places them by the settings.
@@ -21,10 +21,10 @@ from bnrecal.errors import RunError, first_line
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
-from bnrecal.workers.ranks.local import IN_PROCESS, run_in_process
+from bnrecal.workers.ranks.process.work import IN_PROCESS, run_in_process
 from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
-from bnrecal.workers.ranks.scoped import release_scope
+from bnrecal.workers.ranks.process.scoped import release_scope
 
 from bnrecal.service.run.core import RunControl, RunPlan
 from bnrecal.service.run.outputs.onnx_passes import (
@@ -36,13 +36,13 @@ from bnrecal.service.settings import Settings
 T = TypeVar("T")
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
-    from bnrecal.workers.ranks.job_gang import JobGang
-    from bnrecal.workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.gangs.job_gang import JobGang
+    from bnrecal.workers.ranks.gangs.pool import WarmPool
 
 
 class InProcess:
     """The one rank in the calling process, without Ray: it calibrates the driver's own
-    model, so nothing is shipped (``workers.ranks.local``)."""
+    model, so nothing is shipped (``workers.ranks.process.work``)."""
 
     def start(self, plan: RunPlan) -> None:
         """Nothing to start; a run here has one worker."""
@@ -149,7 +149,7 @@ class RayRanks:
         """Start or join Ray, place nothing yet (once); decide how the plan's data reaches the ranks."""
         from bnrecal.service.run.cluster import ensure_ray
 
-        from bnrecal.workers.ranks.job_gang import JobGang
+        from bnrecal.workers.ranks.gangs.job_gang import JobGang
 
         options = self.options = plan.options
         if self.gang is None:  # once: the runs of a sweep start here again, each with its own data
@@ -168,7 +168,7 @@ class RayRanks:
 
     def rank_plan(self, plan: RankPlan) -> RankPlan:
         """The collective's backend by device (NCCL on CUDA, GLOO on CPU), and loader processes."""
-        from bnrecal.workers.ranks.ray_collective import backend_for_device
+        from bnrecal.workers.ranks.process.ray_collective import backend_for_device
 
         return replace(
             plan, backend=backend_for_device(plan.device),
@@ -188,7 +188,7 @@ class RayRanks:
 
     def placement(self, run: RunPlan) -> Placement:
         """The backend, placement strategy, transport and resources the ranks had."""
-        from bnrecal.workers.ranks.ray_collective import backend_for_device
+        from bnrecal.workers.ranks.process.ray_collective import backend_for_device
 
         from bnrecal.service.run.cluster import is_local_instance
 
@@ -254,7 +254,7 @@ class RankPasses(OnnxPasses):
 
     def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
         """One pass on the ranks, retried as the policy allows."""
-        from bnrecal.workers.ranks.ray_collective import backend_for_device
+        from bnrecal.workers.ranks.process.ray_collective import backend_for_device
         from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
 
         if over == CALIBRATION:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from bnrecal.workers.data import ReadOptions, describe_dataset
 from bnrecal.workers.engine.batchnorm import require_batchnorm_layers
-from bnrecal.workers.ranks.warm_context import current_pool
+from bnrecal.workers.ranks.gangs.warm_context import current_pool
 
 from bnrecal.service.run.core import (
     Executor, FailurePolicy, KeepBudget, LaterPhases, ProgressCallback, RunControl, RunPlan, check_cancel, running,
@@ -41,7 +41,7 @@ from bnrecal.service.settings import Settings
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
     from torch import nn
 
-    from bnrecal.workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.gangs.pool import WarmPool
 
     from bnrecal.service.run.report.page import JobLabel
     from bnrecal.service.run.shared import SharedRanks

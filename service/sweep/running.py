@@ -21,8 +21,8 @@ from pathlib import Path
 
 from bnrecal.errors import BnrecalError, CancelledError
 from bnrecal.workers.data.reading.kept import KeptCounts
-from bnrecal.workers.ranks.pool import WarmPool
-from bnrecal.workers.ranks.warm_context import current_pool
+from bnrecal.workers.ranks.gangs.pool import WarmPool
+from bnrecal.workers.ranks.gangs.warm_context import current_pool
 
 from bnrecal.service.export.int8.options import Int8Options
 from bnrecal.service.export.products import PRODUCTS, products_of

@@ -1,7 +1,7 @@
 """The allreduce the calibration math combines moments with, as an interface.
 
 ``Collective`` is what a pass is handed: the real one is the ranks' ``RayCollective``
-(``workers.ranks.ray_collective``), or ``ProcessGroupCollective`` inside a caller's own
+(``workers.ranks.process.ray_collective``), or ``ProcessGroupCollective`` inside a caller's own
 ``torch.distributed`` job; ``SingleProcessCollective`` is the world of one, for running the
 calibration math in a plain process (tests, references, a one-worker run).
 """

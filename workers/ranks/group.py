@@ -1,7 +1,7 @@
 """The driver's side of a job: K rank actors, their placement, progress and faults.
 
 ``run_rank_group`` places K actors with a placement group (or takes a warm gang of them
-from a :class:`~workers.ranks.pool.WarmPool`), hands each the plan and the weights (put in the
+from a :class:`~workers.ranks.gangs.pool.WarmPool`), hands each the plan and the weights (put in the
 object store once), follows the progress they stream, and returns
 rank 0's statistics. Any failure, a rank that dies, a rank that raises, or a job that
 makes no progress within the collective timeout, fails the job with an error naming
@@ -24,9 +24,9 @@ from ray.util.placement_group import placement_group_table
 
 from bnrecal.errors import BnrecalError, CallOrderError, RunError, first_line
 from bnrecal.workers.ranks.events import CalibrationDone, RankHeartbeat, RankProgress, RankStarted
-from bnrecal.workers.ranks.local import joined_head
+from bnrecal.workers.ranks.process.work import joined_head
 from bnrecal.workers.ranks.plan import GroupOptions, GroupResult, RankPlan
-from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
+from bnrecal.workers.ranks.gangs.pool import GangKey, WarmPool, held_gang
 from bnrecal.workers.ranks.streams import follow_streams
 
 ProgressCallback = Callable[[str, int], None]

@@ -6,7 +6,7 @@ not grow with its cells (docs/int8.md, "The quantizer's work on the ranks").
 A call is a function and its arguments, all picklable (the function travels by its
 module's name: the rank imports it). The calls of one :func:`run_on_ranks` are spread over
 the gang, call i on rank i mod K, each rank running its own in order, so K calls run side
-by side. The gang is the job's (``workers.ranks.job_gang``), taken and given back as a pass
+by side. The gang is the job's (``workers.ranks.gangs.job_gang``), taken and given back as a pass
 does. An object given to several calls travels to the object store once. A call that
 raises fails with its own error (a ``BnrecalError`` as it is, anything else as a
 ``RunError`` naming the rank); a rank that dies names itself; a cancel stops the wait at
@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
 from bnrecal.workers.ranks.plan import GroupOptions
-from bnrecal.workers.ranks.pool import GangKey, held_gang
+from bnrecal.workers.ranks.gangs.pool import GangKey, held_gang
 
 T = TypeVar("T")
 

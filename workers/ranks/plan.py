@@ -78,7 +78,7 @@ class RankPlan:
 @dataclass
 class GroupResult:
     """What the ranks of a job produced together (also a one-rank run in the calling
-    process, ``workers.ranks.local``)."""
+    process, ``workers.ranks.process.work``)."""
 
     stats: list[MomentStats]
     steps: int

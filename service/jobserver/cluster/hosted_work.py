@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bnrecal.workers.ranks.pool import WarmPool
+from bnrecal.workers.ranks.gangs.pool import WarmPool
 
 from bnrecal.service.export.int8.options import int8_options
 from bnrecal.service.run.core import check_cancel

@@ -31,7 +31,7 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bnrecal.errors import BnrecalError, CancelledError, RunError, first_line
-from bnrecal.workers.ranks.pool import GangKey, WarmPool
+from bnrecal.workers.ranks.gangs.pool import GangKey, WarmPool
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest
 from bnrecal.service.run.report.page import JobLabel

@@ -17,7 +17,7 @@ from bnrecal.errors import EvaluationError, SpecError
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 from bnrecal.workers.models.sources import ModelSource
-from bnrecal.workers.ranks.scoped import scope_object
+from bnrecal.workers.ranks.process.scoped import scope_object
 
 from bnrecal.service.export.graph_reuse import GraphReuse
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection
@@ -137,7 +137,7 @@ def export_models(work: ExportWork) -> list[ExportedFile]:
     a run's exports, run where its ranks run (one trace of the exporter for all of them,
     ``GraphReuse``), so that the job's host does none. With the run's ``scope`` the trace
     stays in this process for the scope's next export (a sweep's next cell of the same
-    architecture: ``workers.ranks.scoped``)."""
+    architecture: ``workers.ranks.process.scoped``)."""
     from bnrecal.service.export import export_folded_onnx
 
     reuse = scope_object(work.scope, GraphReuse) if work.scope is not None else GraphReuse()

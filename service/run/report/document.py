@@ -26,7 +26,7 @@ import torch
 
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, SkippedLayer
 from bnrecal.workers.files import atomic_write
-from bnrecal.workers.ranks.local import IN_PROCESS
+from bnrecal.workers.ranks.process.work import IN_PROCESS
 
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection, OpenVinoSection
 from bnrecal.service.report_part import ReportPart

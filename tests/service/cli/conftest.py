@@ -21,10 +21,10 @@ def cli_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture
 def cli_warm_ranks(warm_pool: Any) -> Iterator[Any]:
     """Commands run in this test take their Ray ranks from the test run's warm pool
-    (``workers.ranks.warm_context.warm_ranks``), as a process running many jobs in a row
+    (``workers.ranks.gangs.warm_context.warm_ranks``), as a process running many jobs in a row
     would: a command on two ranks pays their start-up once per run, not once per command.
     Not for tests about starting, losing or killing ranks."""
-    from bnrecal.workers.ranks.warm_context import warm_ranks
+    from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 
     with warm_ranks(warm_pool):
         yield warm_pool

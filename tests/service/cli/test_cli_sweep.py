@@ -185,7 +185,7 @@ def test_the_checks_of_a_single_job_run_on_the_sweeps_ranks_with_its_errors_and_
     is shared"): the host runs no forward per cell. A cell that fails a check fails alone
     with its single job's error, and a good cell's evaluation, measured by the INT8 export's
     passes by the target the ranks found, and its INT8 file are its single job's."""
-    import bnrecal.workers.ranks.local as checks  # where the host's checks run (the ranks are other processes)
+    import bnrecal.workers.ranks.process.work as checks  # where the host's checks run (the ranks are other processes)
 
     host_forwards: list[str] = []
     for name in ("probe_call_order", "check_eval_output"):

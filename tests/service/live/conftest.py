@@ -1,5 +1,5 @@
 """The live API's tests share the test run's warm ranks, as a caller recalibrating many models
-in a row would (``workers.ranks.warm_context.warm_ranks``)."""
+in a row would (``workers.ranks.gangs.warm_context.warm_ranks``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bnrecal.workers.ranks.warm_context import warm_ranks
+from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 
 
 @pytest.fixture

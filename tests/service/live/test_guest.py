@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import bnrecal
-from bnrecal.workers.ranks.warm_context import warm_ranks
+from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 from tests.service.live.guest import assert_statistics, assert_untouched, hooked_reference, snapshot
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
-from bnrecal.workers.ranks.warm_context import warm_ranks
+from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 from tests.nets import mixed_net, no_norm_net, perturbed
 from tests.reference import assert_matches_reference, reference_statistics
 from tests.service.live.helpers import assert_only_bn_buffers_changed, state

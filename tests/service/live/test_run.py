@@ -18,7 +18,7 @@ from bnrecal.service.run.recalibrate import RecalibrationRequest
 from bnrecal.service.run.recalibrate import recalibrate as recalibrate_files
 
 import bnrecal
-from bnrecal.workers.ranks.warm_context import warm_ranks
+from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 from tests.conftest import save_array, save_state
 from tests.nets import mixed_net, perturbed
 from tests.reference import assert_matches_reference, in_contract_order, reference_statistics

@@ -33,7 +33,7 @@ from bnrecal.workers.engine.statistics_pass import apply_statistics, calibration
 from bnrecal.workers.engine.moments import MomentStats
 from bnrecal.workers.models.architectures import build_model
 from bnrecal.workers.programs import load_program
-from bnrecal.workers.ranks.ray_collective import RayCollective
+from bnrecal.workers.ranks.process.ray_collective import RayCollective
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from bnrecal.service.export import export_folded_onnx

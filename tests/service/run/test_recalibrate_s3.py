@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.ranks.pool import WarmPool
+from bnrecal.workers.ranks.gangs.pool import WarmPool
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate

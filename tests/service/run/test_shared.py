@@ -37,12 +37,12 @@ def test_a_second_run_reads_what_the_first_decoded_and_finish_ends_it_once(tmp_p
 
 
 def test_the_next_models_export_reuses_the_trace_kept_for_the_scope_and_finish_drops_it(tmp_path, settings, monkeypatch):
-    """A sweep's exports keep their trace under its scope (``workers.ranks.scoped``): the
+    """A sweep's exports keep their trace under its scope (``workers.ranks.process.scoped``): the
     second checkpoint of the same architecture is not traced again, its file is byte for byte
     the file of its own single run, and ``finish`` drops the trace."""
     import bnrecal.service.export.folded_onnx as folded_onnx
     from bnrecal.service.run.outputs.later_phases import RunOutputs
-    from bnrecal.workers.ranks.scoped import object_scopes
+    from bnrecal.workers.ranks.process.scoped import object_scopes
 
     traces: list[str] = []
     real = folded_onnx.export_unfolded

@@ -14,10 +14,10 @@ import ray
 import torch
 
 from bnrecal.errors import CancelledError, RunError
-from bnrecal.workers.ranks.actor import RankState
-from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.process.actor import RankState
+from bnrecal.workers.ranks.process.allocator import RANK_ENV_VARS
 from bnrecal.workers.ranks.plan import GroupOptions
-from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
+from bnrecal.workers.ranks.gangs.pool import GangKey, WarmPool, held_gang
 
 from bnrecal.service.jobserver.records.spec import JobSpec
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate

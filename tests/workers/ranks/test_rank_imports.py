@@ -14,7 +14,7 @@ REPO = Path(__file__).parents[3]
 
 def test_loading_the_rank_actor_imports_no_torchvision():
     heavy = ("torchvision", "transformers", "timm", "onnx", "onnxruntime")
-    code = f"import sys, bnrecal.workers.ranks.actor; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy}))"
+    code = f"import sys, bnrecal.workers.ranks.process.actor; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"

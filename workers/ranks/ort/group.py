@@ -27,7 +27,7 @@ from bnrecal.workers.ranks.events import OnnxPassDone, RankHeartbeat, RankProgre
 from bnrecal.workers.ranks.group import GroupOptions
 from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
 from bnrecal.workers.ranks.plan import GroupPass
-from bnrecal.workers.ranks.pool import GangKey, WarmPool, held_gang
+from bnrecal.workers.ranks.gangs.pool import GangKey, WarmPool, held_gang
 from bnrecal.workers.ranks.streams import follow_streams
 
 

@@ -19,7 +19,7 @@ import threading
 import ray
 
 from bnrecal.workers.data.reading.kept import KeptCounts
-from bnrecal.workers.ranks.pool import Gang, GangKey, WarmPool
+from bnrecal.workers.ranks.gangs.pool import Gang, GangKey, WarmPool
 
 log = logging.getLogger("bnrecal.pool")
 

@@ -2,7 +2,7 @@
 
 ``rank_batches`` (the batches a rank reads, with their global sample ranges) and
 ``evaluate_rank`` (its evaluation after calibration) are what a rank actor does
-(``workers.ranks.actor``); ``run_in_process`` does the same as the only rank of a world of
+(``workers.ranks.process.actor``); ``run_in_process`` does the same as the only rank of a world of
 one, in the calling process, with the engine's calibration pass and a
 ``SingleProcessCollective``: ``bnrecal.recalibrate(..., workers=1)`` and ``bnrecal
 calibrate --workers 1`` run here when no Ray cluster is named. The statistics are those of

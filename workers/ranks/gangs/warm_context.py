@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bnrecal.workers.ranks.pool import WarmPool
+    from bnrecal.workers.ranks.gangs.pool import WarmPool
 
 _current: ContextVar[WarmPool | None] = ContextVar("bnrecal_warm_pool", default=None)
 
@@ -29,7 +29,7 @@ def warm_ranks(pool: WarmPool) -> Iterator[None]:
     """Within it, runs on Ray that are given no pool (``bnrecal.recalibrate``, the command
     line's ``calibrate`` and ``sweep`` called in this process) take their ranks from ``pool``
     (warm actors of an earlier run of the same shape) and leave them there; a failed or
-    cancelled run's ranks are killed, never kept (``workers.ranks.pool``)."""
+    cancelled run's ranks are killed, never kept (``workers.ranks.gangs.pool``)."""
     token = _current.set(pool)
     try:
         yield

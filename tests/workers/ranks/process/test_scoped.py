@@ -1,4 +1,4 @@
-"""What a process keeps for a job's scope between calls (``workers.ranks.scoped``): made once
+"""What a process keeps for a job's scope between calls (``workers.ranks.process.scoped``): made once
 per scope and name, dropped with the scope, and in a rank actor (one scope at a time) dropped
 when the next job's scope arrives, so a warm rank hands nothing of one job to another."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bnrecal.workers.data.reading.kept import STORE
-from bnrecal.workers.ranks.scoped import object_scopes, release_scope, scope_object
+from bnrecal.workers.ranks.process.scoped import object_scopes, release_scope, scope_object
 
 
 @pytest.fixture

@@ -40,9 +40,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from bnrecal.errors import CancelledError, RunError
-from bnrecal.workers.ranks.actor import CalibrationActor
-from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
-from bnrecal.workers.ranks.start_up import RANK_PROCESS
+from bnrecal.workers.ranks.process.actor import CalibrationActor
+from bnrecal.workers.ranks.process.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.process.start_up import RANK_PROCESS
 
 if TYPE_CHECKING:
     from bnrecal.workers.ranks.plan import GroupOptions

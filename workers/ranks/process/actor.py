@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bnrecal.workers.ranks import start_up
+from bnrecal.workers.ranks.process import start_up
 
 start_up.pause()  # before the heavy imports, in a rank's own process only (start_up.py)
 
@@ -25,14 +25,14 @@ from bnrecal.workers.engine.batchnorm import layers_named
 from bnrecal.workers.engine.statistics_pass import PassResult, calibration_pass
 from bnrecal.workers.engine.evaluation import EvalMetrics, EvalTarget
 from bnrecal.errors import BnrecalError, RunError, first_line
-from bnrecal.workers.ranks.allocator import RANK_ENV_VARS, release_free_memory
-from bnrecal.workers.ranks.ray_collective import RayCollective
+from bnrecal.workers.ranks.process.allocator import RANK_ENV_VARS, release_free_memory
+from bnrecal.workers.ranks.process.ray_collective import RayCollective
 from bnrecal.workers.ranks.events import (
     CalibrationDone, OnnxPassDone, RankEvent, RankHeartbeat, RankProgress, RankStarted,
 )
-from bnrecal.workers.ranks.local import checked_plan, evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
+from bnrecal.workers.ranks.process.work import checked_plan, evaluate_rank, keeping_head, rank_batches, row_of, stats_payload
 from bnrecal.workers.ranks.plan import RankPlan
-from bnrecal.workers.ranks.scoped import object_scopes, release_scope
+from bnrecal.workers.ranks.process.scoped import object_scopes, release_scope
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ class CalibrationRank:
         start_up.resume()
 
     def release_kept(self, scope: str) -> KeptCounts:
-        """Drop the samples and objects this rank kept for the job ``scope`` (``workers.ranks.scoped``)
+        """Drop the samples and objects this rank kept for the job ``scope`` (``workers.ranks.process.scoped``)
         and give their memory back; what the job's passes decoded and reused here."""
         counts = release_scope(scope)
         gc.collect()
@@ -113,7 +113,7 @@ class CalibrationRank:
         A job's model, data and work thread are locals of :meth:`run`, gone once it ends;
         the process-wide state is put back here: torch's thread count and RNG seed, grad
         mode, and the job's collective group (left in ``run``, checked here); the memory
-        the job freed goes back to the system (``workers.ranks.allocator``).
+        the job freed goes back to the system (``workers.ranks.process.allocator``).
         """
         from ray.util import collective
 

@@ -3,13 +3,13 @@ import subprocess
 import sys
 import textwrap
 
-from bnrecal.workers.ranks.allocator import RANK_ENV_VARS
+from bnrecal.workers.ranks.process.allocator import RANK_ENV_VARS
 
 PROBE = textwrap.dedent(
     """
     import resource, threading
     import torch
-    from bnrecal.workers.ranks.allocator import release_free_memory
+    from bnrecal.workers.ranks.process.allocator import release_free_memory
 
     def rss():
         with open("/proc/self/statm") as f:
