@@ -15,14 +15,19 @@ The images are the ``image`` column (or the one column of images: ``jpeg``, ``pn
 ``png`` cells are the encoded file and decode as that file does, a ``pil`` cell (raw
 pixels) is handed on as a lossless PNG of those pixels, so the same images give the same
 statistics as a folder of them. Labels are the ``label`` column (``label_column``), an
-integer encoding. Compressed shards (``compression=``) and unsafe encodings are refused,
-naming the shard.
+integer encoding. Shards written with ``compression=`` (``gz``, ``bz2`` or ``zstd``, as
+``shard.00000.mds.zstd``) are read whole once a rank needs one, decompressed in memory (the
+last two kept), then as above; other codecs and unsafe encodings are refused, naming the shard.
 """
 
 from __future__ import annotations
 
+import bz2
 import io
 import json
+import threading
+import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,16 +52,25 @@ _INTEGERS = {"int": np.int64, "int8": np.int8, "int16": np.int16, "int32": np.in
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"
 
+CODECS = ("gz", "bz2", "zstd")
+"""Streaming's shard compressions read here (``zstd`` needs the ``zstandard`` package:
+``bnrecal[mds]``); its ``br`` and ``snappy`` are refused."""
+
+MAX_SHARD_BYTES = 2**32
+"""A shard's offsets are u32: no decompressed shard is larger."""
+
 
 @dataclass(frozen=True)
 class MdsColumns:
     """The columns every shard of a dataset has: names (in the index's order, which is the
     order of a sample's bytes), encodings, and fixed sizes (None: variable, a u32 size in
-    each sample's head)."""
+    each sample's head); and the codec every shard is compressed with (``CODECS``), None
+    for shards written raw."""
 
     names: tuple[str, ...]
     encodings: tuple[str, ...]
     sizes: tuple[int | None, ...]
+    compression: str | None = None
 
     def image_column(self, wanted: str | None, where: str) -> str:
         """The column holding the images: ``wanted``, else ``image``, else the only column
@@ -140,14 +154,13 @@ def read_mds_index(raw: bytes, where: str) -> MdsIndex:
         shards = index["shards"]
         if index.get("version") != 2:
             raise DatasetError(f"{where}: index version {index.get('version')!r}; Streaming's version 2 is read")
-        basenames, counts, layouts = [], [], set()
+        basenames, counts, layouts, codecs = [], [], set(), set()
         for shard in shards:
             name = shard["raw_data"]["basename"]
-            if shard.get("zip_data") or shard.get("compression"):
-                raise DatasetError(
-                    f"{where}: shard {name} is compressed ({shard.get('compression')}); compressed MDS shards are not "
-                    "read in place: write them with MDSWriter(compression=None)"
-                )
+            codec = _codec(shard, name, where)
+            if codec is not None:
+                name = shard["zip_data"]["basename"]  # the file there is: the raw one is not written
+            codecs.add(codec)
             if shard.get("version") != 2:
                 raise DatasetError(f"{where}: shard {name} has version {shard.get('version')!r}; version 2 is read")
             if "/" in name or name in (".", ".."):
@@ -162,13 +175,29 @@ def read_mds_index(raw: bytes, where: str) -> MdsIndex:
         raise DatasetError(f"{where} lists no shards")
     if len(layouts) > 1:
         raise DatasetError(f"{where}: the shards' columns differ; write every shard with the same columns")
+    if len(codecs) > 1:
+        raise DatasetError(f"{where}: the shards are compressed differently; write every shard with one compression")
     names, encodings, sizes = layouts.pop()
     if not len(names) == len(encodings) == len(sizes):
         raise DatasetError(f"{where}: column names, encodings and sizes do not match")
     unsafe = [n for n, e in zip(names, encodings) if e == "pkl"]
     if unsafe:
         raise DatasetError(f"{where}: column {unsafe[0]!r} is pickled (pkl), which is never read: it runs code")
-    return MdsIndex(tuple(basenames), tuple(counts), MdsColumns(tuple(names), tuple(encodings), tuple(sizes)))
+    return MdsIndex(tuple(basenames), tuple(counts),
+                    MdsColumns(tuple(names), tuple(encodings), tuple(sizes), codecs.pop()))
+
+
+def _codec(shard: dict, name: str, where: str) -> str | None:
+    """The codec a shard is compressed with (``zstd`` of ``zstd:7``), None for a raw shard;
+    one not read here is refused, naming the shard."""
+    compression = shard.get("compression")
+    if not compression and not shard.get("zip_data"):
+        return None
+    codec = str(compression or "").split(":")[0]
+    if codec not in CODECS or not shard.get("zip_data"):
+        raise DatasetError(f"{where}: shard {name} is compressed with {compression!r}, which is not read here "
+                           f"(read: {', '.join(CODECS)}, or none); write it with MDSWriter(compression='zstd') or None")
+    return codec
 
 
 class MdsReader:
@@ -187,7 +216,7 @@ class MdsReader:
         ranges = [(int(offsets[r]), int(offsets[r + 1])) for r in rows]
         encoding = self.columns.encodings[self.columns.names.index(self.image_column)]
         out = []
-        for row, sample in zip(rows, read_ranges(self.ref, ranges, self.endpoint_url)):
+        for row, sample in zip(rows, self._ranges(ranges)):
             try:
                 cell = self.columns.cell(sample, self.image_column)
             except ValueError as exc:
@@ -198,7 +227,7 @@ class MdsReader:
     def labels(self) -> np.ndarray:
         """Each sample's class (the label column's integer), reading the whole shard once."""
         offsets = self._offset_table()
-        (body,) = read_ranges(self.ref, [(0, int(offsets[-1]))], self.endpoint_url)
+        (body,) = self._ranges([(0, int(offsets[-1]))])
         dtype = _INTEGERS[self.columns.encodings[self.columns.names.index(self.label_column)]]
         values = []
         for row in range(self.count):
@@ -223,16 +252,65 @@ class MdsReader:
     def _offset_table(self) -> np.ndarray:
         """The shard's sample offsets, read once; a count other than the index's means the shard changed."""
         if self._offsets is None:
-            (raw,) = read_ranges(self.ref, [(0, 4 * (self.count + 2))], self.endpoint_url)
+            (raw,) = self._ranges([(0, 4 * (self.count + 2))])
+            if len(raw) < 4 * (self.count + 2):
+                raise DatasetError(f"shard {self.ref.name} is corrupt: shorter than its offset table")
             table = np.frombuffer(raw, "<u4").astype(np.int64)
             if int(table[0]) != self.count:
                 raise DatasetError(f"shard {self.ref.name} holds {int(table[0])} samples, its index says {self.count} "
                                    "(it changed since the index was written)")
             offsets = table[1:]
-            if (np.diff(offsets) < 0).any() or int(offsets[-1]) > self.ref.size:
-                raise DatasetError(f"shard {self.ref.name} is corrupt: its offsets run past its {self.ref.size} bytes")
+            size = self.ref.size if self.columns.compression is None else len(self._inflated())
+            if (np.diff(offsets) < 0).any() or int(offsets[-1]) > size:
+                raise DatasetError(f"shard {self.ref.name} is corrupt: its offsets run past its {size} bytes")
             self._offsets = offsets
         return self._offsets
+
+    def _ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of the shard's ``[start, end)`` ranges: ranged reads of a raw shard, slices
+        of a compressed one's decompressed bytes."""
+        if self.columns.compression is None:
+            return read_ranges(self.ref, ranges, self.endpoint_url)
+        body = self._inflated()
+        return [body[start:end] for start, end in ranges]
+
+    def _inflated(self) -> bytes:
+        """A compressed shard's bytes, decompressed: the whole file read once, the last two
+        shards any reader of this process decompressed kept (a rank reads its rows shard by shard)."""
+        key = (self.ref.location, self.ref.size)
+        with _INFLATED_LOCK:
+            if key in _INFLATED:
+                _INFLATED.move_to_end(key)
+                return _INFLATED[key]
+        (packed,) = read_ranges(self.ref, [(0, self.ref.size)], self.endpoint_url)
+        assert self.columns.compression is not None
+        body = inflate(self.columns.compression, packed, f"shard {self.ref.name}")
+        with _INFLATED_LOCK:
+            _INFLATED[key] = body
+            while len(_INFLATED) > 2:
+                _INFLATED.popitem(last=False)
+        return body
+
+
+_INFLATED: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+_INFLATED_LOCK = threading.Lock()
+
+
+def inflate(codec: str, packed: bytes, name: str) -> bytes:
+    """``packed`` decompressed by ``codec`` (``CODECS``), at most :data:`MAX_SHARD_BYTES`;
+    bytes that do not decompress, or decompress past that, fail naming ``name``."""
+    try:
+        if codec == "gz":
+            body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(packed, MAX_SHARD_BYTES + 1)
+        elif codec == "bz2":
+            body = bz2.BZ2Decompressor().decompress(packed, max_length=MAX_SHARD_BYTES + 1)
+        else:
+            body = _unzstd(packed, name)
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
+        raise DatasetError(f"{name} is corrupt: it does not decompress ({codec}): {exc}") from exc
+    if len(body) > MAX_SHARD_BYTES:
+        raise DatasetError(f"{name} decompresses past {MAX_SHARD_BYTES} bytes, more than a shard can hold")
+    return body
 
 
 def _pil_as_png(cell: bytes, name: str) -> bytes:
@@ -278,3 +356,17 @@ def read_index_bytes(location: str, endpoint_url: str | None, where: str) -> byt
 def index_beside(ref: ShardRef) -> str:
     """Where the ``index.json`` of a shard lies: beside it."""
     return ref.location.rsplit("/", 1)[0] + "/" + MDS_INDEX
+
+
+def _unzstd(packed: bytes, name: str) -> bytes:
+    """A zstd frame decompressed (``zstandard``, where installed), at most one byte past the limit."""
+    try:
+        import zstandard
+    except ImportError:
+        raise DatasetError(f"{name} is compressed with zstd: pip install zstandard (or 'bnrecal[mds]') "
+                           "to read it") from None
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(packed)) as stream:
+            return stream.read(MAX_SHARD_BYTES + 1)
+    except zstandard.ZstdError as exc:
+        raise DatasetError(f"{name} is corrupt: it does not decompress (zstd): {exc}") from exc
