@@ -6,6 +6,7 @@
     print(report)
     bnrecal.export_onnx(model, "model.onnx", sample)          # folded, verified ONNX
     bnrecal.quantize(model, "model-int8.onnx", calibration)   # folded, INT8 (QDQ), checked
+    bnrecal.export_openvino(model, "model.xml", sample)       # OpenVINO IR (.xml, .bin), checked
 
 See docs/python.md. This package is the public face and the one installed name: the
 repository's folders install beneath it (``bnrecal.service``, ``bnrecal.workers``,
@@ -29,8 +30,9 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, not installe
 _HOMES = {
     "service.client": ("BnrecalClient",),
     "service.jobserver.records.views": ("JobStatus", "JobView"),  # what the client's job calls return
-    "service.live": ("CellResult", "RecalibrationReport", "export_onnx", "quantize", "recalibrate", "recalibrate_many"),
-    "service.export.report_sections": ("Int8Section", "OnnxSection"),  # what export_onnx and quantize return
+    "service.live": ("CellResult", "RecalibrationReport", "export_onnx", "export_openvino", "quantize", "recalibrate",
+                     "recalibrate_many"),
+    "service.export.report_sections": ("Int8Section", "OnnxSection", "OpenVinoSection"),  # what the exports return
     "service.export.int8.options": ("Int8Options",),  # quantize's options, typed
     "service.run.options": ("RecalibrationOptions",),  # recalibrate's options, typed
     "errors": errors.__all__,  # the error tree, bnrecal.errors: every class it lists, by the same name
@@ -42,8 +44,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name l
     from bnrecal.service.client import BnrecalClient
     from bnrecal.service.jobserver.records.views import JobStatus, JobView
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.export.report_sections import Int8Section, OnnxSection
+    from bnrecal.service.export.report_sections import Int8Section, OnnxSection, OpenVinoSection
     from bnrecal.service.run.options import RecalibrationOptions
     from bnrecal.service.live import (
-        CellResult, RecalibrationReport, export_onnx, quantize, recalibrate, recalibrate_many,
+        CellResult, RecalibrationReport, export_onnx, export_openvino, quantize, recalibrate, recalibrate_many,
     )

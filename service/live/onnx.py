@@ -1,4 +1,5 @@
-"""``bnrecal.export_onnx``: a live model to folded, verified ONNX (docs/onnx.md)."""
+"""``bnrecal.export_onnx``, ``export_openvino`` and ``quantize``: a live model to folded,
+verified ONNX, to OpenVINO's own files, and to a checked INT8 file (docs/onnx.md, docs/int8.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from bnrecal.service.run.options import DEFAULT_OPSET
 
 if TYPE_CHECKING:  # the exporters load where a call uses them
     from bnrecal.service.export.int8.options import Int8Options
-    from bnrecal.service.export.report_sections import Int8Section, OnnxSection
+    from bnrecal.service.export.report_sections import Int8Section, OnnxSection, OpenVinoSection
 
 
 
@@ -46,6 +47,50 @@ def export_onnx(
     return export_folded_onnx(exported, samples, path, opset=opset, dynamic_batch=dynamic_batch)
 
 
+def export_openvino(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    sample: torch.Tensor,
+    *,
+    opset: int = DEFAULT_OPSET,
+    dynamic_batch: bool = True,
+) -> OpenVinoSection:
+    """Export ``model`` as OpenVINO's own files, ``path`` (the ``.xml``) and its ``.bin``
+    beside: made by OpenVINO from the folded export :func:`export_onnx` verifies, then run on
+    ``sample`` against the ONNX file in OpenVINO and in onnxruntime (docs/onnx.md, "OpenVINO
+    IR"), as a job's ``openvino`` output is. Returns the report's ``openvino`` section; a
+    failed check raises ``ExportError`` and writes nothing. The model is left as it was."""
+    import tempfile
+    from pathlib import Path
+
+    from ..export.openvino_ir import make_openvino_ir
+
+    xml = _xml_path(path, "path")
+    with tempfile.TemporaryDirectory(prefix="bnrecal-openvino-") as tmp:
+        onnx = Path(tmp) / "model.onnx"
+        export_onnx(model, onnx, sample, opset=opset, dynamic_batch=dynamic_batch)
+        made = make_openvino_ir(onnx.read_bytes(), _ir_batches(sample, dynamic_batch), int8=False)
+    made.write(xml)
+    return made.section
+
+
+def _xml_path(path: str | os.PathLike[str], field: str) -> Any:
+    """An IR's ``.xml`` path (its ``.bin`` goes beside), refused otherwise before any work."""
+    from pathlib import Path
+
+    xml = Path(path)
+    if xml.suffix != ".xml":
+        raise SpecError(f"{field} names the IR's .xml file (its .bin goes beside): {xml}", field=field)
+    return xml
+
+
+def _ir_batches(sample: torch.Tensor, dynamic_batch: bool) -> list[Any]:
+    """The batches an IR is checked on, as a job's are: one sample and the first
+    ``VERIFY_SAMPLES`` (the whole batch of a fixed-batch export)."""
+    data = sample.detach().cpu().to(torch.float32)[:VERIFY_SAMPLES].numpy()
+    return [data[:1], data] if dynamic_batch and len(data) > 1 else [data]
+
+
 def quantize(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -55,6 +100,7 @@ def quantize(
     eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
     batch_size: int = 32,
     opset: int = DEFAULT_OPSET,
+    openvino: str | os.PathLike[str] | None = None,
 ) -> Int8Section:
     """Export ``model`` folded (as :func:`export_onnx`) and quantized to INT8 in QDQ format at
     ``path``, activation ranges from the calibration samples ``data`` (a tensor, one sample
@@ -63,7 +109,9 @@ def quantize(
     ``max_top1_drop``...); with ``eval_data`` (inputs, labels) the report's ``evaluation``
     gives top-1/top-5 of FP32 and INT8, and ``max_top1_drop`` is enforced. Returns the
     report's ``int8`` section; a failed check or guard raises ``ExportError``, writing nothing.
-    The model itself is left as it was."""
+    With ``openvino`` (an ``.xml`` path) the INT8 file is also written as OpenVINO's own files,
+    made and checked as a job's ``openvino_int8`` output is (a failed check writes neither
+    file). The model itself is left as it was."""
     import tempfile
     from pathlib import Path
 
@@ -76,6 +124,7 @@ def quantize(
     from ..run.outputs.int8 import quantize_export
     from ..run.outputs.onnx_passes import InProcessPasses
 
+    xml = _xml_path(openvino, "openvino") if openvino is not None else None
     checked = int8_options(options, "options")
     if checked.max_top1_drop is not None and eval_data is None:
         raise SpecError("options.max_top1_drop needs eval_data=(inputs, labels) to measure top-1 on", field="eval_data")
@@ -102,5 +151,11 @@ def quantize(
         dataset = describe_dataset(Path(tmp) / "data.npy")
         passes = InProcessPasses(dataset, batch_size, evaluation=evaluation)
         quantized = quantize_export(fp32.read_bytes(), checked, passes, samples)
+    if xml is not None:
+        from ..export.openvino_ir import make_openvino_ir
+
+        made = make_openvino_ir(quantized.model, _ir_batches(samples, True), int8=True)
     quantized.write(path)
+    if xml is not None:
+        made.write(xml)
     return quantized.section
