@@ -23,12 +23,12 @@ _HOMES = {
     "engine.statistics_pass": ("PassResult", "apply_statistics", "calibration_pass"),
     "models.checkpoints": ("Checkpoint", "load_checkpoint", "load_into_model", "save_checkpoint"),
     "engine.collective": ("Collective", "SingleProcessCollective"),
-    "ranks.ray_collective": ("RayCollective", "backend_for_device"),
+    "ranks.process.ray_collective": ("RayCollective", "backend_for_device"),
     "ranks.group": ("GroupOptions", "GroupResult", "run_rank_group"),
     "models.architectures": ("build_model", "parse_allowed_modules"),
     "engine.moments": ("MomentStats",),
     "ranks.plan": ("RankPlan",),
-    "ranks.pool": ("Gang", "GangKey", "WarmPool"),
+    "ranks.gangs.pool": ("Gang", "GangKey", "WarmPool"),
     "ranks.sharding": ("num_steps", "rank_ranges"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)

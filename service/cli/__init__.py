@@ -10,17 +10,6 @@ second; a command imports what runs a model inside its function, once its flags 
 
 from __future__ import annotations
 
-import sys
-
-from . import collector
-from .main import app, main
+from .main import app, main, script
 
 __all__ = ["app", "main", "script"]
-
-
-def script() -> None:
-    """The ``bnrecal`` executable (and ``python -m bnrecal.service.cli``): ``main`` on the
-    process's arguments, in a process of its own, so a job command's start-up may run with
-    the cycle collector paused (``collector``)."""
-    collector.pause()
-    main(sys.argv[1:])

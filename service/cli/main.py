@@ -1,5 +1,6 @@
 """The ``bnrecal`` command line (see the README and ``docs/``): the app, its commands, and
-the entry point that turns every failure into one line on stderr and an exit code: 2 for
+the entry point that turns every failure into one line on stderr and an exit code (``main``;
+``script``, the installed executable, which runs it in a process of its own): 2 for
 bad input (flags, files, architecture, data), 1 for a run that failed, 130 when
 interrupted. Tracebacks only with ``BNRECAL_DEBUG=1``.
 """
@@ -7,6 +8,7 @@ interrupted. Tracebacks only with ``BNRECAL_DEBUG=1``.
 from __future__ import annotations
 
 import os
+import sys
 
 import typer
 
@@ -92,3 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         fail(f"internal error: {type(exc).__name__}: {first_line(exc)} (set BNRECAL_DEBUG=1 for the traceback)", 1)
+
+
+def script() -> None:
+    """The ``bnrecal`` executable (and ``python -m bnrecal.service.cli``): ``main`` on the
+    process's arguments, in a process of its own, so a job command's start-up may run with
+    the cycle collector paused (``collector``)."""
+    collector.pause()
+    main(sys.argv[1:])
