@@ -7,7 +7,8 @@ full collection while they load walks all that loaded before. The small job of
 
 So the script (``bnrecal.service.cli.script``, where this process is ours) pauses the
 collector as it starts; a job command resumes it when its job's first phase after starting
-begins (``resumed_at_first_phase``: the imports are done, the model is built), having first
+begins (``resumed_at_first_phase``: the imports are done, the model is built; ``sweep
+--server``, whose job runs on the server, before it uploads), having first
 moved what start-up made to the permanent generation (``gc.freeze``: it lives as long as
 the process, so no later collection walks it). The cyclic garbage start-up left stays with
 it, a bounded cost paid once: about 10k objects for a torchvision model's job, where one

@@ -138,6 +138,7 @@ def sweep(
         if server is not None:
             from .sweep_remote import RemoteSweep, sweep_on_server
 
+            collector.resume()  # no job starts here: the server runs it, this process uploads and follows it
             report = sweep_on_server(RemoteSweep(sweep_files, options, rank_by, flags.eval_max_samples, _outputs(flags),
                                                  int8, flags.onnx_opset, flags.onnx_dtype.value, flags.cells_at_once),
                                      server, api_key, flags.out_dir)
