@@ -30,7 +30,7 @@ from typing import Annotated, Any, get_args, get_type_hints
 import typer
 
 from bnrecal.errors import BnrecalError, SpecError
-from bnrecal.service.export.products import PRODUCTS, ExportProduct, product_named
+from bnrecal.service.export.products import PRODUCTS, ExportProduct, ir_xml_path, product_named
 from bnrecal.service.run.options import DEFAULT_OPSET, RunOptions, check_model_choice, default, description, flag_of
 from bnrecal.service.run.options import Device as DeviceChoice
 from bnrecal.service.run.options import Order as OrderChoice
@@ -300,8 +300,7 @@ class _RunFlagsMethods(RunOptionFlags):
             flag = product.flag
             if not product.openvino_ir:
                 continue
-            if path.suffix != ".xml":
-                raise SpecError(f"{flag} names the IR's .xml file (its .bin goes beside): {path}", field=flag)
+            ir_xml_path(path, flag)
             if here and openvino_version() is None:
                 raise SpecError(f"{flag} needs OpenVINO: pip install 'bnrecal[openvino]'", field=flag)
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+from bnrecal.errors import SpecError
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,12 @@ def products_of(names: Iterable[str] | None) -> tuple[ExportProduct, ...]:
 def product_named(name: str) -> ExportProduct:
     """The product called ``name`` (a ``KeyError`` for none: a name in the code, never a user's)."""
     return {product.name: product for product in PRODUCTS}[name]
+
+
+def ir_xml_path(path: str | Path, field: str) -> Path:
+    """An OpenVINO IR's ``.xml`` path (its ``.bin`` goes beside), refused otherwise before
+    any work, naming ``field`` (a flag, or a Python argument)."""
+    xml = Path(path)
+    if xml.suffix != ".xml":
+        raise SpecError(f"{field} names the IR's .xml file (its .bin goes beside): {xml}", field=field)
+    return xml

@@ -12,6 +12,7 @@ from torch import nn
 
 from bnrecal.errors import SpecError
 
+from bnrecal.service.export.products import ir_xml_path
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET
 
@@ -65,23 +66,13 @@ def export_openvino(
 
     from ..export.openvino_ir import make_openvino_ir
 
-    xml = _xml_path(path, "path")
+    xml = ir_xml_path(path, "path")
     with tempfile.TemporaryDirectory(prefix="bnrecal-openvino-") as tmp:
         onnx = Path(tmp) / "model.onnx"
         export_onnx(model, onnx, sample, opset=opset, dynamic_batch=dynamic_batch)
         made = make_openvino_ir(onnx.read_bytes(), _ir_batches(sample, dynamic_batch), int8=False)
     made.write(xml)
     return made.section
-
-
-def _xml_path(path: str | os.PathLike[str], field: str) -> Any:
-    """An IR's ``.xml`` path (its ``.bin`` goes beside), refused otherwise before any work."""
-    from pathlib import Path
-
-    xml = Path(path)
-    if xml.suffix != ".xml":
-        raise SpecError(f"{field} names the IR's .xml file (its .bin goes beside): {xml}", field=field)
-    return xml
 
 
 def _ir_batches(sample: torch.Tensor, dynamic_batch: bool) -> list[Any]:
@@ -124,7 +115,7 @@ def quantize(
     from ..run.outputs.int8 import quantize_export
     from ..run.outputs.onnx_passes import InProcessPasses
 
-    xml = _xml_path(openvino, "openvino") if openvino is not None else None
+    xml = ir_xml_path(openvino, "openvino") if openvino is not None else None
     checked = int8_options(options, "options")
     if checked.max_top1_drop is not None and eval_data is None:
         raise SpecError("options.max_top1_drop needs eval_data=(inputs, labels) to measure top-1 on", field="eval_data")
