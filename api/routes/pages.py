@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from bnrecal.api.deps import ServicesDep
+from bnrecal.service.export.products import PRODUCTS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -72,8 +73,9 @@ def _page(request: Request, name: str, services: ServicesDep, **context: object)
 
 @router.get("/", response_class=HTMLResponse)
 def jobs_page(request: Request, services: ServicesDep) -> HTMLResponse:
-    """The tenant's jobs, newest first, with live progress, and the form that submits a new one."""
-    return _page(request, "jobs.html", services)
+    """The tenant's jobs, newest first, with live progress, and the form that submits a new one
+    (its exported files' checkboxes from the products table)."""
+    return _page(request, "jobs.html", services, products=PRODUCTS)
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)

@@ -228,6 +228,11 @@ function uploadBar(id) {
   return document.querySelector(`progress[data-upload="${id}"]`);
 }
 
+/** The form's checkboxes of exported files, one per product (the page renders them from the products table). */
+function outputBoxes() {
+  return [...document.querySelectorAll('input[name="outputs"]')];
+}
+
 /** The spec the form describes, and the files it names: each hashed here, so the spec names
  * blobs by digest before anything is uploaded. */
 async function describe(state) {
@@ -247,12 +252,9 @@ async function describe(state) {
     seed: intField("seed"),
     image_column: textField("image-column"),
     label_column: textField("label-column"),
-    outputs: document.getElementById("onnx").checked ? [kind, "onnx"] : [kind],
+    outputs: [kind, ...outputBoxes().filter((box) => box.checked).map((box) => box.value)],
   };
-  const int8 = document.getElementById("int8").checked;
-  if (document.getElementById("openvino").checked) spec.outputs.push(...(int8 ? ["openvino", "openvino_int8"] : ["openvino"]));
-  if (int8) {
-    spec.outputs.push("onnx_int8");
+  if (outputBoxes().some((box) => box.checked && "int8" in box.dataset)) {
     spec.int8 = { method: document.getElementById("int8-method").value };
     const target = document.getElementById("int8-target").value;
     if (target !== "onnxruntime") spec.int8.target = target;
@@ -369,9 +371,7 @@ async function editFrom(jobId) {
   document.getElementById("image-column").value = spec.image_column || "";
   document.getElementById("label-column").value = spec.label_column || "";
   document.getElementById("mode").value = spec.mode;
-  document.getElementById("onnx").checked = (spec.outputs || []).includes("onnx");
-  document.getElementById("int8").checked = (spec.outputs || []).includes("onnx_int8");
-  document.getElementById("openvino").checked = (spec.outputs || []).includes("openvino");
+  for (const box of outputBoxes()) box.checked = (spec.outputs || []).includes(box.value);
   document.getElementById("int8-method").value = (spec.int8 && spec.int8.method) || "minmax";
   document.getElementById("int8-target").value = (spec.int8 && spec.int8.target) || "onnxruntime";
   for (const [id, field] of Object.entries(FILE_FIELDS)) {

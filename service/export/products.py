@@ -18,8 +18,9 @@ class ExportProduct:
     """One exported file: its ``name``, the file a job writes in its work folder
     (``job_file``) and a sweep's cell in its own (``cell_file``), whether the INT8 phase makes
     it (``int8``), and whether it is OpenVINO's IR (an ``.xml`` with its ``.bin`` beside,
-    shipped over HTTP as one tar named ``download``). ``description`` says what it is (the
-    job spec's schema), ``path_help`` what its flag on ``calibrate`` and ``submit`` does
+    shipped over HTTP as one tar named ``download``). ``label`` is its short name (the web
+    form's checkbox), ``description`` says what it is (the job spec's schema, the form),
+    ``path_help`` what its flag on ``calibrate`` and ``submit`` does
     (the path to write it to) and ``cell_help`` what ``sweep``'s does (a file in every cell)."""
 
     name: str
@@ -27,6 +28,7 @@ class ExportProduct:
     cell_file: str
     int8: bool
     openvino_ir: bool
+    label: str
     description: str
     path_help: str
     cell_help: str
@@ -47,18 +49,22 @@ class ExportProduct:
 
 PRODUCTS = (
     ExportProduct("onnx", "recalibrated.onnx", "model.onnx", False, False,
+                  "ONNX",
                   "the folded model in ONNX (FP32, or FP16 by onnx.dtype)",
                   "Also export the model folded to ONNX here.",
                   "Also export each cell's model folded to ONNX (model.onnx)."),
     ExportProduct("onnx_int8", "recalibrated-int8.onnx", "model.int8.onnx", True, False,
+                  "ONNX INT8",
                   "the folded model in INT8 (QDQ ONNX)",
                   "Also export the folded model in INT8 (QDQ) here, ranges from the calibration data.",
                   "Also export each cell's model in INT8 QDQ (model.int8.onnx)."),
     ExportProduct("openvino", "openvino/model.xml", "model.xml", False, True,
+                  "OpenVINO IR",
                   "OpenVINO IR of the FP32 model: a tar of model.xml and model.bin",
                   "Also write the folded FP32 model as OpenVINO IR here (PATH.xml, the .bin beside).",
                   "Also write each cell's folded FP32 model as OpenVINO IR (model.xml, model.bin)."),
     ExportProduct("openvino_int8", "openvino-int8/model.xml", "model.int8.xml", True, True,
+                  "OpenVINO IR INT8",
                   "OpenVINO IR of the INT8 model: a tar of model.xml and model.bin",
                   "Also write the INT8 model as OpenVINO IR here (PATH.xml, the .bin beside).",
                   "Also write each cell's INT8 model as OpenVINO IR (model.int8.xml, model.int8.bin)."),

@@ -1,5 +1,5 @@
-"""The web page and INT8, in a real headless Chromium: the form asks for an INT8 export and
-its method, the job page describes it, its report shows FP32 and INT8 accuracy (stale and
+"""The web page and INT8, in a real headless Chromium: the form (a checkbox per exported
+file, from the products table) asks for an INT8 export and its method, the job page describes it, its report shows FP32 and INT8 accuracy (stale and
 recalibrated) and the ops left in float, and offers the INT8 file for download."""
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
     page.set_input_files("#data", str(data))
     page.set_input_files("#eval-data", str(tmp_path / "labelled.npz"))
     page.fill("#batch-size", "8")
-    page.check("#int8")
+    page.check("#onnx_int8")
     page.select_option("#int8-method", "percentile")
     page.select_option("#int8-target", "tensorrt")
-    page.check("#openvino")  # with INT8: OpenVINO IR of both models
+    page.check("#openvino")
+    page.check("#openvino_int8")
     page.click("#submit-button")
     expect(page.locator("#submit-state")).to_contain_text("submitted", timeout=30_000)
     job_id = page.locator("#jobs-body tr").first.get_attribute("data-job-id")
@@ -69,4 +70,10 @@ def test_the_form_asks_for_int8_and_the_job_page_shows_and_offers_it(live_server
         page.click("[data-artifact='openvino_int8']")
     assert download.value.suggested_filename == f"{job_id[:12]}-recalibrated-openvino-int8.tar"
     screenshot(page, "job-page-int8.png")
+    page.goto(f"{live_server.url}/?edit={job_id}")  # edit and re-run: the same files asked for again
+    expect(page.locator("#onnx_int8")).to_be_checked()
+    for name in ("openvino", "openvino_int8"):
+        expect(page.locator(f"#{name}")).to_be_checked()
+    expect(page.locator("#onnx")).not_to_be_checked()
+    expect(page.locator("#int8-method")).to_have_value("percentile")
     assert tab.problems == []

@@ -25,6 +25,7 @@ from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwrig
 from bnrecal.service.settings import Settings
 
 from bnrecal.api.app import create_app
+from bnrecal.service.export.products import PRODUCTS
 from tests.api.conftest import KEYS, submit, upload, wait_for, write_samples
 from tests.conftest import save_array, save_state
 from tests.nets import MARKER, marker_net, mixed_net, perturbed
@@ -492,3 +493,16 @@ def test_without_api_keys_the_page_does_not_ask_for_one(tmp_path):
     page = TestClient(app).get("/")  # no lifespan: no Ray, no ledger
     assert page.status_code == 200
     assert 'data-auth="false"' in page.text and "key-panel" not in page.text and "forget-key" not in page.text
+
+
+def test_the_form_offers_one_checkbox_per_exported_file_from_the_products_table(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", api_keys=[])
+    app = create_app(settings)
+    app.state.services = SimpleNamespace(settings=settings)
+    page = TestClient(app).get("/").text
+    boxes = re.findall(r'<input id="([a-z0-9_]+)" name="outputs" value="([a-z0-9_]+)" type="checkbox"( data-int8)?>', page)
+    assert [(name, value, bool(int8)) for name, value, int8 in boxes] == [
+        (product.name, product.name, product.int8) for product in PRODUCTS
+    ]
+    for product in PRODUCTS:
+        assert f'<label for="{product.name}">{product.label}</label>' in page
