@@ -9,7 +9,7 @@
    report's ``seconds`` (on the rank), its whole call beside it. The statistics of both
    are held against a float64 reference computed here on the GPU (every value each BN
    layer sees, in training-mode BN, summed in float64), independent of the engine.
-2. Device-side JPEG decode (nvJPEG through ``workers.data.formats.device_decode``) against the
+2. Device-side JPEG decode (nvJPEG through ``workers.data.reading.device_decode``) against the
    CPU path (PIL), on ``--photos`` crops of scikit-learn's two sample photos saved without
    chroma subsampling (decoded on the GPU) and with it (4:2:0, routed to the CPU path):
    time, how far the crops are apart in levels of 255, and for 4:2:0 what nvJPEG would
@@ -197,7 +197,7 @@ def nvjpeg_crops(items: list[tuple[str, bytes, int]], transform: object) -> torc
     (what the ranks would do without routing subsampled JPEGs to the CPU path)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from bnrecal.workers.data.formats.device_decode import _crop
+    from bnrecal.workers.data.reading.device_decode import _crop
 
     raw = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _, data, _ in items]
     return torch.stack([_crop(image, transform).cpu() for image in decode_jpeg(raw, mode=ImageReadMode.RGB, device=DEVICE)])
@@ -208,7 +208,7 @@ def device_decode(count: int) -> list[tuple[str, str, str]]:
     (decoded on the device), photos with it (4:2:0, routed to the CPU path), and what nvJPEG
     on those would do to the crops and to resnet50's BN statistics."""
     from bnrecal.workers.data import ReadOptions, describe_dataset
-    from bnrecal.workers.data.formats.device_decode import DeviceDecoded
+    from bnrecal.workers.data.reading.device_decode import DeviceDecoded
     from tests.shards import folder_order, photos, write_folder
 
     rows = []

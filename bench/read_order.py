@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, iter_batches
-from bnrecal.workers.data import objectstore
+from bnrecal.workers.data.formats import arrays as objectstore_arrays
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 
@@ -105,12 +105,12 @@ def bench_s3(x: np.ndarray, args: argparse.Namespace) -> None:
         access = DataAccess(endpoint_url=server.endpoint)
         spec_for = lambda order: describe_dataset(uri, ReadOptions(order=order), access)  # noqa: E731
         paired(f"s3 .npy, {len(x)} x 12 KiB, coalesced ranges", spec_for, args)
-        gap = objectstore.GATHER_GAP_BYTES
-        objectstore.GATHER_GAP_BYTES = 0
+        gap = objectstore_arrays.GATHER_GAP_BYTES
+        objectstore_arrays.GATHER_GAP_BYTES = 0
         try:
             paired(f"s3 .npy, {len(x)} x 12 KiB, only adjacent rows merged", spec_for, args)
         finally:
-            objectstore.GATHER_GAP_BYTES = gap
+            objectstore_arrays.GATHER_GAP_BYTES = gap
     finally:
         httpd.shutdown()
 

@@ -51,6 +51,17 @@ TOP_MAY_IMPORT = {
     "service.tracking": {"run", "sweep"},  # MLflow runs of a run's and a sweep's reports
 }
 NO_RAY_ROOMS = ("workers.engine",)
+SUB_ROOMS = {
+    "workers.data": {
+        "storage": set(),  # where the bytes live: below every format
+        "formats": {"storage"},
+        "shards": {"storage", "formats"},  # shards above formats
+        "reading": {"storage", "formats", "shards"},
+    },
+}
+"""Inside a room, its own rooms and the ones each may import; a room above all these may also
+import the room's top modules, the rest only its ``SUB_ROOM_LEAVES``."""
+SUB_ROOM_LEAVES = {"workers.data": {"integrity", "opened", "order", "summary"}}
 
 
 def module_name(path: Path) -> str:
@@ -178,6 +189,35 @@ def test_rooms_import_only_their_allowed_rooms():
             if there[1] not in allowed:
                 wrong.append(f"{source} imports {target}")
     assert wrong == [], "rooms import only the rooms ROOMS allows them:\n" + "\n".join(sorted(wrong))
+
+
+def test_sub_rooms_import_one_way():
+    """``workers.data``'s rooms stack: storage, formats, shards, reading; each imports only
+    the rooms below it and the room's leaves (a format never imports a shard dataset or the
+    dataset description; storage knows no format), so a new format is one module above
+    storage and a new place for bytes one module below every format."""
+    wrong = []
+    for source, targets in graph().items():
+        for room, subs in SUB_ROOMS.items():
+            if not source.startswith(room + "."):
+                continue
+            here = source[len(room) + 1:].split(".")[0]
+            if here not in subs:
+                continue
+            for target in targets:
+                if not target.startswith(room + "."):
+                    continue
+                there = target[len(room) + 1:].split(".")[0]
+                top = target.count(".") == room.count(".") + 1
+                allowed = there == here or there in subs[here] or (top and there in SUB_ROOM_LEAVES[room])
+                if here == "reading" and top:
+                    allowed = True
+                if not allowed:
+                    wrong.append(f"{source} imports {target}")
+    assert wrong == [], "sub-rooms import only the rooms below them:\n" + "\n".join(sorted(wrong))
+    for room, subs in SUB_ROOMS.items():
+        on_disk = {p.parent.name for p in (ROOT / room.replace(".", "/")).glob("*/__init__.py")}
+        assert on_disk == set(subs), f"{room}: rooms on disk {sorted(on_disk)} vs SUB_ROOMS {sorted(subs)}"
 
 
 def test_every_room_says_what_it_owns():

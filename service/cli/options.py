@@ -197,7 +197,7 @@ def data_source(value: str | None, flag: str) -> Path | str | None:
     if value is None:
         return None
     if "://" in value:  # only a URI needs the object-storage reader (and torch, which it imports)
-        from bnrecal.workers.data.objectstore import is_data_uri, parse_data_uri
+        from bnrecal.workers.data.storage.objectstore import is_data_uri, parse_data_uri
 
         if is_data_uri(value):
             return parse_data_uri(value, flag)

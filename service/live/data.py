@@ -28,7 +28,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset
 from bnrecal.workers.data.formats.loader import LoaderSpec, batch_length, sample_shape, slice_batch
-from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.data.storage.objectstore import is_data_uri
 from bnrecal.workers.data.shards.detection import is_shard_list
 from bnrecal.errors import DatasetError, SpecError
 

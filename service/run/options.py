@@ -25,7 +25,7 @@ from bnrecal.service.settings import Placement
 Device = Literal["cpu", "cuda"]
 
 Order = Literal["shuffled", "given"]
-"""The sample orders of ``workers.data.reading.order`` (declared here too, so that declaring the
+"""The sample orders of ``workers.data.order`` (declared here too, so that declaring the
 options loads no torch; tests/service/run/test_order_options.py checks they agree)."""
 
 AUTO = "auto"

@@ -18,7 +18,7 @@ from torch import nn
 
 from bnrecal.errors import DatasetOptionError, Int8GuardError
 from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, read_labels
-from bnrecal.workers.data.objectstore import is_data_uri
+from bnrecal.workers.data.storage.objectstore import is_data_uri
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
 

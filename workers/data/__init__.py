@@ -21,7 +21,7 @@ from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.reading.batches import iter_batches
 from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
-from bnrecal.workers.data.formats.labels import read_labels
+from bnrecal.workers.data.labels import read_labels
 from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
 from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format
 from bnrecal.workers.data.summary import DatasetSummary

@@ -47,7 +47,7 @@ class CalibrationData(ABC):
 
     def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
         """Samples ``[start, stop)`` as their encoded bytes ``(name, bytes)``, for a decoder
-        elsewhere (a CUDA rank's, ``workers.data.formats.device_decode``); None where the data has
+        elsewhere (a CUDA rank's, ``workers.data.reading.device_decode``); None where the data has
         no encoded form (arrays)."""
         return None
 

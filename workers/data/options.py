@@ -21,7 +21,7 @@ from bnrecal.workers.data.formats.archive import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
 )
-from bnrecal.workers.data.reading.order import ORDERS
+from bnrecal.workers.data.order import ORDERS
 from bnrecal.errors import DatasetOptionError
 
 
@@ -107,7 +107,7 @@ class DataAccess:
     the driver rather than in a rank."""
     endpoint_url: str | None = None
     """The object-storage endpoint of ``s3://`` data (e.g. a MinIO server); None: the AWS
-    environment's (see ``workers.data.objectstore``)."""
+    environment's (see ``workers.data.storage.objectstore``)."""
 
     def __post_init__(self) -> None:
         for folder in ("unpack_root", "unpack_dir"):

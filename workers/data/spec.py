@@ -11,24 +11,16 @@ from typing import Any, Literal
 
 import numpy as np
 from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
-from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz
+from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz, describe_remote_array
 from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
-from bnrecal.workers.data.formats.images import ImageData, files_digest, list_images
+from bnrecal.workers.data.formats.images import ImageData, files_digest, list_images, list_remote_images
 from bnrecal.workers.data.reading.kept import KeepDecoded
-from bnrecal.workers.data.objectstore import (
-    RemoteArrayData,
-    RemoteImageData,
-    RemoteSource,
-    describe_remote_array,
-    fetch_object,
-    is_data_uri,
-    list_remote_images,
-    parse_data_uri,
-)
-from bnrecal.workers.data.reading.order import order_rows
+from bnrecal.workers.data.storage.files import Place
+from bnrecal.workers.data.storage.objectstore import RemoteSource, fetch_object, is_data_uri, parse_data_uri
+from bnrecal.workers.data.order import order_rows
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
@@ -78,21 +70,26 @@ class DatasetSpec:
         return self.name or Path(self.source).name
 
     def open(self) -> CalibrationData:
-        """Open the dataset for reading (inside the actor); only ``load`` reads sample data."""
+        """Open the dataset for reading (inside the actor); only ``load`` reads sample data.
+        A reader reads through the data's :class:`Place`, wherever its bytes live."""
         if self.kind == "shards":
             assert self.shards is not None
             return ShardData(self.shards, self.sample_rows(), self.transform, self.sample_shape, self.order == "shuffled")
-        if self.remote is not None:
-            return self._open_remote(self.remote)
         if self.kind == "array":
             assert self.layout is not None
-            return ArrayData(self.path, self.layout, self.num_samples, self._array_order(), name=self.display_name)
+            place = Place(self.path, self.remote.endpoint_url if self.remote is not None else None)
+            return ArrayData(place, self.layout, self.num_samples, self._array_order(), name=self.display_name)
         assert self.transform is not None
-        listing = list_images(Path(self.path), strip_wrappers=False, shown=self.display_name)
+        if self.remote is not None:
+            listing = list_remote_images(self.remote, "calibration data")
+            place, shown = Place(f"{self.remote.uri.split('://', 1)[0]}://{listing.root}", self.remote.endpoint_url), self.remote.uri
+        else:
+            listing = list_images(Path(self.path), strip_wrappers=False, shown=self.display_name)
+            place, shown = Place(self.path), self.display_name
         files, labels = self._kept(listing.files, listing.labels)
         if files is None or files_digest(files) != self.files_digest:
-            raise DatasetError(f"image folder {self.display_name} changed since it was described")
-        return ImageData(self.path, files, self.transform, classes=listing.classes, labels=labels)
+            raise DatasetError(f"image {'prefix' if self.remote is not None else 'folder'} {shown} changed since it was described")
+        return ImageData(place, files, self.transform, classes=listing.classes, labels=labels)
 
     def _kept(
         self, files: tuple[str, ...], labels: tuple[int, ...]
@@ -103,19 +100,6 @@ class DatasetSpec:
             return None, ()
         rows = self.sample_rows().tolist()
         return tuple(files[i] for i in rows), tuple(labels[i] for i in rows)
-
-    def _open_remote(self, remote: RemoteSource) -> CalibrationData:
-        if self.kind == "array":
-            assert self.layout is not None
-            return RemoteArrayData(remote, self.layout, self.num_samples, self._array_order())
-        assert self.transform is not None
-        listing = list_remote_images(remote, "calibration data")
-        files, labels = self._kept(listing.files, listing.labels)
-        if files is None or files_digest(files) != self.files_digest:
-            raise DatasetError(f"image prefix {remote.uri} changed since it was described")
-        return RemoteImageData(
-            remote, str(listing.root), files, self.transform, classes=listing.classes, labels=labels,
-        )
 
     def summary(self) -> DatasetSummary:
         """What reports and logs say about the data: its kind, name, counts, shape and order,
@@ -158,7 +142,7 @@ def describe_dataset(
     :class:`DatasetOptionError`, which is also a ``SpecError`` naming the field; ``read``'s
     own options are checked when it is built).
     A ``s3://`` URI is described from object storage (``access.endpoint_url`` overrides the AWS
-    environment's endpoint); see :mod:`workers.data.objectstore`. Shards (a list of shard
+    environment's endpoint); see :mod:`workers.data.storage.objectstore`. Shards (a list of shard
     paths or URIs, a brace pattern, a folder or prefix of shards, a manifest, a WebDataset
     tar, Parquet, a ``save_to_disk`` folder: :mod:`workers.data.shards.detection`) are counted
     here, each tar's index built and cached under the unpack root's parent folder

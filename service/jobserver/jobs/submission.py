@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
+from bnrecal.workers.data.storage.objectstore import parse_data_uri, uri_allowed
 from bnrecal.workers.data.shards.listing import expand_braces, has_brace_pattern, is_manifest_name
 from bnrecal.workers.data.formats.detect import array_sample_shape
 from bnrecal.errors import DatasetError, InputError, SpecError

@@ -79,7 +79,7 @@ def test_each_rank_fetches_only_its_own_rows(s3_server: S3Server, settings: Sett
     settings = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint})
     before = len(s3_server.gets(f"/{BUCKET}/{key}"))
     # In file order each rank's batch is one contiguous range; the shuffled order reads its rows
-    # coalesced through small gaps (tests/workers/data/reading/test_order.py), which is not this test's point.
+    # coalesced through small gaps (tests/workers/data/test_order.py), which is not this test's point.
     result = run(settings, checkpoint, uri, warm_pool, order="given")
     fetched = s3_server.gets(f"/{BUCKET}/{key}")[before:]
     layout = result.dataset.layout

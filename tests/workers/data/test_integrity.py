@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from bnrecal.workers.data.formats.arrays import ArrayData, describe_npy
+from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.integrity import content_address, verify_content_address
 from bnrecal.errors import CorruptBlobError, InputError
 
@@ -43,10 +44,10 @@ def test_a_rank_refuses_a_damaged_blob_before_its_first_sample(tmp_path):
     array = np.arange(64, dtype=np.float32).reshape(16, 4)
     blob = stored_blob(tmp_path, array)
     layout = describe_npy(blob)
-    assert np.array_equal(ArrayData(str(blob), layout, 16).load(0, 16).numpy(), array)
+    assert np.array_equal(ArrayData(Place(str(blob)), layout, 16).load(0, 16).numpy(), array)
     flip_last_byte(blob)  # a sample's bytes: the header still reads
     with pytest.raises(CorruptBlobError, match=r"data: blob sha256:[0-9a-f]{64} is corrupt") as raised:
-        ArrayData(str(blob), layout, 16).load(0, 16)
+        ArrayData(Place(str(blob)), layout, 16).load(0, 16)
     assert raised.value.field == "data" and isinstance(raised.value, InputError)
 
 
@@ -54,4 +55,4 @@ def test_a_file_outside_a_blob_store_is_read_as_it_is(tmp_path):
     plain = tmp_path / "calib.npy"
     np.save(plain, np.ones((4, 2), dtype=np.float32))
     verify_content_address(plain)  # nothing to check it against
-    assert ArrayData(str(plain), describe_npy(plain), 4).load(0, 4).shape == (4, 2)
+    assert ArrayData(Place(str(plain)), describe_npy(plain), 4).load(0, 4).shape == (4, 2)

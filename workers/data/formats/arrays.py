@@ -14,6 +14,7 @@ to more than the byte bound is refused as a decompression bomb before anything r
 from __future__ import annotations
 
 import ast
+import io
 import struct
 import zipfile
 import zlib
@@ -27,13 +28,17 @@ import torch
 from bnrecal.workers.data.formats.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
 from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.integrity import verify_content_address
-from bnrecal.workers.data.reading.order import ReadAhead, gather_runs
+from bnrecal.workers.data.order import ReadAhead, gather_runs
+from bnrecal.workers.data.storage.files import Place
+from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
 from bnrecal.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
 
 _NPY_MAGIC = b"\x93NUMPY"
 _MAX_HEADER_BYTES = 10_000  # numpy's own safety bound on the header dictionary
+_HEADER_BYTES = 16_384  # an object's first bytes fetched for its npy header (at most 10_012 bytes)
+_DIRECTORY_BLOCK = 1 << 16  # readahead while reading an object's zip directory and local header
 _ACCEPTED_KINDS = {"f": "float", "u": "unsigned integer", "i": "integer"}
 _ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes, APPNOTE 4.3.7
 _PREFERRED_ARRAYS = ("x", "data")
@@ -270,36 +275,76 @@ def compact_dtype(stored: str | np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype in _COMPACT_DTYPES else np.dtype(np.float32)
 
 
+GATHER_GAP_BYTES = 256 * 1024
+"""Rows of a remote array closer than this are fetched in one ranged read, gap included:
+a request costs about as much as that many bytes of transfer."""
+
+
+def describe_remote_array(
+    source: RemoteSource, data_format: str, size: int, role: str, **npz_limits: Any
+) -> ArrayLayout:
+    """The layout of an ``.npy`` or ``.npz`` object, from its first bytes or its zip directory
+    (``npz_limits``: the bounds of a compressed member, see :func:`describe_npz_stream`)."""
+    fs = source.filesystem()
+    try:
+        if data_format == "npy":
+            head = fs.cat_file(source.key, start=0, end=min(size, _HEADER_BYTES))
+            layout = describe_npy_stream(io.BytesIO(head), source.name, size)
+        else:
+            with fs.open(source.key, "rb", block_size=_DIRECTORY_BLOCK, cache_type="readahead") as stream:
+                layout = describe_npz_stream(stream, source.name, size, **npz_limits)
+    except Exception as exc:  # noqa: BLE001
+        raise remote_error(exc, source, role) from exc
+    if layout.fortran_order and layout.storage != "npz-compressed":
+        raise DatasetError(
+            f"{source.name} is Fortran-ordered: its rows are not contiguous and cannot be read by ranges; "
+            "save it with np.ascontiguousarray"
+        )
+    return layout
+
+
 class ArrayData(ReadAhead, CalibrationData):
     """Samples of a ``.npy``/``.npz`` array, converted to float32 as is (uint8 is not rescaled).
 
-    Files open lazily on the first ``load``; pickling drops them, so the object can cross
-    process boundaries and reopen on the other side. ``order`` (``workers.data.reading.order``) is
-    the row of each sample position when the samples are not taken in file order. ``name``
-    is what errors call the file (the name the user knows), else the file's own name.
+    ``place`` is where the file lies (:class:`~workers.data.storage.files.Place`): a local file
+    is memory-mapped; an object in S3 is read by byte ranges of the requested rows only (rows
+    close together in one ranged read, the runs of a step fetched concurrently); a compressed
+    member is streamed forward from either. Files open lazily on the first ``load``; pickling
+    drops them, so the object can cross process boundaries and reopen on the other side.
+    ``order`` (``workers.data.order``) is the row of each sample position when the samples
+    are not taken in file order. ``name`` is what errors call the file (the name the user
+    knows), else the file's own name.
     """
 
     def __init__(
-        self, path: str, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None,
+        self, place: Place, layout: ArrayLayout, num_samples: int, order: np.ndarray | None = None,
         name: str | None = None,
     ) -> None:
-        self.path = path
-        self.name = name or Path(path).name
+        self.place = place
+        self.name = name or place.shown
         self.layout = layout
         self.num_samples = num_samples
         self.order = order
         self.sample_shape = tuple(layout.shape[1:])
-        self._rows: np.ndarray | None = None  # memory map, for npy and npz-stored
+        self._rows: np.ndarray | None = None  # memory map, for a local npy and npz-stored
+        self._file: IO[bytes] | None = None  # the file a compressed member streams from
         self._zip: zipfile.ZipFile | None = None  # open archive, for npz-compressed
         self._stream: IO[bytes] | None = None
         self.plan_reads([])
+
+    @property
+    def _ranged(self) -> bool:
+        """Whether rows are fetched by byte ranges (an uncompressed array in object storage)."""
+        return self.place.remote is not None and self.layout.storage != "npz-compressed"
 
     def __len__(self) -> int:
         return self.num_samples
 
     @property
     def memory_map(self) -> np.memmap | None:
-        """The memory map the rows are read from (None for a compressed npz member)."""
+        """The memory map the rows are read from (None for a compressed npz member or an object)."""
+        if self._ranged:
+            return None
         self._open()
         return self._rows if isinstance(self._rows, np.memmap) else None
 
@@ -328,12 +373,15 @@ class ArrayData(ReadAhead, CalibrationData):
     @property
     def _reads_ahead(self) -> bool:
         """Whether rows in a shuffled order are worth reading several steps at a time: a
-        compressed member is one forward pass per read (a memory map needs no help)."""
-        return self.layout.storage == "npz-compressed"
+        compressed member is one forward pass per read, a ranged read a round trip (a memory
+        map needs no help)."""
+        return self.layout.storage == "npz-compressed" or self._ranged
 
     def _read_rows(self, start: int, stop: int) -> np.ndarray:
         """Consecutive rows ``[start, stop)`` of the array, in the compact type."""
         dtype = compact_dtype(self.layout.dtype)
+        if self._ranged:
+            return self._fetch_runs([(start, stop)])[0]
         self._open()
         if self._rows is not None:
             return np.array(self._rows[start:stop], dtype=dtype, order="C")
@@ -341,41 +389,68 @@ class ArrayData(ReadAhead, CalibrationData):
 
     def _gather(self, rows: np.ndarray) -> np.ndarray:
         """Rows ``rows`` (any order, no repeats) in the compact type: a memory map reads them
-        in one sorted fancy index, a compressed member in one forward pass over their runs."""
-        self._open()
+        in one sorted fancy index, a compressed member in one forward pass over their runs, an
+        object by its runs (rows up to ``GATHER_GAP_BYTES`` apart read through the gap) fetched
+        concurrently in one call."""
         permutation = np.argsort(rows, kind="stable")
         ordered = rows[permutation]
-        if self._rows is not None:
-            found = np.asarray(self._rows[ordered], dtype=compact_dtype(self.layout.dtype), order="C")
+        if self._ranged:
+            gap = max(0, GATHER_GAP_BYTES // max(1, self._row_bytes()))
+            found = gather_runs(ordered, None, gap, fetch=self._fetch_runs)
         else:
-            found = gather_runs(ordered, lambda a, b: self._read_rows(a, b), 0)
+            self._open()
+            if self._rows is not None:
+                found = np.asarray(self._rows[ordered], dtype=compact_dtype(self.layout.dtype), order="C")
+            else:
+                found = gather_runs(ordered, lambda a, b: self._read_rows(a, b), 0)
         out = np.empty_like(found)
         out[permutation] = found
         return out
 
+    def _row_bytes(self) -> int:
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * np.dtype(self.layout.dtype).itemsize
+
+    def _fetch_runs(self, runs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Each run of consecutive rows ``[start, stop)`` by its byte range, in the compact type."""
+        stored, dtype, row_bytes = np.dtype(self.layout.dtype), compact_dtype(self.layout.dtype), self._row_bytes()
+        offset = self.layout.data_offset
+        raws = self.place.read_ranges([(offset + a * row_bytes, offset + b * row_bytes) for a, b in runs])
+        return [
+            np.array(np.frombuffer(raw, dtype=stored).reshape(b - a, *self.sample_shape), dtype=dtype, order="C")
+            for (a, b), raw in zip(runs, raws)
+        ]
+
     def _open(self) -> None:
         if self._rows is not None or self._stream is not None:
             return
-        layout, name = self.layout, self.name
-        verify_content_address(self.path)  # an uploaded blob: hashed before its first sample is read
+        layout, name, path = self.layout, self.name, self.place.location
+        if self.place.remote is None:
+            verify_content_address(path)  # an uploaded blob: hashed before its first sample is read
         try:
-            if layout.storage == "npy":
-                rows = np.load(self.path, mmap_mode="r", allow_pickle=False)
+            if layout.storage == "npz-compressed":
+                self._file = self.place.open()
+                self._zip = zipfile.ZipFile(self._file)
+                self._stream = self._zip.open(layout.member or "")
+            elif layout.storage == "npy":
+                rows = np.load(path, mmap_mode="r", allow_pickle=False)
                 if rows.shape != layout.shape or rows.dtype.str != layout.dtype:
                     raise DatasetError(f"{name} changed since it was described (shape {rows.shape})")
                 self._rows = rows
-            elif layout.storage == "npz-stored":
+            else:
                 order = "F" if layout.fortran_order else "C"
                 self._rows = np.memmap(
-                    self.path, dtype=np.dtype(layout.dtype), mode="r",
+                    path, dtype=np.dtype(layout.dtype), mode="r",
                     offset=layout.data_offset, shape=layout.shape, order=order,
                 )
-            else:
-                self._zip = zipfile.ZipFile(self.path)
-                self._stream = self._zip.open(layout.member or "")
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        except DatasetError:
             self.close()
-            raise DatasetError(f"cannot open {name}: {exc}") from exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - a local file's and an object's errors, reported one way
+            self.close()
+            remote = self.place.remote
+            raise remote_error(exc, remote, "calibration data") if remote is not None else DatasetError(
+                f"cannot open {name}: {exc}"
+            ) from exc
 
     def _read_compressed(self, start: int, stop: int) -> np.ndarray:
         assert self._stream is not None
@@ -390,14 +465,16 @@ class ArrayData(ReadAhead, CalibrationData):
         return np.frombuffer(raw, dtype=dtype).reshape(stop - start, *self.sample_shape)
 
     def close(self) -> None:
-        """Drop the memory map and close the archive."""
+        """Drop the memory map and close the archive and its file."""
         if self._stream is not None:
             self._stream.close()
         if self._zip is not None:
             self._zip.close()
-        self._rows = self._zip = self._stream = None
+        if self._file is not None:
+            self._file.close()
+        self._rows = self._zip = self._stream = self._file = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_rows=None, _zip=None, _stream=None, _window={})
+        state.update(_rows=None, _zip=None, _stream=None, _file=None, _window={})
         return state

@@ -20,8 +20,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from bnrecal.workers.data.shards.reads import open_random_access, open_shard
-from bnrecal.workers.data.shards.listing import ShardRef, local_ref
+from bnrecal.workers.data.storage.reads import open_random_access, open_shard
+from bnrecal.workers.data.storage.files import ShardRef, local_ref
 from bnrecal.errors import DatasetError, DatasetOptionError, message_line
 
 DEFAULT_IMAGE_COLUMN = "image"

@@ -18,6 +18,7 @@ Layout rules (documented for users):
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 
 from bnrecal.workers.data.opened import DecodedData
+from bnrecal.workers.data.storage.files import Place
+from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
 from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
 from bnrecal.errors import DatasetError
 
@@ -117,19 +120,44 @@ def _raise_walk_error(exc: OSError) -> None:
     raise DatasetError(f"cannot list {Path(exc.filename or '').name}: {exc.strerror}") from exc
 
 
+def list_remote_images(source: RemoteSource, role: str) -> ImageListing:
+    """The images under a prefix, by the same rules (and in the same order) as a local folder,
+    wrapper folders included."""
+    fs = source.filesystem()
+    try:
+        found = fs.find(source.key)
+    except Exception as exc:  # noqa: BLE001
+        raise remote_error(exc, source, role) from exc
+    base = source.key + "/"
+    names = [path[len(base):] for path in found if path.startswith(base)]
+    names = [n for n in names if not any(is_ignored_part(p) for p in n.split("/"))]
+    root = source.key
+    while True:  # a top level of no image and a single folder is a wrapper
+        top_files = [n for n in names if "/" not in n]
+        folders = {n.split("/", 1)[0] for n in names if "/" in n}
+        if any(is_image_name(n) for n in top_files) or len(folders) != 1:
+            break
+        (folder,) = folders
+        root = f"{root}/{folder}"
+        names = [n[len(folder) + 1:] for n in names if n.startswith(folder + "/")]
+    return listing_of(Path(root), [n for n in names if is_image_name(n)], source.name or source.uri)
+
+
 class ImageData(DecodedData):
-    """Images decoded and transformed on each ``load`` (so DataLoader workers can do it ahead)."""
+    """Images decoded and transformed on each ``load`` (so DataLoader workers can do it ahead),
+    read through their ``place`` (:class:`~workers.data.storage.files.Place`): files under a
+    local folder, or objects under an S3 prefix fetched concurrently, only those requested."""
 
     def __init__(
         self,
-        root: str,
+        place: Place,
         files: Sequence[str],
         transform: ImageTransform,
         *,
         classes: Sequence[str] = (),
         labels: Sequence[int] = (),
     ) -> None:
-        self.root = root
+        self.place = place
         self.files = tuple(files)
         self.transform = transform
         self.classes = tuple(classes)
@@ -150,18 +178,14 @@ class ImageData(DecodedData):
         self._check_range(start, stop)
         if start == stop:
             return self._empty().to(torch.uint8)
-        root = Path(self.root)
-        return torch.stack([decode_image(root / name, name, self.transform) for name in self.files[start:stop]])
+        return torch.stack([decode_image(io.BytesIO(data), name, self.transform) for name, data in self.encoded(start, stop)])  # type: ignore[arg-type]
 
     def from_kept(self, kept: torch.Tensor) -> torch.Tensor:
         """uint8 crops scaled and normalised by the transform."""
         return normalize(kept, self.transform)
 
-    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
+    def encoded(self, start: int, stop: int) -> list[tuple[str, bytes]]:
         """The image files' bytes ``[start, stop)``, named as in messages."""
         self._check_range(start, stop)
-        root = Path(self.root)
-        try:
-            return [(name, (root / name).read_bytes()) for name in self.files[start:stop]]
-        except OSError as exc:
-            raise DatasetError(f"cannot read image {exc.filename and Path(exc.filename).name}: {exc.strerror}") from exc
+        names = self.files[start:stop]
+        return list(zip(names, self.place.read_files(names)))

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bnrecal.errors import DatasetError, DatasetOptionError
-from bnrecal.workers.data.shards.listing import ShardRef
-from bnrecal.workers.data.shards.reads import read_ranges
+from bnrecal.workers.data.storage.files import ShardRef
+from bnrecal.workers.data.storage.reads import read_ranges
 
 MDS_INDEX = "index.json"
 """The index Streaming writes beside its shards."""
@@ -334,7 +334,7 @@ def _pil_as_png(cell: bytes, name: str) -> bytes:
 def read_index_bytes(location: str, endpoint_url: str | None, where: str) -> bytes:
     """The bytes of an ``index.json`` at a local path or an ``s3://`` URI, at most
     :data:`MAX_INDEX_BYTES`."""
-    from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
+    from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
 
     try:
         if is_data_uri(location):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,9 +162,8 @@ def ship_dataset(
 
 
 def _read(data: CalibrationData, start: int, stop: int) -> Any:
-    if isinstance(data, ImageData):
-        root = Path(data.root)
-        return [(name, (root / name).read_bytes()) for name in data.files[start:stop]]
+    if isinstance(data, ImageData):  # the files' bytes: the ranks decode
+        return data.encoded(start, stop)
     if isinstance(data, ShardData):  # encoded bytes, as an image folder's files: the ranks decode
         return data.load_encoded(start, stop)
     if isinstance(data, ArrayData):

@@ -3,7 +3,7 @@ MDS), streamed: never unpacked, each rank reading only its own samples.
 
 A sample's index is its position over all shards in sorted order (members in tar order, rows
 in file order), so the same images give the same samples whether they come as a folder, tar
-shards or Parquet, and the seeded order (:mod:`workers.data.reading.order`) is a permutation of
+shards or Parquet, and the seeded order (:mod:`workers.data.order`) is a permutation of
 samples, not of files: global batches do not depend on the number of ranks and every prefix
 is a fair draw. A rank maps each of its positions to ``(shard, row)`` and reads the rows of a
 call sorted by shard and offset (tar: one ranged read per member; Parquet: the row groups
@@ -28,8 +28,8 @@ import torch
 from bnrecal.workers.data.opened import DecodedData
 from bnrecal.workers.data.formats.columnar import ColumnarReader
 from bnrecal.workers.data.formats.mds import MdsColumns, MdsReader
-from bnrecal.workers.data.reading.order import READ_AHEAD_BYTES
-from bnrecal.workers.data.shards.listing import ShardRef
+from bnrecal.workers.data.order import READ_AHEAD_BYTES
+from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
 from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_index

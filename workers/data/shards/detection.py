@@ -33,11 +33,11 @@ from bnrecal.errors import DatasetOptionError
 from bnrecal.workers.data.formats.columnar import (
     ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
 )
-from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, remote_error
+from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
+from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, local_ref
 from bnrecal.workers.data.shards.listing import (
-    LIST_THREADS, MAX_MANIFEST_BYTES, TAR_SUFFIXES, StoredObject, ShardRef, has_brace_pattern, is_manifest_name,
-    list_prefix,
-    local_ref, prefix_shards, read_manifest, refs_of, shard_files_in,
+    LIST_THREADS, MAX_MANIFEST_BYTES, StoredObject, has_brace_pattern, is_manifest_name, list_prefix,
+    prefix_shards, read_manifest, refs_of, shard_files_in,
 )
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform

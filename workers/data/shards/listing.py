@@ -34,12 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bnrecal.workers.data.objectstore import RemoteSource, is_data_uri, parse_data_uri, remote_error
+from bnrecal.workers.data.storage.files import ShardRef, is_shard_name, local_ref
+from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, parse_data_uri, remote_error
 from bnrecal.errors import DatasetError
 
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-PARQUET_SUFFIXES = (".parquet",)
-SHARD_SUFFIXES = TAR_SUFFIXES + PARQUET_SUFFIXES
 MANIFEST_SUFFIXES = (".manifest", ".lst", ".txt")
 MAX_PATTERN_SHARDS = 10_000_000
 MAX_MANIFEST_BYTES = 256 * 2**20
@@ -51,46 +49,6 @@ _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _SPLITS = re.compile(r"^(train|test|validation|valid|val|dev)([-_.]|$)")
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """One shard: ``location`` (an absolute local path or an ``s3://`` URI), the byte range
-    ``[offset, offset + size)`` of it that is the shard (the whole file unless it lies inside
-    another tar), ``version`` (``size-mtime_ns`` or the ETag) and ``name``, what messages call it."""
-
-    location: str
-    size: int
-    version: str
-    name: str
-    offset: int = 0
-
-    @property
-    def remote(self) -> bool:
-        """Whether the shard lies in object storage."""
-        return is_data_uri(self.location)
-
-    @property
-    def suffix(self) -> str:
-        """The shard's format suffix (``.tar``, ``.tar.gz``, ``.parquet``, ...), from its name."""
-        lower = self.name.lower()
-        return next((s for s in SHARD_SUFFIXES if lower.endswith(s)), "")
-
-    @property
-    def gzip(self) -> bool:
-        """Whether the shard is a gzip-compressed tar (read forward only)."""
-        return self.suffix in (".tar.gz", ".tgz")
-
-    @property
-    def cache_key(self) -> str:
-        """What the index cache is keyed by: where the shard lies and which version it is."""
-        text = f"{self.location}\0{self.offset}\0{self.size}\0{self.version}"
-        return hashlib.sha256(text.encode()).hexdigest()
-
-
-def is_shard_name(name: str) -> bool:
-    """Whether a file name is a shard's (``.tar``, ``.tar.gz``/``.tgz``, ``.parquet``)."""
-    return name.lower().endswith(SHARD_SUFFIXES)
 
 
 def is_manifest_name(name: str) -> bool:
@@ -146,12 +104,6 @@ def _alternatives(body: str, pattern: str) -> list[str]:
     if "," in body:
         return body.split(",")
     raise DatasetError(f"{pattern}: {{{body}}} is neither a range {{000..146}} nor a list {{a,b}}")
-
-
-def local_ref(path: Path, name: str) -> ShardRef:
-    """The :class:`ShardRef` of a local shard file."""
-    stat = path.stat()
-    return ShardRef(str(path), stat.st_size, f"{stat.st_size}-{stat.st_mtime_ns}", name)
 
 
 def list_local_pattern(pattern: str, role: str) -> list[ShardRef]:

@@ -11,8 +11,9 @@ import os
 import re
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.data.objectstore import RemoteSource, stat_object
-from bnrecal.workers.data.shards.listing import expand_braces, is_shard_name
+from bnrecal.workers.data.storage.objectstore import RemoteSource, stat_object
+from bnrecal.workers.data.storage.files import is_shard_name
+from bnrecal.workers.data.shards.listing import expand_braces
 
 _GLOB = re.compile(r"[*?\[]")
 _LIST_LIMIT = 20
@@ -32,7 +33,7 @@ def not_found(path: str, role: str) -> DatasetError:
 
 
 def stat_data(remote: RemoteSource, role: str) -> tuple[str, int]:
-    """:func:`workers.data.objectstore.stat_object`; a glob that names no object fails with
+    """:func:`workers.data.storage.objectstore.stat_object`; a glob that names no object fails with
     :func:`glob_hint`'s advice (its matches are not listed)."""
     try:
         return stat_object(remote, role)

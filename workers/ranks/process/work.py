@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bnrecal.workers.data import CalibrationData, iter_batches
-from bnrecal.workers.data.formats.device_decode import on_device
+from bnrecal.workers.data.reading.device_decode import on_device
 from bnrecal.workers.data.reading.kept import open_kept
 from bnrecal.workers.data.formats.loader import LoaderSpec, Step
 from bnrecal.workers.engine.batchnorm import BatchNormLayer, layers_named

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from bnrecal.errors import BnrecalError, CorruptBlobError, NotFoundError, SpecError
-from bnrecal.workers.data.objectstore import s3_filesystem
+from bnrecal.workers.data.storage.objectstore import s3_filesystem
 
 from bnrecal.workers.files import file_digest
 from bnrecal.service.jobserver.storage.blobs.shared import (

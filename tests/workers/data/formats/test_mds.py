@@ -15,7 +15,7 @@ import torch
 
 from bnrecal.errors import DatasetError, DatasetOptionError
 from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
-from bnrecal.workers.data.shards import reads as shard_reads
+from bnrecal.workers.data.storage import reads as shard_reads
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from tests.s3 import S3Server

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
-from bnrecal.workers.data.shards import reads as shard_reads
-from bnrecal.workers.data.objectstore import RemoteSource
+from bnrecal.workers.data.storage import reads as shard_reads
+from bnrecal.workers.data.storage.objectstore import RemoteSource
 from bnrecal.workers.data.shards.listing import LIST_THREADS, list_prefix, prefix_shards, refs_of
 from bnrecal.errors import DatasetError
 from bnrecal.workers.ranks.sharding import rank_ranges

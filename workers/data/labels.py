@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bnrecal.workers.data.formats.images import list_images
-from bnrecal.workers.data.objectstore import list_remote_images, open_remote_file, remote_error
+from bnrecal.workers.data.formats.images import list_images, list_remote_images
+from bnrecal.workers.data.storage.objectstore import open_remote_file, remote_error
 from bnrecal.workers.data.shards.dataset import shard_labels
 from bnrecal.workers.data.spec import DatasetSpec
 from bnrecal.errors import DatasetError

@@ -13,7 +13,7 @@ from PIL import Image
 
 from bnrecal.errors import DatasetOptionError
 from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, iter_batches, read_labels
-from bnrecal.workers.data.reading.order import order_rows, sorted_runs
+from bnrecal.workers.data.order import order_rows, sorted_runs
 
 from bnrecal.workers.ranks.sharding import rank_ranges
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from bnrecal.workers.data import DataAccess, ReadOptions, describe_dataset, read_labels
-from bnrecal.workers.data.objectstore import parse_data_uri, uri_allowed
+from bnrecal.workers.data.storage.objectstore import parse_data_uri, uri_allowed
 from bnrecal.errors import DatasetError, SpecError
 
 from tests.s3 import S3Server

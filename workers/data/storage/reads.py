@@ -12,8 +12,8 @@ import io
 import os
 from typing import IO, Any
 
-from bnrecal.workers.data.objectstore import RemoteSource, remote_error
-from bnrecal.workers.data.shards.listing import ShardRef
+from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
+from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.errors import DatasetError
 
 GATHER_GAP_BYTES = 256 * 1024

@@ -1,4 +1,4 @@
-"""Decoding on the rank's device (workers.data.formats.device_decode), run here with the CPU device:
+"""Decoding on the rank's device (workers.data.reading.device_decode), run here with the CPU device:
 the same calls a CUDA rank makes, torchvision's JPEG decoder in place of nvJPEG (and nvJPEG
 itself in the gpu-marked cases, where a CUDA device is present). JPEGs without chroma
 subsampling are decoded on the device, their crops within one level of the CPU path's;
@@ -16,7 +16,7 @@ from PIL import Image
 
 from bnrecal import DatasetError
 from bnrecal.workers.data import ReadOptions, describe_dataset, iter_batches, ship_dataset
-from bnrecal.workers.data.formats.device_decode import DeviceDecoded, decode_on_device, decodes_exactly, on_device
+from bnrecal.workers.data.reading.device_decode import DeviceDecoded, decode_on_device, decodes_exactly, on_device
 from bnrecal.workers.data.reading.kept import DecodedStore, KeepDecoded, KeptData
 from tests.shards import folder_order, photos, write_folder, write_tar_shards
 
