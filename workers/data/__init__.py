@@ -16,14 +16,14 @@ from bnrecal.workers.data.formats.archive import (
     default_unpack_root,
     discard_unpack,
 )
-from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout
+from bnrecal.workers.data.formats.arrays import ArrayData
+from bnrecal.workers.data.formats.npy_layout import ArrayLayout
 from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.reading.batches import iter_batches
 from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
-from bnrecal.workers.data.labels import read_labels
 from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
-from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format
+from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format, read_labels
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 

@@ -1,11 +1,63 @@
-"""What every opened calibration dataset offers, and the error raised for bad data options."""
+"""What every opened calibration dataset offers (:class:`CalibrationData`), and what every
+format's part of a dataset's description offers (:class:`DataPart`) over what it sees of the
+description's header (:class:`Described`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from bnrecal.workers.data.storage.files import Place
+    from bnrecal.workers.data.summary import DatasetSummary
+
+
+class Described(Protocol):
+    """What a format's part sees of its dataset's description (the header of
+    :class:`~workers.data.spec.DatasetSpec`): where the bytes live, how many samples of how
+    many, one sample's shape, their order and the name the user knows."""
+
+    @property
+    def place(self) -> Place: ...
+
+    num_samples: int
+    total_samples: int
+    sample_shape: tuple[int, ...]
+    order: str
+
+    @property
+    def display_name(self) -> str: ...
+
+    def sample_rows(self) -> np.ndarray: ...
+
+
+class DataPart(Protocol):
+    """A format's own part of a dataset's description: small, typed and picklable (it travels
+    to the ranks). It opens the data, adds what its format says to the summary, reads the
+    evaluation labels, and sets aside what does not change which samples are read."""
+
+    kind: ClassVar[str]
+
+    def open(self, described: Described) -> CalibrationData:
+        """The data opened for reading (inside a rank); only ``load`` reads samples."""
+        ...
+
+    def summarise(self, summary: DatasetSummary) -> DatasetSummary:
+        """``summary`` (the header's) with what this format adds."""
+        ...
+
+    def labels(self, described: Described) -> np.ndarray | None:
+        """The class index of each sample (int64, in the samples' order), or None without labels."""
+        ...
+
+    def same_samples(self) -> DataPart:
+        """This part with what does not change the samples read set aside (two descriptions
+        that compare equal after it read the same samples)."""
+        ...
 
 
 

@@ -7,62 +7,92 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
-from bnrecal.workers.data.formats.arrays import ArrayData, ArrayLayout, describe_npy, describe_npz, describe_remote_array
+from bnrecal.workers.data.formats.arrays import ArrayPart
+from bnrecal.workers.data.formats.npy_layout import ArrayLayout, describe_npy, describe_npz, describe_remote_array
 from bnrecal.workers.data.opened import CalibrationData
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
-from bnrecal.workers.data.formats.images import ImageData, files_digest, list_images, list_remote_images
+from bnrecal.workers.data.formats.images import ImagePart, files_digest, list_images, list_remote_images
 from bnrecal.workers.data.reading.kept import KeepDecoded
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, fetch_object, is_data_uri, parse_data_uri
 from bnrecal.workers.data.order import order_rows
-from bnrecal.workers.data.shards.dataset import ShardData, ShardSet
+from bnrecal.workers.data.shards.dataset import ShardPart, ShardSet
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
 from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
 from bnrecal.workers.data.formats.transform import ImageTransform, check_image_header, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
 
+DataPartOf = ArrayPart | ImagePart | ShardPart
+"""The formats' parts a description holds (each format's module defines its own)."""
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     """What the driver learned about a dataset: small and picklable, sent to every actor.
 
-    ``path`` is the ``.npy``/``.npz`` file or the image folder (after unpacking an
-    archive); ``source`` is the path the user gave. ``num_samples`` counts after
-    ``max_samples``, ``total_samples`` before. ``sample_shape`` is one sample as fed
-    to the model (float32). ``name`` is what messages and reports call the data when
-    that is not the file's own name (an uploaded blob is stored under its digest).
+    A header every dataset has, and ``part``, what its format adds (:class:`ArrayPart`: the
+    array's layout; :class:`ImagePart`: the transform, classes and listing digests;
+    :class:`ShardPart`: the shards and their transform), which opens the data, reads its
+    labels and fills its summary. ``path`` is the ``.npy``/``.npz`` file or the image folder
+    (after unpacking an archive), or their URI; ``remote`` says it lies in object storage and
+    which endpoint reaches it; ``source`` is the path the user gave. ``num_samples`` counts
+    after ``max_samples``, ``total_samples`` before. ``sample_shape`` is one sample as fed to
+    the model (float32). ``name`` is what messages and reports call the data when that is not
+    the file's own name (an uploaded blob is stored under its digest).
     """
 
-    kind: Literal["array", "images", "shards"]
+    part: DataPartOf
     path: str
     num_samples: int
     sample_shape: tuple[int, ...]
     total_samples: int
     source: str
-    layout: ArrayLayout | None = None  # arrays: storage, npz member, dtype, offsets
-    transform: ImageTransform | None = None  # images: the resolved transform
-    classes: tuple[str, ...] = ()  # images in class folders: class names, label = index
-    files_digest: str | None = None  # images: digest of the sample file list
-    listing_digest: str | None = None  # images: digest of the whole listing in file order (any order, any prefix)
     name: str | None = None  # the name the user knows, where the file's is an internal one
     remote: RemoteSource | None = None  # data in object storage: ranks fetch their own samples from it
     order: str = "given"  # "shuffled" (seeded) or "given" (file order)
     seed: int = 0
-    shards: ShardSet | None = None  # shards: the shards, their sample counts, the columns (transform None: .npy samples)
     keep: KeepDecoded | None = None  # set by a run: its ranks keep what they decode for its later passes (workers.data.reading.kept)
+
+    @property
+    def kind(self) -> str:
+        """``array``, ``images`` or ``shards``: the format's part's kind."""
+        return self.part.kind
+
+    @property
+    def place(self) -> Place:
+        """Where the data's own bytes live (a file or folder here, or an object or prefix)."""
+        return Place(self.path, self.remote.endpoint_url if self.remote is not None else None)
+
+    @property
+    def transform(self) -> ImageTransform | None:
+        """The image transform of image samples (a folder's, or the shards'); None for arrays."""
+        return self.part.transform if not isinstance(self.part, ArrayPart) else None
+
+    @property
+    def layout(self) -> ArrayLayout | None:
+        """An array file's layout; None for other data."""
+        return self.part.layout if isinstance(self.part, ArrayPart) else None
+
+    @property
+    def shards(self) -> ShardSet | None:
+        """A dataset of shards' shards; None for other data."""
+        return self.part.shards if isinstance(self.part, ShardPart) else None
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """An image folder's class names (label = index); empty for other data."""
+        return self.part.classes if isinstance(self.part, ImagePart) else ()
 
     def sample_rows(self) -> np.ndarray:
         """The file row (array row, or index in the sorted image listing) of each sample position."""
         return order_rows(self.total_samples, self.num_samples, self.order, self.seed)
-
-    def _array_order(self) -> np.ndarray | None:
-        return None if self.order == "given" else self.sample_rows()
 
     @property
     def display_name(self) -> str:
@@ -71,51 +101,35 @@ class DatasetSpec:
 
     def open(self) -> CalibrationData:
         """Open the dataset for reading (inside the actor); only ``load`` reads sample data.
-        A reader reads through the data's :class:`Place`, wherever its bytes live."""
-        if self.kind == "shards":
-            assert self.shards is not None
-            return ShardData(self.shards, self.sample_rows(), self.transform, self.sample_shape, self.order == "shuffled")
-        if self.kind == "array":
-            assert self.layout is not None
-            place = Place(self.path, self.remote.endpoint_url if self.remote is not None else None)
-            return ArrayData(place, self.layout, self.num_samples, self._array_order(), name=self.display_name)
-        assert self.transform is not None
-        if self.remote is not None:
-            listing = list_remote_images(self.remote, "calibration data")
-            place, shown = Place(f"{self.remote.uri.split('://', 1)[0]}://{listing.root}", self.remote.endpoint_url), self.remote.uri
-        else:
-            listing = list_images(Path(self.path), strip_wrappers=False, shown=self.display_name)
-            place, shown = Place(self.path), self.display_name
-        files, labels = self._kept(listing.files, listing.labels)
-        if files is None or files_digest(files) != self.files_digest:
-            raise DatasetError(f"image {'prefix' if self.remote is not None else 'folder'} {shown} changed since it was described")
-        return ImageData(place, files, self.transform, classes=listing.classes, labels=labels)
+        Its format's part opens it, reading through the data's :class:`Place`."""
+        return self.part.open(self)
 
-    def _kept(
-        self, files: tuple[str, ...], labels: tuple[int, ...]
-    ) -> tuple[tuple[str, ...] | None, tuple[int, ...]]:
-        """The listed images (and labels) at the sample positions, None when the listing
-        no longer has the described number of images."""
-        if len(files) != self.total_samples:
-            return None, ()
-        rows = self.sample_rows().tolist()
-        return tuple(files[i] for i in rows), tuple(labels[i] for i in rows)
+    def labels(self) -> np.ndarray | None:
+        """The class index of each sample (int64, in the samples' order), or None without labels."""
+        return self.part.labels(self)
 
     def summary(self) -> DatasetSummary:
         """What reports and logs say about the data: its kind, name, counts, shape and order,
-        and what its kind adds (an array's layout, images' transform, the shards)."""
+        and what its format adds (an array's layout, images' transform, the shards)."""
         summary = DatasetSummary(
             kind=self.kind, source=self.display_name, samples=self.num_samples, total_samples=self.total_samples,
             sample_shape=self.sample_shape, order=self.order, seed=self.seed if self.order == "shuffled" else None,
         )
-        if self.layout is not None:
-            layout = self.layout
-            summary = replace(summary, storage=layout.storage, dtype=layout.dtype, array=layout.array_name)
-        if self.transform is not None:
-            summary = replace(summary, transform=self.transform, classes=len(self.classes))
-        if self.shards is not None:
-            summary = self.shards.summary(summary)
-        return summary
+        return self.part.summarise(summary)
+
+
+def read_labels(spec: DatasetSpec) -> np.ndarray | None:
+    """The class index of each of the dataset's samples (int64), or None when it has none.
+
+    Labels follow the samples' order (``spec.order``). Image folders are labelled by their
+    class folders (sorted names, index = position, as torchvision's ImageFolder); an ``.npz``
+    by an integer array ``y`` of one label per row of ``x``. A ``y`` that does not fit ``x``
+    is an error, never silently ignored. Shards are labelled by each sample's ``KEY.cls`` or
+    the label column, and every sample must have one: evaluation shards without labels fail,
+    naming what is missing. Labels are small (one integer per sample), so the driver reads
+    them whole and hands each rank those of its own samples.
+    """
+    return spec.labels()
 
 
 def describe_dataset(
@@ -210,8 +224,8 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess) -> DatasetSpe
             if total == 0:
                 raise DatasetError(f"{shown} holds no samples (shape {layout.shape})")
             return DatasetSpec(
-                kind="array", path=str(source), num_samples=min(total, max_samples or total),
-                sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source), layout=layout,
+                ArrayPart(layout), path=str(source), num_samples=min(total, max_samples or total),
+                sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source),
                 order=read.order, seed=read.seed,
             )
         resolve_transform(transform)  # bad options fail before a long unpack
@@ -239,8 +253,8 @@ def _shard_spec(data_format: str, refs: list[Any], source: str, read: ReadOption
     total = shards.total
     remote = next((ref.location for ref in refs if ref.remote), None)
     return DatasetSpec(
-        kind="shards", path=source, num_samples=min(total, read.max_samples or total), sample_shape=shape,
-        total_samples=total, source=source, transform=transform, shards=shards,
+        ShardPart(shards, transform), path=source, num_samples=min(total, read.max_samples or total),
+        sample_shape=shape, total_samples=total, source=source,
         remote=RemoteSource(remote, access.endpoint_url) if remote is not None else None, order=read.order,
         seed=read.seed,
     )
@@ -268,10 +282,9 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         total = len(listing.files)
         files = _ordered_files(listing.files, read)
         return DatasetSpec(
-            kind="images", path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape,
-            total_samples=total, source=remote.uri, transform=resolved, classes=listing.classes,
-            files_digest=files_digest(files), listing_digest=files_digest(listing.files), remote=remote,
-            order=read.order, seed=read.seed,
+            ImagePart(resolved, listing.classes, files_digest(files), files_digest(listing.files)),
+            path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape, total_samples=total,
+            source=remote.uri, remote=remote, order=read.order, seed=read.seed,
         )
     data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format in (None, "parquet", "manifest"):
@@ -289,8 +302,8 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         if total == 0:
             raise DatasetError(f"{remote.name} holds no samples (shape {layout.shape})")
         return DatasetSpec(
-            kind="array", path=remote.uri, num_samples=min(total, max_samples or total),
-            sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri, layout=layout,
+            ArrayPart(layout), path=remote.uri, num_samples=min(total, max_samples or total),
+            sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri,
             remote=remote, order=read.order, seed=read.seed,
         )
     resolve_transform(transform)  # bad options fail before a long download
@@ -317,9 +330,9 @@ def _describe_images(folder: Path, source: Path, shown: str, read: ReadOptions, 
         for name in files:
             check_image_header(listing.root / name, name)
     return DatasetSpec(
-        kind="images", path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape,
-        total_samples=total, source=str(source), transform=resolved, classes=listing.classes,
-        files_digest=files_digest(files), listing_digest=files_digest(listing.files), order=read.order, seed=read.seed,
+        ImagePart(resolved, listing.classes, files_digest(files), files_digest(listing.files)),
+        path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape, total_samples=total,
+        source=str(source), order=read.order, seed=read.seed,
     )
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnrecal.workers.data.formats.arrays import ArrayData, describe_npy
+from bnrecal.workers.data.formats.arrays import ArrayData
+from bnrecal.workers.data.formats.npy_layout import describe_npy
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.integrity import content_address, verify_content_address
 from bnrecal.errors import CorruptBlobError, InputError

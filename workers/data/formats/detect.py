@@ -6,7 +6,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from bnrecal.workers.data.formats.arrays import describe_npy, describe_npz
+from bnrecal.workers.data.formats.npy_layout import describe_npy, describe_npz
 from bnrecal.errors import DatasetError
 
 SUFFIX_FORMATS = (

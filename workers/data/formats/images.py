@@ -21,16 +21,21 @@ import hashlib
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
-from bnrecal.workers.data.opened import DecodedData
+from bnrecal.workers.data.opened import DecodedData, Described
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
 from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
 from bnrecal.errors import DatasetError
+
+if TYPE_CHECKING:
+    from bnrecal.workers.data.summary import DatasetSummary
 
 IMAGE_EXTENSIONS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 
@@ -189,3 +194,73 @@ class ImageData(DecodedData):
         self._check_range(start, stop)
         names = self.files[start:stop]
         return list(zip(names, self.place.read_files(names)))
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image folder's (or prefix's) part of a dataset's description: the resolved
+    ``transform``, the class folders' names (label = index), and the digests of the sample
+    files (``files_digest``) and of the whole listing in file order (``listing_digest``), so
+    a rank can tell that the folder changed since it was described."""
+
+    transform: ImageTransform
+    classes: tuple[str, ...]
+    files_digest: str | None
+    listing_digest: str
+    kind: ClassVar[str] = "images"
+
+    def open(self, described: Described) -> ImageData:
+        """The images at the description's positions, listed again and checked against the digest."""
+        listing = self._listing(described, "calibration data")
+        files, labels = self._at_positions(listing, described)
+        if files is None or files_digest(files) != self.files_digest:
+            where = "prefix" if described.place.remote is not None else "folder"
+            raise DatasetError(f"image {where} {self._shown(described)} changed since it was described")
+        return ImageData(self._root(listing, described), files, self.transform, classes=listing.classes, labels=labels)
+
+    def summarise(self, summary: DatasetSummary) -> DatasetSummary:
+        """The transform and the number of classes."""
+        return replace(summary, transform=self.transform, classes=len(self.classes))
+
+    def labels(self, described: Described) -> np.ndarray | None:
+        """The class folder of each sample (sorted names, index = position, as torchvision's
+        ImageFolder); None for images without class folders."""
+        if not self.classes:
+            return None
+        listing = self._listing(described, "evaluation data")
+        return np.asarray(listing.labels, dtype=np.int64)[described.sample_rows()]
+
+    def same_samples(self) -> ImagePart:
+        """Without the sample files' digest: the listing's says which files there are."""
+        return replace(self, files_digest=None)
+
+    @staticmethod
+    def _listing(described: Described, role: str) -> ImageListing:
+        remote = described.place.remote
+        if remote is not None:
+            return list_remote_images(remote, role)
+        return list_images(Path(described.place.location), strip_wrappers=False, shown=described.display_name)
+
+    @staticmethod
+    def _root(listing: ImageListing, described: Described) -> Place:
+        """Where the listed files lie: the folder, or the prefix with its wrapper folders."""
+        place = described.place
+        if place.remote is None:
+            return place
+        scheme = place.location.split("://", 1)[0]
+        return Place(f"{scheme}://{listing.root.as_posix()}", place.endpoint_url)
+
+    @staticmethod
+    def _shown(described: Described) -> str:
+        return described.place.location if described.place.remote is not None else described.display_name
+
+    @staticmethod
+    def _at_positions(
+        listing: ImageListing, described: Described
+    ) -> tuple[tuple[str, ...] | None, tuple[int, ...]]:
+        """The listed images (and labels) at the sample positions, None when the listing no
+        longer has the described number of images."""
+        if len(listing.files) != described.total_samples:
+            return None, ()
+        rows = described.sample_rows().tolist()
+        return tuple(listing.files[i] for i in rows), tuple(listing.labels[i] for i in rows)

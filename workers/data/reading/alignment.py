@@ -20,9 +20,8 @@ from bnrecal.workers.data.spec import DatasetSpec
 
 def _files(spec: DatasetSpec) -> DatasetSpec:
     """The description with what does not change the samples set aside."""
-    shards = replace(spec.shards, label_column=None) if spec.shards is not None else None
     return replace(spec, num_samples=spec.total_samples, source="", name=None, order="given", seed=0, keep=None,
-                   shards=shards, files_digest=None)  # the listing is compared by listing_digest
+                   part=spec.part.same_samples())  # an image listing is compared by its listing_digest
 
 
 def positions_in(reading: DatasetSpec, count: int, other: DatasetSpec) -> np.ndarray | None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data.opened import DecodedData
+from bnrecal.workers.data.opened import DecodedData, Described
 from bnrecal.workers.data.formats.columnar import ColumnarReader
 from bnrecal.workers.data.formats.mds import MdsColumns, MdsReader
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
@@ -290,3 +290,33 @@ def shard_labels(shards: ShardSet, rows: np.ndarray, role: str = "evaluation dat
     everything = np.concatenate(labels).astype(np.int64)
     assert not (everything == NO_LABEL).any()
     return everything[rows]
+
+
+@dataclass(frozen=True)
+class ShardPart:
+    """A dataset of shards' part of its description: the shards (:class:`ShardSet`) and the
+    resolved ``transform`` of their images (None: the samples are ``.npy`` arrays)."""
+
+    shards: ShardSet
+    transform: ImageTransform | None
+    kind: ClassVar[str] = "shards"
+
+    def open(self, described: Described) -> ShardData:
+        """The shards' samples at the description's positions, streamed."""
+        return ShardData(
+            self.shards, described.sample_rows(), self.transform, described.sample_shape, described.order == "shuffled"
+        )
+
+    def summarise(self, summary: DatasetSummary) -> DatasetSummary:
+        """The transform of image samples, the shards' format and count, and a column's name."""
+        if self.transform is not None:
+            summary = replace(summary, transform=self.transform, classes=0)
+        return self.shards.summary(summary)
+
+    def labels(self, described: Described) -> np.ndarray:
+        """Each sample's ``KEY.cls`` or label column: every sample must have one."""
+        return shard_labels(self.shards, described.sample_rows())
+
+    def same_samples(self) -> ShardPart:
+        """Without the label column: it does not change the samples."""
+        return replace(self, shards=replace(self.shards, label_column=None))

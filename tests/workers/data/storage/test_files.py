@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnrecal.workers.data.formats.arrays import ArrayData, describe_npy
+from bnrecal.workers.data.formats.arrays import ArrayData
+from bnrecal.workers.data.formats.npy_layout import describe_npy
 from bnrecal.workers.data.formats.images import ImageData
 from bnrecal.workers.data.formats.transform import resolve_transform
 from bnrecal.workers.data.storage.files import Place

@@ -144,7 +144,7 @@ def test_image_prefix_lists_like_the_local_folder(s3_server: S3Server, tmp_path:
     remote_spec = describe_dataset(uri, ReadOptions(transform=transform), DataAccess(endpoint_url=s3_server.endpoint))
     local_spec = describe_dataset(tmp_path / "wrapper", ReadOptions(transform=transform))
     assert remote_spec.classes == local_spec.classes == ("cat", "dog")
-    assert remote_spec.files_digest == local_spec.files_digest and remote_spec.num_samples == 3
+    assert remote_spec.part.files_digest == local_spec.part.files_digest and remote_spec.num_samples == 3
     np.testing.assert_array_equal(read_labels(remote_spec), read_labels(local_spec))
     with remote_spec.open() as remote, local_spec.open() as here:
         np.testing.assert_array_equal(remote.load(0, 3).numpy(), here.load(0, 3).numpy())
