@@ -155,8 +155,7 @@ def ship_dataset(
                 pending, parts, size = [], [], 0
         if pending:
             blocks.append(_put(pending, parts))
-        transform = spec.transform if spec.kind in ("images", "shards") else None
-        shipped.append(ShippedData(blocks, spec.num_samples, spec.sample_shape, transform))
+        shipped.append(ShippedData(blocks, spec.num_samples, spec.sample_shape, spec.transform))
     data.close()
     return shipped
 
