@@ -9,10 +9,11 @@ through it (``docs/data.md``).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, open_remote_file, remote_error
 from bnrecal.errors import DatasetError
@@ -78,6 +79,7 @@ class Place:
 
     location: str
     endpoint_url: str | None = None
+    name: str | None = None  # what messages call it (a shard's name), else its URI or file name
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -92,27 +94,54 @@ class Place:
     def read_ranges(self, ranges: Sequence[tuple[int, int]], role: str = "calibration data") -> list[bytes]:
         """The byte ranges ``[start, end)`` of the file, an object's fetched concurrently in one
         call; a short read (the file changed since it was described) is an error."""
-        remote = self.remote
-        try:
-            if remote is None:
-                with open(self.location, "rb") as stream:
-                    parts = []
-                    for start, end in ranges:
-                        stream.seek(start)
-                        parts.append(stream.read(end - start))
-            elif len(ranges) == 1:
-                parts = [remote.filesystem().cat_file(remote.key, start=ranges[0][0], end=ranges[0][1])]
-            else:
-                fs = remote.filesystem()
-                parts = fs.cat_ranges([remote.key] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
-        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
-            raise self._error(exc, role) from exc
+        parts = self.fetch_ranges(ranges, role)
         for (start, end), part in zip(ranges, parts):
-            if isinstance(part, BaseException):
-                raise self._error(part, role) from part
             if len(part) != end - start:
                 raise DatasetError(f"{self.shown} changed since it was described (short read)")
-        return list(parts)
+        return parts
+
+    def fetch_ranges(self, ranges: Sequence[tuple[int, int]], role: str = "calibration data", gap: int = 0) -> list[bytes]:
+        """The byte ranges ``[start, end)`` as read, short where the file ends early (the caller
+        says what that means): a local file ``pread`` each; an object's ranges (those at most
+        ``gap`` bytes apart fetched as one) in one batch of concurrent range GETs."""
+        if not ranges:
+            return []
+        remote = self.remote
+        if remote is None:
+            try:
+                fd = os.open(self.location, os.O_RDONLY)
+            except OSError as exc:
+                raise self._error(exc, role) from exc
+            try:
+                return [os.pread(fd, end - start, start) for start, end in ranges]
+            finally:
+                os.close(fd)
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+        merged: list[list[int]] = []  # [start, end, first index into order, last]
+        for position, i in enumerate(order):
+            start, end = ranges[i]
+            if merged and start - merged[-1][1] <= gap:
+                merged[-1][1] = max(merged[-1][1], end)
+                merged[-1][3] = position
+            else:
+                merged.append([start, end, position, position])
+        try:
+            fs = remote.filesystem()
+            if len(merged) == 1:
+                blobs: list[Any] = [fs.cat_file(remote.key, start=merged[0][0], end=merged[0][1])]
+            else:
+                blobs = fs.cat_ranges([remote.key] * len(merged), [m[0] for m in merged], [m[1] for m in merged])
+        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+            raise self._error(exc, role) from exc
+        out: list[bytes] = [b""] * len(ranges)
+        for (start, _, first, last), blob in zip(merged, blobs):
+            if isinstance(blob, BaseException):
+                raise self._error(blob, role) from blob
+            for position in range(first, last + 1):
+                i = order[position]
+                a, b = ranges[i]
+                out[i] = bytes(blob[a - start : b - start])
+        return out
 
     def read_files(self, names: Sequence[str], role: str = "calibration data") -> list[bytes]:
         """The whole files ``names`` (relative POSIX paths) under this folder or prefix, in
@@ -135,8 +164,8 @@ class Place:
 
     @property
     def shown(self) -> str:
-        """What messages call it: the URI, or the local file's or folder's name."""
-        return self.location if self.remote is not None else Path(self.location).name
+        """What messages call it: its ``name``, else the URI or the local file's or folder's name."""
+        return self.name or (self.location if self.remote is not None else Path(self.location).name)
 
     def _error(self, exc: BaseException, role: str) -> DatasetError:
         remote = self.remote

@@ -13,7 +13,7 @@ import os
 from typing import IO, Any
 
 from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
-from bnrecal.workers.data.storage.files import ShardRef
+from bnrecal.workers.data.storage.files import Place, ShardRef
 from bnrecal.errors import DatasetError
 
 GATHER_GAP_BYTES = 256 * 1024
@@ -90,57 +90,15 @@ def open_random_access(ref: ShardRef, endpoint_url: str | None, role: str = "cal
 
 
 def read_ranges(ref: ShardRef, ranges: list[tuple[int, int]], endpoint_url: str | None) -> list[bytes]:
-    """The bytes ``[start, end)`` of the shard for each range (shard-relative offsets): local
-    ``pread`` each, or on S3 the ranges (those closer than :data:`GATHER_GAP_BYTES` merged)
-    fetched concurrently in one batch of range GETs. A short read means the shard changed."""
-    if not ranges:
-        return []
-    if ref.remote:
-        out = _remote_ranges(ref, ranges, endpoint_url)
-    else:
-        try:
-            fd = os.open(ref.location, os.O_RDONLY)
-        except OSError as exc:
-            raise DatasetError(f"cannot read shard {ref.name}: {exc.strerror}") from exc
-        try:
-            out = [os.pread(fd, end - start, ref.offset + start) for start, end in ranges]
-        finally:
-            os.close(fd)
+    """The bytes ``[start, end)`` of the shard for each range (shard-relative offsets), read
+    through its :class:`Place`: local ``pread`` each, or on S3 the ranges (those closer than
+    :data:`GATHER_GAP_BYTES` merged) fetched concurrently in one batch of range GETs. A short
+    read means the shard changed."""
+    place = Place(ref.location, endpoint_url, f"shard {ref.name}")
+    out = place.fetch_ranges([(ref.offset + a, ref.offset + b) for a, b in ranges], gap=GATHER_GAP_BYTES)
     for (start, end), data in zip(ranges, out):
         if len(data) != end - start:
             raise DatasetError(f"shard {ref.name} is shorter than when it was indexed (it changed or is truncated)")
-    return out
-
-
-def _remote_ranges(ref: ShardRef, ranges: list[tuple[int, int]], endpoint_url: str | None) -> list[bytes]:
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
-    merged: list[list[int]] = []  # [start, end, first index into order, last]
-    for position, i in enumerate(order):
-        start, end = ranges[i]
-        if merged and start - merged[-1][1] <= GATHER_GAP_BYTES:
-            merged[-1][1] = max(merged[-1][1], end)
-            merged[-1][3] = position
-        else:
-            merged.append([start, end, position, position])
-    source = RemoteSource(ref.location, endpoint_url)
-    try:
-        fs = source.filesystem()
-        starts = [ref.offset + m[0] for m in merged]
-        ends = [ref.offset + m[1] for m in merged]
-        if len(merged) == 1:
-            blobs: list[Any] = [fs.cat_file(source.key, start=starts[0], end=ends[0])]
-        else:
-            blobs = fs.cat_ranges([source.key] * len(merged), starts, ends)
-    except Exception as exc:  # noqa: BLE001
-        raise _error(exc, ref, endpoint_url, "calibration data") from exc
-    out: list[bytes] = [b""] * len(ranges)
-    for (start, _, first, last), blob in zip(merged, blobs):
-        if isinstance(blob, BaseException):
-            raise _error(blob, ref, endpoint_url, "calibration data") from blob
-        for position in range(first, last + 1):
-            i = order[position]
-            a, b = ranges[i]
-            out[i] = bytes(blob[a - start : b - start])
     return out
 
 
