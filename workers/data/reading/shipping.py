@@ -161,10 +161,8 @@ def ship_dataset(
 
 
 def _read(data: CalibrationData, start: int, stop: int) -> Any:
-    if isinstance(data, ImageData):  # the files' bytes: the ranks decode
+    if isinstance(data, (ImageData, ShardData)):  # encoded bytes (image files, shard samples): the ranks decode
         return data.encoded(start, stop)
-    if isinstance(data, ShardData):  # encoded bytes, as an image folder's files: the ranks decode
-        return data.load_encoded(start, stop)
     if isinstance(data, ArrayData):
         return torch.from_numpy(data.load_compact(start, stop))
     return data.load(start, stop)
