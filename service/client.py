@@ -411,10 +411,10 @@ def run_remote_job(
                 if blob.digest != named[name]:  # the bytes sent are not the bytes the spec names
                     raise InputError(f"{name}: {source} changed while it was being sent; run again")
     job = client.submit(spec, idempotency_key=uuid.uuid4().hex)
-    if on_submitted is not None:
-        on_submitted(job)
     with follow("queued") as update:
-        try:
+        try:  # from the moment the job exists, Ctrl-C is about it: even while its id is being shown
+            if on_submitted is not None:
+                on_submitted(job)
             job = client.wait(job.id, on_progress=update)
         except KeyboardInterrupt:
             if on_interrupt is None:

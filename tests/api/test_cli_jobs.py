@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -78,12 +79,16 @@ def test_ctrl_c_on_submit_cancels_the_job_and_exits_130(live_server, inputs, tmp
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    # The job's id is submit's one line on stdout; Ctrl-C once that job runs (other tests' jobs
+    # of this tenant may run on the shared server too).
+    ready, _, _ = select.select([process.stdout], [], [], 60)
+    assert ready and process.poll() is None, process.communicate()
+    job_id = process.stdout.readline().strip()
     with live_server.client("cli") as client:
         deadline = time.monotonic() + 60
-        while not (running := client.get("/v1/jobs", params={"status": "running"}).json()["jobs"]):
+        while client.get(f"/v1/jobs/{job_id}").json()["status"] != "running":
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.1)
-        job_id = running[0]["id"]
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)
         assert process.returncode == 130, err
