@@ -99,6 +99,8 @@ def unpack_archive(
     if _is_unpack_of(target, digest):
         return target
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        if _is_unpack_of(target, digest):  # another describe's unpack of it landed (whole: renamed in) just now
+            return target
         raise DatasetError(f"unpack folder {target} already holds other files; choose an empty or new one")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
