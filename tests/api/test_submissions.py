@@ -233,11 +233,13 @@ def test_server_side_data_only_under_the_data_roots(live_server, carols_blobs, t
 
 
 def test_shards_on_the_server_uploaded_or_under_the_data_roots(live_server, carols_blobs, tmp_path):
-    """An uploaded tar of shards and a brace pattern under a data root calibrate like the folder
-    of the same photos; a manifest is refused at submission, naming the field."""
+    """An uploaded tar of shards, an uploaded tar of a MosaicML Streaming folder and a brace
+    pattern under a data root calibrate like the folder of the same photos; a manifest is
+    refused at submission, naming the field."""
     import tarfile
 
     from tests.shards import folder_order, photos, write_folder, write_tar_shards
+    from tests.streaming_writer import MdsSet, write_mds
 
     items = photos(12, size=24)
     shards = write_tar_shards(live_server.data_root / "wds", folder_order(items), 5)
@@ -246,6 +248,10 @@ def test_shards_on_the_server_uploaded_or_under_the_data_roots(live_server, caro
     with tarfile.open(packed, "w") as tar:
         for shard in shards:
             tar.add(shard, arcname=shard.name)
+    (mds,) = write_mds(MdsSet(tmp_path / "mds", folder_order(items), "bytes", size_limit=4_000, compression="zstd"))
+    packed_mds = tmp_path / "mds.tar"
+    with tarfile.open(packed_mds, "w") as tar:
+        tar.add(mds, arcname=".")  # as ``tar -C mds -cf mds.tar .``
     (live_server.data_root / "wds" / "list.manifest").write_text("\n".join(p.name for p in shards))
     options = {"transform": {"resize": 8, "crop": 6}, "order": "given"}
     with live_server.client("carol") as client:
@@ -256,14 +262,14 @@ def test_shards_on_the_server_uploaded_or_under_the_data_roots(live_server, caro
             submit(client, carols_blobs | options | {"data": data})
             for data in (
                 upload(client, packed), {"path": str(live_server.data_root / "wds" / "train-{000000..000002}.tar")},
-                {"path": str(live_server.data_root / "photos")},
+                upload(client, packed_mds), {"path": str(live_server.data_root / "photos")},
             )
         ]
         done = [wait_for(client, job["id"]) for job in jobs]
-    assert [d["status"] for d in done] == ["succeeded"] * 3, [d["error"] for d in done]
-    assert [d["report"]["dataset"]["kind"] for d in done] == ["shards", "shards", "images"]
+    assert [d["status"] for d in done] == ["succeeded"] * 4, [d["error"] for d in done]
+    assert [d["report"]["dataset"]["kind"] for d in done] == ["shards", "shards", "shards", "images"]
     layers = [d["report"]["layers"] for d in done]
-    assert layers[0] == layers[1] == layers[2]  # the same samples in the same order: the same statistics
+    assert layers[0] == layers[1] == layers[2] == layers[3]  # the same samples in the same order: the same statistics
 
 
 def test_unknown_artifact_and_job_are_404(live_server, carols_job):

@@ -7,7 +7,6 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
@@ -25,7 +24,9 @@ from bnrecal.workers.data.order import order_rows
 from bnrecal.workers.data.shards.dataset import ShardPart, ShardSet
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
-from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
+from bnrecal.workers.data.shards.detection import (
+    FoundShards, describe_shards, is_shard_list, list_shards, local_shards, remote_shards,
+)
 from bnrecal.workers.data.formats.transform import ImageTransform, check_image_header, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
 
@@ -169,7 +170,7 @@ def describe_dataset(
         entries = list(path)  # type: ignore[arg-type]
         shown = Path(os.fspath(entries[0])).name + (f" and {len(entries) - 1} more shards" if len(entries) > 1 else "")
         found = list_shards(entries, role, endpoint_url, _index_cache(access))
-        spec = _shard_spec(*found, os.fspath(entries[0]), read, access)
+        spec = _shard_spec(found, os.fspath(entries[0]), read, access)
         return replace(spec, name=name or shown)
     if not isinstance(path, (str, os.PathLike)):
         raise DatasetError(f"{role} must be a path, a URI or a list of shards, not {type(path).__name__}")
@@ -182,7 +183,7 @@ def describe_dataset(
     source = source.absolute()
     found = local_shards(source, name or source.name, role, endpoint_url, _index_cache(access))
     if found is not None:
-        spec = _shard_spec(*found, str(source), read, access)
+        spec = _shard_spec(found, str(source), read, access)
         return spec if name is None else replace(spec, name=name)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
@@ -243,10 +244,11 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess) -> DatasetSpe
         raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
 
 
-def _shard_spec(data_format: str, refs: list[Any], source: str, read: ReadOptions, access: DataAccess) -> DatasetSpec:
+def _shard_spec(found: FoundShards, source: str, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """The description of a dataset of shards: every shard counted, the first sample read."""
+    refs = found.refs
     shards, transform, shape = describe_shards(
-        data_format, refs, transform=read.transform, image_column=read.image_column, label_column=read.label_column,
+        found, transform=read.transform, image_column=read.image_column, label_column=read.label_column,
         endpoint_url=access.endpoint_url, cache_root=_index_cache(access), role=read.role,
         strict_columns=read.columns_elsewhere == "error",
     )
@@ -271,7 +273,7 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         kind, size = stat_data(remote, role)
     found = remote_shards(remote, kind, role, _index_cache(access))
     if found is not None:
-        return _shard_spec(*found, remote.uri, read, access)
+        return _shard_spec(found, remote.uri, read, access)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet, Arrow and MDS shards; {remote.uri} is not", field="image_column"

@@ -56,8 +56,9 @@ def is_image_name(name: str) -> bool:
 
 
 def is_ignored_part(part: str) -> bool:
-    """Whether a path component marks a hidden or archiver-junk entry that is never read."""
-    return part.startswith(".") or part == "__MACOSX"
+    """Whether a path component marks a hidden or archiver-junk entry that is never read
+    (``.`` is not one: ``tar -cf x.tar .`` names every member ``./NAME``)."""
+    return (part.startswith(".") and part != ".") or part == "__MACOSX"
 
 
 def list_images(directory: Path, *, strip_wrappers: bool = True, shown: str | None = None) -> ImageListing:

@@ -18,18 +18,31 @@ statistics as a folder of them. Labels are the ``label`` column (``label_column`
 integer encoding. Shards written with ``compression=`` (``gz``, ``bz2`` or ``zstd``, as
 ``shard.00000.mds.zstd``) are read whole once a rank needs one, decompressed in memory (the
 last two kept), then as above; other codecs and unsafe encodings are refused, naming the shard.
+
+The index also says each shard file's size and, where the writer was given ``hashes=``, its
+digests (``raw_data`` for the shard, ``zip_data`` for its compressed file). Every shard's size
+is checked against the index when the data is described, before any work; the digests
+whenever a shard is read whole (every compressed shard, and its decompressed bytes), as
+Streaming's own ``validate_hash`` does: so a changed or cut shard fails naming it, and a
+flipped byte in a zstd shard (whose frames carry no checksum) does too once its digest is
+listed. A shard's name may hold folders below the index (``merge_index``'s root index of
+several streams lists ``SUBDIR/shard.00000.mds``), never ``..``.
 """
 
 from __future__ import annotations
 
 import bz2
+import hashlib
 import io
 import json
+import re
+import tarfile
 import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -55,6 +68,9 @@ DEFAULT_LABEL_COLUMN = "label"
 CODECS = ("gz", "bz2", "zstd")
 """Streaming's shard compressions read here (``zstd`` needs the ``zstandard`` package:
 ``bnrecal[mds]``); its ``br`` and ``snappy`` are refused."""
+
+_SHARD_NAME = re.compile(r".+\.mds(\.[a-z0-9]+)?")
+"""A shard's file name as MDSWriter writes it (``shard.00000.mds``, ``shard.00000.mds.zstd``)."""
 
 MAX_SHARD_BYTES = 2**32
 """A shard's offsets are u32: no decompressed shard is larger."""
@@ -126,13 +142,70 @@ class MdsColumns:
         return ", ".join(f"{n} ({e})" for n, e in zip(self.names, self.encodings))
 
 
+HASHES = tuple(sorted(name for name in hashlib.algorithms_guaranteed if not name.startswith("shake_")))
+"""Streaming's digests computed by ``hashlib``; its ``xxh*`` digests need the ``xxhash`` package."""
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """What the index says one file of a shard holds: its size, and its digests by algorithm
+    (empty unless ``MDSWriter(hashes=...)``)."""
+
+    size: int
+    hashes: tuple[tuple[str, str], ...] = ()
+
+    def check(self, data: bytes, name: str) -> None:
+        """Fail naming ``name`` unless ``data`` has this size and every listed digest."""
+        if len(data) != self.size:
+            raise DatasetError(f"{name} is corrupt: it holds {len(data)} bytes, its index says {self.size} "
+                               "(it changed since the index was written)")
+        for algorithm, expected in self.hashes:
+            if _digest(algorithm, data, name) != expected:
+                raise DatasetError(f"{name} is corrupt: its {algorithm} digest is not the one its index lists "
+                                   "(its bytes changed since the index was written)")
+
+
+@dataclass(frozen=True)
+class MdsShard:
+    """One shard the index lists: its file's name (below the index), its samples, and what its
+    file holds (``packed``: the compressed file, None for a raw shard; ``raw``: the shard's bytes)."""
+
+    basename: str
+    count: int
+    raw: StoredFile
+    packed: StoredFile | None = None
+
+    @property
+    def stored(self) -> StoredFile:
+        """What the file on disk or in the bucket holds."""
+        return self.packed if self.packed is not None else self.raw
+
+
 @dataclass(frozen=True)
 class MdsIndex:
-    """A dataset's ``index.json``: its shards' file names and sample counts, and their columns."""
+    """A dataset's ``index.json``: its shards (names, sample counts, sizes and digests) and their columns."""
 
-    basenames: tuple[str, ...]
-    counts: tuple[int, ...]
+    shards: tuple[MdsShard, ...]
     columns: MdsColumns
+    where: str = field(default=MDS_INDEX, compare=False)  # what messages call the index (``ROLE: PATH``)
+
+    @property
+    def basenames(self) -> tuple[str, ...]:
+        """Each shard's file name, below the index, in the index's order."""
+        return tuple(shard.basename for shard in self.shards)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Each shard's samples."""
+        return tuple(shard.count for shard in self.shards)
+
+    def check_sizes(self, sizes: Sequence[int], names: Sequence[str]) -> None:
+        """Fail naming the first shard whose file (of ``sizes`` bytes) is not the size the
+        index says: changed, cut or grown since it was written."""
+        for shard, size, name in zip(self.shards, sizes, names):
+            if size != shard.stored.size:
+                raise DatasetError(f"shard {name} is corrupt: it is {size} bytes, its index says {shard.stored.size} "
+                                   "(it changed since the index was written)")
 
 
 def is_mds_index(raw: bytes) -> bool:
@@ -154,7 +227,7 @@ def read_mds_index(raw: bytes, where: str) -> MdsIndex:
         shards = index["shards"]
         if index.get("version") != 2:
             raise DatasetError(f"{where}: index version {index.get('version')!r}; Streaming's version 2 is read")
-        basenames, counts, layouts, codecs = [], [], set(), set()
+        listed, layouts, codecs = [], set(), set()
         for shard in shards:
             name = shard["raw_data"]["basename"]
             codec = _codec(shard, name, where)
@@ -163,15 +236,17 @@ def read_mds_index(raw: bytes, where: str) -> MdsIndex:
             codecs.add(codec)
             if shard.get("version") != 2:
                 raise DatasetError(f"{where}: shard {name} has version {shard.get('version')!r}; version 2 is read")
-            if "/" in name or name in (".", ".."):
-                raise DatasetError(f"{where}: shard name {name!r} is not a file beside the index")
-            basenames.append(name)
-            counts.append(int(shard["samples"]))
+            parts = str(name).split("/")
+            if not isinstance(name, str) or any(part in ("", ".", "..") for part in parts):
+                raise DatasetError(f"{where}: shard name {name!r} is not a file below the index")
+            raw = _stored(shard["raw_data"], name, where)
+            packed = _stored(shard["zip_data"], name, where) if codec is not None else None
+            listed.append(MdsShard(name, int(shard["samples"]), raw, packed))
             layouts.add((tuple(shard["column_names"]), tuple(shard["column_encodings"]),
                          tuple(None if s is None else int(s) for s in shard["column_sizes"])))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DatasetError(f"{where} is not a readable MosaicML Streaming index: {type(exc).__name__}: {exc}") from exc
-    if not basenames:
+    if not listed:
         raise DatasetError(f"{where} lists no shards")
     if len(layouts) > 1:
         raise DatasetError(f"{where}: the shards' columns differ; write every shard with the same columns")
@@ -183,8 +258,31 @@ def read_mds_index(raw: bytes, where: str) -> MdsIndex:
     unsafe = [n for n, e in zip(names, encodings) if e == "pkl"]
     if unsafe:
         raise DatasetError(f"{where}: column {unsafe[0]!r} is pickled (pkl), which is never read: it runs code")
-    return MdsIndex(tuple(basenames), tuple(counts),
-                    MdsColumns(tuple(names), tuple(encodings), tuple(sizes), codecs.pop()))
+    return MdsIndex(tuple(listed), MdsColumns(tuple(names), tuple(encodings), tuple(sizes), codecs.pop()), where)
+
+
+def _stored(entry: dict, name: str, where: str) -> StoredFile:
+    """A ``raw_data``/``zip_data`` entry: its size and digests (an algorithm Streaming does not
+    write is refused: its digest could not be checked)."""
+    hashes = entry.get("hashes") or {}
+    for algorithm in hashes:
+        if algorithm not in HASHES and not algorithm.startswith("xxh"):
+            raise DatasetError(f"{where}: shard {name} lists a {algorithm!r} digest, which is not one Streaming writes")
+    return StoredFile(int(entry["bytes"]), tuple(sorted((str(a), str(h)) for a, h in hashes.items())))
+
+
+def _digest(algorithm: str, data: bytes, name: str) -> str:
+    """The hex digest ``algorithm`` (as Streaming names it) of ``data``."""
+    if algorithm in HASHES:
+        return hashlib.new(algorithm, data).hexdigest()
+    try:
+        import xxhash
+    except ImportError:
+        raise DatasetError(f"{name}: its index lists a {algorithm} digest: pip install xxhash (or 'bnrecal[mds]') "
+                           "to check it") from None
+    if algorithm not in xxhash.algorithms_available:
+        raise DatasetError(f"{name}: its index lists a {algorithm!r} digest, which xxhash does not compute")
+    return getattr(xxhash, algorithm)(data).hexdigest()
 
 
 def _codec(shard: dict, name: str, where: str) -> str | None:
@@ -203,9 +301,9 @@ def _codec(shard: dict, name: str, where: str) -> str | None:
 class MdsReader:
     """Samples of one MDS shard: the image cells of the rows asked for, and the labels."""
 
-    def __init__(self, ref: ShardRef, columns: MdsColumns, count: int, image_column: str,
+    def __init__(self, ref: ShardRef, columns: MdsColumns, shard: MdsShard, image_column: str,
                  label_column: str | None, endpoint_url: str | None) -> None:
-        self.ref, self.columns, self.count = ref, columns, count
+        self.ref, self.columns, self.shard, self.count = ref, columns, shard, shard.count
         self.image_column, self.label_column = image_column, label_column or DEFAULT_LABEL_COLUMN
         self.endpoint_url = endpoint_url
         self._offsets: np.ndarray | None = None
@@ -225,9 +323,10 @@ class MdsReader:
         return out
 
     def labels(self) -> np.ndarray:
-        """Each sample's class (the label column's integer), reading the whole shard once."""
+        """Each sample's class (the label column's integer), reading the whole shard once
+        (and so checking its digests)."""
         offsets = self._offset_table()
-        (body,) = self._ranges([(0, int(offsets[-1]))])
+        body = self._whole()
         dtype = _INTEGERS[self.columns.encodings[self.columns.names.index(self.label_column)]]
         values = []
         for row in range(self.count):
@@ -266,6 +365,14 @@ class MdsReader:
             self._offsets = offsets
         return self._offsets
 
+    def _whole(self) -> bytes:
+        """The shard's bytes, whole, checked against the index's size and digests."""
+        if self.columns.compression is not None:
+            return self._inflated()
+        (body,) = read_ranges(self.ref, [(0, self.ref.size)], self.endpoint_url)
+        self.shard.raw.check(body, f"shard {self.ref.name}")
+        return body
+
     def _ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of the shard's ``[start, end)`` ranges: ranged reads of a raw shard, slices
         of a compressed one's decompressed bytes."""
@@ -276,15 +383,19 @@ class MdsReader:
 
     def _inflated(self) -> bytes:
         """A compressed shard's bytes, decompressed: the whole file read once, the last two
-        shards any reader of this process decompressed kept (a rank reads its rows shard by shard)."""
-        key = (self.ref.location, self.ref.size)
+        shards any reader of this process decompressed kept (a rank reads its rows shard by shard);
+        the file and its decompressed bytes are checked against the index's sizes and digests."""
+        key = (self.ref.location, self.ref.offset, self.ref.size, self.ref.version)
         with _INFLATED_LOCK:
             if key in _INFLATED:
                 _INFLATED.move_to_end(key)
                 return _INFLATED[key]
         (packed,) = read_ranges(self.ref, [(0, self.ref.size)], self.endpoint_url)
-        assert self.columns.compression is not None
-        body = inflate(self.columns.compression, packed, f"shard {self.ref.name}")
+        assert self.columns.compression is not None and self.shard.packed is not None
+        name = f"shard {self.ref.name}"
+        self.shard.packed.check(packed, name)
+        body = inflate(self.columns.compression, packed, name)
+        self.shard.raw.check(body, name)
         with _INFLATED_LOCK:
             _INFLATED[key] = body
             while len(_INFLATED) > 2:
@@ -292,7 +403,7 @@ class MdsReader:
         return body
 
 
-_INFLATED: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+_INFLATED: OrderedDict[tuple[str, int, int, str], bytes] = OrderedDict()
 _INFLATED_LOCK = threading.Lock()
 
 
@@ -353,9 +464,53 @@ def read_index_bytes(location: str, endpoint_url: str | None, where: str) -> byt
     return raw
 
 
-def index_beside(ref: ShardRef) -> str:
-    """Where the ``index.json`` of a shard lies: beside it."""
-    return ref.location.rsplit("/", 1)[0] + "/" + MDS_INDEX
+def is_mds_shard_name(name: str) -> bool:
+    """Whether a file name (inside a tar) is an MDS shard's, compressed or not: a tar holding
+    one is an uploaded MDS folder (an ``index.json`` alone says nothing: other data has them)."""
+    return _SHARD_NAME.fullmatch(name.rsplit("/", 1)[-1]) is not None
+
+
+def mds_in_tar(path: Path, shown: str) -> tuple[MdsIndex, list[ShardRef]]:
+    """The MDS dataset in a plain tar of its folder (how one is uploaded): the index nearest
+    the tar's top, read from the tar, and the shards it lists as byte ranges of the tar, read
+    in place like a tar of shards, never unpacked."""
+    with open(path, "rb") as stream:
+        if stream.read(6).startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ")):
+            raise DatasetError(f"{shown} is a compressed tar of MDS shards, which cannot be read in place; pack the "
+                               "folder in a plain .tar (its shards may be compressed by MDSWriter)")
+    members: dict[str, tarfile.TarInfo] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                if info.isfile():
+                    members[info.name.removeprefix("./")] = info
+                tar.members.clear()
+    except (tarfile.TarError, EOFError) as exc:
+        raise DatasetError(f"{shown} is not a valid tar of MDS shards: {type(exc).__name__}: {exc}") from exc
+    indexes = sorted((name.count("/"), name) for name in members if name.rsplit("/", 1)[-1] == MDS_INDEX)
+    if not indexes:
+        raise DatasetError(f"{shown} holds MDS shards but no {MDS_INDEX}; pack the folder MDSWriter wrote, index and all")
+    if len(indexes) > 1 and indexes[0][0] == indexes[1][0]:
+        raise DatasetError(f"{shown} holds several {MDS_INDEX} side by side ({indexes[0][1]}, {indexes[1][1]}); "
+                           "pack one dataset, or merge their indexes (streaming's merge_index) into one above them")
+    index_name = indexes[0][1]
+    info = members[index_name]
+    if info.size > MAX_INDEX_BYTES:
+        raise DatasetError(f"{shown}:{index_name} is larger than {MAX_INDEX_BYTES} bytes")
+    with open(path, "rb") as stream:
+        stream.seek(info.offset_data)
+        raw = stream.read(info.size)
+    listed = read_mds_index(raw, f"{shown}:{index_name}")
+    base = index_name.rsplit("/", 1)[0] + "/" if "/" in index_name else ""
+    stat = path.stat()
+    refs = []
+    for basename in listed.basenames:
+        member = members.get(base + basename)
+        if member is None:
+            raise DatasetError(f"{shown}:{index_name} lists shard {basename}, which the tar does not hold")
+        refs.append(ShardRef(str(path), member.size, f"{stat.st_size}-{stat.st_mtime_ns}", f"{shown}:{base}{basename}",
+                             member.offset_data))
+    return listed, refs
 
 
 def _unzstd(packed: bytes, name: str) -> bytes:

@@ -29,6 +29,7 @@ import numpy as np
 
 from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.formats.images import is_ignored_part
+from bnrecal.workers.data.formats.mds import is_mds_shard_name
 from bnrecal.workers.data.storage.reads import open_shard, read_ranges
 from bnrecal.workers.data.storage.files import ShardRef, is_shard_name
 from bnrecal.errors import DatasetError, message_line
@@ -194,7 +195,8 @@ def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, ref: ShardRef) -> i
 
 def tar_kind(path: Path) -> str:
     """What a tar file holds, from its first members: ``shards`` (every file a ``.tar`` or
-    ``.parquet`` shard: an uploaded tar of shards), ``webdataset`` (members grouped by key:
+    ``.parquet`` shard: an uploaded tar of shards), ``mds`` (MDS shards: an uploaded
+    MosaicML Streaming folder), ``webdataset`` (members grouped by key:
     a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside a non-image member of its key,
     such as ``KEY.json``) or ``images`` (an archive of images, unpacked as before)."""
     files: list[str] = []
@@ -215,6 +217,8 @@ def classify_members(files: list[str]) -> str:
     """:func:`tar_kind` on the first members' names."""
     if files and all(is_shard_name(name) for name in files):
         return "shards"
+    if any(is_mds_shard_name(name) for name in files):
+        return "mds"
     seen: dict[str, set[str]] = {}
     for name in files:
         key, ext = split_key(name)

@@ -27,7 +27,7 @@ import torch
 
 from bnrecal.workers.data.opened import DecodedData, Described
 from bnrecal.workers.data.formats.columnar import ColumnarReader
-from bnrecal.workers.data.formats.mds import MdsColumns, MdsReader
+from bnrecal.workers.data.formats.mds import MdsIndex, MdsReader
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary
@@ -50,7 +50,7 @@ class ShardSet:
     groups: tuple[tuple[int, ...], ...] = ()  # parquet/arrow: rows per row group (record batch) of each shard
     image_column: str | None = None
     label_column: str | None = None
-    mds: MdsColumns | None = None  # mds: the columns of every shard (its index's)
+    mds: MdsIndex | None = None  # mds: the index that lists the shards (their columns, sizes and digests)
     endpoint_url: str | None = None
     cache_root: str | None = None
     starts: np.ndarray = field(init=False, repr=False, compare=False)
@@ -76,7 +76,8 @@ class ShardSet:
             return TarReader(ref, tar_index(ref, self.endpoint_url, cache, "calibration data"), self.endpoint_url)
         if self.format == "mds":
             assert self.mds is not None and self.image_column is not None
-            return MdsReader(ref, self.mds, self.counts[shard], self.image_column, self.label_column, self.endpoint_url)
+            return MdsReader(ref, self.mds.columns, self.mds.shards[shard], self.image_column, self.label_column,
+                             self.endpoint_url)
         return ColumnarReader(ref, self.format, self.image_column, self.label_column, self.endpoint_url)
 
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ import tarfile
 import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,26 @@ from bnrecal.workers.data.shards.listing import (
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
-from bnrecal.workers.data.formats.mds import MDS_INDEX, index_beside, is_mds_index, read_index_bytes, read_mds_index
+from bnrecal.workers.data.formats.mds import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
 from bnrecal.errors import DatasetError
 
 PARQUET_MAGIC = b"PAR1"
 _SNIFF_BYTES = 1 << 16
 
 
+@dataclass(frozen=True)
+class FoundShards:
+    """A source told to be a dataset of shards: its format, its shards in order, and for MDS
+    the index that listed them (read once, here, and described from)."""
+
+    format: str
+    refs: list[ShardRef]
+    mds: MdsIndex | None = None
+
+
 def local_shards(
     source: Path, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None = None,
-) -> tuple[str, list[ShardRef]] | None:
+) -> FoundShards | None:
     """``(format, shards)`` when a local path (existing or a brace pattern) is a dataset of
     shards, else None (arrays, image folders and image archives go their old ways)."""
     text = str(source)
@@ -59,7 +70,7 @@ def local_shards(
         return _format_of(refs_of([text], role, endpoint_url, cache_root))
     if source.is_dir():
         if is_save_to_disk(source):
-            return "arrow", save_to_disk_files(source, shown, role)
+            return FoundShards("arrow", save_to_disk_files(source, shown, role))
         if (source / MDS_INDEX).is_file():
             found = _mds_shards(str(source / MDS_INDEX), f"{shown}/{MDS_INDEX}", role, endpoint_url, cache_root)
             if found is not None:
@@ -81,29 +92,32 @@ def local_shards(
     with open(source, "rb") as stream:
         head = stream.read(4)
     if lower.endswith(".parquet") or head == PARQUET_MAGIC:
-        return "parquet", [local_ref(source, shown if shown.lower().endswith(".parquet") else f"{shown}.parquet")]
+        return FoundShards("parquet", [local_ref(source, shown if shown.lower().endswith(".parquet") else f"{shown}.parquet")])
     is_tar = lower.endswith(TAR_SUFFIXES + (".tar.bz2", ".tbz2", ".tar.xz", ".txz"))
     if not is_tar and not _sniffs_tar(source):
         return None
     kind = tar_kind(source)
     if kind == "shards":
         return _format_of(inner_shards(source, shown))
+    if kind == "mds":
+        listed, refs = mds_in_tar(source, shown)
+        return _mds_found(listed, refs)
     if kind == "webdataset":
         if head[:3] in (b"BZh", b"\xfd7z"):
             raise DatasetError(f"shard {shown}: only plain and gzip tars are read as shards (not bzip2 or xz)")
         name = shown if shown.lower().endswith(TAR_SUFFIXES) else shown + (".tar.gz" if head[:2] == b"\x1f\x8b" else ".tar")
-        return "webdataset", [local_ref(source, name)]
+        return FoundShards("webdataset", [local_ref(source, name)])
     return None
 
 
-def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path | None) -> tuple[str, list[ShardRef]] | None:
+def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path | None) -> FoundShards | None:
     """:func:`local_shards` for an ``s3://`` object or prefix (``kind`` from ``stat_object``)."""
     if has_brace_pattern(remote.uri):
         return _format_of(refs_of([remote.uri], role, remote.endpoint_url, cache_root))
     if kind == "directory":
         objects = list_prefix(remote, role, cache_root)
         if is_save_to_disk_listing([name for name in objects if "/" not in name]):
-            return "arrow", _remote_save_to_disk(remote, objects, role)
+            return FoundShards("arrow", _remote_save_to_disk(remote, objects, role))
         if MDS_INDEX in objects:
             found = _mds_shards(f"{remote.uri.rstrip('/')}/{MDS_INDEX}", f"{remote.uri.rstrip('/')}/{MDS_INDEX}", role,
                                 remote.endpoint_url, cache_root)
@@ -142,7 +156,7 @@ def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path |
 
 def _mds_shards(
     index: str, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None,
-) -> tuple[str, list[ShardRef]] | None:
+) -> FoundShards | None:
     """The MDS shards a Streaming ``index.json`` (a local path or URI) lists, beside it, in
     its order; None when the file is another ``index.json``."""
     raw = read_index_bytes(index, endpoint_url, f"{role}: {shown}")
@@ -152,11 +166,18 @@ def _mds_shards(
     base = index.rsplit("/", 1)[0]
     locations = [f"{base}/{name}" for name in listed.basenames]
     if is_data_uri(index):
-        return "mds", refs_of(locations, role, endpoint_url, cache_root)
+        return _mds_found(listed, refs_of(locations, role, endpoint_url, cache_root))
     missing = [name for name, location in zip(listed.basenames, locations) if not Path(location).is_file()]
     if missing:
-        raise DatasetError(f"{role}: {shown} lists shard {missing[0]}, which is not beside it")
-    return "mds", [local_ref(Path(location), name) for name, location in zip(listed.basenames, locations)]
+        raise DatasetError(f"{role}: {shown} lists shard {missing[0]}, which is not below it")
+    return _mds_found(listed, [local_ref(Path(location), name) for name, location in zip(listed.basenames, locations)])
+
+
+def _mds_found(listed: MdsIndex, refs: list[ShardRef]) -> FoundShards:
+    """MDS shards as their index lists them, each file the size the index says (a shard
+    changed or cut since is refused here, before any work)."""
+    listed.check_sizes([ref.size for ref in refs], [ref.name for ref in refs])
+    return FoundShards("mds", refs, listed)
 
 
 def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, StoredObject], role: str) -> list[ShardRef]:
@@ -177,7 +198,7 @@ def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, StoredObject],
 
 def list_shards(
     entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None, cache_root: Path | None = None,
-) -> tuple[str, list[ShardRef]]:
+) -> FoundShards:
     """``(format, shards)`` of an explicit list of shard paths, URIs or brace patterns."""
     return _format_of(refs_of(list(entries), role, endpoint_url, cache_root))
 
@@ -217,16 +238,15 @@ def _sniffs_tar(path: Path) -> bool:
     return head[257:262] == b"ustar"
 
 
-def _format_of(refs: list[ShardRef]) -> tuple[str, list[ShardRef]]:
+def _format_of(refs: list[ShardRef]) -> FoundShards:
     suffixes = {".parquet" if ref.suffix == ".parquet" else ".tar" for ref in refs}
     if len(suffixes) > 1:
         raise DatasetError("the shards mix tar and Parquet files; give one format")
-    return ("parquet" if suffixes == {".parquet"} else "webdataset"), refs
+    return FoundShards("parquet" if suffixes == {".parquet"} else "webdataset", refs)
 
 
 def describe_shards(
-    data_format: str,
-    refs: list[ShardRef],
+    found: FoundShards,
     *,
     transform: Mapping[str, Any] | None,
     image_column: str | None,
@@ -240,21 +260,19 @@ def describe_shards(
     Parquet footer), concurrently, and read the first sample for the sample shape:
     ``(shards, transform or None for arrays, sample shape)``; tar shards refuse column names,
     or without ``strict_columns`` read as if none were given."""
+    data_format, refs = found.format, found.refs
     if data_format == "webdataset" and not strict_columns:
         image_column = label_column = None
     if data_format == "webdataset" and (image_column is not None or label_column is not None):
         raise DatasetOptionError("image_column and label_column apply to Parquet, Arrow and MDS data, not tar shards",
                                  field="image_column")
     resolved = resolve_transform(transform)  # bad options fail before any read
-    if data_format == "mds":
-        shown = index_beside(refs[0])
-        listed = read_mds_index(read_index_bytes(shown, endpoint_url, f"{role}: {shown}"), f"{role}: {shown}")
-        if listed.basenames != tuple(ref.name for ref in refs):
-            raise DatasetError(f"{role}: {shown} changed while it was read")
+    if found.mds is not None:
+        listed = found.mds
         shards = ShardSet(
             format="mds", shards=tuple(refs), counts=listed.counts,
-            image_column=listed.columns.image_column(image_column, f"{role}: {shown}"), label_column=label_column,
-            mds=listed.columns, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
+            image_column=listed.columns.image_column(image_column, listed.where), label_column=label_column,
+            mds=listed, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
         )
         if shards.total == 0:
             raise DatasetError(f"{role}: the shards hold no samples ({refs[0].name} is empty)")
