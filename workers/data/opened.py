@@ -1,10 +1,12 @@
-"""What every opened calibration dataset offers (:class:`CalibrationData`), and what every
+"""What every opened calibration dataset offers (:class:`CalibrationData`), what every
 format's part of a dataset's description offers (:class:`DataPart`) over what it sees of the
-description's header (:class:`Described`)."""
+description's header (:class:`Described`), and what a format's description gives that header
+(:class:`FormatDescription`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -14,6 +16,19 @@ import torch
 if TYPE_CHECKING:
     from bnrecal.workers.data.storage.files import Place
     from bnrecal.workers.data.summary import DatasetSummary
+
+
+@dataclass(frozen=True)
+class FormatDescription:
+    """What a format's ``describe`` tells its dataset's header: its part, the path it reads (the
+    file, the image folder after unpacking, or the URI), its samples before and after
+    ``max_samples``, and one sample's shape as fed to the model."""
+
+    part: DataPart
+    path: str
+    total_samples: int
+    num_samples: int
+    sample_shape: tuple[int, ...]
 
 
 class Described(Protocol):

@@ -21,7 +21,7 @@ from bnrecal.workers.data.formats.archive import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_UNPACKED_BYTES,
 )
-from bnrecal.workers.data.order import ORDERS
+from bnrecal.workers.data.order import ORDERS, Sampling
 from bnrecal.errors import DatasetOptionError
 
 
@@ -77,6 +77,11 @@ class ReadOptions:
             value = getattr(self, option)
             if value is not None and (not isinstance(value, str) or not value):
                 raise DatasetOptionError(f"{option} must be a column name, got {value!r}", field=option)
+
+    @property
+    def sampling(self) -> Sampling:
+        """Which samples are taken: the first ``max_samples`` of ``order`` (seeded)."""
+        return Sampling(self.max_samples, self.order, self.seed)
 
 
 @dataclass(frozen=True)

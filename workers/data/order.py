@@ -16,12 +16,31 @@ order (see ``ArrayData``), and the rows are put back in the step's order afterwa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import numpy as np
 
 Order = Literal["shuffled", "given"]
 ORDERS: tuple[str, ...] = get_args(Order)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which samples of a dataset are taken: the first ``max_samples`` (None: every one)
+    positions of ``order``, seeded by ``seed`` when shuffled."""
+
+    max_samples: int | None = None
+    order: str = "given"
+    seed: int = 0
+
+    def kept(self, total: int) -> int:
+        """How many of ``total`` samples are taken."""
+        return min(total, self.max_samples or total)
+
+    def rows(self, total: int) -> np.ndarray:
+        """The row of each position taken (:func:`order_rows`)."""
+        return order_rows(total, self.kept(total), self.order, self.seed)
 
 
 def order_rows(total: int, count: int, order: str, seed: int) -> np.ndarray:

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
-from bnrecal.workers.data.formats.arrays import ArrayPart
-from bnrecal.workers.data.formats.npy_layout import ArrayLayout, describe_npy, describe_npz, describe_remote_array
-from bnrecal.workers.data.opened import CalibrationData
+from bnrecal.workers.data.formats.arrays import ArrayPart, describe_arrays
+from bnrecal.workers.data.formats.npy_layout import ArrayLayout
+from bnrecal.workers.data.opened import CalibrationData, FormatDescription
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
-from bnrecal.workers.data.formats.images import ImagePart, files_digest, list_images, list_remote_images
+from bnrecal.workers.data.formats.images import ImagePart, describe_images
 from bnrecal.workers.data.reading.kept import KeepDecoded
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, fetch_object, is_data_uri, parse_data_uri
@@ -27,7 +27,7 @@ from bnrecal.workers.data.shards.listing import has_brace_pattern
 from bnrecal.workers.data.shards.detection import (
     FoundShards, describe_shards, is_shard_list, list_shards, local_shards, remote_shards,
 )
-from bnrecal.workers.data.formats.transform import ImageTransform, check_image_header, resolve_transform
+from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 DataPartOf = ArrayPart | ImagePart | ShardPart
@@ -203,70 +203,64 @@ def _index_cache(access: DataAccess) -> Path:
 def _describe(source: Path, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """:func:`describe_dataset` on an existing absolute path. Every error calls the data
     ``read.name`` where given (a blob is stored, and an archive unpacked, under its digest)."""
-    transform, max_samples, name = read.transform, read.max_samples, read.name
-    shown = name or source.name
+    shown = read.name or source.name
     try:
         if source.is_dir():
-            return _describe_images(source, source, shown, read, access.check_images)
-        data_format = detect_format(source, read.role, name)
+            return _spec(describe_images(Place(str(source), None, shown), read.transform, read.sampling, read.role,
+                                         access.check_images), str(source), read)
+        data_format = detect_format(source, read.role, read.name)
         if data_format in ("npy", "npz"):
-            if transform:
-                raise DatasetOptionError(
-                    f"transform applies to image data only; {shown} is an array file", field="transform"
-                )
-            if data_format == "npy":
-                layout = describe_npy(source, shown)
-            else:
-                layout = describe_npz(
-                    source, name=shown, max_unpacked_bytes=access.max_unpacked_bytes,
-                    max_compression_ratio=access.max_compression_ratio,
-                )
-            total = layout.shape[0]
-            if total == 0:
-                raise DatasetError(f"{shown} holds no samples (shape {layout.shape})")
-            return DatasetSpec(
-                ArrayPart(layout), path=str(source), num_samples=min(total, max_samples or total),
-                sample_shape=tuple(layout.shape[1:]), total_samples=total, source=str(source),
-                order=read.order, seed=read.seed,
-            )
-        resolve_transform(transform)  # bad options fail before a long unpack
+            described = describe_arrays(Place(str(source), None, shown), data_format, source.stat().st_size,
+                                        read.transform, read.sampling, read.role, **_npz_limits(access))
+            return _spec(described, str(source), read)
+        resolve_transform(read.transform)  # bad options fail before a long unpack
         folder = unpack_archive(
             source, data_format, access.unpack_dir, name=shown, unpack_root=access.unpack_root,
             max_members=access.max_members, max_unpacked_bytes=access.max_unpacked_bytes,
             max_compression_ratio=access.max_compression_ratio,
         )
         try:
-            return _describe_images(folder, source, shown, read, access.check_images)
+            described = describe_images(Place(str(folder), None, shown), read.transform, read.sampling, read.role,
+                                        access.check_images)
         except DatasetError:
             discard_unpack(folder)  # an archive whose content is bad keeps nothing on disk
             raise
+        return _spec(described, str(source), read)
     except OSError as exc:
         raise DatasetError(f"cannot read {shown}: {exc.strerror or exc}") from exc
 
 
+def _npz_limits(access: DataAccess) -> dict[str, int | float]:
+    """The bounds a compressed ``.npz`` member is read within (the archives' own)."""
+    return {"max_unpacked_bytes": access.max_unpacked_bytes, "max_compression_ratio": access.max_compression_ratio}
+
+
+def _spec(described: FormatDescription, source: str, read: ReadOptions, remote: RemoteSource | None = None) -> DatasetSpec:
+    """The dataset's description: its format's, under the header every dataset has."""
+    return DatasetSpec(
+        described.part, path=described.path, num_samples=described.num_samples, sample_shape=described.sample_shape,
+        total_samples=described.total_samples, source=source, remote=remote, order=read.order, seed=read.seed,
+    )
+
+
 def _shard_spec(found: FoundShards, source: str, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """The description of a dataset of shards: every shard counted, the first sample read."""
-    refs = found.refs
     shards, transform, shape = describe_shards(
         found, transform=read.transform, image_column=read.image_column, label_column=read.label_column,
         endpoint_url=access.endpoint_url, cache_root=_index_cache(access), role=read.role,
         strict_columns=read.columns_elsewhere == "error",
     )
-    total = shards.total
-    remote = next((ref.location for ref in refs if ref.remote), None)
-    return DatasetSpec(
-        ShardPart(shards, transform), path=source, num_samples=min(total, read.max_samples or total),
-        sample_shape=shape, total_samples=total, source=source,
-        remote=RemoteSource(remote, access.endpoint_url) if remote is not None else None, order=read.order,
-        seed=read.seed,
-    )
+    remote = next((ref.location for ref in found.refs if ref.remote), None)
+    described = FormatDescription(ShardPart(shards, transform), source, shards.total, read.sampling.kept(shards.total),
+                                  shape)
+    return _spec(described, source, read, RemoteSource(remote, access.endpoint_url) if remote is not None else None)
 
 
 def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess) -> DatasetSpec:
     """:func:`describe_dataset` for an object or prefix in object storage: arrays, image
     prefixes and shards stay there (each rank fetches its own samples), archives of images
     are fetched and unpacked."""
-    transform, max_samples, role = read.transform, read.max_samples, read.role
+    role = read.role
     if has_brace_pattern(remote.uri):
         kind, size = "pattern", 0
     else:
@@ -278,70 +272,24 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         raise DatasetOptionError(
             f"image_column and label_column apply to Parquet, Arrow and MDS shards; {remote.uri} is not", field="image_column"
         )
+    place = Place(remote.uri, remote.endpoint_url)
     if kind == "directory":
-        resolved = resolve_transform(transform)
-        listing = list_remote_images(remote, role)
-        total = len(listing.files)
-        files = _ordered_files(listing.files, read)
-        return DatasetSpec(
-            ImagePart(resolved, listing.classes, files_digest(files), files_digest(listing.files)),
-            path=remote.uri, num_samples=len(files), sample_shape=resolved.sample_shape, total_samples=total,
-            source=remote.uri, remote=remote, order=read.order, seed=read.seed,
-        )
+        return _spec(describe_images(place, read.transform, read.sampling, role, False), remote.uri, read, remote)
     data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
     if data_format in (None, "parquet", "manifest"):
         raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {EXPECTED}")
     if data_format in ("npy", "npz"):
-        if transform:
-            raise DatasetOptionError(
-                f"transform applies to image data only; {remote.name} is an array file", field="transform"
-            )
-        layout = describe_remote_array(
-            remote, data_format, size, role,
-            max_unpacked_bytes=access.max_unpacked_bytes, max_compression_ratio=access.max_compression_ratio,
-        )
-        total = layout.shape[0]
-        if total == 0:
-            raise DatasetError(f"{remote.name} holds no samples (shape {layout.shape})")
-        return DatasetSpec(
-            ArrayPart(layout), path=remote.uri, num_samples=min(total, max_samples or total),
-            sample_shape=tuple(layout.shape[1:]), total_samples=total, source=remote.uri,
-            remote=remote, order=read.order, seed=read.seed,
-        )
-    resolve_transform(transform)  # bad options fail before a long download
+        described = describe_arrays(place, data_format, size, read.transform, read.sampling, role, **_npz_limits(access))
+        return _spec(described, remote.uri, read, remote)
+    resolve_transform(read.transform)  # bad options fail before a long download
     root = access.unpack_root if access.unpack_root is not None else default_unpack_root()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as staging:
         archive = fetch_object(remote, Path(staging) / remote.name, access.max_unpacked_bytes, role)
         # The fetched archive is a local file: no endpoint, and its images' headers are always checked.
         spec = describe_dataset(
-            archive, ReadOptions(transform=transform, max_samples=max_samples, role=role, order=read.order, seed=read.seed),
+            archive, ReadOptions(transform=read.transform, max_samples=read.max_samples, role=role, order=read.order,
+                                 seed=read.seed),
             replace(access, check_images=True, endpoint_url=None),
         )
     return replace(spec, source=remote.uri)
-
-
-
-
-def _describe_images(folder: Path, source: Path, shown: str, read: ReadOptions, check_images: bool) -> DatasetSpec:
-    resolved = resolve_transform(read.transform)
-    listing = list_images(folder, shown=shown)
-    total = len(listing.files)
-    files = _ordered_files(listing.files, read)
-    if check_images:
-        for name in files:
-            check_image_header(listing.root / name, name)
-    return DatasetSpec(
-        ImagePart(resolved, listing.classes, files_digest(files), files_digest(listing.files)),
-        path=str(listing.root), num_samples=len(files), sample_shape=resolved.sample_shape, total_samples=total,
-        source=str(source), order=read.order, seed=read.seed,
-    )
-
-
-def _ordered_files(files: tuple[str, ...], read: ReadOptions) -> tuple[str, ...]:
-    """The listed images at the first ``max_samples`` positions of the order."""
-    total = len(files)
-    rows = order_rows(total, min(total, read.max_samples or total), read.order, read.seed)
-    return tuple(files[i] for i in rows.tolist())
-
-

@@ -13,18 +13,19 @@ from __future__ import annotations
 import zipfile
 import zlib
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data.formats.npy_layout import ArrayLayout, read_exact, skip_to, compact_dtype
-from bnrecal.workers.data.opened import CalibrationData, Described
+from bnrecal.workers.data.formats.npy_layout import ArrayLayout, compact_dtype, describe_layout, read_exact, skip_to
+from bnrecal.workers.data.opened import CalibrationData, Described, FormatDescription
 from bnrecal.workers.data.integrity import verify_content_address
-from bnrecal.workers.data.order import ReadAhead, gather_runs
+from bnrecal.workers.data.order import ReadAhead, Sampling, gather_runs
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import remote_error
-from bnrecal.errors import DatasetError
+from bnrecal.errors import DatasetError, DatasetOptionError
 
 if TYPE_CHECKING:
     from bnrecal.workers.data.summary import DatasetSummary
@@ -242,6 +243,23 @@ class ArrayPart:
     def same_samples(self) -> ArrayPart:
         """Itself: everything in it says where the samples lie."""
         return self
+
+
+def describe_arrays(
+    place: Place, data_format: str, size: int, transform: Mapping[str, Any] | None, sampling: Sampling,
+    role: str, **npz_limits: Any,
+) -> FormatDescription:
+    """An ``.npy`` or ``.npz`` file or object (``data_format``, ``size`` bytes) described from
+    its header alone: its rows are the samples (a transform, which only images take, and an
+    empty array are refused, naming it); ``npz_limits`` bound a compressed member."""
+    if transform:
+        raise DatasetOptionError(f"transform applies to image data only; {place.shown} is an array file",
+                                 field="transform")
+    layout = describe_layout(place, data_format, size, role, **npz_limits)
+    total = layout.shape[0]
+    if total == 0:
+        raise DatasetError(f"{place.shown} holds no samples (shape {layout.shape})")
+    return FormatDescription(ArrayPart(layout), place.location, total, sampling.kept(total), tuple(layout.shape[1:]))
 
 
 def _npz_labels(described: Described) -> np.ndarray | None:

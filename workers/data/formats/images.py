@@ -20,18 +20,21 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data.opened import DecodedData, Described
+from bnrecal.workers.data.opened import DecodedData, Described, FormatDescription
+from bnrecal.workers.data.order import Sampling
 from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
-from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
+from bnrecal.workers.data.formats.transform import (
+    ImageTransform, check_image_header, decode_image, normalize, resolve_transform,
+)
 from bnrecal.errors import DatasetError
 
 if TYPE_CHECKING:
@@ -147,6 +150,24 @@ def list_remote_images(source: RemoteSource, role: str) -> ImageListing:
         root = f"{root}/{folder}"
         names = [n[len(folder) + 1:] for n in names if n.startswith(folder + "/")]
     return listing_of(Path(root), [n for n in names if is_image_name(n)], source.name or source.uri)
+
+
+def describe_images(
+    place: Place, transform: Mapping[str, Any] | None, sampling: Sampling, role: str, check_headers: bool,
+) -> FormatDescription:
+    """An image folder or prefix described: its listing (by the rules above), the images taken
+    by ``sampling``, and, where asked for a local folder, each one's header read so that a
+    broken file fails here, naming it, rather than in a rank."""
+    resolved = resolve_transform(transform)
+    remote = place.remote
+    listing = list_remote_images(remote, role) if remote is not None else list_images(Path(place.location), shown=place.shown)
+    files = tuple(listing.files[i] for i in sampling.rows(len(listing.files)).tolist())
+    if check_headers and remote is None:
+        for name in files:
+            check_image_header(listing.root / name, name)
+    part = ImagePart(resolved, listing.classes, files_digest(files), files_digest(listing.files))
+    path = place.location if remote is not None else str(listing.root)
+    return FormatDescription(part, path, len(listing.files), len(files), resolved.sample_shape)
 
 
 class ImageData(DecodedData):

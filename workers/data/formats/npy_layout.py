@@ -22,6 +22,7 @@ from typing import IO, Any, Literal
 import numpy as np
 
 from bnrecal.workers.data.formats.archive import DEFAULT_MAX_COMPRESSION_RATIO, DEFAULT_MAX_UNPACKED_BYTES, RATIO_FREE_BYTES
+from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, remote_error
 from bnrecal.errors import DatasetError
 
@@ -266,6 +267,19 @@ def compact_dtype(stored: str | np.dtype[Any]) -> np.dtype[Any]:
     holds), else float32."""
     dtype = np.dtype(stored).newbyteorder("=")
     return dtype if dtype in _COMPACT_DTYPES else np.dtype(np.float32)
+
+
+def describe_layout(place: Place, data_format: str, size: int, role: str, **npz_limits: Any) -> ArrayLayout:
+    """The layout of an ``.npy`` or ``.npz`` (``data_format``) of ``size`` bytes wherever it
+    lies: a local file's header read from disk, an object's from its first bytes or its zip
+    directory (``npz_limits``: the bounds of a compressed member, see :func:`describe_npz_stream`)."""
+    remote = place.remote
+    if remote is not None:
+        return describe_remote_array(remote, data_format, size, role, **npz_limits)
+    path = Path(place.location)
+    if data_format == "npy":
+        return describe_npy(path, place.shown)
+    return describe_npz(path, name=place.shown, **npz_limits)
 
 
 def describe_remote_array(
