@@ -29,7 +29,7 @@ import numpy as np
 
 from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.formats.images import is_ignored_part
-from bnrecal.workers.data.formats.mds import is_mds_shard_name
+from bnrecal.workers.data.formats.mds_index import is_mds_shard_name
 from bnrecal.workers.data.storage.reads import open_shard, read_ranges
 from bnrecal.workers.data.storage.files import ShardRef, is_shard_name
 from bnrecal.errors import DatasetError, message_line

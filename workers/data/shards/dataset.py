@@ -27,7 +27,8 @@ import torch
 
 from bnrecal.workers.data.opened import DecodedData, Described
 from bnrecal.workers.data.formats.columnar import ColumnarReader
-from bnrecal.workers.data.formats.mds import MdsIndex, MdsReader
+from bnrecal.workers.data.formats.mds import MdsReader
+from bnrecal.workers.data.formats.mds_index import MdsIndex
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary

@@ -7,7 +7,7 @@ How a source is told apart (docs/data.md, "Shards"):
   ``save_to_disk`` folder: always shards;
 - a folder (or an ``s3://`` prefix) holding shard files and no images or arrays: shards;
 - a folder (or an ``s3://`` prefix) with MosaicML Streaming's ``index.json``, or that file
-  itself: the MDS shards it lists, in its order (``workers.data.formats.mds``);
+  itself: the MDS shards it lists, in its order (``workers.data.formats.mds_index``);
 - a tar (``.tar``, ``.tar.gz``, an uploaded blob) is a WebDataset shard when its first 64
   members are grouped by key (a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside
   a non-image member of its key such as ``KEY.json``), and a tar of shards when every file in it
@@ -43,7 +43,7 @@ from bnrecal.workers.data.shards.listing import (
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
-from bnrecal.workers.data.formats.mds import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
+from bnrecal.workers.data.formats.mds_index import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
 from bnrecal.errors import DatasetError
 
 PARQUET_MAGIC = b"PAR1"
