@@ -22,6 +22,8 @@ from ray._private import ray_constants
 
 from bnrecal.errors import RunError
 
+_logger = logging.getLogger(__name__)
+
 EMBEDDED_ADDRESSES = ("", "local")
 """Addresses that mean "start an instance of our own" (``RAY_ADDRESS=local`` included)."""
 
@@ -61,22 +63,48 @@ def _ensure_ray(address: str | None, min_cpus: float) -> bool:
         if address not in EMBEDDED_ADDRESSES:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
             return False
-        num_cpus = max(float(os.cpu_count() or 1), float(min_cpus))
-        _embedded_auth()
-        with _loopback_only():
-            ray.init(
-                address="local",  # a new instance of our own, never one another process left running
-                num_cpus=int(num_cpus + 0.999),
-                include_dashboard=False,
-                _system_config=LEAN_SYSTEM_CONFIG,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.ERROR,
-                log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
-            )
+        _start_embedded(max(float(os.cpu_count() or 1), float(min_cpus)))
         return True
     except ConnectionError as exc:
         raise RunError(f"cannot reach the Ray cluster at {address!r}: {exc}; check --ray-address / RAY_ADDRESS") from exc
+
+
+EMBEDDED_START_ATTEMPTS = 2
+"""Starts of the embedded instance tried before giving up. Ray waits a fixed 30 s for its
+raylet to register with the GCS and then fails the start ("timed out during startup"); on a
+loaded small machine (two cores running exports beside it) that can pass once."""
+
+_START_TIMED_OUT = "timed out during startup"  # what Ray's Node says when its raylet did not register in time
+
+
+def _start_embedded(num_cpus: float) -> None:
+    """Start the embedded instance (loopback only, a fresh token each attempt); a start that
+    timed out is cleared (every process holding its token killed) and tried once more."""
+    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+        _embedded_auth()
+        try:
+            with _loopback_only():
+                ray.init(
+                    address="local",  # a new instance of our own, never one another process left running
+                    num_cpus=int(num_cpus + 0.999),
+                    include_dashboard=False,
+                    _system_config=LEAN_SYSTEM_CONFIG,
+                    _node_ip_address="127.0.0.1",
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+                )
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a start that timed out
+            if _START_TIMED_OUT not in str(exc):
+                raise
+            ray.shutdown()
+            _reap([], os.environ.get("RAY_AUTH_TOKEN"))  # the failed start's GCS, raylet and agents
+            if attempt == EMBEDDED_START_ATTEMPTS:
+                raise RunError(f"the embedded Ray did not start: its raylet did not register in time, "
+                               f"{attempt} times (is the machine overloaded?)") from exc
+            _logger.warning("the embedded Ray's raylet did not register in time; starting it again")
+
 
 
 def _ray_messages_to_stderr() -> None:
