@@ -17,7 +17,7 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
 from bnrecal.errors import DatasetOptionError, Int8GuardError
-from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, read_labels
+from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, format_named, read_labels
 from bnrecal.workers.data.storage.objectstore import is_data_uri
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
@@ -158,9 +158,10 @@ def plan_evaluation(
     source = request.eval_data
     # The transform is for images: evaluation arrays beside calibration images are fed as they are.
     if isinstance(source, str):  # object storage: arrays by their extension
-        arrays = source.lower().endswith((".npy", ".npz"))
+        named = format_named(source.rsplit("/", 1)[-1])
+        arrays = named is not None and named.reads_as == "arrays"
     else:
-        arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name) in ("npy", "npz")
+        arrays = source.is_file() and detect_format(source, "evaluation data", request.eval_data_name).reads_as == "arrays"
     read = ReadOptions(
         transform=None if arrays else request.transform,
         max_samples=request.eval_max_samples,

@@ -23,7 +23,8 @@ from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.reading.batches import iter_batches
 from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
 from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
-from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, detect_format, read_labels
+from bnrecal.workers.data.file_formats import FILE_FORMATS, detect_format, format_named
+from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, read_labels
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
 
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_MAX_MEMBERS",
     "DEFAULT_MAX_UNPACKED_BYTES",
     "DEFAULT_TRANSFORM",
+    "FILE_FORMATS",
     "IMAGE_EXTENSIONS",
     "ArrayData",
     "ArrayLayout",
@@ -46,6 +48,7 @@ __all__ = [
     "describe_dataset",
     "detect_format",
     "discard_unpack",
+    "format_named",
     "iter_batches",
     "read_labels",
     "resolve_transform",

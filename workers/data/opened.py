@@ -1,14 +1,17 @@
 """What every opened calibration dataset offers (:class:`CalibrationData`), what every
 format's part of a dataset's description offers (:class:`DataPart`) over what it sees of the
-description's header (:class:`Described`), and what a format's description gives that header
-(:class:`FormatDescription`)."""
+description's header (:class:`Described`), what a format's description gives that header
+(:class:`FormatDescription`), and how a format of single files says a file is its own
+(:class:`FileFormat`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
@@ -16,6 +19,30 @@ import torch
 if TYPE_CHECKING:
     from bnrecal.workers.data.storage.files import Place
     from bnrecal.workers.data.summary import DatasetSummary
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """A format a dataset's single file can be, as its module declares it for detection
+    (``workers.data.file_formats``): its name, the extensions that name it, which reader
+    takes a file of it that is not already a dataset of shards (``arrays``: described and
+    read in place, on disk or in S3; ``archive``: images, unpacked first; ``shards``: read as
+    shards, each in place), and ``sniff``, whether a file's first 512 bytes (and the file, for
+    an archive's listing) say it is one, for a file stored without an extension (an uploaded
+    blob); ``None`` where only an extension says so."""
+
+    name: str
+    suffixes: tuple[str, ...]
+    reads_as: Literal["arrays", "archive", "shards"]
+    sniff: Callable[[bytes, Path], bool] | None = None
+
+    def names(self, file_name: str) -> bool:
+        """Whether a file's name carries one of this format's extensions."""
+        return file_name.lower().endswith(self.suffixes)
+
+    def sniffs(self, head: bytes, path: Path) -> bool:
+        """Whether a file's leading bytes say it is of this format (never, without a sniff)."""
+        return self.sniff is not None and self.sniff(head, path)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from bnrecal.workers.data.formats.arrays import ArrayPart, describe_arrays
 from bnrecal.workers.data.formats.npy_layout import ArrayLayout
 from bnrecal.workers.data.opened import CalibrationData, FormatDescription
 from bnrecal.workers.data.options import DataAccess, ReadOptions
-from bnrecal.workers.data.formats.detect import EXPECTED, SUFFIX_FORMATS, detect_format
+from bnrecal.workers.data.file_formats import EXPECTED, detect_format, format_named
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
 from bnrecal.workers.data.formats.images import ImagePart, describe_images
 from bnrecal.workers.data.reading.kept import KeepDecoded
@@ -208,14 +208,16 @@ def _describe(source: Path, read: ReadOptions, access: DataAccess) -> DatasetSpe
         if source.is_dir():
             return _spec(describe_images(Place(str(source), None, shown), read.transform, read.sampling, read.role,
                                          access.check_images), str(source), read)
-        data_format = detect_format(source, read.role, read.name)
-        if data_format in ("npy", "npz"):
-            described = describe_arrays(Place(str(source), None, shown), data_format, source.stat().st_size,
+        file_format = detect_format(source, read.role, read.name)
+        if file_format.reads_as == "arrays":
+            described = describe_arrays(Place(str(source), None, shown), file_format.name, source.stat().st_size,
                                         read.transform, read.sampling, read.role, **_npz_limits(access))
             return _spec(described, str(source), read)
+        if file_format.reads_as == "shards":  # shards were told apart before: a file here is not one
+            raise DatasetError(f"{shown} is not {file_format.name} data that can be read; expected {EXPECTED}")
         resolve_transform(read.transform)  # bad options fail before a long unpack
         folder = unpack_archive(
-            source, data_format, access.unpack_dir, name=shown, unpack_root=access.unpack_root,
+            source, file_format.name, access.unpack_dir, name=shown, unpack_root=access.unpack_root,
             max_members=access.max_members, max_unpacked_bytes=access.max_unpacked_bytes,
             max_compression_ratio=access.max_compression_ratio,
         )
@@ -275,11 +277,11 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
     place = Place(remote.uri, remote.endpoint_url)
     if kind == "directory":
         return _spec(describe_images(place, read.transform, read.sampling, role, False), remote.uri, read, remote)
-    data_format = next((f for suffix, f in SUFFIX_FORMATS if remote.name.lower().endswith(suffix)), None)
-    if data_format in (None, "parquet", "manifest"):
+    file_format = format_named(remote.name)
+    if file_format is None or file_format.reads_as == "shards":  # shards were told apart before
         raise DatasetError(f"unknown {role} format {remote.uri!r}; expected {EXPECTED}")
-    if data_format in ("npy", "npz"):
-        described = describe_arrays(place, data_format, size, read.transform, read.sampling, role, **_npz_limits(access))
+    if file_format.reads_as == "arrays":
+        described = describe_arrays(place, file_format.name, size, read.transform, read.sampling, role, **_npz_limits(access))
         return _spec(described, remote.uri, read, remote)
     resolve_transform(read.transform)  # bad options fail before a long download
     root = access.unpack_root if access.unpack_root is not None else default_unpack_root()

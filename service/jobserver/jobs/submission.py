@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bnrecal.workers.data.storage.objectstore import parse_data_uri, uri_allowed
 from bnrecal.workers.data.shards.listing import expand_braces, has_brace_pattern, is_manifest_name
-from bnrecal.workers.data.formats.detect import array_sample_shape
+from bnrecal.workers.data.file_formats import array_sample_shape
 from bnrecal.errors import DatasetError, InputError, SpecError
 from bnrecal.workers.models.architectures import check_architecture_exists as check_reference
 from bnrecal.workers.models.architectures import check_model_kwargs

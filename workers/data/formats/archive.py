@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
+from bnrecal.workers.data.opened import FileFormat
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_MAX_MEMBERS = 1_000_000
@@ -38,6 +39,29 @@ _MARKER = ".bnrecal-unpacked.json"  # hidden, so never listed as data
 DISCARD_MARKER = ".bnrecal-discard"  # in an unpack: remove me once no job uses me
 COLLECTED_ROOT_MARKER = ".bnrecal-collected"  # in an unpack root: a collector owns removals here
 _COPY_CHUNK = 1 << 20
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first member, or an empty zip's end record
+TAR_MAGICS = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz: a compressed tar
+TAR_NAMES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+
+
+def _is_zip(head: bytes, path: Path) -> bool:
+    if not head.startswith(ZIP_MAGICS):
+        return False
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _is_tar(head: bytes, path: Path) -> bool:
+    """A plain tar (``ustar`` at byte 257), or a file compressed as tars are (its content is
+    told when it is read)."""
+    return head.startswith(TAR_MAGICS) or head[257:262] == b"ustar"
+
+
+TAR = FileFormat("tar", TAR_NAMES, "archive", _is_tar)
+ZIP = FileFormat("zip", (".zip",), "archive", _is_zip)
 
 
 @dataclass(frozen=True)

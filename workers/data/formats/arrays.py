@@ -14,13 +14,17 @@ import zipfile
 import zlib
 from dataclasses import dataclass, replace
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data.formats.npy_layout import ArrayLayout, compact_dtype, describe_layout, read_exact, skip_to
-from bnrecal.workers.data.opened import CalibrationData, Described, FormatDescription
+from bnrecal.workers.data.formats.archive import ZIP_MAGICS
+from bnrecal.workers.data.formats.npy_layout import (
+    NPY_MAGIC, ArrayLayout, compact_dtype, describe_layout, read_exact, skip_to,
+)
+from bnrecal.workers.data.opened import CalibrationData, Described, FileFormat, FormatDescription
 from bnrecal.workers.data.integrity import verify_content_address
 from bnrecal.workers.data.order import ReadAhead, Sampling, gather_runs
 from bnrecal.workers.data.storage.files import Place
@@ -243,6 +247,26 @@ class ArrayPart:
     def same_samples(self) -> ArrayPart:
         """Itself: everything in it says where the samples lie."""
         return self
+
+
+def _is_npy(head: bytes, path: Path) -> bool:
+    return head.startswith(NPY_MAGIC)
+
+
+def _is_npz(head: bytes, path: Path) -> bool:
+    """A zip whose every member is a ``.npy`` (an npz is a zip, so it is tried before one)."""
+    if not head.startswith(ZIP_MAGICS):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+    return bool(names) and all(name.endswith(".npy") for name in names)
+
+
+NPY = FileFormat("npy", (".npy",), "arrays", _is_npy)
+NPZ = FileFormat("npz", (".npz",), "arrays", _is_npz)
 
 
 def describe_arrays(

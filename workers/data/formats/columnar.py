@@ -21,8 +21,13 @@ from typing import IO, Any
 import numpy as np
 
 from bnrecal.workers.data.storage.reads import open_random_access, open_shard
-from bnrecal.workers.data.storage.files import ShardRef, local_ref
+from bnrecal.workers.data.opened import FileFormat
+from bnrecal.workers.data.storage.files import PARQUET_SUFFIXES, ShardRef, local_ref
 from bnrecal.errors import DatasetError, DatasetOptionError, message_line
+
+PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
+PARQUET = FileFormat("parquet", PARQUET_SUFFIXES, "shards", lambda head, path: head.startswith(PARQUET_MAGIC))
+"""A Parquet file is a shard of its own (its row groups read in place), named or sniffed."""
 
 DEFAULT_IMAGE_COLUMN = "image"
 DEFAULT_LABEL_COLUMN = "label"

@@ -28,7 +28,7 @@ from bnrecal.errors import DatasetError
 
 ArrayStorage = Literal["npy", "npz-stored", "npz-compressed"]
 
-_NPY_MAGIC = b"\x93NUMPY"
+NPY_MAGIC = b"\x93NUMPY"
 _MAX_HEADER_BYTES = 10_000  # numpy's own safety bound on the header dictionary
 _HEADER_BYTES = 16_384  # an object's first bytes fetched for its npy header (at most 10_012 bytes)
 _DIRECTORY_BLOCK = 1 << 16  # readahead while reading an object's zip directory and local header
@@ -71,7 +71,7 @@ def read_npy_header(stream: IO[bytes], name: str) -> tuple[np.dtype[Any], tuple[
     integer, at least 2-D (samples first) and have samples of at least one value.
     """
     magic = stream.read(8)
-    if len(magic) < 8 or magic[:6] != _NPY_MAGIC:
+    if len(magic) < 8 or magic[:6] != NPY_MAGIC:
         raise DatasetError(f"{name} is not a valid .npy array (bad magic bytes)")
     major = magic[6]
     if major == 1:

@@ -29,6 +29,7 @@ from bnrecal.workers.data.opened import DecodedData, Described
 from bnrecal.workers.data.formats.columnar import ColumnarReader
 from bnrecal.workers.data.formats.mds import MdsReader
 from bnrecal.workers.data.formats.mds_index import MdsIndex
+from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary
@@ -37,7 +38,6 @@ from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_ind
 from bnrecal.errors import DatasetError
 
 ShardFormat = Literal["webdataset", "parquet", "arrow", "mds"]
-_NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def from_kept_batch(kept: torch.Tensor, transform: ImageTransform | None) -> tor
 def decode_kept(name: str, data: bytes, transform: ImageTransform | None) -> torch.Tensor:
     """One sample from its encoded bytes in the form a rank keeps it: an ``.npy`` array as
     float32, an image as its uint8 crop (:func:`workers.data.formats.transform.decode_image`)."""
-    if data[:6] == _NPY_MAGIC:
+    if data[:6] == NPY_MAGIC:
         try:
             array = np.load(io.BytesIO(data), allow_pickle=False)
         except ValueError as exc:

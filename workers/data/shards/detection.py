@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from bnrecal.errors import DatasetOptionError
+from bnrecal.workers.data.formats.archive import TAR
 from bnrecal.workers.data.formats.columnar import (
-    ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
+    PARQUET, ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
 )
 from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
 from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, local_ref
@@ -43,10 +44,10 @@ from bnrecal.workers.data.shards.listing import (
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
+from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
 from bnrecal.workers.data.formats.mds_index import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
 from bnrecal.errors import DatasetError
 
-PARQUET_MAGIC = b"PAR1"
 _SNIFF_BYTES = 1 << 16
 
 
@@ -91,10 +92,9 @@ def local_shards(
         return _format_of(refs_of(read_manifest(text, str(source.parent), shown, role), role, endpoint_url, cache_root))
     with open(source, "rb") as stream:
         head = stream.read(4)
-    if lower.endswith(".parquet") or head == PARQUET_MAGIC:
+    if PARQUET.names(lower) or PARQUET.sniffs(head, source):
         return FoundShards("parquet", [local_ref(source, shown if shown.lower().endswith(".parquet") else f"{shown}.parquet")])
-    is_tar = lower.endswith(TAR_SUFFIXES + (".tar.bz2", ".tbz2", ".tar.xz", ".txz"))
-    if not is_tar and not _sniffs_tar(source):
+    if not TAR.names(lower) and not _sniffs_tar(source):
         return None
     kind = tar_kind(source)
     if kind == "shards":
@@ -318,7 +318,7 @@ def _with_first_sample(
         (name, data), = first.load_encoded(0, 1)
     finally:
         first.close()
-    if data[:6] == b"\x93NUMPY":
+    if data.startswith(NPY_MAGIC):
         if transform:
             raise DatasetOptionError(f"transform applies to image data only; the samples of {refs[0].name} are arrays",
                                      field="transform")

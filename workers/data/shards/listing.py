@@ -34,11 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bnrecal.workers.data.opened import FileFormat
 from bnrecal.workers.data.storage.files import ShardRef, is_shard_name, local_ref
 from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, parse_data_uri, remote_error
 from bnrecal.errors import DatasetError
 
 MANIFEST_SUFFIXES = (".manifest", ".lst", ".txt")
+MANIFEST = FileFormat("manifest", MANIFEST_SUFFIXES, "shards")
+"""A manifest, one shard path or URI a line: named by its extension only (a blob never reads as one)."""
 MAX_PATTERN_SHARDS = 10_000_000
 MAX_MANIFEST_BYTES = 256 * 2**20
 LISTING_TTL_S = 900.0
@@ -53,7 +56,7 @@ _SPLITS = re.compile(r"^(train|test|validation|valid|val|dev)([-_.]|$)")
 
 def is_manifest_name(name: str) -> bool:
     """Whether a file name is a manifest's (``.manifest``, ``.lst``, ``.txt``)."""
-    return name.lower().endswith(MANIFEST_SUFFIXES)
+    return MANIFEST.names(name)
 
 
 def has_brace_pattern(value: str) -> bool:
