@@ -13,7 +13,6 @@ when complete, so no process ever sees half an unpack and a second call reuses i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ from typing import IO
 
 from bnrecal.workers.data.formats.images import is_ignored_part, is_image_name
 from bnrecal.workers.data.opened import FileFormat
+from bnrecal.workers.files import file_digest
 from bnrecal.errors import DatasetError, DatasetOptionError
 
 DEFAULT_MAX_MEMBERS = 1_000_000
@@ -80,15 +80,6 @@ def default_unpack_root() -> Path:
     return Path(base) / "bnrecal" / "unpacked"
 
 
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks (the cache key of its unpack)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(_COPY_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def unpack_archive(
     archive: Path,
     kind: str,
@@ -117,7 +108,7 @@ def unpack_archive(
             f"max_compression_ratio must be >= 1, got {max_compression_ratio!r}", field="max_compression_ratio"
         )
     limits = _Limits(max_members, max_unpacked_bytes, max_compression_ratio, archive.stat().st_size)
-    digest = file_sha256(archive)
+    digest = file_digest(archive).removeprefix("sha256:")  # the cache key of its unpack
     target = Path(unpack_dir) if unpack_dir is not None else Path(unpack_root or default_unpack_root()) / digest
     target = target.expanduser().absolute()
     if _is_unpack_of(target, digest):
