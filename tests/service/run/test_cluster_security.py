@@ -191,9 +191,27 @@ def test_the_token_is_neither_written_nor_logged(embedded):
     assert leaked == []
 
 
-SHUTDOWN_CHILD = """
-import json, os, sys
+HOLDERS_OF = """
+import os
 from pathlib import Path
+
+def holders_of(token):
+    \"\"\"The processes but this one whose environment carries the instance's token.\"\"\"
+    needle = f"RAY_AUTH_TOKEN={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+"""
+"""A child's helper (both children below end by asking who still holds a token)."""
+
+SHUTDOWN_CHILD = HOLDERS_OF + """
+import json, sys
 import ray
 from ray._private import ray_constants
 from ray._raylet import AuthenticationTokenLoader
@@ -206,29 +224,27 @@ token = AuthenticationTokenLoader.instance().get_raw_token()
 node = ray._private.worker._global_node
 monitor = [info.process.pid for info in node.all_processes[ray_constants.PROCESS_TYPE_MONITOR]]
 shutdown_embedded()
-needle = f"RAY_AUTH_TOKEN={token}".encode()
-left = []
-for entry in Path("/proc").iterdir():
-    if entry.name.isdigit() and int(entry.name) != os.getpid():
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\\0"):
-                left.append(int(entry.name))
-        except OSError:
-            pass
+left = holders_of(token)
 print(json.dumps({"monitor": monitor, "worker": worker, "left": left}))
 """
+
+
+def run_child(script: str, home: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
+    """Run a child script that starts its own embedded instance (no address, no token of
+    ours, a home of its own): the JSON its last line printed, and its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def test_shutdown_leaves_no_process_of_the_embedded_instance(tmp_path):
     """shutdown_embedded stops every process of the instance it started, the autoscaler
     monitor (killed first: it ignores SIGTERM) and the rank-like worker included."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
-    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(name, None)
-    done = subprocess.run([sys.executable, "-c", SHUTDOWN_CHILD], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, _ = run_child(SHUTDOWN_CHILD, tmp_path, timeout_s=120)
     assert len(found["monitor"]) == 1
     assert found["left"] == []
     assert not any(alive(pid) for pid in (*found["monitor"], found["worker"]))
@@ -243,9 +259,8 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-STALLED_START_CHILD = """
-import json, os, signal, threading, time
-from pathlib import Path
+STALLED_START_CHILD = HOLDERS_OF + """
+import json, signal, threading, time
 import psutil
 import ray
 from bnrecal.service.run.cluster import ensure_ray, shutdown_embedded
@@ -268,15 +283,7 @@ def stall_the_first_raylet():
 threading.Thread(target=stall_the_first_raylet, daemon=True).start()
 assert ensure_ray(None, min_cpus=1)
 answer = ray.get(ray.remote(num_cpus=1)(lambda: 41 + 1).remote())
-needle = f"RAY_AUTH_TOKEN={stalled['token']}".encode()
-left = []
-for entry in Path("/proc").iterdir():
-    if entry.name.isdigit() and int(entry.name) != os.getpid():
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\\0"):
-                left.append(int(entry.name))
-        except OSError:
-            pass
+left = holders_of(stalled["token"])
 fresh_token = os.environ["RAY_AUTH_TOKEN"] != stalled["token"]
 shutdown_embedded()
 print(json.dumps({"answer": answer, "stalled": stalled["pid"], "left": left, "fresh_token": fresh_token}))
@@ -288,14 +295,8 @@ def test_a_start_whose_raylet_never_registers_is_cleared_and_started_again(tmp_p
     """Ray gives its raylet a fixed 30 s to register and then fails the start: on a loaded
     2-core machine a server's start died so. The embedded start kills what the failed attempt
     left (every process with its token) and starts once more, with a fresh token."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
-    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(name, None)
-    done = subprocess.run([sys.executable, "-c", STALLED_START_CHILD], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "raylet did not register in time; starting it again" in done.stderr
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, stderr = run_child(STALLED_START_CHILD, tmp_path, timeout_s=180)
+    assert "raylet did not register in time; starting it again" in stderr
     assert found["answer"] == 42 and found["fresh_token"]
     assert found["left"] == []  # the stalled raylet and the first GCS are gone, not left beside the second
     assert not alive(found["stalled"])
