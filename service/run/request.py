@@ -17,7 +17,9 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 from torch import nn
 
 from bnrecal.errors import DatasetOptionError, Int8GuardError
-from bnrecal.workers.data import DatasetSpec, ReadOptions, describe_dataset, detect_format, format_named, read_labels
+from bnrecal.workers.data import (
+    DatasetSpec, ReadOptions, columned, describe_dataset, detect_format, format_named, read_labels,
+)
 from bnrecal.workers.data.storage.objectstore import is_data_uri
 from bnrecal.workers.models.checkpoints import Checkpoint
 from bnrecal.workers.ranks.plan import EvalPlan
@@ -126,23 +128,23 @@ class Recalibration:
 
 
 def check_columns_used(request: RunOptions, data: DatasetSpec, evaluation: DatasetSpec | None) -> None:
-    """Refuse a column name that names no column: ``image_column`` without Parquet, Arrow or
-    MDS data, ``label_column`` without such evaluation data (the options apply to
-    whichever data set is columnar, docs/data.md)."""
+    """Refuse a column name that names no column: ``image_column`` without shards whose
+    samples sit in columns (Parquet, Arrow, MDS), ``label_column`` without such evaluation
+    data (the options apply to whichever data set is columnar, docs/data.md)."""
 
     def columnar(spec: DatasetSpec | None) -> bool:
-        return spec is not None and spec.shards is not None and spec.shards.format != "webdataset"
+        return spec is not None and spec.shards is not None and spec.shards.kind.columns
 
+    formats = columned("or")
     if request.image_column is not None and not (columnar(data) or columnar(evaluation)):
         raise DatasetOptionError(
-            "image_column names a Parquet, Arrow or MDS column; neither the data nor the evaluation data is Parquet, "
-            "Arrow or MDS",
+            f"image_column names a {formats} column; neither the data nor the evaluation data is {formats}",
             field="image_column",
         )
     if request.label_column is not None and not columnar(evaluation):
         raise DatasetOptionError(
-            "label_column names the labels of Parquet, Arrow or MDS evaluation data; "
-            + ("there is no evaluation data" if evaluation is None else "the evaluation data is not Parquet, Arrow or MDS"),
+            f"label_column names the labels of {formats} evaluation data; "
+            + ("there is no evaluation data" if evaluation is None else f"the evaluation data is not {formats}"),
             field="label_column",
         )
 

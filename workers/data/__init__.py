@@ -24,6 +24,7 @@ from bnrecal.workers.data.reading.batches import iter_batches
 from bnrecal.workers.data.formats.images import IMAGE_EXTENSIONS, ImageData
 from bnrecal.workers.data.reading.shipping import ShippedData, ship_dataset
 from bnrecal.workers.data.file_formats import FILE_FORMATS, detect_format, format_named
+from bnrecal.workers.data.shards.shard_formats import SHARD_FORMATS, columned, shard_format
 from bnrecal.workers.data.spec import DatasetSpec, describe_dataset, read_labels
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import DEFAULT_TRANSFORM, ImageTransform, resolve_transform
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_TRANSFORM",
     "FILE_FORMATS",
     "IMAGE_EXTENSIONS",
+    "SHARD_FORMATS",
     "ArrayData",
     "ArrayLayout",
     "CalibrationData",
@@ -44,6 +46,7 @@ __all__ = [
     "ImageTransform",
     "ReadOptions",
     "ShippedData",
+    "columned",
     "default_unpack_root",
     "describe_dataset",
     "detect_format",
@@ -53,4 +56,5 @@ __all__ = [
     "read_labels",
     "resolve_transform",
     "ship_dataset",
+    "shard_format",
 ]

@@ -1,8 +1,9 @@
 """What every opened calibration dataset offers (:class:`CalibrationData`), what every
 format's part of a dataset's description offers (:class:`DataPart`) over what it sees of the
 description's header (:class:`Described`), what a format's description gives that header
-(:class:`FormatDescription`), and how a format of single files says a file is its own
-(:class:`FileFormat`)."""
+(:class:`FormatDescription`), how a format of single files says a file is its own
+(:class:`FileFormat`), and how a format of shards reads and counts one shard
+(:class:`ShardFormat`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from bnrecal.workers.data.storage.files import Place
+    from bnrecal.errors import DatasetError
+    from bnrecal.workers.data.storage.files import Place, ShardRef
     from bnrecal.workers.data.summary import DatasetSummary
 
 
@@ -43,6 +45,77 @@ class FileFormat:
     def sniffs(self, head: bytes, path: Path) -> bool:
         """Whether a file's leading bytes say it is of this format (never, without a sniff)."""
         return self.sniff is not None and self.sniff(head, path)
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """One shard as its format's reader and counter are given it: the file (``ref``), its
+    place among the dataset's shards, its row groups (Parquet and Arrow, once counted), the
+    columns asked for, the format's own index of all the shards read when they were found
+    (``listing``: MDS's ``MdsIndex``; None for formats whose shards describe themselves),
+    where object storage answers and where tar indexes are cached."""
+
+    ref: ShardRef
+    position: int
+    role: str
+    groups: tuple[int, ...] = ()
+    image_column: str | None = None
+    label_column: str | None = None
+    listing: Any = None
+    endpoint_url: str | None = None
+    cache_root: Path | None = None
+
+
+@dataclass(frozen=True)
+class ShardCount:
+    """What counting one shard found: its samples, its row groups (or record batches) where
+    its format has them, and the image column it read (None for a format without columns)."""
+
+    rows: int
+    groups: tuple[int, ...] = ()
+    image_column: str | None = None
+
+
+class ShardReader(Protocol):
+    """A reader of one shard's samples and labels, as a rank holds it."""
+
+    def read(self, rows: list[int]) -> list[tuple[str, bytes]]:
+        """``(name within the shard, encoded sample)`` of each row (ascending)."""
+        ...
+
+    def encoded_bytes(self, rows: np.ndarray) -> int:
+        """About how many bytes these rows' samples take encoded (what a read-ahead window counts)."""
+        ...
+
+    def labels(self) -> np.ndarray | None:
+        """Each sample's class, in the shard's order."""
+        ...
+
+    def unlabelled(self, role: str) -> DatasetError | None:
+        """Why the shard's samples have no labels, or None where they all have one."""
+        ...
+
+    def close(self) -> None:
+        """Close what the reader opened."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """A format of shards, as its module declares it (listed in
+    ``workers.data.shards.shard_formats``): its name (the report's data format), how it is
+    named to a user, whether its samples sit in named columns (``image_column`` and
+    ``label_column`` apply), whether rows are read cheaply in any order from a local
+    uncompressed shard (a tar's members, MDS's offsets: no read-ahead window needed; row groups
+    and record batches need one), how one shard is counted when the data is described, and how
+    a rank opens one."""
+
+    name: str
+    shown: str
+    columns: bool
+    random_access: bool
+    count: Callable[[ShardSource], ShardCount]
+    open: Callable[[ShardSource], ShardReader]
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from bnrecal.workers.data.storage.files import Place
 from bnrecal.workers.data.storage.objectstore import RemoteSource, fetch_object, is_data_uri, parse_data_uri
 from bnrecal.workers.data.order import order_rows
 from bnrecal.workers.data.shards.dataset import ShardPart, ShardSet
+from bnrecal.workers.data.shards.shard_formats import columned
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
 from bnrecal.workers.data.shards.detection import (
@@ -187,7 +188,7 @@ def describe_dataset(
         return spec if name is None else replace(spec, name=name)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
-            f"image_column and label_column apply to Parquet, Arrow and MDS shards; {name or source.name} is not",
+            f"image_column and label_column apply to {columned('and')} shards; {name or source.name} is not",
             field="image_column" if read.image_column is not None else "label_column",
         )
     spec = _describe(source, read, access)
@@ -272,7 +273,7 @@ def _describe_remote(remote: RemoteSource, read: ReadOptions, access: DataAccess
         return _shard_spec(found, remote.uri, read, access)
     if (read.image_column is not None or read.label_column is not None) and read.columns_elsewhere == "error":
         raise DatasetOptionError(
-            f"image_column and label_column apply to Parquet, Arrow and MDS shards; {remote.uri} is not", field="image_column"
+            f"image_column and label_column apply to {columned('and')} shards; {remote.uri} is not", field="image_column"
         )
     place = Place(remote.uri, remote.endpoint_url)
     if kind == "directory":

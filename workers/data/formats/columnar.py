@@ -8,7 +8,8 @@ evaluation only). A Parquet shard's index is its row groups' row counts, from it
 a rank reads only the row groups its samples lie in, one column chunk each (ranged reads
 on S3). An Arrow file (``data-00000-of-00001.arrow``, the IPC stream format ``datasets``
 writes) has no footer: its record batches are counted once and read forward, memory-mapped
-locally.
+locally. :data:`PARQUET_SHARDS` and :data:`ARROW_SHARDS` are how the shards' room counts and
+opens one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import IO, Any
 import numpy as np
 
 from bnrecal.workers.data.storage.reads import open_random_access, open_shard
-from bnrecal.workers.data.opened import FileFormat
+from bnrecal.workers.data.opened import FileFormat, ShardCount, ShardFormat, ShardSource
 from bnrecal.workers.data.storage.files import PARQUET_SUFFIXES, ShardRef, local_ref
 from bnrecal.errors import DatasetError, DatasetOptionError, message_line
 
@@ -141,9 +142,10 @@ class ColumnarReader:
     """Samples of one Parquet or Arrow shard: the image cells of the rows asked for, and the labels."""
 
     def __init__(self, ref: ShardRef, fmt: str, image_column: str | None, label_column: str | None,
-                 endpoint_url: str | None) -> None:
+                 endpoint_url: str | None, groups: tuple[int, ...] = ()) -> None:
         self.ref = ref
         self.format = fmt
+        self.groups = groups
         self.image_column = image_column
         self.label_column = label_column or DEFAULT_LABEL_COLUMN
         self.endpoint_url = endpoint_url
@@ -163,10 +165,10 @@ class ColumnarReader:
             sizes.append(batch.num_rows)
         return sum(sizes), sizes
 
-    def read(self, rows: list[int], groups: list[int]) -> list[tuple[str, bytes]]:
-        """``(name, bytes)`` of each row (ascending) of this shard; ``groups`` are the row counts
-        of its row groups (or record batches), from :meth:`counts`."""
-        bounds = np.cumsum([0, *groups])
+    def read(self, rows: list[int]) -> list[tuple[str, bytes]]:
+        """``(name, bytes)`` of each row (ascending) of this shard, by the row counts of its row
+        groups (or record batches) it was opened with, from :meth:`counts`."""
+        bounds = np.cumsum([0, *self.groups])
         which = np.searchsorted(bounds, rows, side="right") - 1
         out: list[tuple[str, bytes]] = []
         wanted = sorted(set(which.tolist()))
@@ -198,6 +200,10 @@ class ColumnarReader:
             "datasets: ds.with_format('arrow').map(datasets.table.embed_table_storage, batched=True).to_parquet(PATH), "
             "or give the folder ds.save_to_disk(PATH) writes"
         )
+
+    def encoded_bytes(self, rows: np.ndarray) -> int:
+        """A guess of these rows' encoded bytes (128 KiB a row: the footer does not say)."""
+        return len(rows) * 128 * 1024
 
     def labels(self) -> np.ndarray | None:
         """Each row's class from the label column, or None when there is no such column."""
@@ -304,3 +310,25 @@ class ColumnarReader:
         return {**self.__dict__, "_file": None, "_parquet": None}
 
 
+def _columnar_format(name: str, shown: str) -> ShardFormat:
+    """The shard format of Parquet files or Arrow files, read by :class:`ColumnarReader`."""
+
+    def count(source: ShardSource) -> ShardCount:
+        reader = ColumnarReader(source.ref, name, source.image_column, source.label_column, source.endpoint_url)
+        try:
+            rows, groups = reader.counts()
+        finally:
+            reader.close()
+        return ShardCount(rows, tuple(groups), reader.image_column)
+
+    def open_reader(source: ShardSource) -> ColumnarReader:
+        return ColumnarReader(source.ref, name, source.image_column, source.label_column, source.endpoint_url,
+                              source.groups)
+
+    return ShardFormat(name, shown, columns=True, random_access=False, count=count, open=open_reader)
+
+
+PARQUET_SHARDS = _columnar_format("parquet", "Parquet")
+"""Parquet files: an image column, read by row group."""
+ARROW_SHARDS = _columnar_format("arrow", "Arrow")
+"""A ``save_to_disk`` folder's Arrow files: an image column, read by record batch, forward."""

@@ -18,7 +18,8 @@ integer encoding. Shards written with ``compression=`` (``gz``, ``bz2`` or ``zst
 last two kept), then as above. A shard read whole (every compressed one, a raw one for its
 labels) is checked against the index's size and digests: a changed or cut shard fails
 naming it, and so does a flipped byte in a zstd shard (whose frames carry no checksum) once
-its digest is listed.
+its digest is listed. :data:`MDS` is how the shards' room counts and opens one, from the
+index read once when the shards were found.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.data.formats.mds_index import DEFAULT_LABEL_COLUMN, INTEGER_ENCODINGS, MdsColumns, MdsShard
+from bnrecal.workers.data.formats.mds_index import DEFAULT_LABEL_COLUMN, INTEGER_ENCODINGS, MdsColumns, MdsIndex, MdsShard
+from bnrecal.workers.data.opened import ShardCount, ShardFormat, ShardSource
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.storage.reads import read_ranges
 
@@ -64,6 +66,10 @@ class MdsReader:
                 raise DatasetError(f"shard {self.ref.name} is corrupt at sample {row}: {exc}") from exc
             out.append((str(row), _pil_as_png(cell, f"{self.ref.name}:{row}") if encoding == "pil" else cell))
         return out
+
+    def encoded_bytes(self, rows: np.ndarray) -> int:
+        """A guess of these rows' encoded bytes (128 KiB a row: the offsets are not read for it)."""
+        return len(rows) * 128 * 1024
 
     def labels(self) -> np.ndarray:
         """Each sample's class (the label column's integer), reading the whole shard once
@@ -197,3 +203,28 @@ def _unzstd(packed: bytes, name: str) -> bytes:
             return stream.read(MAX_SHARD_BYTES + 1)
     except zstandard.ZstdError as exc:
         raise DatasetError(f"{name} is corrupt: it does not decompress (zstd): {exc}") from exc
+
+
+def _listing(source: ShardSource) -> MdsIndex:
+    listing = source.listing
+    assert isinstance(listing, MdsIndex), "MDS shards are described from the index that listed them"
+    return listing
+
+
+def _count(source: ShardSource) -> ShardCount:
+    """A shard's samples and the image column, as the index says (nothing is read)."""
+    listing = _listing(source)
+    return ShardCount(listing.shards[source.position].count, image_column=listing.columns.image_column(
+        source.image_column, listing.where))
+
+
+def _open(source: ShardSource) -> MdsReader:
+    """A rank's reader of an MDS shard, by its entry in the index."""
+    listing = _listing(source)
+    assert source.image_column is not None
+    return MdsReader(source.ref, listing.columns, listing.shards[source.position], source.image_column,
+                     source.label_column, source.endpoint_url)
+
+
+MDS = ShardFormat("mds", "MDS", columns=True, random_access=True, count=_count, open=_open)
+"""MosaicML Streaming's shards: columns, a local raw shard's samples read by range in any order."""

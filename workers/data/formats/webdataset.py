@@ -13,6 +13,7 @@ header in front of it (a shard that changed since it was indexed fails, never fe
 bytes). It is built by walking the tar's headers (a local uncompressed shard: its headers
 only; a gzip shard or an object: one forward pass) and cached under
 ``<cache root>/shard-index/`` by the shard's location and version (mtime or ETag).
+:data:`WEBDATASET` is how the shards' room counts and opens one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.formats.images import is_ignored_part
 from bnrecal.workers.data.formats.mds_index import is_mds_shard_name
+from bnrecal.workers.data.opened import ShardCount, ShardFormat, ShardSource
 from bnrecal.workers.data.storage.reads import open_shard, read_ranges
 from bnrecal.workers.data.storage.files import ShardRef, is_shard_name
 from bnrecal.errors import DatasetError, message_line
@@ -320,6 +322,10 @@ class TarReader:
             raise DatasetError(f"shard {self.ref.name} is truncated at member {name}")
         return data
 
+    def encoded_bytes(self, rows: np.ndarray) -> int:
+        """The bytes of these rows' data members, as the index says."""
+        return int(self.index.size[rows].sum())
+
     def labels(self) -> np.ndarray:
         """Each sample's class (``NO_LABEL`` where it has no ``.cls``)."""
         return self.index.label
@@ -343,3 +349,19 @@ class TarReader:
                 stream.close()
         self._tar_stream = self._stream = None
         self._position = 0
+
+
+def _count(source: ShardSource) -> ShardCount:
+    """A tar shard's samples, by its index (built, or from the cache)."""
+    return ShardCount(len(tar_index(source.ref, source.endpoint_url, source.cache_root, source.role)))
+
+
+def _open(source: ShardSource) -> TarReader:
+    """A rank's reader of a tar shard (its index from the cache, or built)."""
+    return TarReader(source.ref, tar_index(source.ref, source.endpoint_url, source.cache_root, source.role),
+                     source.endpoint_url)
+
+
+WEBDATASET = ShardFormat("webdataset", "tar shards", columns=False, random_access=True, count=_count, open=_open)
+"""WebDataset tars: samples are members grouped by key, no columns; a local plain tar's members
+are read by range in any order."""

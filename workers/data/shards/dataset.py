@@ -20,24 +20,20 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from bnrecal.workers.data.opened import DecodedData, Described
-from bnrecal.workers.data.formats.columnar import ColumnarReader
-from bnrecal.workers.data.formats.mds import MdsReader
-from bnrecal.workers.data.formats.mds_index import MdsIndex
+from bnrecal.workers.data.opened import DecodedData, Described, ShardFormat, ShardReader, ShardSource
 from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
 from bnrecal.workers.data.order import READ_AHEAD_BYTES
+from bnrecal.workers.data.shards.shard_formats import shard_format
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.formats.transform import ImageTransform, decode_image, normalize
-from bnrecal.workers.data.formats.webdataset import NO_LABEL, TarReader, tar_index
+from bnrecal.workers.data.formats.webdataset import NO_LABEL
 from bnrecal.errors import DatasetError
-
-ShardFormat = Literal["webdataset", "parquet", "arrow", "mds"]
 
 
 @dataclass(frozen=True)
@@ -45,19 +41,25 @@ class ShardSet:
     """Everything a rank needs to read a dataset of shards: the shards in order, their
     sample counts (and Parquet row groups), the columns, and where indexes are cached."""
 
-    format: ShardFormat
+    format: str  # the name of one of workers.data.shards.shard_formats.SHARD_FORMATS
     shards: tuple[ShardRef, ...]
     counts: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...] = ()  # parquet/arrow: rows per row group (record batch) of each shard
     image_column: str | None = None
     label_column: str | None = None
-    mds: MdsIndex | None = None  # mds: the index that lists the shards (their columns, sizes and digests)
+    listing: Any = None  # the format's own index of the shards, read once when found (MDS: its MdsIndex)
     endpoint_url: str | None = None
     cache_root: str | None = None
     starts: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        shard_format(self.format)  # a name no format has fails here, not in a rank
         object.__setattr__(self, "starts", np.cumsum([0, *self.counts]).astype(np.int64))
+
+    @property
+    def kind(self) -> ShardFormat:
+        """The format of these shards: how a shard is opened, whether samples sit in columns."""
+        return shard_format(self.format)
 
     @property
     def total(self) -> int:
@@ -69,17 +71,13 @@ class ShardSet:
         """Whether any shard lies in object storage."""
         return any(ref.remote for ref in self.shards)
 
-    def reader(self, shard: int) -> TarReader | ColumnarReader | MdsReader:
-        """A reader of shard ``shard`` (a tar's index comes from the cache, or is built)."""
-        ref = self.shards[shard]
-        if self.format == "webdataset":
-            cache = Path(self.cache_root) if self.cache_root else None
-            return TarReader(ref, tar_index(ref, self.endpoint_url, cache, "calibration data"), self.endpoint_url)
-        if self.format == "mds":
-            assert self.mds is not None and self.image_column is not None
-            return MdsReader(ref, self.mds.columns, self.mds.shards[shard], self.image_column, self.label_column,
-                             self.endpoint_url)
-        return ColumnarReader(ref, self.format, self.image_column, self.label_column, self.endpoint_url)
+    def reader(self, shard: int) -> ShardReader:
+        """A reader of shard ``shard``, by its format (a tar's index comes from the cache, or is built)."""
+        return self.kind.open(ShardSource(
+            self.shards[shard], shard, "calibration data", self.groups[shard] if self.groups else (),
+            self.image_column, self.label_column, self.listing, self.endpoint_url,
+            Path(self.cache_root) if self.cache_root else None,
+        ))
 
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(shard, row within the shard)`` of each global sample row."""
@@ -88,8 +86,8 @@ class ShardSet:
 
     def summary(self, data: DatasetSummary) -> DatasetSummary:
         """``data``'s summary with the shards' format and count filled in, and the image
-        column of Parquet and Arrow shards (a tar's samples have no columns)."""
-        image_column = self.image_column if self.format != "webdataset" else None
+        column of shards with columns (a tar's samples have none)."""
+        image_column = self.image_column if self.kind.columns else None
         return replace(data, format=self.format, shards=len(self.shards), image_column=image_column)
 
 
@@ -139,7 +137,7 @@ class ShardData(DecodedData):
         self.transform = transform
         self.sample_shape = tuple(sample_shape)
         self.shuffled = shuffled
-        self._readers: dict[int, TarReader | ColumnarReader | MdsReader] = {}
+        self._readers: dict[int, ShardReader] = {}
         self.plan_reads([])
 
     def __len__(self) -> int:
@@ -191,8 +189,7 @@ class ShardData(DecodedData):
         self._planned_at: dict[tuple[int, int], int] = {}
 
     def _costly(self) -> bool:
-        return self.shards.remote or self.shards.format not in ("webdataset", "mds") or any(
-            r.gzip for r in self.shards.shards)
+        return self.shards.remote or not self.shards.kind.random_access or any(r.gzip for r in self.shards.shards)
 
     def _planned(self, start: int, stop: int) -> list[tuple[str, bytes]] | None:
         if not self.shuffled or not self._costly() or not self._plan:
@@ -225,16 +222,9 @@ class ShardData(DecodedData):
         self._window = dict(zip(rows.tolist(), self._fetch(rows)))
 
     def _encoded_bytes(self, rows: np.ndarray) -> int:
-        """About how many bytes these rows' samples take encoded (a tar index knows; else a guess)."""
-        if self.shards.format != "webdataset":
-            return len(rows) * 128 * 1024
+        """About how many bytes these rows' samples take encoded (as each shard's reader says)."""
         shard, local = self.shards.locate(rows)
-        total = 0
-        for s in np.unique(shard).tolist():
-            reader = self._reader(s)
-            assert isinstance(reader, TarReader)
-            total += int(reader.index.size[local[shard == s]].sum())
-        return total
+        return sum(self._reader(s).encoded_bytes(local[shard == s]) for s in np.unique(shard).tolist())
 
     def _fetch(self, rows: np.ndarray) -> list[tuple[str, bytes]]:
         """The encoded samples at global ``rows`` (any order), read shard by shard in file order."""
@@ -246,10 +236,7 @@ class ShardData(DecodedData):
             reader = self._reader(s)
             wanted = [int(r) for r in local[ordered]]
             unique = sorted(set(wanted))
-            if isinstance(reader, (TarReader, MdsReader)):
-                found = reader.read(unique)
-            else:
-                found = reader.read(unique, list(self.shards.groups[s]))
+            found = reader.read(unique)
             by_row = dict(zip(unique, found))
             name = self.shards.shards[s].name
             for position, row in zip(ordered.tolist(), wanted):
@@ -257,7 +244,7 @@ class ShardData(DecodedData):
                 out[position] = (f"{name}:{member}", data)
         return out
 
-    def _reader(self, shard: int) -> TarReader | ColumnarReader | MdsReader:
+    def _reader(self, shard: int) -> ShardReader:
         if shard not in self._readers:
             self._readers[shard] = self.shards.reader(shard)
         return self._readers[shard]

@@ -33,7 +33,7 @@ import numpy as np
 from bnrecal.errors import DatasetOptionError
 from bnrecal.workers.data.formats.archive import TAR
 from bnrecal.workers.data.formats.columnar import (
-    PARQUET, ColumnarReader, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
+    PARQUET, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
 )
 from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
 from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, local_ref
@@ -42,8 +42,10 @@ from bnrecal.workers.data.shards.listing import (
     prefix_shards, read_manifest, refs_of, shard_files_in,
 )
 from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
+from bnrecal.workers.data.shards.shard_formats import columned, shard_format
+from bnrecal.workers.data.opened import ShardCount, ShardSource
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
-from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_index, tar_kind
+from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_kind
 from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
 from bnrecal.workers.data.formats.mds_index import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
 from bnrecal.errors import DatasetError
@@ -58,7 +60,7 @@ class FoundShards:
 
     format: str
     refs: list[ShardRef]
-    mds: MdsIndex | None = None
+    listing: MdsIndex | None = None
 
 
 def local_shards(
@@ -260,50 +262,36 @@ def describe_shards(
     Parquet footer), concurrently, and read the first sample for the sample shape:
     ``(shards, transform or None for arrays, sample shape)``; tar shards refuse column names,
     or without ``strict_columns`` read as if none were given."""
-    data_format, refs = found.format, found.refs
-    if data_format == "webdataset" and not strict_columns:
+    kind, refs = shard_format(found.format), found.refs
+    if not kind.columns and not strict_columns:
         image_column = label_column = None
-    if data_format == "webdataset" and (image_column is not None or label_column is not None):
-        raise DatasetOptionError("image_column and label_column apply to Parquet, Arrow and MDS data, not tar shards",
+    if not kind.columns and (image_column is not None or label_column is not None):
+        raise DatasetOptionError(f"image_column and label_column apply to {columned('and')} data, not {kind.shown}",
                                  field="image_column")
     resolved = resolve_transform(transform)  # bad options fail before any read
-    if found.mds is not None:
-        listed = found.mds
-        shards = ShardSet(
-            format="mds", shards=tuple(refs), counts=listed.counts,
-            image_column=listed.columns.image_column(image_column, listed.where), label_column=label_column,
-            mds=listed, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
-        )
-        if shards.total == 0:
-            raise DatasetError(f"{role}: the shards hold no samples ({refs[0].name} is empty)")
-        return _with_first_sample(shards, transform, resolved, refs)
+    cache = str(cache_root) if cache_root else None
 
-    def count(ref: ShardRef) -> tuple[int, tuple[int, ...], str | None]:
-        if data_format == "webdataset":
-            return len(tar_index(ref, endpoint_url, cache_root, role)), (), None
-        reader = ColumnarReader(ref, data_format, image_column, label_column, endpoint_url)
-        try:
-            rows, groups = reader.counts()
-        finally:
-            reader.close()
-        return rows, tuple(groups), reader.image_column
+    def count(position: int) -> ShardCount:
+        return kind.count(ShardSource(refs[position], position, role, image_column=image_column,
+                                      label_column=label_column, listing=found.listing, endpoint_url=endpoint_url,
+                                      cache_root=cache_root))
 
     with ThreadPoolExecutor(max(1, min(LIST_THREADS, len(refs)))) as pool:
-        counted = list(pool.map(count, refs))
-    columns = {c for _, _, c in counted if c is not None}
+        counted = list(pool.map(count, range(len(refs))))
+    columns = {c.image_column for c in counted if c.image_column is not None}
     if len(columns) > 1:
         raise DatasetOptionError(
             f"the shards' image columns differ ({', '.join(sorted(columns))}); set image_column to the one to read",
             field="image_column",
         )
-    empty = [ref.name for ref, (rows, _, _) in zip(refs, counted) if rows == 0]
+    empty = [ref.name for ref, c in zip(refs, counted) if c.rows == 0]
     if empty and len(empty) == len(refs):
         raise DatasetError(f"{role}: the shards hold no samples ({empty[0]} is empty)")
     shards = ShardSet(
-        format=data_format,  # type: ignore[arg-type]
-        shards=tuple(refs), counts=tuple(rows for rows, _, _ in counted),
-        groups=tuple(groups for _, groups, _ in counted), image_column=columns.pop() if columns else None,
-        label_column=label_column, endpoint_url=endpoint_url, cache_root=str(cache_root) if cache_root else None,
+        format=kind.name, shards=tuple(refs), counts=tuple(c.rows for c in counted),
+        groups=tuple(c.groups for c in counted),
+        image_column=columns.pop() if columns else None, label_column=label_column, listing=found.listing,
+        endpoint_url=endpoint_url, cache_root=cache,
     )
     return _with_first_sample(shards, transform, resolved, refs)
 

@@ -69,7 +69,7 @@ def test_a_flipped_byte_fails_naming_the_shard_where_its_index_lists_digests(mds
     spec, samples, labels = read(mds_written[folder], tmp_path)  # intact: every digest checks
     _, expected, expected_labels = read(mds_written["folder"], tmp_path)
     assert torch.equal(samples, expected) and np.array_equal(labels, expected_labels)
-    assert {a for s in spec.shards.mds.shards for a, _ in (s.packed or s.raw).hashes} == (
+    assert {a for s in spec.shards.listing.shards for a, _ in (s.packed or s.raw).hashes} == (
         {"sha1", "xxh64"} if folder == "hashed" else {"sha256"})
     changed = changed_copy(mds_written[folder], tmp_path)
     data = bytearray((changed / shard).read_bytes())
