@@ -108,10 +108,38 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def demo_cache_name() -> str:
+    """The name of the demo inputs kept between test runs, in pytest's cache: the digest of
+    what they are a function of (``write_demo_inputs`` is deterministic for a given seed on a
+    given machine and thread count), so a change of the demo's code, of a library, of the CPU
+    or of its cores trains them again; ``pytest --cache-clear`` does too."""
+    import hashlib
+    import platform
+
+    import sklearn
+    import torchvision
+
+    from bnrecal.service import demo
+
+    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = hashlib.sha256()
+    key.update(Path(demo.__file__).read_bytes())
+    for part in (torch.__version__, torchvision.__version__, np.__version__, sklearn.__version__, cpu, str(cores)):
+        key.update(b"\0" + part.encode())
+    return f"demo-inputs-{key.hexdigest()[:16]}"
+
+
 @pytest.fixture(scope="session")
-def demo_inputs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def demo_inputs(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The quick-start demo's inputs (``make demo``'s stale resnet18 and its data), trained
-    once for the run, whichever worker asks first (most of a minute), as ``make demo`` keeps them."""
+    once (most of a minute to a few on a busy machine), whichever worker asks first, and kept
+    in pytest's cache for the next run on this machine (``demo_cache_name``): the edit-and-test
+    loop's ``make check`` does not train them again. A fresh clone (CI) trains them. Each run
+    works on its own copy, since the README test writes its outputs beside them."""
+    import shutil
+
     from filelock import FileLock
 
     from bnrecal.service import demo
@@ -120,7 +148,21 @@ def demo_inputs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with FileLock(str(shared / "demo.lock")):
         paths = demo.demo_paths(shared / "demo")
         if not all(path.is_file() for path in paths):
-            demo.write_demo_inputs(shared / "demo")
+            cache = getattr(pytestconfig, "cache", None)
+            if cache is None:  # pytest's cache turned off (-p no:cacheprovider): trained for this run only
+                demo.write_demo_inputs(shared / "demo")
+                return paths
+            name = demo_cache_name()
+            kept_folder = cache.mkdir(name)
+            with FileLock(str(kept_folder.parent / f"{name}.lock")):  # another run of this checkout
+                kept = demo.demo_paths(kept_folder)
+                if not all(path.is_file() for path in kept):  # the checkpoint is written last, whole
+                    demo.write_demo_inputs(kept_folder)
+                (shared / "demo").mkdir(exist_ok=True)
+                for source, target in zip(kept, paths):  # each copied whole: a folder is whole when all three are
+                    partial = target.with_name(target.name + ".partial")
+                    shutil.copyfile(source, partial)
+                    partial.replace(target)
     return paths
 
 
