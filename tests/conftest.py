@@ -114,15 +114,14 @@ def demo_cache_name() -> str:
     given machine and thread count), so a change of the demo's code, of a library, of the CPU
     or of its cores trains them again; ``pytest --cache-clear`` does too."""
     import hashlib
-    import platform
 
     import sklearn
     import torchvision
 
     from bnrecal.service import demo
+    from bnrecal.service.export.cpu import cpu_features
 
-    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+    cpu = cpu_features().describe()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     key = hashlib.sha256()
     key.update(Path(demo.__file__).read_bytes())
@@ -158,11 +157,7 @@ def demo_inputs(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFa
                 kept = demo.demo_paths(kept_folder)
                 if not all(path.is_file() for path in kept):  # the checkpoint is written last, whole
                     demo.write_demo_inputs(kept_folder)
-                (shared / "demo").mkdir(exist_ok=True)
-                for source, target in zip(kept, paths):  # each copied whole: a folder is whole when all three are
-                    partial = target.with_name(target.name + ".partial")
-                    shutil.copyfile(source, partial)
-                    partial.replace(target)
+                shutil.copytree(kept_folder, shared / "demo", dirs_exist_ok=True)  # under this run's lock
     return paths
 
 
