@@ -2,13 +2,14 @@
 format's part of a dataset's description offers (:class:`DataPart`) over what it sees of the
 description's header (:class:`Described`), what a format's description gives that header
 (:class:`FormatDescription`), how a format of single files says a file is its own
-(:class:`FileFormat`), and how a format of shards reads and counts one shard
+(:class:`FileFormat`), and how a format of shards finds its shards in what detection shows it
+(:class:`ShardCandidate`, :class:`FoundShards`), then reads and counts one shard
 (:class:`ShardFormat`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -101,14 +102,66 @@ class ShardReader(Protocol):
 
 
 @dataclass(frozen=True)
+class FoundShards:
+    """A source told to be a dataset of shards: its format's name, its shards in order, and the
+    format's own index of them where it has one (MDS's ``MdsIndex``), read once when found and
+    described from."""
+
+    format: str
+    refs: list[ShardRef]
+    listing: Any = None
+
+
+class ShardCandidate(Protocol):
+    """A local or S3 file or folder that may be a dataset of shards, as detection
+    (``workers.data.shards.detection``) shows it to each format of shards in turn: what a
+    format's ``find`` asks of it is the same wherever the bytes lie."""
+
+    role: str
+    shown: str  # what messages call it (an uploaded blob's file name, else its path or URI)
+    shard_name: str  # what the file, read as one shard, is named (a blob's upload name, an object's)
+    file_name: str  # its own name, whose extension tells a file's format (a blob's is its digest)
+    is_folder: bool
+    local: Path | None  # the local file or folder; None in S3 (an object is told by its name alone)
+
+    def has(self, name: str) -> bool:
+        """Whether the folder holds the file ``name`` (at its top)."""
+        ...
+
+    def names(self) -> Collection[str]:
+        """The files at the folder's top."""
+        ...
+
+    def read(self, name: str | None = None, limit: int | None = None) -> bytes:
+        """The folder's file ``name`` (None: the file itself), whole or its first ``limit`` bytes."""
+        ...
+
+    def refs(self, names: Sequence[str], where: str) -> list[ShardRef]:
+        """The files ``names`` below the folder (or beside the file) as shards, in order; one
+        missing fails, saying ``where`` lists it."""
+        ...
+
+    def itself(self, name: str) -> ShardRef:
+        """The file as one shard called ``name``."""
+        ...
+
+    def tar_members(self) -> list[str]:
+        """The first member files of a tar, in order (none for a file that is not a tar)."""
+        ...
+
+
+@dataclass(frozen=True)
 class ShardFormat:
     """A format of shards, as its module declares it (listed in
     ``workers.data.shards.shard_formats``): its name (the report's data format), how it is
     named to a user, whether its samples sit in named columns (``image_column`` and
     ``label_column`` apply), whether rows are read cheaply in any order from a local
     uncompressed shard (a tar's members, MDS's offsets: no read-ahead window needed; row groups
-    and record batches need one), how one shard is counted when the data is described, and how
-    a rank opens one."""
+    and record batches need one), how one shard is counted when the data is described, how
+    a rank opens one, how it finds its shards in a file or folder (``find``: None where the
+    candidate is not its own; tried in ``SHARD_FORMATS`` order) and the extensions that name
+    its shards in a list, a folder or a manifest (``suffixes``; none where only its own
+    layout names them)."""
 
     name: str
     shown: str
@@ -116,6 +169,8 @@ class ShardFormat:
     random_access: bool
     count: Callable[[ShardSource], ShardCount]
     open: Callable[[ShardSource], ShardReader]
+    find: Callable[[ShardCandidate], FoundShards | None]
+    suffixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

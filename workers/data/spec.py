@@ -12,7 +12,7 @@ import numpy as np
 from bnrecal.workers.data.formats.archive import default_unpack_root, discard_unpack, unpack_archive
 from bnrecal.workers.data.formats.arrays import ArrayPart, describe_arrays
 from bnrecal.workers.data.formats.npy_layout import ArrayLayout
-from bnrecal.workers.data.opened import CalibrationData, FormatDescription
+from bnrecal.workers.data.opened import CalibrationData, FormatDescription, FoundShards
 from bnrecal.workers.data.options import DataAccess, ReadOptions
 from bnrecal.workers.data.file_formats import EXPECTED, detect_format, format_named
 from bnrecal.workers.data.shards.patterns import not_found, stat_data
@@ -25,9 +25,7 @@ from bnrecal.workers.data.shards.dataset import ShardPart, ShardSet
 from bnrecal.workers.data.shards.shard_formats import columned
 from bnrecal.workers.data.summary import DatasetSummary
 from bnrecal.workers.data.shards.listing import has_brace_pattern
-from bnrecal.workers.data.shards.detection import (
-    FoundShards, describe_shards, is_shard_list, list_shards, local_shards, remote_shards,
-)
+from bnrecal.workers.data.shards.detection import describe_shards, is_shard_list, list_shards, local_shards, remote_shards
 from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
 from bnrecal.errors import DatasetError, DatasetOptionError
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from bnrecal.workers.data.storage.reads import open_random_access, open_shard
-from bnrecal.workers.data.opened import FileFormat, ShardCount, ShardFormat, ShardSource
-from bnrecal.workers.data.storage.files import PARQUET_SUFFIXES, ShardRef, local_ref
+from bnrecal.workers.data.opened import FileFormat, FoundShards, ShardCandidate, ShardCount, ShardFormat, ShardSource
+from bnrecal.workers.data.storage.files import PARQUET_SUFFIXES, ShardRef
 from bnrecal.errors import DatasetError, DatasetOptionError, message_line
 
 PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
@@ -48,18 +47,6 @@ def _pyarrow() -> Any:
     import pyarrow.parquet  # noqa: F401
 
     return pyarrow
-
-
-def is_save_to_disk_listing(names: Collection[str]) -> bool:
-    """Whether a folder whose top-level files are ``names`` is a ``datasets`` ``save_to_disk``
-    folder: a Dataset's (``state.json`` and ``dataset_info.json``) or a DatasetDict's
-    (``dataset_dict.json``, refused by :func:`save_to_disk_names`)."""
-    return DICT_FILE in names or (STATE_FILE in names and INFO_FILE in names)
-
-
-def is_save_to_disk(folder: Path) -> bool:
-    """Whether a local folder is a ``save_to_disk`` folder (:func:`is_save_to_disk_listing`)."""
-    return is_save_to_disk_listing([name for name in (STATE_FILE, INFO_FILE, DICT_FILE) if (folder / name).is_file()])
 
 
 def save_to_disk_names(names: Collection[str], read: Callable[[str], bytes], shown: str, role: str) -> list[str]:
@@ -87,13 +74,6 @@ def save_to_disk_names(names: Collection[str], read: Callable[[str], bytes], sho
     if not files:
         raise DatasetError(f"{shown} holds no Arrow files")
     return files
-
-
-def save_to_disk_files(folder: Path, shown: str, role: str) -> list[ShardRef]:
-    """The Arrow files of a local ``save_to_disk`` folder, in ``state.json``'s order."""
-    names = {entry.name for entry in folder.iterdir() if entry.is_file()}
-    files = save_to_disk_names(names, lambda name: (folder / name).read_bytes(), shown, role)
-    return [local_ref(folder / name, name) for name in files]
 
 
 def _image_cells(column: Any, ref: ShardRef, name: str) -> Any:
@@ -310,7 +290,32 @@ class ColumnarReader:
         return {**self.__dict__, "_file": None, "_parquet": None}
 
 
-def _columnar_format(name: str, shown: str) -> ShardFormat:
+def _find_parquet(candidate: ShardCandidate) -> FoundShards | None:
+    """A ``.parquet`` file (or, on disk, a file starting with Parquet's magic bytes: an upload)
+    is one shard."""
+    if candidate.is_folder:
+        return None
+    if not PARQUET.names(candidate.file_name) and not (
+            candidate.local is not None and PARQUET.sniffs(candidate.read(limit=4), candidate.local)):
+        return None
+    name = candidate.shard_name
+    return FoundShards("parquet", [candidate.itself(name if PARQUET.names(name) else f"{name}.parquet")])
+
+
+def _find_arrow(candidate: ShardCandidate) -> FoundShards | None:
+    """A ``datasets`` ``save_to_disk`` folder (a Dataset's ``state.json`` and
+    ``dataset_info.json``; a DatasetDict's ``dataset_dict.json`` is refused, naming a split to
+    give) is its Arrow files, in ``state.json``'s order."""
+    if not candidate.is_folder or not (
+            candidate.has(DICT_FILE) or (candidate.has(STATE_FILE) and candidate.has(INFO_FILE))):
+        return None
+    files = save_to_disk_names(candidate.names(), lambda name: candidate.read(name), candidate.shown, candidate.role)
+    return FoundShards("arrow", candidate.refs(files, f"{candidate.role}: {candidate.shown}/{STATE_FILE}"))
+
+
+def _columnar_format(
+    name: str, shown: str, find: Callable[[ShardCandidate], FoundShards | None], suffixes: tuple[str, ...] = (),
+) -> ShardFormat:
     """The shard format of Parquet files or Arrow files, read by :class:`ColumnarReader`."""
 
     def count(source: ShardSource) -> ShardCount:
@@ -325,10 +330,11 @@ def _columnar_format(name: str, shown: str) -> ShardFormat:
         return ColumnarReader(source.ref, name, source.image_column, source.label_column, source.endpoint_url,
                               source.groups)
 
-    return ShardFormat(name, shown, columns=True, random_access=False, count=count, open=open_reader)
+    return ShardFormat(name, shown, columns=True, random_access=False, count=count, open=open_reader, find=find,
+                       suffixes=suffixes)
 
 
-PARQUET_SHARDS = _columnar_format("parquet", "Parquet")
+PARQUET_SHARDS = _columnar_format("parquet", "Parquet", _find_parquet, PARQUET_SUFFIXES)
 """Parquet files: an image column, read by row group."""
-ARROW_SHARDS = _columnar_format("arrow", "Arrow")
+ARROW_SHARDS = _columnar_format("arrow", "Arrow", _find_arrow)
 """A ``save_to_disk`` folder's Arrow files: an image column, read by record batch, forward."""

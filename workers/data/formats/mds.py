@@ -18,8 +18,8 @@ integer encoding. Shards written with ``compression=`` (``gz``, ``bz2`` or ``zst
 last two kept), then as above. A shard read whole (every compressed one, a raw one for its
 labels) is checked against the index's size and digests: a changed or cut shard fails
 naming it, and so does a flipped byte in a zstd shard (whose frames carry no checksum) once
-its digest is listed. :data:`MDS` is how the shards' room counts and opens one, from the
-index read once when the shards were found.
+its digest is listed. :data:`MDS` is how the shards' room finds them (by their index), counts and opens one, from
+the index read once when the shards were found.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from bnrecal.errors import DatasetError
-from bnrecal.workers.data.formats.mds_index import DEFAULT_LABEL_COLUMN, INTEGER_ENCODINGS, MdsColumns, MdsIndex, MdsShard
-from bnrecal.workers.data.opened import ShardCount, ShardFormat, ShardSource
+from bnrecal.workers.data.formats.mds_index import (
+    DEFAULT_LABEL_COLUMN, INTEGER_ENCODINGS, MAX_INDEX_BYTES, MDS_INDEX, MdsColumns, MdsIndex, MdsShard, is_mds_index,
+    is_mds_shard_name, mds_in_tar, read_mds_index,
+)
+from bnrecal.workers.data.opened import FoundShards, ShardCandidate, ShardCount, ShardFormat, ShardSource
 from bnrecal.workers.data.storage.files import ShardRef
 from bnrecal.workers.data.storage.reads import read_ranges
 
@@ -226,5 +229,37 @@ def _open(source: ShardSource) -> MdsReader:
                      source.label_column, source.endpoint_url)
 
 
-MDS = ShardFormat("mds", "MDS", columns=True, random_access=True, count=_count, open=_open)
+def _find(candidate: ShardCandidate) -> FoundShards | None:
+    """The shards a Streaming ``index.json`` lists, in its order: a folder (or prefix) holding
+    one, the file itself, or (on disk) a plain tar of such a folder holding MDS shards (an
+    upload); each shard the size the index says (one changed or cut since is refused here,
+    before any work). Another ``index.json`` is not MDS's."""
+    if candidate.is_folder:
+        if not candidate.has(MDS_INDEX):
+            return None
+        return _indexed(candidate, MDS_INDEX, f"{candidate.shown.rstrip('/')}/{MDS_INDEX}")
+    if candidate.file_name.lower() == MDS_INDEX:
+        return _indexed(candidate, None, candidate.shown)
+    if candidate.local is not None and any(is_mds_shard_name(name) for name in candidate.tar_members()):
+        return _checked(*mds_in_tar(candidate.local, candidate.shown))
+    return None
+
+
+def _indexed(candidate: ShardCandidate, name: str | None, shown: str) -> FoundShards | None:
+    where = f"{candidate.role}: {shown}"
+    raw = candidate.read(name, MAX_INDEX_BYTES + 1)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise DatasetError(f"{where} is larger than {MAX_INDEX_BYTES} bytes")
+    if not is_mds_index(raw):
+        return None
+    listed = read_mds_index(raw, where)
+    return _checked(listed, candidate.refs(listed.basenames, where))
+
+
+def _checked(listed: MdsIndex, refs: list[ShardRef]) -> FoundShards:
+    listed.check_sizes([ref.size for ref in refs], [ref.name for ref in refs])
+    return FoundShards("mds", refs, listed)
+
+
+MDS = ShardFormat("mds", "MDS", columns=True, random_access=True, count=_count, open=_open, find=_find)
 """MosaicML Streaming's shards: columns, a local raw shard's samples read by range in any order."""

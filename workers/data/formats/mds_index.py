@@ -275,28 +275,6 @@ def _codec(shard: dict, name: str, where: str) -> str | None:
     return codec
 
 
-def read_index_bytes(location: str, endpoint_url: str | None, where: str) -> bytes:
-    """The bytes of an ``index.json`` at a local path or an ``s3://`` URI, at most
-    :data:`MAX_INDEX_BYTES`."""
-    from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
-
-    try:
-        if is_data_uri(location):
-            remote = RemoteSource(location, endpoint_url)
-            try:
-                raw = bytes(remote.filesystem().cat_file(remote.key, start=0, end=MAX_INDEX_BYTES + 1))
-            except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
-                raise remote_error(exc, remote, where) from exc
-        else:
-            with open(location, "rb") as stream:
-                raw = stream.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise DatasetError(f"cannot read {where}: {exc.strerror or exc}") from exc
-    if len(raw) > MAX_INDEX_BYTES:
-        raise DatasetError(f"{where} is larger than {MAX_INDEX_BYTES} bytes")
-    return raw
-
-
 def is_mds_shard_name(name: str) -> bool:
     """Whether a file name (inside a tar) is an MDS shard's, compressed or not: a tar holding
     one is an uploaded MDS folder (an ``index.json`` alone says nothing: other data has them)."""

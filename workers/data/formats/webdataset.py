@@ -13,7 +13,7 @@ header in front of it (a shard that changed since it was indexed fails, never fe
 bytes). It is built by walking the tar's headers (a local uncompressed shard: its headers
 only; a gzip shard or an object: one forward pass) and cached under
 ``<cache root>/shard-index/`` by the shard's location and version (mtime or ETag).
-:data:`WEBDATASET` is how the shards' room counts and opens one.
+:data:`WEBDATASET` is how the shards' room finds, counts and opens them.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 from bnrecal.workers.data.formats.columnar import UNLABELLED_INSTEAD
 from bnrecal.workers.data.formats.images import is_ignored_part
 from bnrecal.workers.data.formats.mds_index import is_mds_shard_name
-from bnrecal.workers.data.opened import ShardCount, ShardFormat, ShardSource
+from bnrecal.workers.data.opened import FoundShards, ShardCandidate, ShardCount, ShardFormat, ShardSource
 from bnrecal.workers.data.storage.reads import open_shard, read_ranges
-from bnrecal.workers.data.storage.files import ShardRef, is_shard_name
+from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, is_shard_name
 from bnrecal.errors import DatasetError, message_line
 
 DATA_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "npy")
@@ -195,12 +195,9 @@ def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, ref: ShardRef) -> i
     return value
 
 
-def tar_kind(path: Path) -> str:
-    """What a tar file holds, from its first members: ``shards`` (every file a ``.tar`` or
-    ``.parquet`` shard: an uploaded tar of shards), ``mds`` (MDS shards: an uploaded
-    MosaicML Streaming folder), ``webdataset`` (members grouped by key:
-    a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside a non-image member of its key,
-    such as ``KEY.json``) or ``images`` (an archive of images, unpacked as before)."""
+def tar_member_names(path: Path) -> list[str]:
+    """The first :data:`SNIFF_MEMBERS` member files of a local tar (plain or compressed), what
+    :func:`classify_members` tells it by; a truncated tar gives the members before the cut."""
     files: list[str] = []
     try:
         with tarfile.open(path, "r:*") as tar:
@@ -212,11 +209,38 @@ def tar_kind(path: Path) -> str:
                     break
     except (tarfile.TarError, zlib.error, EOFError, OSError):
         pass  # a truncated shard is told by the members before the cut, and fails naming them when indexed
-    return classify_members(files)
+    return files
+
+
+def head_member_names(head: bytes, gzipped: bool) -> list[str]:
+    """The member files in the first bytes of a tar (an object's first range: what is there)."""
+    if gzipped:
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, 1 << 20)
+        except zlib.error:
+            return []
+    names = []
+    position = 0
+    while position + 512 <= len(head) and len(names) < SNIFF_MEMBERS:
+        block = head[position : position + 512]
+        if not block.strip(b"\0"):
+            break
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.TarError:
+            break
+        if info.isfile():
+            names.append(info.name)
+        position += 512 + -(-info.size // 512) * 512
+    return names
 
 
 def classify_members(files: list[str]) -> str:
-    """:func:`tar_kind` on the first members' names."""
+    """What a tar holds, from its first members' names: ``shards`` (every file a ``.tar`` or
+    ``.parquet`` shard: an uploaded tar of shards), ``mds`` (MDS shards: an uploaded
+    MosaicML Streaming folder), ``webdataset`` (members grouped by key: a ``KEY.cls`` label, a
+    ``KEY.npy`` array, or an image beside a non-image member of its key, such as ``KEY.json``)
+    or ``images`` (an archive of images, unpacked as before)."""
     if files and all(is_shard_name(name) for name in files):
         return "shards"
     if any(is_mds_shard_name(name) for name in files):
@@ -362,6 +386,21 @@ def _open(source: ShardSource) -> TarReader:
                      source.endpoint_url)
 
 
-WEBDATASET = ShardFormat("webdataset", "tar shards", columns=False, random_access=True, count=_count, open=_open)
+def _find(candidate: ShardCandidate) -> FoundShards | None:
+    """A tar whose first members are grouped by key (:func:`classify_members`) is one shard; a
+    blob's name gets the extension its bytes say (``.tar``, ``.tar.gz``)."""
+    if candidate.is_folder or classify_members(candidate.tar_members()) != "webdataset":
+        return None
+    head = candidate.read(limit=6)
+    if head[:3] in (b"BZh", b"\xfd7z"):
+        raise DatasetError(f"shard {candidate.shown}: only plain and gzip tars are read as shards (not bzip2 or xz)")
+    name = candidate.shard_name
+    if not name.lower().endswith(TAR_SUFFIXES):
+        name += ".tar.gz" if head[:2] == b"\x1f\x8b" else ".tar"
+    return FoundShards("webdataset", [candidate.itself(name)])
+
+
+WEBDATASET = ShardFormat("webdataset", "tar shards", columns=False, random_access=True, count=_count, open=_open,
+                         find=_find, suffixes=TAR_SUFFIXES)
 """WebDataset tars: samples are members grouped by key, no columns; a local plain tar's members
 are read by range in any order."""

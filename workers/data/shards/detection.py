@@ -1,234 +1,237 @@
 """Tell whether a data source is a dataset of shards, and describe it (on the driver).
 
-How a source is told apart (docs/data.md, "Shards"):
-
-- a list of paths or URIs, a brace pattern, a manifest (``.manifest``/``.lst``/``.txt``), a
-  ``.parquet`` file (or a file starting with Parquet's magic bytes ``PAR1``: an upload), a
-  ``save_to_disk`` folder: always shards;
-- a folder (or an ``s3://`` prefix) holding shard files and no images or arrays: shards;
-- a folder (or an ``s3://`` prefix) with MosaicML Streaming's ``index.json``, or that file
-  itself: the MDS shards it lists, in its order (``workers.data.formats.mds_index``);
-- a tar (``.tar``, ``.tar.gz``, an uploaded blob) is a WebDataset shard when its first 64
-  members are grouped by key (a ``KEY.cls`` label, a ``KEY.npy`` array, or an image beside
-  a non-image member of its key such as ``KEY.json``), and a tar of shards when every file in it
-  is a ``.tar``/``.tar.gz``/``.parquet`` (read in place, never unpacked); any other tar is an
-  archive of images and unpacked as before (docs/data.md, "Images: an archive"), so a plain archive of
-  ``NAME.jpg`` files and class folders keeps its meaning.
+How a source is told apart (docs/data.md, "Shards"): what names shards whatever their format
+is this module's: a list of paths or URIs, a brace pattern, a manifest
+(``.manifest``/``.lst``/``.txt``), a folder (or an ``s3://`` prefix) holding shard files and no
+images or arrays, a plain tar of shards (every file in it a ``.tar``/``.tar.gz``/``.parquet``,
+read in place, never unpacked), each shard's format named by its extension (the formats'
+``suffixes``). Any other file or folder is shown, as a :class:`ShardCandidate` that reads a
+disk and S3 alike, to each format of shards in ``SHARD_FORMATS`` order, whose ``find`` says
+whether it is its own: a WebDataset tar (its first 64 members grouped by key), a Parquet file,
+a ``save_to_disk`` folder, MosaicML Streaming's ``index.json`` or its folder. What none takes
+(an image folder, arrays, an archive of images) goes its old way.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
-import tarfile
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bnrecal.errors import DatasetOptionError
+from bnrecal.errors import DatasetError, DatasetOptionError
 from bnrecal.workers.data.formats.archive import TAR
-from bnrecal.workers.data.formats.columnar import (
-    PARQUET, is_save_to_disk, is_save_to_disk_listing, save_to_disk_files, save_to_disk_names,
-)
-from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
-from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, local_ref
+from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
+from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
+from bnrecal.workers.data.formats.webdataset import head_member_names, inner_shards, tar_member_names
+from bnrecal.workers.data.opened import FoundShards, ShardCount, ShardSource
+from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
 from bnrecal.workers.data.shards.listing import (
     LIST_THREADS, MAX_MANIFEST_BYTES, StoredObject, has_brace_pattern, is_manifest_name, list_prefix,
-    prefix_shards, read_manifest, refs_of, shard_files_in,
+    prefix_shards, read_manifest, refs_of, remote_refs, shard_files_in,
 )
-from bnrecal.workers.data.shards.dataset import ShardData, ShardSet, decode_sample
-from bnrecal.workers.data.shards.shard_formats import columned, shard_format
-from bnrecal.workers.data.opened import ShardCount, ShardSource
-from bnrecal.workers.data.formats.transform import ImageTransform, resolve_transform
-from bnrecal.workers.data.formats.webdataset import classify_members, inner_shards, tar_kind
-from bnrecal.workers.data.formats.npy_layout import NPY_MAGIC
-from bnrecal.workers.data.formats.mds_index import MDS_INDEX, MdsIndex, is_mds_index, mds_in_tar, read_index_bytes, read_mds_index
-from bnrecal.errors import DatasetError
+from bnrecal.workers.data.shards.shard_formats import SHARD_FORMATS, columned, shard_format
+from bnrecal.workers.data.storage.files import TAR_SUFFIXES, ShardRef, is_shard_name, local_ref
+from bnrecal.workers.data.storage.objectstore import RemoteSource, is_data_uri, remote_error
 
 _SNIFF_BYTES = 1 << 16
-
-
-@dataclass(frozen=True)
-class FoundShards:
-    """A source told to be a dataset of shards: its format, its shards in order, and for MDS
-    the index that listed them (read once, here, and described from)."""
-
-    format: str
-    refs: list[ShardRef]
-    listing: MdsIndex | None = None
 
 
 def local_shards(
     source: Path, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None = None,
 ) -> FoundShards | None:
-    """``(format, shards)`` when a local path (existing or a brace pattern) is a dataset of
-    shards, else None (arrays, image folders and image archives go their old ways)."""
-    text = str(source)
-    if not source.exists() and has_brace_pattern(text):
-        return _format_of(refs_of([text], role, endpoint_url, cache_root))
-    if source.is_dir():
-        if is_save_to_disk(source):
-            return FoundShards("arrow", save_to_disk_files(source, shown, role))
-        if (source / MDS_INDEX).is_file():
-            found = _mds_shards(str(source / MDS_INDEX), f"{shown}/{MDS_INDEX}", role, endpoint_url, cache_root)
-            if found is not None:
-                return found
-        files = shard_files_in(source)
-        return None if files is None else _format_of([local_ref(source / f, f) for f in files])
-    if not source.is_file():
+    """The shards a local path (existing, or a brace pattern) is, else None (arrays, image
+    folders and image archives go their old ways); ``shown`` is what messages call it."""
+    if not source.exists() and has_brace_pattern(str(source)):
+        return _format_of(refs_of([str(source)], role, endpoint_url, cache_root))
+    if not source.is_dir() and not source.is_file():
         return None
-    lower = source.name.lower()
-    if lower == MDS_INDEX:
-        found = _mds_shards(str(source), shown, role, endpoint_url, cache_root)
-        if found is not None:
-            return found
-    if is_manifest_name(lower):
-        if source.stat().st_size > MAX_MANIFEST_BYTES:
-            raise DatasetError(f"manifest {shown} is larger than {MAX_MANIFEST_BYTES} bytes")
-        text = source.read_text(errors="replace")
-        return _format_of(refs_of(read_manifest(text, str(source.parent), shown, role), role, endpoint_url, cache_root))
-    with open(source, "rb") as stream:
-        head = stream.read(4)
-    if PARQUET.names(lower) or PARQUET.sniffs(head, source):
-        return FoundShards("parquet", [local_ref(source, shown if shown.lower().endswith(".parquet") else f"{shown}.parquet")])
-    if not TAR.names(lower) and not _sniffs_tar(source):
-        return None
-    kind = tar_kind(source)
-    if kind == "shards":
-        return _format_of(inner_shards(source, shown))
-    if kind == "mds":
-        listed, refs = mds_in_tar(source, shown)
-        return _mds_found(listed, refs)
-    if kind == "webdataset":
-        if head[:3] in (b"BZh", b"\xfd7z"):
-            raise DatasetError(f"shard {shown}: only plain and gzip tars are read as shards (not bzip2 or xz)")
-        name = shown if shown.lower().endswith(TAR_SUFFIXES) else shown + (".tar.gz" if head[:2] == b"\x1f\x8b" else ".tar")
-        return FoundShards("webdataset", [local_ref(source, name)])
-    return None
+    return _find(LocalCandidate(source, shown, role, endpoint_url, cache_root))
 
 
 def remote_shards(remote: RemoteSource, kind: str, role: str, cache_root: Path | None) -> FoundShards | None:
     """:func:`local_shards` for an ``s3://`` object or prefix (``kind`` from ``stat_object``)."""
     if has_brace_pattern(remote.uri):
         return _format_of(refs_of([remote.uri], role, remote.endpoint_url, cache_root))
-    if kind == "directory":
-        objects = list_prefix(remote, role, cache_root)
-        if is_save_to_disk_listing([name for name in objects if "/" not in name]):
-            return FoundShards("arrow", _remote_save_to_disk(remote, objects, role))
-        if MDS_INDEX in objects:
-            found = _mds_shards(f"{remote.uri.rstrip('/')}/{MDS_INDEX}", f"{remote.uri.rstrip('/')}/{MDS_INDEX}", role,
-                                remote.endpoint_url, cache_root)
-            if found is not None:
-                return found
-        refs = prefix_shards(remote, objects)
-        return None if refs is None else _format_of(refs)
-    lower = remote.name.lower()
-    if lower == MDS_INDEX:
-        found = _mds_shards(remote.uri, remote.uri, role, remote.endpoint_url, cache_root)
-        if found is not None:
-            return found
-    fs = remote.filesystem()
-    if is_manifest_name(lower):
-        try:
-            raw = fs.cat_file(remote.key, start=0, end=MAX_MANIFEST_BYTES + 1)
-        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
-            raise remote_error(exc, remote, role) from exc
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise DatasetError(f"manifest {remote.uri} is larger than {MAX_MANIFEST_BYTES} bytes")
-        base = remote.uri.rsplit("/", 1)[0]
-        entries = read_manifest(raw.decode(errors="replace"), base, remote.name, role)
-        return _format_of(refs_of(entries, role, remote.endpoint_url, cache_root))
-    if lower.endswith(".parquet"):
-        return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
-    if not lower.endswith(TAR_SUFFIXES):
-        return None
-    try:
-        head = fs.cat_file(remote.key, start=0, end=_SNIFF_BYTES)
-    except Exception as exc:  # noqa: BLE001
-        raise remote_error(exc, remote, role) from exc
-    if classify_members(_member_names(head, lower.endswith((".tar.gz", ".tgz")))) != "webdataset":
-        return None
-    return _format_of(refs_of([remote.uri], role, remote.endpoint_url))
-
-
-def _mds_shards(
-    index: str, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None,
-) -> FoundShards | None:
-    """The MDS shards a Streaming ``index.json`` (a local path or URI) lists, beside it, in
-    its order; None when the file is another ``index.json``."""
-    raw = read_index_bytes(index, endpoint_url, f"{role}: {shown}")
-    if not is_mds_index(raw):
-        return None
-    listed = read_mds_index(raw, f"{role}: {shown}")
-    base = index.rsplit("/", 1)[0]
-    locations = [f"{base}/{name}" for name in listed.basenames]
-    if is_data_uri(index):
-        return _mds_found(listed, refs_of(locations, role, endpoint_url, cache_root))
-    missing = [name for name, location in zip(listed.basenames, locations) if not Path(location).is_file()]
-    if missing:
-        raise DatasetError(f"{role}: {shown} lists shard {missing[0]}, which is not below it")
-    return _mds_found(listed, [local_ref(Path(location), name) for name, location in zip(listed.basenames, locations)])
-
-
-def _mds_found(listed: MdsIndex, refs: list[ShardRef]) -> FoundShards:
-    """MDS shards as their index lists them, each file the size the index says (a shard
-    changed or cut since is refused here, before any work)."""
-    listed.check_sizes([ref.size for ref in refs], [ref.name for ref in refs])
-    return FoundShards("mds", refs, listed)
-
-
-def _remote_save_to_disk(remote: RemoteSource, objects: dict[str, StoredObject], role: str) -> list[ShardRef]:
-    """The Arrow files of a ``save_to_disk`` folder under an ``s3://`` prefix (its listing
-    ``objects``), in ``state.json``'s order, read as the same folder on disk is."""
-    fs = remote.filesystem()
-    base = remote.uri.rstrip("/")
-
-    def read(name: str) -> bytes:
-        try:
-            return bytes(fs.cat_file(f"{remote.key}/{name}"))
-        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
-            raise remote_error(exc, RemoteSource(f"{base}/{name}", remote.endpoint_url), role) from exc
-
-    top = [name for name in objects if "/" not in name]
-    return [objects[name].shard(base, name) for name in save_to_disk_names(top, read, remote.uri, role)]
+    return _find(RemoteCandidate(remote, kind == "directory", role, cache_root))
 
 
 def list_shards(
     entries: Sequence[str | os.PathLike[str]], role: str, endpoint_url: str | None, cache_root: Path | None = None,
 ) -> FoundShards:
-    """``(format, shards)`` of an explicit list of shard paths, URIs or brace patterns."""
+    """The shards of an explicit list of shard paths, URIs or brace patterns."""
     return _format_of(refs_of(list(entries), role, endpoint_url, cache_root))
 
 
-def _member_names(head: bytes, gzipped: bool) -> list[str]:
-    """The member names in the first bytes of a tar (a partial read: what is there)."""
-    if gzipped:
+def _find(candidate: LocalCandidate | RemoteCandidate) -> FoundShards | None:
+    """What names shards whatever their format (a manifest, a tar of shards, a folder of
+    shard files), else the first format of shards whose ``find`` takes the candidate."""
+    if not candidate.is_folder:
+        if is_manifest_name(candidate.file_name.lower()):
+            return _format_of(candidate.manifest_refs())
+        members = candidate.tar_members()
+        if candidate.local is not None and members and all(is_shard_name(name) for name in members):
+            return _format_of(inner_shards(candidate.local, candidate.shown))
+    for each in SHARD_FORMATS:
+        found = each.find(candidate)
+        if found is not None:
+            return found
+    if not candidate.is_folder:
+        return None
+    refs = candidate.shard_files()
+    return None if refs is None else _format_of(refs)
+
+
+def _format_of(refs: list[ShardRef]) -> FoundShards:
+    """Shards named one by one: their format, the one whose extensions name them all."""
+    named = {next((f.name for f in SHARD_FORMATS if f.suffixes and ref.name.lower().endswith(f.suffixes)), None)
+             for ref in refs}
+    if None in named:
+        shown = next(ref.name for ref in refs if not any(f.suffixes and ref.name.lower().endswith(f.suffixes)
+                                                         for f in SHARD_FORMATS))
+        raise DatasetError(f"{shown} is not a .tar, .tar.gz/.tgz or .parquet shard")
+    if len(named) > 1:
+        raise DatasetError("the shards mix tar and Parquet files; give one format")
+    return FoundShards(named.pop(), refs)
+
+
+class LocalCandidate:
+    """A local file or folder as the formats of shards see it (:class:`ShardCandidate`)."""
+
+    def __init__(self, path: Path, shown: str, role: str, endpoint_url: str | None, cache_root: Path | None) -> None:
+        self.local: Path | None = path
+        self._path = path
+        self.role, self.shown, self.shard_name, self.file_name = role, shown, shown, path.name
+        self.is_folder = path.is_dir()
+        self._endpoint_url, self._cache_root = endpoint_url, cache_root
+
+    def has(self, name: str) -> bool:
+        return (self._path / name).is_file()
+
+    def names(self) -> Collection[str]:
+        return {entry.name for entry in self._path.iterdir() if entry.is_file()}
+
+    def read(self, name: str | None = None, limit: int | None = None) -> bytes:
+        path = self._path / name if name is not None else self._path
         try:
-            head = zlib.decompressobj(wbits=31).decompress(head, 1 << 20)
-        except zlib.error:
+            with open(path, "rb") as stream:
+                return stream.read(-1 if limit is None else limit)
+        except OSError as exc:
+            shown = f"{self.shown}/{name}" if name is not None else self.shown
+            raise DatasetError(f"cannot read {self.role}: {shown}: {exc.strerror or exc}") from exc
+
+    def refs(self, names: Sequence[str], where: str) -> list[ShardRef]:
+        base = self._path if self.is_folder else self._path.parent
+        missing = [name for name in names if not (base / name).is_file()]
+        if missing:
+            raise DatasetError(f"{where} lists shard {missing[0]}, which is not below it")
+        return [local_ref(base / name, name) for name in names]
+
+    def itself(self, name: str) -> ShardRef:
+        return local_ref(self._path, name)
+
+    def tar_members(self) -> list[str]:
+        return self._tar_members
+
+    @cached_property
+    def _tar_members(self) -> list[str]:
+        if self.is_folder or not (TAR.names(self.file_name) or _sniffs_tar(self._path)):
             return []
-    names = []
-    position = 0
-    while position + 512 <= len(head) and len(names) < 64:
-        block = head[position : position + 512]
-        if not block.strip(b"\0"):
-            break
+        return tar_member_names(self._path)
+
+    def manifest_refs(self) -> list[ShardRef]:
+        """The shards a manifest file lists, relative paths beside it."""
+        if self._path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise DatasetError(f"manifest {self.shown} is larger than {MAX_MANIFEST_BYTES} bytes")
+        entries = read_manifest(self._path.read_text(errors="replace"), str(self._path.parent), self.shown, self.role)
+        return refs_of(entries, self.role, self._endpoint_url, self._cache_root)
+
+    def shard_files(self) -> list[ShardRef] | None:
+        """The folder's shard files when it holds shards and no other data, else None."""
+        files = shard_files_in(self._path)
+        return None if files is None else [local_ref(self._path / name, name) for name in files]
+
+
+class RemoteCandidate:
+    """An ``s3://`` object or prefix as the formats of shards see it (:class:`ShardCandidate`):
+    a prefix listed once (cached), an object's first 64 KiB fetched once."""
+
+    def __init__(self, remote: RemoteSource, is_folder: bool, role: str, cache_root: Path | None) -> None:
+        self.local: Path | None = None
+        self._remote = remote
+        self.role, self.shown, self.shard_name, self.file_name = role, remote.uri, remote.name, remote.name
+        self.is_folder = is_folder
+        self._cache_root = cache_root
+
+    @cached_property
+    def _folder(self) -> RemoteSource:
+        """The prefix listed: this one, or the one an object lies in."""
+        return self._remote if self.is_folder else RemoteSource(self._remote.uri.rsplit("/", 1)[0], self._remote.endpoint_url)
+
+    @cached_property
+    def _objects(self) -> dict[str, StoredObject]:
+        return list_prefix(self._folder, self.role, self._cache_root)
+
+    def has(self, name: str) -> bool:
+        return name in self._objects
+
+    def names(self) -> Collection[str]:
+        return [name for name in self._objects if "/" not in name]
+
+    def read(self, name: str | None = None, limit: int | None = None) -> bytes:
+        if name is None and limit is not None and limit <= _SNIFF_BYTES:
+            return self._head[:limit]
+        return self._fetch(name, limit)
+
+    @cached_property
+    def _head(self) -> bytes:
+        return self._fetch(None, _SNIFF_BYTES)
+
+    def _fetch(self, name: str | None, limit: int | None) -> bytes:
+        source = self._remote if name is None else RemoteSource(f"{self._remote.uri.rstrip('/')}/{name}",
+                                                                 self._remote.endpoint_url)
         try:
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except tarfile.TarError:
-            break
-        if info.isfile():
-            names.append(info.name)
-        position += 512 + -(-info.size // 512) * 512
-    return names
+            return bytes(source.filesystem().cat_file(source.key, start=0 if limit is not None else None, end=limit))
+        except Exception as exc:  # noqa: BLE001 - storage errors come in many types, all reported one way
+            raise remote_error(exc, source, self.role) from exc
+
+    def refs(self, names: Sequence[str], where: str) -> list[ShardRef]:
+        missing = [name for name in names if name not in self._objects]
+        if missing:
+            raise DatasetError(f"{where} lists shard {missing[0]}, which is not below it")
+        return [self._objects[name].shard(self._folder.uri, name) for name in names]
+
+    def itself(self, name: str) -> ShardRef:
+        return replace(remote_refs([self._remote.uri], self.role, self._remote.endpoint_url)[0], name=name)
+
+    def tar_members(self) -> list[str]:
+        lower = self.file_name.lower()
+        if self.is_folder or not lower.endswith(TAR_SUFFIXES):
+            return []
+        return head_member_names(self._head, lower.endswith((".tar.gz", ".tgz")))
+
+    def manifest_refs(self) -> list[ShardRef]:
+        """The shards a manifest object lists, relative keys beside it."""
+        raw = self._fetch(None, MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise DatasetError(f"manifest {self.shown} is larger than {MAX_MANIFEST_BYTES} bytes")
+        entries = read_manifest(raw.decode(errors="replace"), self._folder.uri, self._remote.name, self.role)
+        return refs_of(entries, self.role, self._remote.endpoint_url, self._cache_root)
+
+    def shard_files(self) -> list[ShardRef] | None:
+        """The prefix's shard objects when it holds shards and no other data, else None."""
+        return prefix_shards(self._remote, self._objects)
 
 
 def _sniffs_tar(path: Path) -> bool:
+    """Whether a local file (an uploaded blob, without an extension) starts as a tar does,
+    plain or gzip."""
     with open(path, "rb") as stream:
         head = stream.read(512)
     if head[:2] == b"\x1f\x8b":
@@ -238,13 +241,6 @@ def _sniffs_tar(path: Path) -> bool:
         except (OSError, EOFError):
             return False
     return head[257:262] == b"ustar"
-
-
-def _format_of(refs: list[ShardRef]) -> FoundShards:
-    suffixes = {".parquet" if ref.suffix == ".parquet" else ".tar" for ref in refs}
-    if len(suffixes) > 1:
-        raise DatasetError("the shards mix tar and Parquet files; give one format")
-    return FoundShards("parquet" if suffixes == {".parquet"} else "webdataset", refs)
 
 
 def describe_shards(

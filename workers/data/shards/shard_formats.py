@@ -1,10 +1,11 @@
 """The formats a dataset of shards can be: the formats' own :class:`ShardFormat` entries, each
 declared in its format's module (WebDataset tars in ``webdataset``, Parquet and Arrow in
-``columnar``, MosaicML Streaming's MDS in ``mds``), saying how one shard is counted when the
-data is described and how a rank opens it.
+``columnar``, MosaicML Streaming's MDS in ``mds``), saying how it finds its shards in a file or
+folder, how one shard is counted when the data is described and how a rank opens it.
 
-A new format of shards is its entry in its module, its place in :data:`SHARD_FORMATS`, and
-where it is found (``detection``); the order, the ranks' reads, read-once keeping, shipping
+A new format of shards is its entry in its module and its place in :data:`SHARD_FORMATS` (the
+order ``detection`` shows a file or folder to each format's ``find``); lists, patterns,
+manifests, folders of shard files, the order, the ranks' reads, read-once keeping, shipping
 and the report's data summary are the shards' own.
 """
 

@@ -62,3 +62,31 @@ def test_the_formats_are_named_once_and_an_unknown_name_is_refused_where_the_sha
     assert columned("or") == "Parquet, Arrow or MDS"
     with pytest.raises(ValueError, match="no format of shards is named 'lance'"):
         ShardSet(format="lance", shards=(), counts=())
+
+
+def test_each_format_finds_its_own_shards_and_leaves_every_other_source_alone(written, tmp_path):
+    """A format's ``find`` is the whole of its detection: each takes the file or folder its
+    writer made (a WebDataset tar, a Parquet file, a ``save_to_disk`` folder), naming its
+    shards as the described dataset does, and returns None for every other format's and for a
+    plain image folder (which goes its old way)."""
+    from bnrecal.workers.data.shards.detection import LocalCandidate
+
+    from tests.shards import write_folder
+
+    sources = {
+        "webdataset": sorted(written["webdataset"].glob("*.tar"))[0],
+        "parquet": sorted(written["parquet"].rglob("*.parquet"))[0],
+        "arrow": written["arrow"],
+        None: write_folder(tmp_path / "photos", photos(3, size=16)),
+    }
+    for owner, source in sources.items():
+        candidate = LocalCandidate(source, source.name, "calibration data", None, tmp_path)
+        for each in SHARD_FORMATS:
+            found = each.find(candidate)
+            if each.name != owner:
+                assert found is None, f"{each.name} took {owner}'s {source.name}"
+                continue
+            assert found is not None and found.format == owner
+            described = describe_dataset(source, ReadOptions(transform={"resize": 16, "crop": 16}),
+                                         DataAccess(unpack_root=tmp_path))
+            assert found.refs == list(described.shards.shards) and len(found.refs) == 1
