@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -48,8 +48,6 @@ from bnrecal.service.run.report.document import (
     build_report, where_ranks_ran,
 )
 
-if TYPE_CHECKING:
-    from bnrecal.service.run.outputs.onnx_passes import OnnxPasses, PassRecorder
 
 ProgressCallback = Callable[[int, int | None, str], None]
 """Called with (samples done, samples total, phase): ``starting workers`` before each
@@ -221,6 +219,37 @@ class RunControl:
                     on_retry(exc.message)
 
 
+@dataclass(frozen=True)
+class RankSet:
+    """A run's Ray ranks as the phases after its statistics use them for their own passes and
+    work (``service.run.outputs``): how many, on which device, placed how (``group``, the
+    ranks' ``GroupOptions``), each rank's samples in the object store where the data travels
+    that way (``shards``, ``eval_shards``; None where each rank reads it), and the job's gang
+    they run in (``gang``, a ``JobGang`` or a ``WarmPool``; None: a fresh gang a call)."""
+
+    workers: int
+    device: str
+    group: Any
+    shards: list[Any] | None = None
+    eval_shards: list[Any] | None = None
+    gang: Any = None
+
+    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
+            on_phase: Callable[[str], None] | None) -> list[T]:
+        """``work(*args)`` for each of ``calls`` on the ranks, spread over them
+        (``workers.ranks.offload``), results in order, under the run's ``control``: a lost rank
+        runs the calls again on a fresh gang (its ``failures`` and ``on_phase`` hear why)."""
+        from bnrecal.workers.ranks.offload import run_on_ranks
+
+        def attempt() -> list[T]:
+            control.check_cancel()
+            return run_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.gang,
+                                cancel=control.cancel)
+
+        retried = (lambda why: on_phase(f"running the later phase's work again after: {why}")) if on_phase else None
+        return control.retried(attempt, retried)
+
+
 class Executor(Protocol):
     """Where the ranks of a run execute."""
 
@@ -238,20 +267,14 @@ class Executor(Protocol):
     def placement(self, run: RunPlan) -> Placement:
         """Where and how the ranks ran, for the report."""
 
+    def ranks(self) -> RankSet | None:
+        """The run's ranks, for the phases after the statistics (the exports, the INT8
+        passes and work: ``service.run.outputs``); None where those run in this process, a
+        world of one, as its statistics did."""
+
     def release_decoded(self, scope: str) -> KeptCounts:
         """The run is over: the ranks drop the samples they kept for ``scope``; what its
         passes decoded and reused (idempotent: zeros the second time)."""
-
-    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    control: RunControl, on_phase: Callable[[str], None] | None,
-                    record: PassRecorder | None) -> OnnxPasses:
-        """Where the run's onnxruntime passes run, on its ranks: over the first ``samples`` of
-        ``dataset`` with the calibration's sharding, and over the evaluation data, under ``control``."""
-
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
-            on_phase: Callable[[str], None] | None) -> list[T]:
-        """``work(*args)`` for each of ``calls`` where the ranks run, spread over them (a later
-        phase's own computing: the exports), retried under ``control``; results in order."""
 
     def close(self) -> None:
         """Stop what ``start`` started for this run only."""

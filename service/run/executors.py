@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,18 +22,13 @@ from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
 from bnrecal.workers.data.formats.loader import LoaderSpec
 from bnrecal.workers.ranks.process.work import IN_PROCESS, run_in_process
-from bnrecal.workers.ranks.ort.rank_pass import OnnxPassRequest, pass_phase
-from bnrecal.workers.ranks.plan import EvalPlan, GroupPass, GroupResult, RankPlan
+from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
 from bnrecal.workers.ranks.process.scoped import release_scope
 
-from bnrecal.service.run.core import RunControl, RunPlan
-from bnrecal.service.run.outputs.onnx_passes import (
-    CALIBRATION, InProcessPasses, OnnxPasses, PassRecorder, described_evaluation, samples_read,
-)
+from bnrecal.service.run.core import RankSet, RunControl, RunPlan
+from bnrecal.service.run.outputs.onnx_passes import RankPasses
 from bnrecal.service.run.report.document import Placement
 from bnrecal.service.settings import Settings
-
-T = TypeVar("T")
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a run in this process never does
     from bnrecal.workers.ranks.gangs.job_gang import JobGang
@@ -64,16 +59,9 @@ class InProcess:
         remote = isinstance(run.data, DatasetSpec) and run.data.remote is not None
         return Placement(IN_PROCESS, IN_PROCESS, "remote" if remote else IN_PROCESS, float(torch.get_num_threads()), False)
 
-    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    control: RunControl, on_phase: Callable[[str], None] | None,
-                    record: PassRecorder | None) -> OnnxPasses:
-        """The run's onnxruntime passes, here (a world of one, as the statistics were)."""
-        return InProcessPasses(dataset, batch_size, samples, evaluation=evaluation, record=record)
-
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
-            on_phase: Callable[[str], None] | None) -> list[T]:
-        """A later phase's work, here, in order (the one rank is this process)."""
-        return [work(*args) for args in calls]
+    def ranks(self) -> RankSet | None:
+        """None: the phases after the statistics run here, a world of one, as they did."""
+        return None
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """Drop what this process kept for the run (samples, objects); what its passes decoded and reused."""
@@ -200,22 +188,9 @@ class RayRanks:
             object_store_bytes=sum(shard.nbytes for shard in shipped),
         )
 
-    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    control: RunControl, on_phase: Callable[[str], None] | None,
-                    record: PassRecorder | None) -> OnnxPasses:
-        """The run's onnxruntime passes on its ranks (the job's gang) with their placement,
-        sharding and shipped shards, under the run's ``control``."""
-        return RankPasses(
-            dataset, batch_size, samples, evaluation, workers=self.options.workers, device=self.options.device,
-            group=self.group, shards=self.shards, eval_shards=self.eval_shards, pool=self.gang, control=control,
-            on_phase=on_phase, record=record,
-        )
-
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
-            on_phase: Callable[[str], None] | None) -> list[T]:
-        """A later phase's work in the run's rank processes, spread over them (``map_on_ranks``)."""
-        return map_on_ranks(work, calls, self.options.workers, self.options.device, self.group, pool=self.gang,
-                            control=control, on_phase=on_phase)
+    def ranks(self) -> RankSet | None:
+        """The job's gang with the run's placement, sharding and shipped shards."""
+        return RankSet(self.options.workers, self.options.device, self.group, self.shards, self.eval_shards, self.gang)
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """The run is over: its ranks drop the samples they kept and go back to the pool (or
@@ -232,72 +207,6 @@ class RayRanks:
             shutdown_embedded()
 
 
-class RankPasses(OnnxPasses):
-    """Passes on Ray rank actors (``workers.ranks.ort.group``): over the first ``samples``
-    of ``dataset`` by the calibration's sharding at ``batch_size``, and over the evaluation
-    data by its own, placed and fed like the calibration's ranks (``shards``, one per rank,
-    carry data through the object store). A lost rank re-runs that pass only, as ``control``'s
-    policy (the run's) allows; its ``failures`` collect why, ``on_phase`` shows it."""
-
-    def __init__(
-        self, dataset: DatasetSpec, batch_size: int, samples: int | None, evaluation: EvalPlan | None, *,
-        workers: int, device: str, group: Any, shards: list[Any] | None = None, eval_shards: list[Any] | None = None,
-        pool: WarmPool | JobGang | None = None, control: RunControl | None = None,
-        on_phase: Callable[[str], None] | None = None, record: PassRecorder | None = None,
-    ) -> None:
-        self.dataset, self.batch_size, self.samples = dataset, batch_size, samples_read(dataset, samples)
-        self.evaluation = evaluation
-        self.workers, self.device, self.group = workers, device, group
-        self.shards, self.eval_shards, self.pool = shards, eval_shards, pool
-        self.control, self.on_phase = control or RunControl(), on_phase
-        super().__init__(*described_evaluation(dataset, self.samples, evaluation), record=record)
-
-    def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
-        """One pass on the ranks, retried as the policy allows."""
-        from bnrecal.workers.ranks.process.ray_collective import backend_for_device
-        from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
-
-        if over == CALIBRATION:
-            dataset, batch, shards, total = self.dataset, self.batch_size, self.shards, self.samples
-        else:
-            assert self.evaluation is not None
-            dataset, batch, shards, total = self.evaluation.dataset, self.evaluation.batch_size, self.eval_shards, None
-        phase = pass_phase(request)
-
-        def attempt() -> GroupPass:
-            self.control.check_cancel()
-            return run_onnx_pass_group(
-                request, dataset, batch, self.workers, self.device, backend_for_device(self.device), self.group,
-                num_samples=total, shards=shards, pool=self.pool, cancel=self.control.cancel,
-            )
-
-        retried = (lambda why: self.on_phase(f"running the {phase} pass again after: {why}")) if self.on_phase else None
-        return self.control.retried(attempt, retried)
-
-    def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
-        """``work(*args)`` for each of ``calls`` in the ranks' processes, spread over them, retried as
-        the policy allows when a rank is lost (``workers.ranks.offload``)."""
-        return map_on_ranks(work, calls, self.workers, self.device, self.group, pool=self.pool, control=self.control,
-                            on_phase=self.on_phase)
-
-
-def map_on_ranks(
-    work: Callable[..., T], calls: Sequence[tuple[Any, ...]], workers: int, device: str, group: Any, *,
-    pool: WarmPool | JobGang | None, control: RunControl, on_phase: Callable[[str], None] | None,
-) -> list[T]:
-    """``work(*args)`` for each of ``calls`` on a job's ``workers`` ranks (``workers.ranks.offload``),
-    under the run's ``control``: a lost rank runs the calls again on a fresh gang (its
-    ``failures`` and ``on_phase`` hear why)."""
-    from bnrecal.workers.ranks.offload import run_on_ranks
-
-    def attempt() -> list[T]:
-        control.check_cancel()
-        return run_on_ranks(work, calls, workers, device, group, pool=pool, cancel=control.cancel)
-
-    retried = (lambda why: on_phase(f"running the later phase's work again after: {why}")) if on_phase else None
-    return control.retried(attempt, retried)
-
-
 def on_ranks(
     dataset: DatasetSpec, batch_size: int, workers: int, device: str, settings: Settings, *,
     placement: str | None = None, samples: int | None = None, evaluation: EvalPlan | None = None,
@@ -310,11 +219,8 @@ def on_ranks(
         shards = ship_rank_shards(dataset, batch_size, workers) if dataset.remote is None else None
         if evaluation is not None and evaluation.dataset.remote is None:
             eval_shards = ship_rank_shards(evaluation.dataset, evaluation.batch_size, workers)
-    return RankPasses(
-        dataset, batch_size, samples, evaluation, workers=workers, device=device,
-        group=group_options(settings, workers, device, placement), shards=shards, eval_shards=eval_shards, pool=pool,
-        control=control, on_phase=on_phase,
-    )
+    ranks = RankSet(workers, device, group_options(settings, workers, device, placement), shards, eval_shards, pool)
+    return RankPasses(ranks, dataset, batch_size, samples, evaluation, control=control, on_phase=on_phase)
 
 
 def _loader_workers(data: DatasetSpec | LoaderSpec, cpus: float) -> int:

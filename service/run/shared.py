@@ -15,24 +15,17 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from bnrecal.workers.data import DatasetSpec
 from bnrecal.workers.data.reading.kept import KeptCounts
-from bnrecal.workers.ranks.plan import EvalPlan, GroupResult, RankPlan
+from bnrecal.workers.ranks.plan import GroupResult, RankPlan
 
-from bnrecal.service.run.core import Executor, KeepBudget, RunControl, RunPlan, SharedScope
+from bnrecal.service.run.core import Executor, KeepBudget, RankSet, RunPlan, SharedScope
 from bnrecal.service.run.report.document import Placement
-
-T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from bnrecal.service.run.outputs.onnx_passes import OnnxPasses, PassRecorder
-
 
 @dataclass(frozen=True)
 class DescribedSet:
@@ -103,17 +96,9 @@ class SharedRanks:
         """Where the shared ranks run."""
         return self.inner.placement(run)
 
-    def onnx_passes(self, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
-                    control: RunControl, on_phase: Callable[[str], None] | None,
-                    record: PassRecorder | None) -> OnnxPasses:
-        """A run's onnxruntime passes, on the shared ranks."""
-        return self.inner.onnx_passes(dataset, batch_size, samples, evaluation, control=control, on_phase=on_phase,
-                                      record=record)
-
-    def map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]], *, control: RunControl,
-            on_phase: Callable[[str], None] | None) -> list[T]:
-        """A run's later-phase work, on the shared ranks."""
-        return self.inner.map(work, calls, control=control, on_phase=on_phase)
+    def ranks(self) -> RankSet | None:
+        """The shared ranks, for a run's phases after its statistics."""
+        return self.inner.ranks()
 
     def release_decoded(self, scope: str) -> KeptCounts:
         """A run is over: what it decoded stays for the next (counted at :meth:`close`)."""

@@ -28,7 +28,7 @@ from bnrecal.service.run.core import Executor, ProgressCallback, RunControl
 from bnrecal.service.run.outputs.exports import ExportAsk, ExportedFile, ExportWork, ModelBuild, export_batch, export_models
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.outputs.int8 import quantize_export
-from bnrecal.service.run.outputs.onnx_passes import OnnxPasses
+from bnrecal.service.run.outputs.onnx_passes import OnnxPasses, passes_on
 from bnrecal.service.run.options import ExportOptions
 from bnrecal.service.run.request import Recalibration, RecalibrationRequest
 from bnrecal.service.run.report.document import ONNX_RUNTIME, DataSummary, EvaluationSection, add_to_timeline, where_ranks_ran
@@ -111,11 +111,11 @@ def make_outputs(
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     parts = share_asks(asks, request.workers)
     started = time.monotonic()
-    made = executor.map(
-        export_models, [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch,
-                                    result.scope),) for part in parts],
-        control=control, on_phase=lambda phase: progress(0, None, phase),
-    )
+    calls = [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch, result.scope),)
+             for part in parts]
+    ranks = executor.ranks()
+    made = [export_models(*args) for args in calls] if ranks is None else ranks.map(
+        export_models, calls, control=control, on_phase=lambda phase: progress(0, None, phase))
     wall = time.monotonic() - started
     exported = dict(zip([ask for part in parts for ask in part], [file for files in made for file in files], strict=True))
     onnx_file = ExportAsk(dtype=outputs.export.dtype)
@@ -186,9 +186,9 @@ def _int8_passes(
     # The ranges are gathered over the samples the statistics were computed on (docs/int8.md,
     # "How the ranges are gathered"): with max_samples "auto", the prefix of the order where
     # they converged.
-    return executor.onnx_passes(
-        result.dataset, request.batch_size, int(report["samples"]), result.evaluation, control=control,
-        on_phase=lambda phase: progress(0, None, phase), record=record,
+    return passes_on(
+        executor.ranks(), result.dataset, request.batch_size, int(report["samples"]), result.evaluation,
+        control=control, on_phase=lambda phase: progress(0, None, phase), record=record,
     )
 
 

@@ -8,7 +8,8 @@ same data given for both, ``workers.data.reading.alignment``): then one pass ove
 FP32 models' ranges and measures them too, each sample's label and part found by its
 evaluation position. Where a pass runs is a subclass's: this process
 (:class:`InProcessPasses`: ``bnrecal export``, the Python API, a one-worker run) or the
-run's Ray ranks (``service.run.executors``). Both give the same file and figures.
+run's Ray ranks (:class:`RankPasses`, on the ``RankSet`` its executor gives); :func:`passes_on`
+picks by the executor's ranks. Both give the same file and figures.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bnrecal.workers.ranks.plan import EvalPlan, GroupPass
 from bnrecal.workers.ranks.sharding import rank_ranges
 
 from bnrecal.service.export.int8.checks import LabelledBatches
+from bnrecal.service.run.core import RankSet, RunControl
 
 PassRecorder = Callable[[str, GroupPass], None]
 """Hears each pass as it ends, with the phase it served (``pass_phase``): the report's timeline."""
@@ -156,6 +158,64 @@ class InProcessPasses(OnnxPasses):
             with open_kept(dataset, dataset.open()) as data:
                 result = onnx_pass(request, ranges, lambda: iter_batches(data, ranges), collective, 0)
         return GroupPass(result, [result.samples], [result.collectives], ["in-process"], result.seconds)
+
+
+class RankPasses(OnnxPasses):
+    """Passes on a run's Ray ranks (``workers.ranks.ort.group``): over the first ``samples``
+    of ``dataset`` by the calibration's sharding at ``batch_size``, and over the evaluation
+    data by its own, placed and fed like the calibration's ranks (``ranks``). A lost rank
+    re-runs that pass only, as ``control``'s policy (the run's) allows; its ``failures``
+    collect why, ``on_phase`` shows it."""
+
+    def __init__(
+        self, ranks: RankSet, dataset: DatasetSpec, batch_size: int, samples: int | None, evaluation: EvalPlan | None,
+        *, control: RunControl | None = None, on_phase: Callable[[str], None] | None = None,
+        record: PassRecorder | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self.dataset, self.batch_size, self.samples = dataset, batch_size, samples_read(dataset, samples)
+        self.evaluation = evaluation
+        self.control, self.on_phase = control or RunControl(), on_phase
+        super().__init__(*described_evaluation(dataset, self.samples, evaluation), record=record)
+
+    def _run(self, request: OnnxPassRequest, over: str) -> GroupPass:
+        """One pass on the ranks, retried as the policy allows."""
+        from bnrecal.workers.ranks.ort.group import run_onnx_pass_group
+        from bnrecal.workers.ranks.process.ray_collective import backend_for_device
+
+        ranks = self.ranks
+        if over == CALIBRATION:
+            dataset, batch, shards, total = self.dataset, self.batch_size, ranks.shards, self.samples
+        else:
+            assert self.evaluation is not None
+            dataset, batch, shards, total = self.evaluation.dataset, self.evaluation.batch_size, ranks.eval_shards, None
+        phase = pass_phase(request)
+
+        def attempt() -> GroupPass:
+            self.control.check_cancel()
+            return run_onnx_pass_group(
+                request, dataset, batch, ranks.workers, ranks.device, backend_for_device(ranks.device), ranks.group,
+                num_samples=total, shards=shards, pool=ranks.gang, cancel=self.control.cancel,
+            )
+
+        retried = (lambda why: self.on_phase(f"running the {phase} pass again after: {why}")) if self.on_phase else None
+        return self.control.retried(attempt, retried)
+
+    def _map(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
+        """The calls in the ranks' processes, spread over them, retried as the policy allows."""
+        return self.ranks.map(work, calls, control=self.control, on_phase=self.on_phase)
+
+
+def passes_on(
+    ranks: RankSet | None, dataset: DatasetSpec, batch_size: int, samples: int, evaluation: EvalPlan | None, *,
+    control: RunControl, on_phase: Callable[[str], None] | None, record: PassRecorder | None,
+) -> OnnxPasses:
+    """A run's onnxruntime passes where its phases after the statistics run (its executor's
+    ``ranks()``): on its Ray ranks, or here for a world of one; over the first ``samples`` of
+    ``dataset`` with the calibration's sharding, and over the evaluation data, under ``control``."""
+    if ranks is None:
+        return InProcessPasses(dataset, batch_size, samples, evaluation=evaluation, record=record)
+    return RankPasses(ranks, dataset, batch_size, samples, evaluation, control=control, on_phase=on_phase, record=record)
 
 
 def described_evaluation(

@@ -16,6 +16,7 @@ from bnrecal.workers.models.sources import LiveModuleSource
 
 from bnrecal.service.run.core import FailureDecision, FailurePolicy, RunControl, RunPlan, run, running
 from bnrecal.service.run.executors import InProcess
+from bnrecal.service.run.outputs.onnx_passes import InProcessPasses, passes_on
 from bnrecal.service.run.options import RunOptions
 from bnrecal.service.run.report.document import Report
 from bnrecal.service.live.data import describe_python_data
@@ -145,8 +146,8 @@ def test_later_phases_run_on_the_open_executor_after_the_statistics(stale):
     with running(plan, executor) as result:
         assert not executor.closed
         assert_matches_reference(model, reference)  # the statistics are in the driver's model already
-        passes = executor.onnx_passes(plan.data, 8, 16, None, control=RunControl(), on_phase=None, record=None)
-        assert result.report.samples == 29 and callable(passes.over_calibration)
+        passes = passes_on(executor.ranks(), plan.data, 8, 16, None, control=RunControl(), on_phase=None, record=None)
+        assert result.report.samples == 29 and isinstance(passes, InProcessPasses) and passes.samples == 16
     assert executor.closed
 
     executor = Watched()
