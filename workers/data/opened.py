@@ -137,8 +137,9 @@ class ShardCandidate(Protocol):
         ...
 
     def refs(self, names: Sequence[str], where: str) -> list[ShardRef]:
-        """The files ``names`` below the folder (or beside the file) as shards, in order; one
-        missing fails, saying ``where`` lists it."""
+        """The files ``names`` below the folder (or beside the file) as shards, in order, each
+        as it is now (an object's listing is not trusted to be current); one missing fails
+        naming it (on disk, saying ``where`` lists it)."""
         ...
 
     def itself(self, name: str) -> ShardRef:

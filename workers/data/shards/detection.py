@@ -202,10 +202,10 @@ class RemoteCandidate:
             raise remote_error(exc, source, self.role) from exc
 
     def refs(self, names: Sequence[str], where: str) -> list[ShardRef]:
-        missing = [name for name in names if name not in self._objects]
-        if missing:
-            raise DatasetError(f"{where} lists shard {missing[0]}, which is not below it")
-        return [self._objects[name].shard(self._folder.uri, name) for name in names]
+        # As any list of objects (remote_refs): a HEAD each, or for many the prefix listed afresh
+        # where the kept listing lacks one, so shards written since a listing are seen as they are.
+        base = self._folder.uri.rstrip("/")
+        return remote_refs([f"{base}/{name}" for name in names], self.role, self._remote.endpoint_url, self._cache_root)
 
     def itself(self, name: str) -> ShardRef:
         return replace(remote_refs([self._remote.uri], self.role, self._remote.endpoint_url)[0], name=name)
