@@ -90,15 +90,15 @@ def _find(candidate: LocalCandidate | RemoteCandidate) -> FoundShards | None:
 
 def _format_of(refs: list[ShardRef]) -> FoundShards:
     """Shards named one by one: their format, the one whose extensions name them all."""
-    named = {next((f.name for f in SHARD_FORMATS if f.suffixes and ref.name.lower().endswith(f.suffixes)), None)
+    named = {ref.name: next((f.name for f in SHARD_FORMATS if f.suffixes and ref.name.lower().endswith(f.suffixes)), None)
              for ref in refs}
-    if None in named:
-        shown = next(ref.name for ref in refs if not any(f.suffixes and ref.name.lower().endswith(f.suffixes)
-                                                         for f in SHARD_FORMATS))
-        raise DatasetError(f"{shown} is not a .tar, .tar.gz/.tgz or .parquet shard")
-    if len(named) > 1:
+    unnamed = next((name for name, format_name in named.items() if format_name is None), None)
+    if unnamed is not None:
+        raise DatasetError(f"{unnamed} is not a .tar, .tar.gz/.tgz or .parquet shard")
+    formats = set(named.values())
+    if len(formats) > 1:
         raise DatasetError("the shards mix tar and Parquet files; give one format")
-    return FoundShards(named.pop(), refs)
+    return FoundShards(formats.pop(), refs)
 
 
 class LocalCandidate:
