@@ -14,7 +14,7 @@ from bnrecal.workers.lazy import lazy_exports
 
 _HOMES = {
     "opsets": ("DEFAULT_OPSET", "SUPPORTED_OPSETS"),
-    "folded_onnx": ("export_folded_onnx",),
+    "folded_onnx": ("export_folded_onnx", "trace_ahead"),
     "verification": ("TOLERANCE",),
 }
 __getattr__, __all__ = lazy_exports(__name__, _HOMES)

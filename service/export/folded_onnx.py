@@ -22,7 +22,7 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.export.exporters import export_unfolded
 from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from bnrecal.service.export.float16 import convert_to_float16
-from bnrecal.service.export.graph_reuse import GraphReuse
+from bnrecal.service.export.graph_reuse import GraphReuse, TracedGraph
 from bnrecal.service.export.graph_passes import (
     batchnorm_count,
     check_final_model,
@@ -173,6 +173,37 @@ def _export_graph(
     onnx_result = fold_batchnorm_nodes(graph)
     finalize(graph)
     return graph, torch_result, onnx_result, used
+
+
+@holds_tracing
+def trace_ahead(
+    model: torch.nn.Module,
+    samples: torch.Tensor,
+    *,
+    opset: int = DEFAULT_OPSET,
+    dynamic_batch: bool = True,
+    input_shape: Sequence[int] | None = None,
+    fixed_batch: int = 1,
+) -> TracedGraph | None:
+    """The exporter's trace that ``export_folded_onnx`` with the same options makes of a model
+    of ``model``'s structure, made without its export: for an export of another model of that
+    structure to reuse (``reuse=GraphReuse(traced)``) instead of tracing. A run traces its
+    model while the ranks compute the statistics, which the trace does not depend on (folds
+    depend on the structure only); the export puts its own weights in and is verified as
+    always. ``samples`` need only have the export's per-sample shape. None where the model
+    gives no tensor. ``model`` is left untouched."""
+    _validate(samples, opset, "float32", input_shape)
+    shaped = _shaped_samples(samples, input_shape)
+    reference = export_copy(model)
+    example = shaped[:2] if dynamic_batch else shaped[:fixed_batch]
+    with torch.no_grad():
+        n_outputs = len(flatten_outputs(reference(example)))
+    if n_outputs == 0:
+        return None
+    reuse = GraphReuse()
+    _traced_graph(reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
+                  exporter="auto", torch_fold=True, reuse=reuse)
+    return reuse.traced
 
 
 @holds_tracing

@@ -16,10 +16,17 @@ model: the same fold in PyTorch, the same export settings, each of its weights a
 initializer of the same shape and dtype, or equal to the traced one. Anything else traces
 anew. The result is then verified against the new model's own PyTorch outputs, as every
 export is.
+
+Since the trace depends on the structure only, a run can make it before its statistics are
+in (``TraceAhead``, docs/onnx.md, "Where the export runs"): on a thread of the run's host
+while its ranks start, when a core is free, and hand it to the ranks that export.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +34,8 @@ import torch
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,8 +78,8 @@ class GraphReuse:
     run: the stale model after the recalibrated one; within a sweep's scope on a rank, its
     next cell: ``workers.ranks.process.scoped``)."""
 
-    def __init__(self) -> None:
-        self.traced: TracedGraph | None = None
+    def __init__(self, traced: TracedGraph | None = None) -> None:
+        self.traced = traced
 
     def keep(self, graph: ir.Model, exporter: str, key: tuple[Any, ...], model: torch.nn.Module) -> None:
         """Keep ``graph`` (before the graph passes, which change it in place) as traced from
@@ -84,6 +93,39 @@ class GraphReuse:
     def graph_for(self, model: torch.nn.Module, key: tuple[Any, ...]) -> ir.Model | None:
         """The kept graph with ``model``'s weights, or None (trace it)."""
         return self.traced.with_weights(model, key) if self.traced is not None else None
+
+
+class TraceAhead:
+    """A trace made on a thread of this process while it waits for other work (a run's host
+    while its ranks start: ``LaterPhases.ahead``), for the exports that follow to reuse.
+
+    ``trace`` is called once, on the thread ``start`` begins; ``result`` waits for it. A trace
+    that fails is logged and gives None: the export then traces as it always does, and says
+    why if that fails too. The thread holds ``MODEL_TRACING`` while it traces, as any export."""
+
+    def __init__(self, trace: Callable[[], TracedGraph | None]) -> None:
+        self._trace: Callable[[], TracedGraph | None] | None = trace
+        self._traced: TracedGraph | None = None
+        self._thread = threading.Thread(target=self._run, name="bnrecal-trace-ahead", daemon=True)
+
+    def start(self) -> None:
+        """Begin the trace on its thread."""
+        self._thread.start()
+
+    def result(self) -> TracedGraph | None:
+        """The trace, once made (None if it failed, or was never started)."""
+        if self._thread.ident is None:
+            return None
+        self._thread.join()
+        return self._traced
+
+    def _run(self) -> None:
+        trace, self._trace = self._trace, None  # what it traces (a model's copy) is let go once traced
+        assert trace is not None
+        try:
+            self._traced = trace()
+        except Exception as exc:  # noqa: BLE001 - the export traces again, and reports its own failure
+            logger.info("the export's trace ahead failed (%s); the export traces it", exc)
 
 
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -84,12 +84,15 @@ class LaterPhases:
     they read them (an export's checks run on them, so the driver reads none); with
     ``evaluation_later`` the statistics' pass does not evaluate: a later phase measures the
     evaluation (the INT8 export's, on the folded FP32 models, in the pass that gathers their
-    ranges)."""
+    ranges). ``ahead`` starts host work of a later phase that does not need the statistics
+    (the export's trace: ``service.run.recalibrate.trace_ahead``), called once the model is
+    checked here, as the ranks start."""
 
     keep: KeepBudget | None = None
     head: int = 0
     evaluation_later: bool = False
     shared: SharedScope | None = None
+    ahead: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,8 @@ def running(
         try:
             layers, skipped = require_batchnorm_layers(plan.model, plan.label)
             plan, call_order, checks = _check_model(plan, layers)
+            if plan.later.ahead is not None:  # the model's own checks are done: its forwards on this host
+                plan.later.ahead()
             old = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
             stale = {key: value.clone() for key, value in bn_buffer_updates(layers).items()}
             executor.start(plan)

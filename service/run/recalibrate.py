@@ -39,7 +39,11 @@ from bnrecal.service.run.request import (  # noqa: F401 - the request and result
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:  # Ray is imported where a run uses it: a one-worker run in this process never does
+    import torch
     from torch import nn
+
+    from bnrecal.service.export.graph_reuse import TraceAhead
+    from bnrecal.service.run.model_source import LoadedModel
 
     from bnrecal.workers.ranks.gangs.pool import WarmPool
 
@@ -100,6 +104,7 @@ def recalibrate(
     evaluation = plan_evaluation(request, settings, shared) if request.eval_data is not None else None
     check_columns_used(request, dataset, evaluation.dataset if evaluation is not None else None)
     later = evaluation is not None and evaluation_with_int8(outputs, model)
+    ahead = None if in_process or shared is not None else trace_ahead(outputs, loaded, probe)
     plan = RunPlan(
         model=model, source=loaded.source, weights=loaded.weights, label=loaded.label, data=dataset, probe=probe,
         options=request, evaluation=evaluation, memory_format=settings.memory_format,
@@ -107,6 +112,7 @@ def recalibrate(
             keep=kept_budget(settings, outputs) if shared is None else shared.keep, head=head_samples(outputs, model),
             evaluation_later=later,
             shared=None if shared is None else shared.shared_scope(str(request.data)),
+            ahead=None if ahead is None else ahead.start,
         ),
     )
     if in_process and request.workers != 1:
@@ -124,7 +130,7 @@ def recalibrate(
     with running(plan, executor, control, on_progress) as result:  # the later phases run while the ranks are up
         recalibration = Recalibration(
             model, loaded, result.updates, result.data, result.report, result.stale_buffers, result.evaluation,  # type: ignore[arg-type]
-            head=result.head, evaluation_later=later, scope=result.scope,
+            head=result.head, evaluation_later=later, scope=result.scope, traced=ahead,
         )
         if loaded.is_program:
             result.report.program = ProgramSection(name=loaded.source.name, batch=model.batch.describe())  # type: ignore[union-attr]
@@ -211,6 +217,35 @@ def predraw_charts(report: Report) -> None:
     from bnrecal.service.run.report.page import predraw_charts as predraw  # jinja2 and matplotlib: only for the page
 
     predraw(report)
+
+
+def trace_ahead(outputs: RunOutputs | None, loaded: LoadedModel, probe: torch.Tensor) -> TraceAhead | None:
+    """The export's trace, to be made on this process while the ranks start and compute the
+    statistics (docs/onnx.md, "Where the export runs"): a core is free while they start, and
+    the trace does not depend on the statistics, so the ranks' exports put their weights in
+    it instead of each tracing. For a run on ranks (not in this process, whose one rank is
+    this process's cores) that exports a model built from code at a dynamic batch in an opset
+    of torch's dynamo exporter; None otherwise (the ranks trace, as before). A program is
+    traced on its ranks: its graph is rebuilt there from the archive."""
+    import copy
+
+    import torch
+
+    from bnrecal.service.export import trace_ahead as trace
+    from bnrecal.service.export.graph_reuse import TraceAhead
+    from bnrecal.service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET
+
+    if outputs is None or not outputs.any or loaded.is_program:
+        return None
+    export = outputs.export
+    if not export.dynamic_batch or not DYNAMO_MIN_OPSET <= export.opset <= DYNAMO_MAX_OPSET:
+        return None
+    if not isinstance(probe, torch.Tensor) or probe.dim() < 2:
+        return None
+    model = copy.deepcopy(loaded.model)  # as it is now: the run writes the new statistics into its own
+    samples = probe[:1].expand(2, *probe.shape[1:]).clone()
+    return TraceAhead(lambda: trace(model, samples, opset=export.opset, input_shape=export.input_shape))
+
 
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:
     """How many of the first samples the ranks hand back for the exports' checks: the

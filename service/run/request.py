@@ -31,6 +31,7 @@ from bnrecal.service.run.shared import DescribedSet
 from bnrecal.service.settings import Settings
 
 if TYPE_CHECKING:
+    from bnrecal.service.export.graph_reuse import TraceAhead
     from bnrecal.service.run.shared import SharedRanks
 
 
@@ -91,6 +92,9 @@ class Recalibration:
     """The evaluation before and after is left to the INT8 export's passes (``LaterPhases.evaluation_later``)."""
     scope: str | None = None
     """The run's scope on its ranks (``RunResult.scope``): its exports keep their trace there."""
+    traced: TraceAhead | None = None
+    """The exporter's trace its host made while the ranks computed the statistics, for its
+    exports to reuse (``service.run.recalibrate.trace_ahead``); None: the exports trace."""
 
     @property
     def checkpoint(self) -> Checkpoint | None:

@@ -19,7 +19,7 @@ from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
 from bnrecal.workers.models.sources import ModelSource
 from bnrecal.workers.ranks.process.scoped import scope_object
 
-from bnrecal.service.export.graph_reuse import GraphReuse
+from bnrecal.service.export.graph_reuse import GraphReuse, TracedGraph
 from bnrecal.service.export.report_sections import Int8Section, OnnxSection
 from bnrecal.service.export.verification import VERIFY_SAMPLES
 from bnrecal.service.run.options import DEFAULT_OPSET, ExportOptions
@@ -132,15 +132,18 @@ class ExportWork:
     scope: str | None = None
 
 
-def export_models(work: ExportWork) -> list[ExportedFile]:
+def export_models(work: ExportWork, traced: TracedGraph | None = None) -> list[ExportedFile]:
     """Each export of ``work.asks`` of the model ``work.build`` makes, verified on its samples:
     a run's exports, run where its ranks run (one trace of the exporter for all of them,
-    ``GraphReuse``), so that the job's host does none. With the run's ``scope`` the trace
-    stays in this process for the scope's next export (a sweep's next cell of the same
-    architecture: ``workers.ranks.process.scoped``)."""
+    ``GraphReuse``; none where the host made it ahead, ``traced``: ``TraceAhead``), so that the job's
+    host does no export. With the run's ``scope`` the trace stays in this process for the
+    scope's next export (a sweep's next cell of the same architecture:
+    ``workers.ranks.process.scoped``)."""
     from bnrecal.service.export import export_folded_onnx
 
     reuse = scope_object(work.scope, GraphReuse) if work.scope is not None else GraphReuse()
+    if traced is not None:
+        reuse.traced = traced
     models = {stale: work.build.build(stale) for stale in {ask.stale for ask in work.asks}}
     # the stale model's structure is the same: one forward finds the scores for both
     scores = scores_output(next(iter(models.values())), work.samples[:work.fixed])

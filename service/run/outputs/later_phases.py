@@ -110,9 +110,10 @@ def make_outputs(
     fixed, dynamic_batch = export_batch(result.model, outputs.export.dynamic_batch)
     samples = result.calibration_samples(max(VERIFY_SAMPLES, fixed))
     parts = share_asks(asks, request.workers)
+    traced = result.traced.result() if result.traced is not None else None  # made while the ranks computed
     started = time.monotonic()
-    calls = [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch, result.scope),)
-             for part in parts]
+    calls = [(ExportWork(ModelBuild.of(result), samples, part, outputs.export, fixed, dynamic_batch, result.scope), traced)
+             for part in parts]  # one trace for every call: put in the object store once
     ranks = executor.ranks()
     made = [export_models(*args) for args in calls] if ranks is None else ranks.map(
         export_models, calls, control=control, on_phase=lambda phase: progress(0, None, phase))

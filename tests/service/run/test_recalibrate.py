@@ -11,6 +11,8 @@ import torch
 from bnrecal.errors import CancelledError, RunError
 from bnrecal.workers.models.checkpoints import load_checkpoint
 
+from bnrecal.service.run.outputs.exports import export_recalibrated
+from bnrecal.service.run.outputs.later_phases import RunOutputs
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
 from tests.conftest import save_array, save_state
@@ -48,6 +50,21 @@ def test_sync_matches_reference_and_agrees_across_world_sizes(mixed, settings, w
     for k in (2, 3):
         for key, value in results[k].updates.items():
             torch.testing.assert_close(value.double(), base[key].double(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_export_traced_on_the_host_while_the_ranks_compute_is_the_file_of_its_own_trace(
+    mixed, settings, tmp_path, warm_pool,
+):
+    """A run on ranks traces its export on the host while they compute (docs/onnx.md, "Where
+    the export runs"); the ranks' export from that trace is byte for byte the file the same
+    recalibrated model traced anew in this process makes."""
+    _, _, checkpoint, data = mixed
+    request = RecalibrationRequest(arch="tests.nets:mixed_net", checkpoint=checkpoint, data=data, batch_size=6, workers=2)
+    result = recalibrate(request, settings, pool=warm_pool, outputs=RunOutputs(onnx=tmp_path / "ranks.onnx"))
+    assert result.traced is not None and result.traced.result() is not None
+    section = export_recalibrated(result, tmp_path / "here.onnx")  # no trace given: it traces its own
+    assert (tmp_path / "ranks.onnx").read_bytes() == (tmp_path / "here.onnx").read_bytes()
+    assert result.report.onnx.folded == section.folded > 0
 
 
 def test_local_mode_matches_per_rank_reference(mixed, settings, warm_pool):
