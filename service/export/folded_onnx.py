@@ -22,7 +22,7 @@ from bnrecal.workers.files import atomic_write
 from bnrecal.service.export.exporters import export_unfolded
 from bnrecal.service.export.opsets import DEFAULT_OPSET, SUPPORTED_OPSETS
 from bnrecal.service.export.float16 import convert_to_float16
-from bnrecal.service.export.graph_reuse import GraphReuse, TracedGraph
+from bnrecal.service.export.graph_reuse import GraphReuse, TraceAhead, TracedGraph
 from bnrecal.service.export.graph_passes import (
     batchnorm_count,
     check_final_model,
@@ -175,7 +175,20 @@ def _export_graph(
     return graph, torch_result, onnx_result, used
 
 
-@holds_tracing
+def _export_inputs(
+    model: torch.nn.Module, samples: torch.Tensor, *, opset: int, dtype: str, input_shape: Sequence[int] | None,
+    dynamic_batch: bool, fixed_batch: int,
+) -> tuple[torch.Tensor, torch.nn.Module, torch.Tensor]:
+    """What an export and a trace made ahead of it start from, alike (the trace is reused only
+    where its key matches): the samples at the export's per-sample shape, the model's export
+    copy (``export_copy``) and the example the exporter traces with."""
+    _validate(samples, opset, dtype, input_shape)
+    shaped = _shaped_samples(samples, input_shape)
+    if not dynamic_batch and not 1 <= fixed_batch <= len(shaped):
+        raise ExportError(f"a fixed batch of {fixed_batch} needs that many samples to export; got {len(shaped)}")
+    return shaped, export_copy(model), shaped[:2] if dynamic_batch else shaped[:fixed_batch]
+
+
 def trace_ahead(
     model: torch.nn.Module,
     samples: torch.Tensor,
@@ -184,26 +197,31 @@ def trace_ahead(
     dynamic_batch: bool = True,
     input_shape: Sequence[int] | None = None,
     fixed_batch: int = 1,
-) -> TracedGraph | None:
+) -> TraceAhead:
     """The exporter's trace that ``export_folded_onnx`` with the same options makes of a model
-    of ``model``'s structure, made without its export: for an export of another model of that
-    structure to reuse (``reuse=GraphReuse(traced)``) instead of tracing. A run traces its
-    model while the ranks compute the statistics, which the trace does not depend on (folds
-    depend on the structure only); the export puts its own weights in and is verified as
-    always. ``samples`` need only have the export's per-sample shape. None where the model
-    gives no tensor. ``model`` is left untouched."""
-    _validate(samples, opset, "float32", input_shape)
-    shaped = _shaped_samples(samples, input_shape)
-    reference = export_copy(model)
-    example = shaped[:2] if dynamic_batch else shaped[:fixed_batch]
-    with torch.no_grad():
-        n_outputs = len(flatten_outputs(reference(example)))
-    if n_outputs == 0:
-        return None
-    reuse = GraphReuse()
-    _traced_graph(reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
-                  exporter="auto", torch_fold=True, reuse=reuse)
-    return reuse.traced
+    of ``model``'s structure, to be made on a thread (``TraceAhead``: ``start``, then
+    ``result``) without its export: for an export of another model of that structure to
+    reuse (``reuse=GraphReuse(traced)``) instead of tracing. A run traces its model while the
+    ranks compute the statistics, which the trace does not depend on (folds depend on the
+    structure only); the export puts its own weights in and is verified as always.
+    ``samples`` need only have the export's per-sample shape. ``model`` is copied here, so
+    the caller may change it once this returns; the trace gives None where the model returns
+    no tensor."""
+    _, reference, example = _export_inputs(model, samples, opset=opset, dtype="float32", input_shape=input_shape,
+                                           dynamic_batch=dynamic_batch, fixed_batch=fixed_batch)
+
+    @holds_tracing
+    def trace() -> TracedGraph | None:
+        with torch.no_grad():
+            n_outputs = len(flatten_outputs(reference(example)))
+        if n_outputs == 0:
+            return None
+        reuse = GraphReuse()
+        _traced_graph(reference, example, opset=opset, dynamic_batch=dynamic_batch, n_outputs=n_outputs,
+                      exporter="auto", torch_fold=True, reuse=reuse)
+        return reuse.traced
+
+    return TraceAhead(trace)
 
 
 @holds_tracing
@@ -239,15 +257,11 @@ def export_folded_onnx(
     once verified. ``_exporter``
     (``auto``/``dynamo``/``torchscript``) and ``_torch_fold`` exist for tests.
     """
-    _validate(samples, opset, dtype, input_shape)
+    shaped, reference, example = _export_inputs(model, samples, opset=opset, dtype=dtype, input_shape=input_shape,
+                                                dynamic_batch=dynamic_batch, fixed_batch=fixed_batch)
     if openvino:
         warm_openvino()  # OpenVINO loads in its own process while the model is traced
-    shaped = _shaped_samples(samples, input_shape)
-    reference = export_copy(model)
-    if not dynamic_batch and not 1 <= fixed_batch <= len(shaped):
-        raise ExportError(f"a fixed batch of {fixed_batch} needs that many samples to export; got {len(shaped)}")
     batches = [shaped[:1], shaped[:LARGE_VERIFY_BATCH]] if dynamic_batch else [shaped[:fixed_batch]]
-    example = shaped[:2] if dynamic_batch else shaped[:fixed_batch]
     try:
         references = [reference_outputs(reference, batch) for batch in batches]
         with torch.no_grad():

@@ -97,11 +97,12 @@ class GraphReuse:
 
 class TraceAhead:
     """A trace made on a thread of this process while it waits for other work (a run's host
-    while its ranks start: ``LaterPhases.ahead``), for the exports that follow to reuse.
+    while its ranks start: ``LaterPhases.ahead``), for the exports that follow to reuse
+    (``folded_onnx.trace_ahead`` makes one for an export's options).
 
     ``trace`` is called once, on the thread ``start`` begins; ``result`` waits for it. A trace
     that fails is logged and gives None: the export then traces as it always does, and says
-    why if that fails too. The thread holds ``MODEL_TRACING`` while it traces, as any export."""
+    why if that fails too. ``trace`` holds ``MODEL_TRACING`` while it traces, as any export."""
 
     def __init__(self, trace: Callable[[], TracedGraph | None]) -> None:
         self._trace: Callable[[], TracedGraph | None] | None = trace

@@ -227,12 +227,10 @@ def trace_ahead(outputs: RunOutputs | None, loaded: LoadedModel, probe: torch.Te
     this process's cores) that exports a model built from code at a dynamic batch in an opset
     of torch's dynamo exporter; None otherwise (the ranks trace, as before). A program is
     traced on its ranks: its graph is rebuilt there from the archive."""
-    import copy
-
     import torch
 
+    from bnrecal.errors import ExportError
     from bnrecal.service.export import trace_ahead as trace
-    from bnrecal.service.export.graph_reuse import TraceAhead
     from bnrecal.service.export.opsets import DYNAMO_MAX_OPSET, DYNAMO_MIN_OPSET
 
     if outputs is None or not outputs.any or loaded.is_program:
@@ -242,9 +240,11 @@ def trace_ahead(outputs: RunOutputs | None, loaded: LoadedModel, probe: torch.Te
         return None
     if not isinstance(probe, torch.Tensor) or probe.dim() < 2:
         return None
-    model = copy.deepcopy(loaded.model)  # as it is now: the run writes the new statistics into its own
-    samples = probe[:1].expand(2, *probe.shape[1:]).clone()
-    return TraceAhead(lambda: trace(model, samples, opset=export.opset, input_shape=export.input_shape))
+    try:  # the model as it is now, copied by ``trace``: the run writes the new statistics into its own
+        return trace(loaded.model, probe[:1].expand(2, *probe.shape[1:]).clone(), opset=export.opset,
+                     input_shape=export.input_shape)
+    except ExportError:  # the export refuses these options itself, in its own phase, as before
+        return None
 
 
 def head_samples(outputs: RunOutputs | None, model: nn.Module) -> int:

@@ -75,7 +75,7 @@ def test_a_trace_made_ahead_from_one_sample_serves_the_recalibrated_models_expor
     stale = torchvision.models.resnet18(num_classes=10).eval()
     recalibrated = with_other_statistics(stale)  # the statistics came in after the trace
     samples = torch.randn(8, 3, 32, 32)
-    ahead = TraceAhead(lambda: trace_ahead(stale, samples[:1].expand(2, 3, 32, 32).clone()))
+    ahead = trace_ahead(stale, samples[:1].expand(2, 3, 32, 32).clone())
     ahead.start()
     traced = ahead.result()
     assert traced is not None and len(traces) == 1
