@@ -108,7 +108,9 @@ def run_here(model: Any, device: str) -> ShippedModel:
 def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, prefer: str) -> ShippedModel:
     """Decide how ``model`` reaches the Ray ranks (see the module's docstring); ``sample``
     is one batch of the model's input (the probe's), used to trace an export. ``prefer``
-    is ``program`` (a joined cluster: export when it can) or ``pickle`` (an embedded one)."""
+    is ``program`` (a joined cluster: export when it can) or ``pickle`` (an embedded one).
+    On an embedded Ray a model that neither pickles nor travels as a program is refused
+    here (``SpecError``), before any rank starts."""
     if isinstance(model, torch.export.ExportedProgram):
         if forward is not None:
             raise SpecError("forward does not go with an ExportedProgram: it runs on its own inputs", field="forward")
@@ -117,8 +119,9 @@ def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, pref
     notes: list[str] = []
     cpu_model = on_cpu(model)
     write_back = lambda updates: _write_module(model, updates)  # noqa: E731
+    problem = None  # why it does not pickle, where it was tried
     if prefer == "pickle":
-        problem = _pickle_problem(cpu_model)
+        problem = pickle_problem(cpu_model)
         if problem is None:
             return _pickled(name, cpu_model, write_back, notes)
         notes.append(f"not pickled ({problem})")
@@ -134,6 +137,8 @@ def ship_model(model: Any, sample: Any, forward: Callable[..., Any] | None, pref
             return shipped
         except Exception as exc:  # noqa: BLE001 - any export failure means: pickle it
             notes.append(f"not exported ({type(exc).__name__}: {first_line(exc)[:200]})")
+    if problem is not None:  # neither pickles nor travels as a program: refused before any rank starts
+        raise cannot_send("model", problem)
     return _pickled(name, cpu_model, write_back, notes)
 
 
@@ -223,15 +228,38 @@ def _running_buffers(layer: Any) -> list[torch.Tensor]:
     return [t for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked) if t is not None]
 
 
-def _pickle_problem(model: nn.Module) -> str | None:
-    """Why Ray could not send ``model`` (None when it can): checked before any rank starts."""
+class _Discard:
+    """A file that keeps nothing: a pickling check costs no copy of what it pickles."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def pickle_problem(value: Any) -> str | None:
+    """Why Ray could not send ``value`` to the ranks (None when it can), found by pickling it
+    as Ray does (its cloudpickle, with the serializers registered with Ray) into nothing:
+    checked before any rank starts."""
+    import pickle
+
     from ray import cloudpickle
 
     try:
-        cloudpickle.dumps(model)
+        cloudpickle.CloudPickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the answer
         return f"{type(exc).__name__}: {first_line(exc)[:200]}"
     return None
+
+
+SENT = {"model": "the model", "forward": "forward", "data": "the dataset (or its collate_fn)"}
+"""What goes to the ranks, by the option that gives it, as an error names it."""
+
+
+def cannot_send(field_name: str, problem: str) -> SpecError:
+    """The one-line error for a part (``SENT``) that does not pickle."""
+    return SpecError(
+        f"{SENT[field_name]} cannot be sent to the Ray workers: {problem} (it must pickle: see docs/python.md)",
+        field=field_name,
+    )
 
 
 def _program(

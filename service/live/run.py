@@ -33,7 +33,7 @@ from bnrecal.service.run.report.document import DataSummary
 
 from ..settings import Settings
 from .data import PROBE_SAMPLES, describe_python_data, first_batch
-from .model import ShippedModel, run_here, ship_model
+from .model import ShippedModel, cannot_send, pickle_problem, run_here, ship_model
 from .process_group import agreed_report, fail_together, job_group, unwrapped
 from .report import RecalibrationReport
 
@@ -253,6 +253,7 @@ def run_live(
         shipped = run_here(model, options.device)
     else:
         _check_split(spec)
+        _refuse_unsendable(spec, feed)
         shipped = ship_model(model, sample, forward, prefer=_transport(spec, forward, where.ray_address))
     plan = RunPlan(
         model=shipped.driver, source=shipped.source, weights=shipped.weights, label=f"model {type(model).__name__}",
@@ -325,25 +326,36 @@ def _dtype_advice(model: Any, sample: Any, forward: Forward | None) -> SpecError
     )
 
 
+def _sent_parts(spec: DatasetSpec | LoaderSpec, forward: Forward | None) -> list[tuple[str, Any]]:
+    """What goes to the ranks beside the model, by the option that gives it: ``forward``,
+    and a DataLoader's dataset and collate_fn (its batches read on the driver are tensors)."""
+    parts: list[tuple[str, Any]] = [("forward", forward)]
+    if isinstance(spec, LoaderSpec) and spec.kind == "loader":
+        parts += [("data", spec.dataset), ("data", spec.collate_fn)]
+    return parts
+
+
+def _refuse_unsendable(spec: DatasetSpec | LoaderSpec, forward: Forward | None) -> None:
+    """Refuse, before any rank starts, what cannot be pickled for the ranks (docs/python.md):
+    the model is checked where it is shipped (``ship_model``)."""
+    for name, value in _sent_parts(spec, forward):
+        problem = pickle_problem(value)
+        if problem is not None:
+            raise cannot_send(name, problem)
+
+
 def _not_picklable(
     shipped: ShippedModel, spec: DatasetSpec | LoaderSpec, forward: Forward | None, exc: TypeError
 ) -> SpecError:
-    """Which of what goes to the ranks cannot be pickled, named in one line."""
-    from ray import cloudpickle
-
-    parts: list[tuple[str, Any]] = [("model", shipped.weights), ("forward", forward)]
-    if isinstance(spec, LoaderSpec):
-        parts += [("data", spec.dataset), ("data", spec.collate_fn), ("data", spec.batches)]
+    """Which of what went to the ranks could not be pickled after all, named in one line
+    (what Ray failed on that the checks before the start did not see: the driver's batches)."""
+    parts: list[tuple[str, Any]] = [("model", shipped.weights), *_sent_parts(spec, forward)]
+    if isinstance(spec, LoaderSpec) and spec.kind == "batches":
+        parts.append(("data", spec.batches))
     for name, value in parts:
-        try:
-            cloudpickle.dumps(value)
-        except Exception as problem:  # noqa: BLE001 - any pickling failure is the answer
-            what = {"model": "the model", "forward": "forward", "data": "the dataset (or its collate_fn)"}[name]
-            return SpecError(
-                f"{what} cannot be sent to the Ray workers: {type(problem).__name__}: {first_line(problem)} "
-                "(it must pickle: see docs/python.md)",
-                field=name,
-            )
+        problem = pickle_problem(value)
+        if problem is not None:
+            return cannot_send(name, problem)
     return SpecError(f"what goes to the Ray workers cannot be pickled: {first_line(exc)}", field="data")
 
 

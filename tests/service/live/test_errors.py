@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import bnrecal
+from bnrecal.workers.ranks.gangs.pool import Gang
 from tests.nets import mixed_net, no_norm_net, perturbed
 from tests.service.live.guest import snapshot
 from tests.service.live.helpers import state
@@ -88,6 +89,7 @@ def test_bad_options_name_their_field(model, data, options, field):
     assert caught.value.field == field and "\n" not in str(caught.value)
 
 
+@pytest.mark.usefixtures("warm_live")  # a failed call's ranks are killed, not kept: the pool lends, never gets back
 def test_a_forward_that_fails_on_a_rank_fails_the_call_with_its_line(model):
     live = copy.deepcopy(model)
 
@@ -116,7 +118,10 @@ class Locked(torch.utils.data.Dataset):
         return self.x[index]
 
 
-def test_what_cannot_be_pickled_is_named(model):
+def test_what_cannot_be_pickled_is_named_before_any_worker_starts(model, monkeypatch):
+    started = []
+    real_start = Gang.start.__func__
+    monkeypatch.setattr(Gang, "start", classmethod(lambda cls, *a, **k: started.append(a) or real_start(cls, *a, **k)))
     message = refused(bnrecal.SpecError, model, DataLoader(Locked(), batch_size=4), workers=2)
     assert message.startswith(
         "the dataset (or its collate_fn) cannot be sent to the Ray workers: TypeError: cannot pickle"
@@ -125,6 +130,8 @@ def test_what_cannot_be_pickled_is_named(model):
     locked.lock = threading.Lock()
     message = refused(bnrecal.SpecError, locked, [samples()], forward=lambda net, batch: net(batch), workers=2)
     assert message.startswith("the model cannot be sent to the Ray workers: TypeError: cannot pickle")
+    assert started == []  # no rank gang was started for either
+    monkeypatch.undo()
     before = snapshot(locked)  # one worker in this process sends nothing: the model runs itself, put back after
     report = bnrecal.recalibrate(locked, [samples()], forward=lambda net, batch: net(batch), progress=False)
     assert report["backend"] == "in-process" and "does not deep-copy" in report["model"]["notes"][0]
