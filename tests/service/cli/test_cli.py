@@ -35,7 +35,7 @@ def artifacts(tmp_path: Path) -> dict[str, Path]:
     }
 
 
-@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.usefixtures("ray_cluster", "cli_warm_ranks")
 def test_calibrate_writes_checkpoint_and_report(artifacts, tmp_path, capsys):
     out, report = tmp_path / "out.pt", tmp_path / "report.json"
     code, _, err = run_cli(

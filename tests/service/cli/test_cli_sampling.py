@@ -57,7 +57,7 @@ def test_bad_sampling_flags_are_one_line_and_exit_2(files, tmp_path, capsys, fla
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.usefixtures("ray_cluster", "cli_warm_ranks")
 def test_auto_says_where_the_statistics_converged(files, tmp_path, capsys):
     code, err = calibrate(capsys, files, tmp_path, "--max-samples", "auto", "--tolerance", "0.1", "-b", "16", "-k", "2")
     assert code == 0, err

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from bnrecal.workers.models.checkpoints import load_checkpoint, load_into_model
+from bnrecal.workers.ranks.gangs.warm_context import warm_ranks
 
 from bnrecal.service.run.recalibrate import RecalibrationRequest, recalibrate
 
@@ -139,7 +140,7 @@ def write_image_classes(folder: Path, count: int) -> list[int]:
     return labels
 
 
-def test_cli_prints_before_and_after_and_the_html_report_shows_them(stale, tmp_path, capsys, monkeypatch):
+def test_cli_prints_before_and_after_and_the_html_report_shows_them(stale, tmp_path, capsys, monkeypatch, warm_pool):
     monkeypatch.setenv("BNRECAL_MODEL_MODULES", "tests")
     images = tmp_path / "eval-images"
     labels = write_image_classes(images, 16)
@@ -147,12 +148,13 @@ def test_cli_prints_before_and_after_and_the_html_report_shows_them(stale, tmp_p
     calibration.mkdir()
     for index, sample in enumerate(np.random.default_rng(2).integers(0, 255, (12, 8, 8, 3), dtype=np.uint8)):
         Image.fromarray(sample).save(calibration / f"{index:02d}.png")
-    code, _, err = run_cli(
-        capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--checkpoint", str(stale["checkpoint"]),
-        "--data", str(calibration), "--eval-data", str(images), "--transform", '{"resize": 8, "crop": 8}',
-        "--workers", "2", "--batch-size", "8", "--out", str(tmp_path / "out.pt"),
-        "--report", str(tmp_path / "report.json"), "--report-html", str(tmp_path / "report.html"),
-    )
+    with warm_ranks(warm_pool):  # the command takes the run's warm ranks, as in tests/service/cli
+        code, _, err = run_cli(
+            capsys, "calibrate", "--arch", "tests.nets:classifier_net", "--checkpoint", str(stale["checkpoint"]),
+            "--data", str(calibration), "--eval-data", str(images), "--transform", '{"resize": 8, "crop": 8}',
+            "--workers", "2", "--batch-size", "8", "--out", str(tmp_path / "out.pt"),
+            "--report", str(tmp_path / "report.json"), "--report-html", str(tmp_path / "report.html"),
+        )
     assert code == 0, err
     import json
 
