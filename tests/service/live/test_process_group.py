@@ -127,8 +127,12 @@ def _rank(rank: int, world: int, port: int, out: str, sizes: tuple[int, ...], ca
         except Exception as error:  # noqa: BLE001 - what each rank raised is the result
             results[case] = {"error": f"{type(error).__name__}: {error}"}
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    if "dies mid-pass on rank 1" not in cases:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
+    if "dies mid-pass on rank 1" in cases:
+        # After a peer closed its connection mid-collective, torch's gloo may abort this process at
+        # interpreter teardown ("terminate called without an active exception", any rank, about one
+        # run in six, after every rank has written its results): leave without running C++ teardown.
+        os._exit(0)
 
 
 def run_group(tmp_path: Path, sizes: tuple[int, ...], cases: tuple[str, ...]) -> list[dict[str, Any]]:
