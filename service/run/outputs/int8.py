@@ -14,6 +14,7 @@ INT8 file is one of its later phases (``service.run.outputs.later_phases``).
 
 from __future__ import annotations
 
+import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,10 +144,11 @@ def quantize_export(
         phase("evaluating INT8")
         model = _evaluate(section, fp32.measured, model, prepared, data, options, reasons, passes, alike, output)
     samples = verify.detach().cpu().to(torch.float32).numpy()[:VERIFY_SAMPLES]
+    latency = file_latency(passes, fp32_model, model, samples[:1])  # before the checks, which use every core
     checks = passes.call(check_file, model, fp32_model, samples, prepared, reasons, options)
     section = section.model_copy(update={
         **vars(checks.checked), "verified_batches": [1, len(samples)], **vars(checks.summary),
-        "bytes": len(model), "fp32_bytes": len(fp32_model), "latency_ms": checks.latency, "written": True,
+        "bytes": len(model), "fp32_bytes": len(fp32_model), "latency_ms": latency, "written": True,
     })
     if section.saturates and options.max_top1_drop is not None:
         failure = (f"int8.max_top1_drop: the INT8 file saturates in {' and '.join(section.saturates)} on this CPU "
@@ -168,23 +170,48 @@ def quantize(prepared: PreparedModel, found: ModelResult, options: Int8Options,
 
 @dataclass(frozen=True)
 class FileChecks:
-    """An INT8 file's checks against its FP32 export (both runtimes), what its graph holds,
-    and both files' latency at batch 1."""
+    """An INT8 file's checks against its FP32 export (both runtimes) and what its graph holds."""
 
     checked: Int8Checks
     summary: GraphSummary
-    latency: Latency
 
 
 def check_file(model: bytes, fp32_model: bytes, samples: np.ndarray, prepared: PreparedModel,
                reasons: dict[str, str], options: Int8Options) -> FileChecks:
     """The INT8 file ``model`` checked on the first and all of ``samples`` against the FP32
-    export, its graph summed up, and both timed on one sample, as a deployed model answers
-    one request: run where the passes run, like the quantizer."""
-    checked = check_int8(model, fp32_model, [samples[:1], samples])
-    one = samples[:1]
-    return FileChecks(checked, graph_summary(model, prepared, reasons, options),
-                      Latency(batch=1, fp32=latency_ms(fp32_model, one), int8=latency_ms(model, one)))
+    export, and its graph summed up: run where the passes run, like the quantizer."""
+    return FileChecks(check_int8(model, fp32_model, [samples[:1], samples]),
+                      graph_summary(model, prepared, reasons, options))
+
+
+@dataclass(frozen=True)
+class TimedFile:
+    """One file's median latency (milliseconds) and the machine it was measured on."""
+
+    ms: float
+    machine: str
+
+
+def time_file(model: bytes, sample: np.ndarray) -> TimedFile:
+    """``latency_ms`` of ``model`` on ``sample`` and the machine it ran on: run where the passes run."""
+    return TimedFile(latency_ms(model, sample), socket.gethostname())
+
+
+def time_files(models: Sequence[bytes], sample: np.ndarray) -> list[TimedFile]:
+    """``time_file`` of each of ``models``, one after the other in this process."""
+    return [time_file(model, sample) for model in models]
+
+
+def file_latency(passes: OnnxPasses, fp32_model: bytes, model: bytes, sample: np.ndarray) -> Latency:
+    """Both files' latency on one sample, as a deployed model answers one request (docs/int8.md,
+    "Checks and the report's `int8` section"): side by side on two ranks where the run has
+    them, each on one intra-op thread (a single-threaded neighbour leaves a median as it is
+    alone, a multi-threaded one doubles it: so nothing else runs meanwhile); one after the
+    other on one rank where those two ranks are on different machines, whose CPUs may differ."""
+    fp32, int8 = passes.map(time_file, [(fp32_model, sample), (model, sample)])
+    if fp32.machine != int8.machine:
+        fp32, int8 = passes.call(time_files, [fp32_model, model], sample)
+    return Latency(batch=1, fp32=fp32.ms, int8=int8.ms)
 
 
 def _float32_pass(

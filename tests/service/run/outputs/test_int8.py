@@ -5,6 +5,7 @@ file and its section are byte for byte those of the same export in one process."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -56,6 +57,47 @@ def test_the_quantizer_runs_on_the_ranks_and_writes_the_same_file(tmp_path, warm
     assert there.model == here.model
     assert there.section.model_dump(exclude=WHERE) == here.section.model_dump(exclude=WHERE)
     assert (there.section.world_size, there.section.collectives) == (2, [2, 2]) and passes.work_seconds > 0
+    assert there.section.latency_ms.batch == 1 and min(there.section.latency_ms.fp32, there.section.latency_ms.int8) > 0
+
+
+class _Recording(InProcessPasses):
+    """This process's passes, keeping in ``ran`` the work each map ran and its calls."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.ran: list[tuple[str, int]] = []
+
+    def _map(self, work, calls):
+        self.ran.append((work.__name__, len(calls)))
+        return super()._map(work, calls)
+
+
+class _TwoMachines(_Recording):
+    """Answers each file's timing as from its own machine, as two ranks on two machines would."""
+
+    def _map(self, work, calls):
+        results = super()._map(work, calls)
+        if work is int8.time_file:
+            results = [dataclasses.replace(timed, machine=f"node-{i}") for i, timed in enumerate(results)]
+        return results
+
+
+def test_files_timed_on_two_machines_are_timed_again_on_one(tmp_path):
+    """Side by side the two latencies come from two ranks: where those ranks' machines differ
+    (their CPUs may), both files are timed again one after the other on one rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten()).eval()
+    samples = torch.randn(8, 3, 6, 6)
+    fp32 = fp32_export(model, samples, tmp_path / "fp32.onnx")
+    passes = _TwoMachines(array_dataset(tmp_path / "x.npy", samples), 4)
+
+    latency = int8.file_latency(passes, fp32, fp32, samples[:1].numpy())
+
+    assert passes.ran == [("time_file", 2), ("time_files", 1)]
+    assert latency.batch == 1 and latency.fp32 > 0 and latency.int8 > 0
+    one_machine = _Recording(array_dataset(tmp_path / "y.npy", samples), 4)
+    int8.file_latency(one_machine, fp32, fp32, samples[:1].numpy())
+    assert one_machine.ran == [("time_file", 2)]
 
 
 def dies_once(marker: str) -> int:
