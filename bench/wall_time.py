@@ -14,6 +14,11 @@ Python process timed from start to exit (importing torch included), as a user ru
   timed inside the process: what K=2 pays over K=1 before the ranks build the model (a
   pickled torchvision model makes each rank import torchvision too, ~1.3 s more).
 
+Children run with Python's bytecode cache, as a user's install has it (pip compiles a wheel's
+modules as it installs them, an editable checkout writes them on its first import): a shell
+with ``PYTHONDONTWRITEBYTECODE`` set would compile bnrecal's hundred modules in every process
+(0.08-0.1 s here) but not torch's, which pip compiled.
+
 Every round runs every command once, in turn, so that each command's time can be paired
 with the baseline's of the same round: the ratios are the median over rounds of command /
 update_bn of that round, less moved by a machine that others share than the times
@@ -120,6 +125,7 @@ def commands(folder: Path, checkpoint: Path, data: Path) -> dict[str, list[str]]
 def timed(command: list[str]) -> tuple[float, str]:
     """Wall seconds of one fresh process (which must succeed), and its stdout."""
     environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
+    environment.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as an install has it
     environment["PYTHONPATH"] = str(ROOT)
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)

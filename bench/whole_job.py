@@ -70,6 +70,7 @@ def prepare(folder: Path, photos: int) -> tuple[Path, Path]:
 def run(command: list[str]) -> float:
     """Wall seconds of one fresh process, which must succeed."""
     environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
+    environment.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as an install has it
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
     seconds = time.perf_counter() - started
