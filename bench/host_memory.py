@@ -24,13 +24,15 @@ from pathlib import Path
 
 import psutil
 
+from fresh_process import user_environment  # bench/fresh_process.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def peak_rss(command: list[str]) -> tuple[float, float]:
     """Peak resident MiB of the command's own process, and its wall seconds; it must succeed."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
+    environment = user_environment()
     started = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
     process, peak = psutil.Process(child.pid), [0]

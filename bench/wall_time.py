@@ -14,10 +14,8 @@ Python process timed from start to exit (importing torch included), as a user ru
   timed inside the process: what K=2 pays over K=1 before the ranks build the model (a
   pickled torchvision model makes each rank import torchvision too, ~1.3 s more).
 
-Children run with Python's bytecode cache, as a user's install has it (pip compiles a wheel's
-modules as it installs them, an editable checkout writes them on its first import): a shell
-with ``PYTHONDONTWRITEBYTECODE`` set would compile bnrecal's hundred modules in every process
-(0.08-0.1 s here) but not torch's, which pip compiled.
+Children run in a user's environment (``fresh_process.user_environment``): no Ray address of
+this shell's, and Python's bytecode cache on, as an install has it.
 
 Every round runs every command once, in turn, so that each command's time can be paired
 with the baseline's of the same round: the ratios are the median over rounds of command /
@@ -47,6 +45,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from fresh_process import user_environment  # bench/fresh_process.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
@@ -124,8 +124,7 @@ def commands(folder: Path, checkpoint: Path, data: Path) -> dict[str, list[str]]
 
 def timed(command: list[str]) -> tuple[float, str]:
     """Wall seconds of one fresh process (which must succeed), and its stdout."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
-    environment.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as an install has it
+    environment = user_environment()
     environment["PYTHONPATH"] = str(ROOT)
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment)

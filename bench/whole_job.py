@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fresh_process import user_environment  # bench/fresh_process.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFORM = '{"resize": 256, "crop": 224}'
 BATCH = 32
@@ -69,8 +71,7 @@ def prepare(folder: Path, photos: int) -> tuple[Path, Path]:
 
 def run(command: list[str]) -> float:
     """Wall seconds of one fresh process, which must succeed."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "BNRECAL_RAY_ADDRESS")}
-    environment.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as an install has it
+    environment = user_environment()
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
     seconds = time.perf_counter() - started

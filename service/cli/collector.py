@@ -14,7 +14,8 @@ the process, so no later collection walks it). The cyclic garbage start-up left 
 it, a bounded cost paid once: about 10k objects for a torchvision model's job, where one
 collection to free them would take 0.24 s back. Every other command resumes it before it
 does anything (``main``'s callback). ``main`` called from Python (tests, a user's script)
-never pauses it, and the Python API never touches it: a user's process is not ours.
+never pauses it, and the Python API holds it off only while a public name's first use imports
+its modules (``workers.lazy``), leaving it on or off as it was: a user's process is not ours.
 """
 
 from __future__ import annotations
