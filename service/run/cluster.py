@@ -94,6 +94,7 @@ def _start_embedded(num_cpus: float) -> None:
                     log_to_driver=False,
                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
                 )
+            _stop_log_monitor()
             return
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a start that timed out
             if _START_TIMED_OUT not in str(exc):
@@ -194,6 +195,23 @@ def shutdown_embedded() -> None:
     _caller_auth_env = None
     Config.initialize("")  # this process's cached Ray config re-read from the environment
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _stop_log_monitor() -> None:
+    """Stop the embedded instance's log monitor as soon as it has started.
+
+    Ray's log monitor tails every worker's log file, ten times a second, to forward their
+    lines to drivers; this instance's only driver is this process, which asks for none
+    (``log_to_driver=False``: a rank's output would interleave with a command's own). Its
+    polling grows with the files of every worker the instance ever started: a server's
+    instance, up for hours, kept most of a core's tenth busy for nothing. Ray's own ``ray
+    start --include-log-monitor=False`` leaves it out; ``ray.init`` has no such option, so
+    it is stopped once started (it holds no state; Ray's errors still reach this process,
+    over their own channel).
+    """
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and node.is_head():
+        node.kill_log_monitor(check_alive=False)
 
 
 def _stop_monitor() -> None:

@@ -223,9 +223,10 @@ worker = ray.get(holder.pid.remote())
 token = AuthenticationTokenLoader.instance().get_raw_token()
 node = ray._private.worker._global_node
 monitor = [info.process.pid for info in node.all_processes[ray_constants.PROCESS_TYPE_MONITOR]]
+log_monitors = [pid for pid in holders_of(token) if b"log_monitor.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 shutdown_embedded()
 left = holders_of(token)
-print(json.dumps({"monitor": monitor, "worker": worker, "left": left}))
+print(json.dumps({"monitor": monitor, "worker": worker, "left": left, "log_monitors": log_monitors}))
 """
 
 
@@ -241,10 +242,12 @@ def run_child(script: str, home: Path, timeout_s: float) -> tuple[dict[str, Any]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-def test_shutdown_leaves_no_process_of_the_embedded_instance(tmp_path):
-    """shutdown_embedded stops every process of the instance it started, the autoscaler
+def test_the_embedded_instance_runs_no_log_monitor_and_shutdown_leaves_no_process(tmp_path):
+    """The instance runs without Ray's log monitor (its driver takes no worker logs), and
+    shutdown_embedded stops every process of the instance it started, the autoscaler
     monitor (killed first: it ignores SIGTERM) and the rank-like worker included."""
     found, _ = run_child(SHUTDOWN_CHILD, tmp_path, timeout_s=120)
+    assert found["log_monitors"] == []
     assert len(found["monitor"]) == 1
     assert found["left"] == []
     assert not any(alive(pid) for pid in (*found["monitor"], found["worker"]))
