@@ -1,7 +1,7 @@
 """A real MLflow tracking server for the tests: ``mlflow server`` from the full ``mlflow``
 package, in the venv of its own the Makefile's ``test`` target makes (``.venv-mlflow``: it
 pins pyarrow below the project's), with a SQLite backend and served artifacts under a
-temporary folder, on a free loopback port; stopped at the end."""
+temporary folder, on a free loopback port, without its job runner; stopped at the end."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def mlflow_server() -> Iterator[str]:
              "--artifacts-destination", f"{folder}/artifacts", "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")},
+            # No job runner: MLflow's server starts seven huey consumers for its GenAI jobs, each
+            # importing mlflow (about 2.5 CPU-minutes of the suite's run); tracking needs none.
+            env={key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")}
+            | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         uri = f"http://127.0.0.1:{port}"
         try:
