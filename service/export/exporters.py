@@ -14,11 +14,14 @@ fallback where that fails, and the only path for opsets below 18.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -48,19 +51,60 @@ def output_names(count: int) -> list[str]:
 def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, opset: int, dynamic_batch: bool,
                    n_outputs: int) -> ir.Model:
     dynamic_shapes = ({0: torch.export.Dim(BATCH_AXIS)},) if dynamic_batch else None
-    program = torch.onnx.export(
-        model,
-        (example,),
-        dynamo=True,
-        optimize=False,
-        external_data=False,
-        opset_version=opset,
-        dynamic_shapes=dynamic_shapes,
-        input_names=[INPUT_NAME],
-        output_names=output_names(n_outputs),
-        verbose=False,
-    )
+    options: dict[str, Any] = {"optimize": False, "opset_version": opset, "input_names": [INPUT_NAME],
+                               "output_names": output_names(n_outputs), "verbose": False}
+    entry = _dynamo_entry()
+    if entry is None:
+        program = torch.onnx.export(model, (example,), dynamo=True, external_data=False,
+                                    dynamic_shapes=dynamic_shapes, **options)
+    else:  # what torch.onnx.export does, with the translation table built once (torchlib_registry)
+        shapes, named_axes = entry.dynamic_shapes.convert_str_to_export_dim(dynamic_shapes)
+        program = entry.core.export(model, (example,), None, registry=torchlib_registry(opset),
+                                    dynamic_shapes=shapes, **options)
+        if named_axes and dynamic_shapes is not None:  # the batch axis called "batch", not torch's "s77"
+            program._rename_dynamic_axes(dynamic_shapes)
     return program.model
+
+
+@dataclass(frozen=True)
+class _DynamoEntry:
+    """The modules behind ``torch.onnx.export(dynamo=True)`` that take a prebuilt registry."""
+
+    core: Any
+    registration: Any
+    constants: Any
+    dynamic_shapes: Any
+
+
+@functools.cache
+def _dynamo_entry() -> _DynamoEntry | None:
+    """The dynamo exporter's own entry (``_core.export``, which takes a registry) and what
+    ``torch.onnx.export`` calls around it, where this torch has them as torch 2.14 does;
+    None where it does not (the public call is used then)."""
+    try:
+        from torch.onnx._internal.exporter import _constants, _core, _dynamic_shapes, _onnx_program, _registration
+    except ImportError:
+        return None
+    takes = set(inspect.signature(_core.export).parameters)
+    if not ({"registry", "opset_version", "optimize", "dynamic_shapes"} <= takes
+            and hasattr(_dynamic_shapes, "convert_str_to_export_dim")
+            and hasattr(_onnx_program.ONNXProgram, "_rename_dynamic_axes")
+            and hasattr(_registration.ONNXRegistry, "from_torchlib") and hasattr(_constants, "TORCHLIB_OPSET")):
+        return None
+    return _DynamoEntry(_core, _registration, _constants, _dynamic_shapes)
+
+
+@functools.cache
+def torchlib_registry(opset: int) -> Any:
+    """torch's table of ATen-to-ONNX translations for a dynamo export at ``opset``, built
+    once a process: ``torch.onnx.export`` builds it anew for every call (0.3-0.5 s of Python
+    on this project's machines, the same table each time). The exporter only reads it, and
+    exports run one at a time (``MODEL_TRACING``)."""
+    entry = _dynamo_entry()
+    if entry is None:
+        raise RuntimeError("this torch's dynamo exporter takes no prebuilt registry")
+    # As torch.onnx.export does: an opset below torchlib's own is translated at torchlib's, then converted.
+    return entry.registration.ONNXRegistry().from_torchlib(opset_version=max(opset, entry.constants.TORCHLIB_OPSET))
 
 
 def _export_torchscript(model: torch.nn.Module, example: torch.Tensor, opset: int, dynamic_batch: bool,
