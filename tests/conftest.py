@@ -41,8 +41,11 @@ FREE_CPUS_AT_MODULE_START = 4
 """Logical CPUs of the test run's Ray (8) that a module using the warm pool starts with free:
 the pool keeps the gangs of earlier modules within the rest (oldest evicted first), so a
 module's own actors (the zoo's ranks, a test's gang of 4) are placed at once beside them. A
-module that does not use the pool starts with none of its gangs held: its servers' jobs are
-placed at once, not after the pool hears them wait (``WarmPool.give_way``, within a second)."""
+module that uses the test run's Ray but not the pool starts with none of its gangs held: its
+servers' jobs are placed at once, not after the pool hears them wait (``WarmPool.give_way``,
+within a second). A module that does not use the test run's Ray leaves the pool as it is, so
+the next module that uses it finds its gangs still warm (a job of this process that needs
+their CPUs evicts them at once)."""
 
 
 @pytest.fixture(scope="session")
@@ -63,15 +66,19 @@ def warm_pool(ray_cluster: None) -> Iterator[Any]:
 @pytest.fixture(scope="module", autouse=True)
 def _room_beside_the_warm_pool(request: pytest.FixtureRequest) -> None:
     """Each module that uses the warm pool starts with ``FREE_CPUS_AT_MODULE_START`` CPUs that
-    no idle warm gang holds; any other module, or one marked ``fresh_ranks`` (about starting,
-    losing or killing ranks, or the cluster's free CPUs), with none held."""
+    no idle warm gang holds; any other module that uses the test run's Ray, or one marked
+    ``fresh_ranks`` (about starting, losing or killing ranks, or the cluster's free CPUs), with
+    none held; a module that does not use the test run's Ray leaves the pool as it is."""
     import ray
 
     if not _SESSION_POOLS or not ray.is_initialized():
         return
     items = [item for item in request.session.items if item.getparent(pytest.Module) is request.node]
     uses_pool = any("warm_pool" in getattr(item, "fixturenames", ()) for item in items)
+    uses_ray = any("ray_cluster" in getattr(item, "fixturenames", ()) for item in items)
     fresh = request.node.get_closest_marker("fresh_ranks") is not None
+    if not (uses_ray or fresh):
+        return
     need = FREE_CPUS_AT_MODULE_START if uses_pool and not fresh else math.inf
     for pool in _SESSION_POOLS:
         pool.evict_for({"CPU": need})
