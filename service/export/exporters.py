@@ -21,7 +21,8 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, TypedDict
 
 import onnx_ir as ir
 import torch
@@ -51,8 +52,8 @@ def output_names(count: int) -> list[str]:
 def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, opset: int, dynamic_batch: bool,
                    n_outputs: int) -> ir.Model:
     dynamic_shapes = ({0: torch.export.Dim(BATCH_AXIS)},) if dynamic_batch else None
-    options: dict[str, Any] = {"optimize": False, "opset_version": opset, "input_names": [INPUT_NAME],
-                               "output_names": output_names(n_outputs), "verbose": False}
+    options = _DynamoOptions(optimize=False, opset_version=opset, input_names=[INPUT_NAME],
+                             output_names=output_names(n_outputs), verbose=False)
     entry = _dynamo_entry()
     if entry is None:
         program = torch.onnx.export(model, (example,), dynamo=True, external_data=False,
@@ -66,14 +67,24 @@ def _export_dynamo(model: torch.nn.Module, example: torch.Tensor, opset: int, dy
     return program.model
 
 
+class _DynamoOptions(TypedDict):
+    """The options both dynamo calls (the public one and its own entry) take alike."""
+
+    optimize: bool
+    opset_version: int
+    input_names: list[str]
+    output_names: list[str]
+    verbose: bool
+
+
 @dataclass(frozen=True)
 class _DynamoEntry:
     """The modules behind ``torch.onnx.export(dynamo=True)`` that take a prebuilt registry."""
 
-    core: Any
-    registration: Any
-    constants: Any
-    dynamic_shapes: Any
+    core: ModuleType
+    registration: ModuleType
+    constants: ModuleType
+    dynamic_shapes: ModuleType
 
 
 @functools.cache
